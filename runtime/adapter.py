@@ -1,0 +1,137 @@
+"""PEFT LoRA directory -> the engine's LoRA inputs, checked before any inference.
+
+Every problem is collected and reported at once. The result is a dict keyed by the
+interface's input names (``lora_A.{layer}.{module}`` (r_max, in), ``lora_B...`` (out, r_max),
+``lora_scale...`` (1,)), float32 numpy arrays ready to feed any backend.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from runtime.interface import EngineInterface
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PROVENANCE = "provenance.json"
+
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (an adapter name may sit before .weight)
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+class AdapterError(ValueError):
+    """An adapter the engine must not run; the message lists every problem found."""
+
+
+def zero_lora_inputs(iface: EngineInterface) -> dict[str, np.ndarray]:
+    """All-zero LoRA inputs: the engine then computes exactly the base model."""
+    inputs = {}
+    for spec in iface.inputs:
+        if spec.name.startswith("lora_"):
+            inputs[spec.name] = np.zeros(spec.shape, dtype=np.float32)
+    return inputs
+
+
+def check_provenance(adapter_dir: Path, iface: EngineInterface) -> list[str]:
+    path = Path(adapter_dir) / PROVENANCE
+    if not path.exists():
+        return [f"{path} is missing: cannot prove which backbone the adapter was trained on"]
+    prov = json.loads(path.read_text())
+    problems = []
+    base = prov.get("base_model_hash")
+    if base != iface.backbone_hash:
+        problems.append(
+            f"adapter was made for backbone {str(base)[:12]} but the engine runs backbone {iface.backbone_hash[:12]}"
+        )
+    claimed = prov.get("engine_interface_hash")
+    if claimed is not None and claimed != iface.interface_hash:
+        problems.append(
+            f"adapter records engine interface {claimed[:12]} but the engine has {iface.interface_hash[:12]}"
+        )
+    return problems
+
+
+def load_adapter(adapter_dir: str | Path, iface: EngineInterface, require_provenance: bool = True) -> dict[str, np.ndarray]:
+    """Read and validate a PEFT LoRA adapter; return the engine LoRA inputs or raise AdapterError."""
+    adapter_dir = Path(adapter_dir)
+    problems: list[str] = []
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (adapter_dir / name).exists():
+            problems.append(f"{adapter_dir / name} is missing")
+    if problems:
+        raise AdapterError(f"{adapter_dir}: " + "; ".join(problems))
+    if require_provenance:
+        problems += check_provenance(adapter_dir, iface)
+
+    cfg = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    if cfg.get("peft_type", "LORA") != "LORA":
+        problems.append(f"peft_type {cfg.get('peft_type')!r} is not LORA")
+    if cfg.get("use_dora"):
+        problems.append("DoRA adapters are not supported by the engine")
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        problems.append("per-module rank_pattern/alpha_pattern is not supported")
+    if cfg.get("bias", "none") != "none":
+        problems.append(f"bias={cfg.get('bias')!r}: the engine has no inputs for trained biases")
+    if cfg.get("modules_to_save"):
+        problems.append(f"modules_to_save {cfg['modules_to_save']} would change base weights")
+    r = int(cfg.get("r", 0))
+    if r > iface.max_rank:
+        problems.append(f"rank {r} exceeds the engine's max rank {iface.max_rank}")
+    targets = cfg.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    outside = sorted(set(targets) - set(iface.target_modules))
+    if outside:
+        problems.append(f"target modules {outside} are not LoRA inputs of the engine {list(iface.target_modules)}")
+    alpha = float(cfg.get("lora_alpha", r))
+    scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / max(r, 1)
+
+    tensors = load_file(adapter_dir / ADAPTER_WEIGHTS)
+    inputs = zero_lora_inputs(iface)
+    seen: dict[tuple[int, str], set] = {}
+    for key, value in sorted(tensors.items()):
+        m = _KEY.search(key)
+        if m is None:
+            problems.append(f"tensor {key!r} is not a LoRA A/B weight of a decoder layer")
+            continue
+        layer, module, kind = int(m.group(1)), m.group(2), m.group(3)
+        if module not in iface.target_modules:
+            if module not in outside:
+                problems.append(f"tensor {key!r}: module {module} is not a LoRA input of the engine")
+            continue
+        if layer >= iface.num_layers:
+            problems.append(f"tensor {key!r}: layer {layer} but the backbone has {iface.num_layers} layers")
+            continue
+        fan_in, fan_out = iface.module_shapes[module]
+        rank = value.shape[0] if kind == "A" else value.shape[-1]
+        expected = (rank, fan_in) if kind == "A" else (fan_out, rank)
+        if value.ndim != 2 or tuple(value.shape) != expected:
+            problems.append(f"tensor {key!r} has shape {tuple(value.shape)}, expected {expected}")
+            continue
+        if rank > iface.max_rank:
+            problems.append(f"tensor {key!r} has rank {rank} above the engine's max rank {iface.max_rank}")
+            continue
+        if not np.isfinite(value).all():
+            problems.append(f"tensor {key!r} has non-finite values")
+            continue
+        value = value.astype(np.float32)
+        name = f"lora_{kind}.{layer}.{module}"
+        if kind == "A":
+            inputs[name][:rank, :] = value  # rows beyond the rank stay zero: zero-padding is exact
+        else:
+            inputs[name][:, :rank] = value
+        inputs[f"lora_scale.{layer}.{module}"][:] = scale
+        seen.setdefault((layer, module), set()).add(kind)
+    for (layer, module), kinds in sorted(seen.items()):
+        if kinds != {"A", "B"}:
+            problems.append(f"layer {layer} {module}: has lora_{''.join(sorted(kinds))} but not both A and B")
+    if not seen and not problems:
+        problems.append("adapter holds no LoRA weights")
+    if problems:
+        raise AdapterError(f"{adapter_dir}: refused before inference:\n  - " + "\n  - ".join(problems))
+    return inputs

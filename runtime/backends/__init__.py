@@ -1,0 +1,1 @@
+"""Engine backends: ONNX Runtime (CPU), TensorRT (NVIDIA GPU), eager PyTorch (reference)."""

@@ -1,0 +1,191 @@
+"""The backbone: build and pre-train the embedded default, or load a user's own.
+
+The embedded default is a tiny Qwen2 (grouped-query attention, 4 layers) with a byte-level
+BPE tokenizer trained on the inspection records, pre-trained on the rule book in force in
+``base_model.trained_through``. It is saved as a standard Hugging Face directory, so the
+same loader takes a user's local Qwen2 or Llama checkpoint (for example Qwen2-0.5B).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+from tasks.artifacts import atomic_output_dir, write_json
+from tasks.config import BaseModelConfig, ConfigError, DataConfig, ReleaseConfig, TrainConfig, load_config
+from tasks.data import DataError, Example, rulebook, sample_examples
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+EOS_TOKEN = "<|endoftext|>"
+CARD = "base_model_card.json"
+
+
+class BaseModelError(ValueError):
+    """A base-model directory that cannot be used; the message names the path."""
+
+
+def check_base_model_dir(path: Path) -> dict:
+    """Validate a Hugging Face directory before loading anything heavy; return its config."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise BaseModelError(f"{path}: not a Hugging Face model directory (no config.json)")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise BaseModelError(f"{config_file}: not valid JSON ({err.msg})") from None
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise BaseModelError(
+            f"{config_file}: model_type {model_type!r} is not supported; "
+            f"expected one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if not any(path.glob("*.safetensors")):
+        raise BaseModelError(f"{path}: no *.safetensors weights (pickled .bin checkpoints are not loaded)")
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        raise BaseModelError(f"{path}: no tokenizer files (tokenizer.json or tokenizer_config.json)")
+    return config
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.eos_token_id is None:
+        raise BaseModelError(f"{path}: tokenizer has no eos token; generation could never stop")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_base_model(path: Path):
+    """Load (model, tokenizer) in fp32 from a local Qwen2 or Llama directory; never from a hub."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    check_base_model_dir(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    model.eval()
+    return model, load_tokenizer(path)
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
+    """Byte-level BPE with digits split one per token, so numbers compare digit by digit."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_base_model(
+    cfg: BaseModelConfig, data_cfg: DataConfig, train_cfg: TrainConfig, out_dir: Path, build_hash: str = ""
+) -> Path:
+    """Train the tokenizer, initialise a Qwen2 and pre-train it on the ``trained_through`` book."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from runtime.hashing import backbone_hash
+    from tasks.training import TrainSettings, train_completions, write_loss_curve
+
+    torch.set_num_threads(train_cfg.threads)
+    book = rulebook(cfg.trained_through, data_cfg.seed, data_cfg.rules_changed_per_month)
+    rng = random.Random(f"{data_cfg.seed}:{cfg.trained_through}:pretrain")
+    examples: list[Example] = sample_examples(book, cfg.pretrain_examples, rng)
+
+    with atomic_output_dir(Path(out_dir)) as tmp:
+        tokenizer = train_tokenizer([ex.prompt + ex.completion for ex in examples], cfg.vocab_size, tmp)
+        torch.manual_seed(cfg.seed)
+        model = Qwen2ForCausalLM(
+            Qwen2Config(
+                vocab_size=len(tokenizer),
+                hidden_size=cfg.hidden_size,
+                num_hidden_layers=cfg.num_layers,
+                num_attention_heads=cfg.num_heads,
+                num_key_value_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim,
+                intermediate_size=cfg.intermediate_size,
+                rope_theta=cfg.rope_theta,
+                max_position_embeddings=512,
+                tie_word_embeddings=True,
+                bos_token_id=tokenizer.eos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        )
+        settings = TrainSettings(
+            steps=cfg.pretrain_steps,
+            batch_size=cfg.pretrain_batch_size,
+            lr=cfg.pretrain_lr,
+            weight_decay=0.01,
+            warmup_steps=min(50, cfg.pretrain_steps // 10),
+            max_seq_len=train_cfg.max_seq_len,
+            seed=cfg.seed,
+        )
+        losses = train_completions(model, tokenizer, examples, settings, desc="pre-train base")
+        model.save_pretrained(tmp)
+        write_loss_curve(losses, tmp / "pretrain_loss.csv", tmp / "pretrain_loss.png", "base model pre-training")
+        write_json(
+            tmp / CARD,
+            {
+                "trained_through": cfg.trained_through,
+                "pretrain_examples": cfg.pretrain_examples,
+                "pretrain_steps": cfg.pretrain_steps,
+                "final_loss": losses[-1],
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "backbone_hash": backbone_hash(tmp),
+                "build_hash": build_hash,
+            },
+        )
+    return Path(out_dir)
+
+
+def prepare_base_model(cfg: ReleaseConfig) -> Path:
+    """The base-model stage: check the user's directory, or build the embedded default.
+
+    The embedded base is built once and reused while every setting it was built from is
+    unchanged (recorded as ``build_hash`` in its card); the monthly adapters depend on it.
+    """
+    path = Path(cfg.base_model.path)
+    if cfg.base_model.source == "local":
+        check_base_model_dir(path)
+        return path
+    card = path / CARD
+    if card.exists() and json.loads(card.read_text()).get("build_hash") == cfg.base_build_hash():
+        print(f"base model at {path} is up to date (build settings unchanged); not rebuilding")
+        return path
+    return build_base_model(cfg.base_model, cfg.data, cfg.train, path, cfg.base_build_hash())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Build (embedded) or check (local) the base model.")
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.params)
+        path = prepare_base_model(cfg)
+    except (ConfigError, DataError, BaseModelError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"base model ready at {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""Compile the backbone once: one ONNX graph whose LoRA weights and KV cache are inputs.
+
+``compile_engine`` writes ``engine/`` (``model.onnx``, ``interface.json``, ``cache_key.json``
+and the ONNX Runtime-optimized ``model.ort-<version>.onnx``) and is keyed by backbone hash + interface
+version + exporter version (+ the requested max rank, target modules and opset, which change
+the interface). A monthly run whose backbone did not change finds the key, exports nothing,
+builds nothing and records ``engine_builds: 0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from tasks.artifacts import atomic_output_dir, write_json
+
+log = logging.getLogger(__name__)
+
+ENGINE_ONNX = "model.onnx"
+CACHE_KEY_FILE = "cache_key.json"
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Sizes used to trace: deliberately not 0 or 1, which torch.export would specialize to constants.
+TRACE_BATCH, TRACE_SEQ, TRACE_PAST = 2, 3, 5
+# Upper bounds of the dynamic axes (also the TensorRT optimization-profile maxima).
+MAX_BATCH, MAX_SEQ, MAX_PAST = 64, 4096, 4096
+
+
+class CompileError(RuntimeError):
+    """An export whose graph does not match the interface it was meant to implement."""
+
+
+def exporter_version() -> dict:
+    import onnx
+    import onnxscript
+    import torch
+
+    return {"torch": torch.__version__, "onnxscript": onnxscript.__version__, "onnx": onnx.__version__}
+
+
+def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], opset: int) -> dict:
+    from runtime.interface import INTERFACE_VERSION
+
+    key = {
+        "backbone_hash": backbone_hash,
+        "interface_version": INTERFACE_VERSION,
+        "exporter": exporter_version(),
+        "max_rank": max_rank,
+        "target_modules": list(target_modules),
+        "opset": opset,
+    }
+    key["key"] = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return key
+
+
+def _example_inputs(model, iface, batch: int, seq: int, past: int):
+    import torch
+
+    cfg = model.cfg
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))  # (B, T)
+    pos = (torch.arange(seq) + past).expand(batch, seq).contiguous()  # (B, T)
+    mask = torch.ones(batch, past + seq, dtype=torch.long)  # (B, S)
+    kv = [torch.randn(batch, cfg.num_kv_heads, past, cfg.head_dim) for _ in range(2 * cfg.num_layers)]
+    shapes = {t.name: t.shape for t in iface.inputs}
+    lora = [torch.randn(*shapes[n]) * 0.05 for n in iface.lora_names]
+    return ids, pos, mask, kv, lora
+
+
+def _name_dynamic_axes(onnx_path: Path, iface) -> None:
+    """Give the exporter's symbolic axes (s23, s70...) the interface's names and check the
+    graph's inputs/outputs against the interface: the contract is verified, not assumed."""
+    import onnx
+
+    model = onnx.load(str(onnx_path))
+    problems = []
+    for graph_values, specs in ((model.graph.input, iface.inputs), (model.graph.output, iface.outputs)):
+        got = [v.name for v in graph_values]
+        if got != [t.name for t in specs]:
+            raise CompileError(f"exported graph I/O {got} differs from the interface {[t.name for t in specs]}")
+        for value, spec in zip(graph_values, specs):
+            dims = value.type.tensor_type.shape.dim
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).name
+            if dtype != spec.dtype or len(dims) != len(spec.shape):
+                problems.append(f"{spec.name}: graph has {dtype} rank {len(dims)}, interface {spec.dtype} {spec.shape}")
+                continue
+            for dim, want in zip(dims, spec.shape):
+                if isinstance(want, str):
+                    dim.dim_param = want
+                elif dim.HasField("dim_value") and dim.dim_value != want:
+                    problems.append(f"{spec.name}: axis is {dim.dim_value}, interface says {want}")
+    if problems:
+        raise CompileError("exported graph breaks the interface: " + "; ".join(problems))
+    onnx.save(model, str(onnx_path))
+
+
+def export_backbone(
+    model_dir: Path,
+    onnx_path: Path,
+    max_rank: int = 8,
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS,
+    opset: int = 18,
+    merged_lora: dict | None = None,
+):
+    """Export the hand-written forward with dynamic batch/seq/past; return its EngineInterface.
+
+    ``target_modules=()`` exports a graph without LoRA inputs; with ``merged_lora`` (engine
+    LoRA inputs as numpy) the adapter is merged into the weights first (the merged baseline).
+    """
+    import torch
+
+    from runtime.hashing import backbone_hash
+    from runtime.interface import build_interface
+    from runtime.model import load_backbone
+
+    merged = None if merged_lora is None else {k: torch.from_numpy(v) for k, v in merged_lora.items()}
+    model = load_backbone(model_dir, tuple(target_modules), merged_lora=merged)
+    iface = build_interface(model.cfg, backbone_hash(model_dir), max_rank, tuple(target_modules))
+    Dim = torch.export.Dim
+    batch = Dim("batch", min=1, max=MAX_BATCH)
+    seq = Dim("seq", min=1, max=MAX_SEQ)
+    past = Dim("past", min=0, max=MAX_PAST)  # 0 = prefill with an empty cache
+    args = _example_inputs(model, iface, TRACE_BATCH, TRACE_SEQ, TRACE_PAST)
+    dynamic_shapes = (
+        {0: batch, 1: seq},
+        {0: batch, 1: seq},
+        {0: batch, 1: Dim.DYNAMIC},  # total = past + seq; torch.export derives the relation
+        [{0: batch, 2: past} for _ in args[3]],
+        [None for _ in args[4]],  # LoRA inputs have fixed shapes: (r_max, in), (out, r_max), (1,)
+    )
+    t0 = time.perf_counter()
+    with torch.no_grad(), warnings.catch_warnings():
+        # The exporter cannot rename axes of nested inputs; _name_dynamic_axes does it below.
+        warnings.filterwarnings("ignore", message=".*dynamic axes will not be renamed")
+        program = torch.onnx.export(
+            model,
+            args,
+            dynamo=True,
+            dynamic_shapes=dynamic_shapes,
+            input_names=iface.input_names,
+            output_names=iface.output_names,
+            opset_version=opset,
+            optimize=True,
+        )
+    big = sum(p.numel() * 4 for p in model.parameters()) > 1.5e9  # protobuf caps one file at 2 GiB
+    program.save(str(onnx_path), external_data=big)
+    _name_dynamic_axes(onnx_path, iface)
+    log.info("exported %s in %.1fs", onnx_path, time.perf_counter() - t0)
+    return iface
+
+
+def compile_engine(
+    model_dir: Path,
+    engine_dir: Path,
+    max_rank: int = 8,
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS,
+    opset: int = 18,
+    ort_threads: int = 2,
+    metrics_path: Path | None = None,
+) -> dict:
+    """Build ``engine_dir`` unless a build for the same key is already there; return metrics.
+
+    The new engine is written into a temporary sibling and renamed into place only when the
+    export, the interface check and the ORT optimization all succeeded.
+    """
+    from runtime.hashing import backbone_hash
+    from runtime.interface import read_interface, write_interface
+
+    model_dir, engine_dir = Path(model_dir), Path(engine_dir)
+    bhash = backbone_hash(model_dir)
+    key = cache_key(bhash, max_rank, tuple(target_modules), opset)
+    key_file = engine_dir / CACHE_KEY_FILE
+    metrics = {"backbone_hash": bhash, "cache_key": key["key"]}
+    if key_file.exists() and json.loads(key_file.read_text()).get("key") == key["key"]:
+        iface = read_interface(engine_dir)
+        log.info("engine cache hit (%s): no export, no build", key["key"][:12])
+        metrics |= {"engine_builds": 0, "cache_hit": True, "export_seconds": 0.0, "interface_hash": iface.interface_hash}
+    else:
+        t0 = time.perf_counter()
+        with atomic_output_dir(engine_dir) as tmp:
+            iface = export_backbone(model_dir, tmp / ENGINE_ONNX, max_rank, tuple(target_modules), opset)
+            write_interface(iface, tmp / "interface.json", exporter=key["exporter"])
+            from runtime.backends.onnxruntime import OrtEngine
+
+            OrtEngine(tmp, threads=ort_threads)  # writes the optimized model next to the graph
+            write_json(tmp / CACHE_KEY_FILE, key)  # last: its presence means "complete"
+        metrics |= {
+            "engine_builds": 1,
+            "cache_hit": False,
+            "export_seconds": round(time.perf_counter() - t0, 2),
+            "interface_hash": iface.interface_hash,
+        }
+        log.info("engine built in %.1fs at %s", metrics["export_seconds"], engine_dir)
+    if metrics_path is not None:
+        Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
+        write_json(Path(metrics_path), metrics)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-dir", type=Path, required=True)
+    ap.add_argument("--engine-dir", type=Path, default=Path("engine"))
+    ap.add_argument("--max-rank", type=int, default=8)
+    ap.add_argument("--target-modules", default=",".join(DEFAULT_TARGETS))
+    ap.add_argument("--opset", type=int, default=18)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--metrics", type=Path, default=Path("metrics/engine.json"))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    metrics = compile_engine(
+        args.model_dir, args.engine_dir, args.max_rank, tuple(args.target_modules.split(",")),
+        args.opset, args.threads, args.metrics,
+    )
+    print(json.dumps(metrics, indent=2, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""One typed, frozen configuration that mirrors ``params.yaml``.
+
+Every stage, the CLI entry points and (later) the Prefect flow read their slice of
+``ReleaseConfig``. Unknown keys, wrong types and out-of-range values are errors that
+name the offending key, never silent defaults. Torch is not imported here so that
+loading the config (and the Prefect form) stays fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MONTH_PATTERN = re.compile(r"^\d{4}-(0[1-9]|1[0-2])$")
+DEFAULT_PARAMS = Path("params.yaml")
+
+
+class ConfigError(ValueError):
+    """A params file that cannot be used; the message names every bad key."""
+
+
+def _check_month(value: str) -> str:
+    if not MONTH_PATTERN.match(value):
+        raise ValueError(f"must be a month written YYYY-MM, got {value!r}")
+    return value
+
+
+Month = Annotated[str, AfterValidator(_check_month)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class DataConfig(_Section):
+    month: Month = "2026-11"
+    dir: str = "data"
+    jsonl_dir: str | None = None
+    heldout_text: str | None = None
+    seed: int = Field(1234, ge=0)
+    train_size: int = Field(3000, ge=1)
+    val_size: int = Field(200, ge=1)
+    calib_size: int = Field(128, ge=1)
+    test_size: int = Field(600, ge=1)
+    heldout_lines: int = Field(200, ge=1)
+    rules_changed_per_month: int = Field(2, ge=1, le=8)
+
+
+class BaseModelConfig(_Section):
+    source: Literal["embedded", "local"] = "embedded"
+    path: str = "models/base"
+    trained_through: Month = "2026-10"
+    vocab_size: int = Field(512, ge=300, le=65536)
+    hidden_size: int = Field(256, ge=16)
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    head_dim: int = Field(64, ge=8)
+    intermediate_size: int = Field(512, ge=16)
+    rope_theta: float = Field(10000.0, gt=0)
+    pretrain_examples: int = Field(6000, ge=1)
+    pretrain_steps: int = Field(400, ge=1)
+    pretrain_batch_size: int = Field(32, ge=1)
+    pretrain_lr: float = Field(1e-3, gt=0, le=1.0)
+    seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "BaseModelConfig":
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        return self
+
+
+class LoraSection(_Section):
+    r: int = Field(8, ge=1, le=256)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise ValueError("must name at least one module")
+        if len(set(v)) != len(v):
+            raise ValueError(f"contains duplicates: {list(v)}")
+        return v
+
+
+class TrainConfig(_Section):
+    seed: int = Field(0, ge=0)
+    steps: int = Field(400, ge=1)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(3e-3, gt=0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_steps: int = Field(20, ge=0)
+    max_seq_len: int = Field(96, ge=8)
+    threads: int = Field(2, ge=1)
+    output_dir: str = "artifacts"
+
+
+class EvalConfig(_Section):
+    max_new_tokens: int = Field(8, ge=1)
+    batch_size: int = Field(64, ge=1)
+
+
+class ReleaseConfig(_Section):
+    data: DataConfig = DataConfig()
+    base_model: BaseModelConfig = BaseModelConfig()
+    lora: LoraSection = LoraSection()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _base_precedes_release(self) -> "ReleaseConfig":
+        if self.base_model.source == "embedded" and self.base_model.trained_through >= self.data.month:
+            raise ValueError(
+                f"base_model.trained_through ({self.base_model.trained_through}) must be before "
+                f"data.month ({self.data.month}): the base learns an earlier rule book"
+            )
+        return self
+
+    def release_dir(self) -> Path:
+        return Path(self.train.output_dir) / self.data.month
+
+    def data_dir(self) -> Path:
+        return Path(self.data.dir) / self.data.month
+
+    def base_build_hash(self) -> str:
+        """Hash of everything the embedded base model is built from; unchanged = reuse it."""
+        inputs = {
+            "base_model": self.base_model.model_dump(mode="json"),
+            "seed": self.data.seed,
+            "rules_changed_per_month": self.data.rules_changed_per_month,
+            "max_seq_len": self.train.max_seq_len,
+        }
+        return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+    def params_hash(self) -> str:
+        """Stable hash of every setting, recorded in artifacts for provenance."""
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _format_errors(source: str, err: ValidationError) -> str:
+    lines = [f"{source}: {err.error_count()} invalid setting(s)"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        lines.append(f"  {key}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def parse_config(raw: dict, source: str = "<params>") -> ReleaseConfig:
+    try:
+        return ReleaseConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(source, err)) from None
+
+
+def load_config(path: str | Path = DEFAULT_PARAMS) -> ReleaseConfig:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: params file not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(raw).__name__}")
+    return parse_config(raw, source=str(path))

@@ -1,0 +1,290 @@
+"""The month's data: the embedded inspection-rule generator and the JSONL reader.
+
+The embedded default models an automated optical inspection (AOI) line: each record is
+a board on which the AOI flagged one defect type with its measurement (plus identifiers
+and the reflow temperature, which no rule reads), and the verdict follows the month's rule
+book. A rule (one per defect type) compares the measurement with a threshold and gives one
+verdict below it and another at or above.
+Every month the rule book changes a few rules and keeps the rest, so the base model,
+trained on an earlier month, gets the changed rules wrong while the unchanged ones form a
+regression set.
+
+Users can bring their own month instead: a folder with the same four JSONL splits, each
+row ``{"prompt": ..., "completion": ...}`` (optional ``rule`` and ``changed`` fields
+enable the per-rule and new/regression tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.artifacts import atomic_output_dir, write_json
+from tasks.config import ConfigError, DataConfig, load_config
+
+SPLITS = ("train", "val", "calib", "test")
+HELDOUT_TEXT = "heldout.txt"
+RULEBOOK = "rulebook.json"
+# Each AOI defect type comes with the one measurement its rule reads (0-99 in its unit).
+MEASUREMENT_OF = {
+    "cosmetic": "mark_mm2",
+    "bridge": "solder_pct",
+    "tombstone": "tilt_deg",
+    "shift": "offset_um",
+    "void": "void_pct",
+    "scratch": "depth_um",
+    "crack": "crack_um",
+    "lifted": "lift_um",
+}
+DEFECTS = tuple(MEASUREMENT_OF)
+THRESHOLDS = tuple(range(20, 90, 10))
+# The rule book history starts here; every later month is this book plus monthly edits.
+EPOCH_MONTH = "2026-01"
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    defect: str
+    threshold: int
+    below: str
+    at_or_above: str
+
+    def verdict(self, measurement: int) -> str:
+        return self.at_or_above if measurement >= self.threshold else self.below
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    completion: str
+    rule: str | None = None
+    changed: bool | None = None
+
+    def to_json(self) -> dict:
+        row: dict = {"prompt": self.prompt, "completion": self.completion}
+        if self.rule is not None:
+            row["rule"] = self.rule
+        if self.changed is not None:
+            row["changed"] = self.changed
+        return row
+
+
+def _verdicts(defect: str) -> tuple[str, ...]:
+    return ("PASS", "REWORK", "HOLD", f"FAIL:{defect}")
+
+
+def _month_index(month: str) -> int:
+    year, mon = (int(p) for p in month.split("-"))
+    return year * 12 + mon - 1
+
+
+def _month_name(index: int) -> str:
+    return f"{index // 12:04d}-{index % 12 + 1:02d}"
+
+
+def _epoch_rulebook(seed: int) -> dict[str, Rule]:
+    rng = random.Random(f"rulebook:{seed}")
+    book = {}
+    for defect in DEFECTS:
+        below, above = rng.sample(_verdicts(defect), 2)
+        book[defect] = Rule(defect, rng.choice(THRESHOLDS), below, above)
+    return book
+
+
+def _edit_rule(rule: Rule, rng: random.Random) -> Rule:
+    # The new verdicts are the two the old rule never gave, so every record the rule
+    # governs changes its answer: a model that learned the old book is wrong on all of them.
+    unused = [v for v in _verdicts(rule.defect) if v not in (rule.below, rule.at_or_above)]
+    below, above = rng.sample(unused, 2)
+    return Rule(rule.defect, rng.choice(THRESHOLDS), below, above)
+
+
+def rulebook(month: str, seed: int, rules_changed_per_month: int) -> dict[str, Rule]:
+    """The rule book in force in ``month``: the epoch book with every monthly edit applied."""
+    book = _epoch_rulebook(seed)
+    start = _month_index(EPOCH_MONTH)
+    end = _month_index(month)
+    if end < start:
+        raise DataError(f"month {month} is before the first rule book ({EPOCH_MONTH})")
+    for index in range(start + 1, end + 1):
+        rng = random.Random(f"edits:{seed}:{_month_name(index)}")
+        for defect in rng.sample(DEFECTS, rules_changed_per_month):
+            book[defect] = _edit_rule(book[defect], rng)
+    return book
+
+
+def changed_rules(month: str, since: str, seed: int, rules_changed_per_month: int) -> list[str]:
+    """Defect types whose rule differs between the book of ``since`` and that of ``month``."""
+    new = rulebook(month, seed, rules_changed_per_month)
+    old = rulebook(since, seed, rules_changed_per_month)
+    return sorted(d for d in DEFECTS if new[d] != old[d])
+
+
+def render_prompt(board: str, line: str, part: str, temp_c: int, defect: str, measurement: int) -> str:
+    return (
+        f"inspect board={board} line={line} part={part} temp_c={temp_c} "
+        f"defect={defect} {MEASUREMENT_OF[defect]}={measurement} verdict:"
+    )
+
+
+def sample_examples(
+    book: dict[str, Rule], n: int, rng: random.Random, changed: set[str] | None = None
+) -> list[Example]:
+    examples = []
+    for i in range(n):
+        # Cycle through the defect types so every rule is equally represented in every split.
+        defect = DEFECTS[i % len(DEFECTS)]
+        measurement = rng.randrange(100)
+        prompt = render_prompt(
+            board=f"PCB-{rng.randrange(10000):04d}",
+            line=f"L{rng.randrange(1, 5)}",
+            part=f"{rng.choice('RCUQJ')}{rng.randrange(1, 100)}",
+            temp_c=rng.randrange(180, 260),
+            defect=defect,
+            measurement=measurement,
+        )
+        examples.append(
+            Example(
+                prompt=prompt,
+                completion=" " + book[defect].verdict(measurement),
+                rule=defect,
+                changed=None if changed is None else defect in changed,
+            )
+        )
+    rng.shuffle(examples)
+    return examples
+
+
+def split_sizes(cfg: DataConfig) -> dict[str, int]:
+    return {"train": cfg.train_size, "val": cfg.val_size, "calib": cfg.calib_size, "test": cfg.test_size}
+
+
+def write_jsonl(path: Path, examples: list[Example]) -> None:
+    with open(path, "w") as fh:
+        for ex in examples:
+            fh.write(json.dumps(ex.to_json(), sort_keys=True) + "\n")
+
+
+def generate_month(cfg: DataConfig, base_month: str, out_dir: Path) -> Path:
+    """Write the four splits, a held-out text and the rule book of ``cfg.month``.
+
+    ``changed`` on each row is relative to ``base_month``, the last month the base model
+    was trained on: those rows are what the adapter must learn.
+    """
+    book = rulebook(cfg.month, cfg.seed, cfg.rules_changed_per_month)
+    changed = set(changed_rules(cfg.month, base_month, cfg.seed, cfg.rules_changed_per_month))
+    with atomic_output_dir(out_dir) as tmp:
+        for split, size in split_sizes(cfg).items():
+            rng = random.Random(f"{cfg.seed}:{cfg.month}:{split}")
+            write_jsonl(tmp / f"{split}.jsonl", sample_examples(book, size, rng, changed))
+        rng = random.Random(f"{cfg.seed}:{cfg.month}:heldout")
+        lines = [ex.prompt + ex.completion for ex in sample_examples(book, cfg.heldout_lines, rng)]
+        (tmp / HELDOUT_TEXT).write_text("\n".join(lines) + "\n")
+        write_json(
+            tmp / RULEBOOK,
+            {
+                "month": cfg.month,
+                "base_month": base_month,
+                "changed_since_base": sorted(changed),
+                "rules": {d: vars(r) for d, r in book.items()},
+            },
+        )
+    return out_dir
+
+
+def _parse_row(path: Path, lineno: int, line: str) -> Example:
+    where = f"{path}:{lineno}"
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{where}: not valid JSON ({err.msg})") from None
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    for key in ("prompt", "completion"):
+        if key not in row:
+            raise DataError(f"{where}: missing field {key!r}")
+        if not isinstance(row[key], str) or not row[key].strip():
+            raise DataError(f"{where}: field {key!r} must be a non-empty string")
+    rule = row.get("rule")
+    if rule is not None and not isinstance(rule, str):
+        raise DataError(f"{where}: field 'rule' must be a string")
+    changed = row.get("changed")
+    if changed is not None and not isinstance(changed, bool):
+        raise DataError(f"{where}: field 'changed' must be true or false")
+    return Example(row["prompt"], row["completion"], rule, changed)
+
+
+def read_jsonl(path: Path) -> list[Example]:
+    """Read and validate one split; any problem names the file and line."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: split file not found")
+    examples = []
+    with open(path) as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if line.strip():
+                examples.append(_parse_row(path, lineno, line))
+    if not examples:
+        raise DataError(f"{path}: split is empty")
+    return examples
+
+
+def read_text_corpus(path: Path) -> list[str]:
+    """Plain text for perplexity: one document per non-empty line."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: text corpus not found")
+    lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+    if not lines:
+        raise DataError(f"{path}: text corpus is empty")
+    return lines
+
+
+def import_month(src_dir: Path, out_dir: Path, heldout_text: Path | None = None) -> Path:
+    """Validate a user's month folder and copy it into place; nothing is copied on error."""
+    src_dir = Path(src_dir)
+    for split in SPLITS:
+        read_jsonl(src_dir / f"{split}.jsonl")
+    if heldout_text is not None:
+        read_text_corpus(heldout_text)
+    with atomic_output_dir(out_dir) as tmp:
+        for split in SPLITS:
+            shutil.copyfile(src_dir / f"{split}.jsonl", tmp / f"{split}.jsonl")
+        if heldout_text is not None:
+            shutil.copyfile(heldout_text, tmp / HELDOUT_TEXT)
+    return out_dir
+
+
+def prepare_data(cfg: DataConfig, base_month: str, out_dir: Path) -> Path:
+    """The data stage: generate the embedded month or import the user's."""
+    if cfg.jsonl_dir is None:
+        return generate_month(cfg, base_month, out_dir)
+    heldout = Path(cfg.heldout_text) if cfg.heldout_text else None
+    return import_month(Path(cfg.jsonl_dir), out_dir, heldout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write the month's data splits.")
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.params)
+        out = prepare_data(cfg.data, cfg.base_model.trained_through, cfg.data_dir())
+    except (ConfigError, DataError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"data for {cfg.data.month} written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""The evaluate stage: exact-match accuracy and perplexity, base model vs base + adapter.
+
+Accuracy is greedy decoding on the ``test`` split, split into the rules that changed since
+the base model's month ("new") and those that did not ("regression"), plus one row per
+rule. Perplexity is measured on held-out plain text (``heldout.txt`` of the month, or the
+``val`` split's rows when a user's month brings no text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from tasks.artifacts import atomic_output_dir, write_json
+from tasks.base_model import BaseModelError, load_base_model
+from tasks.config import ConfigError, EvalConfig, ReleaseConfig, load_config
+from tasks.data import HELDOUT_TEXT, DataError, Example, read_jsonl, read_text_corpus
+
+
+def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[str]:
+    """Greedy-decode each prompt (left-padded batches) and return the text before eos."""
+    import torch
+    from tqdm import tqdm
+
+    tokenizer.padding_side = "left"
+    outputs: list[str] = []
+    for start in tqdm(range(0, len(prompts), batch_size), desc="greedy decode", unit="batch", leave=False):
+        batch = tokenizer(prompts[start : start + batch_size], return_tensors="pt", padding=True)
+        with torch.no_grad():
+            generated = model.generate(
+                **batch,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        new_tokens = generated[:, batch["input_ids"].shape[1] :]
+        outputs.extend(tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
+    return outputs
+
+
+def accuracy_report(examples: list[Example], predictions: list[str]) -> dict:
+    """Exact match (whitespace-trimmed) overall, on new and regression rules, and per rule."""
+    hits = [pred.strip() == ex.completion.strip() for ex, pred in zip(examples, predictions, strict=True)]
+
+    def rate(selected: list[bool]) -> float | None:
+        return sum(selected) / len(selected) if selected else None
+
+    per_rule: dict[str, list[bool]] = defaultdict(list)
+    for ex, hit in zip(examples, hits, strict=True):
+        if ex.rule is not None:
+            per_rule[ex.rule].append(hit)
+    return {
+        "accuracy": rate(hits),
+        "accuracy_new": rate([h for ex, h in zip(examples, hits) if ex.changed is True]),
+        "accuracy_regression": rate([h for ex, h in zip(examples, hits) if ex.changed is False]),
+        "count": len(hits),
+        "count_new": sum(ex.changed is True for ex in examples),
+        "count_regression": sum(ex.changed is False for ex in examples),
+        "per_rule": {rule: rate(h) for rule, h in sorted(per_rule.items())},
+    }
+
+
+def perplexity(model, tokenizer, texts: list[str], batch_size: int) -> float:
+    """exp of the mean next-token loss over every token of every text (eos appended)."""
+    import torch
+
+    tokenizer.padding_side = "right"
+    total_nll, total_tokens = 0.0, 0
+    for start in range(0, len(texts), batch_size):
+        batch = tokenizer([t + tokenizer.eos_token for t in texts[start : start + batch_size]], return_tensors="pt", padding=True)
+        with torch.no_grad():
+            logits = model(**batch).logits[:, :-1]  # (B, T-1, V)
+        targets = batch["input_ids"][:, 1:]
+        mask = batch["attention_mask"][:, 1:].bool()
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        total_nll += nll[mask].sum().item()
+        total_tokens += int(mask.sum())
+    return math.exp(total_nll / total_tokens)
+
+
+def _score(model, tokenizer, test: list[Example], texts: list[str], cfg: EvalConfig) -> tuple[dict, list[str]]:
+    predictions = greedy_completions(model, tokenizer, [ex.prompt for ex in test], cfg.max_new_tokens, cfg.batch_size)
+    report = accuracy_report(test, predictions)
+    report["perplexity"] = perplexity(model, tokenizer, texts, cfg.batch_size)
+    return report, predictions
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def render_table(metrics: dict) -> str:
+    base, adapted = metrics["base"], metrics["adapter"]
+    rows = [
+        ("accuracy, new rules", "accuracy_new"),
+        ("accuracy, regression rules", "accuracy_regression"),
+        ("accuracy, all", "accuracy"),
+        ("perplexity, held-out text", "perplexity"),
+    ]
+    lines = [f"# Evaluation, {metrics['month']}", "", "| metric | base | base + adapter |", "|---|---|---|"]
+    lines += [f"| {label} | {_fmt(base[key])} | {_fmt(adapted[key])} |" for label, key in rows]
+    lines += ["", "| rule | changed | base | base + adapter |", "|---|---|---|---|"]
+    for rule, acc in adapted["per_rule"].items():
+        changed = "yes" if rule in metrics["changed_rules"] else "no"
+        lines.append(f"| {rule} | {changed} | {_fmt(base['per_rule'][rule])} | {_fmt(acc)} |")
+    return "\n".join(lines) + "\n"
+
+
+def evaluate(base_dir: Path, adapter_dir: Path, data_dir: Path, out_dir: Path, cfg: EvalConfig, month: str) -> Path:
+    """Score the base model and base + adapter; write ``metrics.json``, ``report.md``, predictions."""
+    import torch
+    from peft import PeftModel
+
+    test = read_jsonl(Path(data_dir) / "test.jsonl")
+    heldout = Path(data_dir) / HELDOUT_TEXT
+    if heldout.exists():
+        texts = read_text_corpus(heldout)
+    else:
+        texts = [ex.prompt + ex.completion for ex in read_jsonl(Path(data_dir) / "val.jsonl")]
+
+    model, tokenizer = load_base_model(base_dir)
+    base_report, base_predictions = _score(model, tokenizer, test, texts, cfg)
+    adapted = PeftModel.from_pretrained(model, adapter_dir)
+    adapted.eval()
+    with torch.no_grad():
+        adapter_report, adapter_predictions = _score(adapted, tokenizer, test, texts, cfg)
+
+    metrics = {
+        "month": month,
+        "changed_rules": sorted({ex.rule for ex in test if ex.changed and ex.rule}),
+        "base": base_report,
+        "adapter": adapter_report,
+    }
+    with atomic_output_dir(Path(out_dir)) as tmp:
+        write_json(tmp / "metrics.json", metrics)
+        (tmp / "report.md").write_text(render_table(metrics))
+        with open(tmp / "predictions.jsonl", "w") as fh:
+            import json
+
+            for ex, b, a in zip(test, base_predictions, adapter_predictions):
+                fh.write(json.dumps({**ex.to_json(), "base": b, "adapter": a}, sort_keys=True) + "\n")
+    return Path(out_dir) / "metrics.json"
+
+
+def run_stage(cfg: ReleaseConfig) -> Path:
+    import torch
+
+    torch.set_num_threads(cfg.train.threads)
+    return evaluate(
+        base_dir=Path(cfg.base_model.path),
+        adapter_dir=cfg.release_dir() / "finetune" / "adapter",
+        data_dir=cfg.data_dir(),
+        out_dir=cfg.release_dir() / "eval",
+        cfg=cfg.eval,
+        month=cfg.data.month,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Evaluate the base model and base + adapter.")
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    try:
+        metrics_path = run_stage(load_config(args.params))
+    except (ConfigError, DataError, BaseModelError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print((metrics_path.parent / "report.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The fine-tune stage: a LoRA adapter for this month's rules, trained with PEFT.
+
+Only the LoRA matrices are saved, in PEFT's own format (``adapter_config.json`` +
+``adapter_model.safetensors``) so ``PeftModel.from_pretrained`` loads them unchanged; a
+``provenance.json`` beside them binds the adapter to the exact backbone and settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from pathlib import Path
+
+from tasks.artifacts import atomic_output_dir, write_json
+from tasks.base_model import BaseModelError, load_base_model
+from tasks.config import ConfigError, LoraSection, ReleaseConfig, TrainConfig, load_config
+from tasks.data import DataError, read_jsonl
+
+ADAPTER_DIR = "adapter"
+PROVENANCE = "provenance.json"
+
+
+def library_versions() -> dict[str, str]:
+    import peft
+    import torch
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+    }
+
+
+def finetune(
+    base_dir: Path,
+    data_dir: Path,
+    out_dir: Path,
+    lora: LoraSection,
+    train: TrainConfig,
+    params_hash: str,
+) -> Path:
+    """Train a LoRA adapter on ``data_dir/train.jsonl``; write it, its loss curve and provenance.
+
+    ``out_dir`` receives ``adapter/``, ``loss.csv``, ``loss.png`` and ``train_metrics.json``;
+    it is replaced as a whole only when training finished with a finite loss.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from runtime.hashing import backbone_hash
+    from tasks.training import TrainSettings, train_completions, write_loss_curve
+
+    torch.set_num_threads(train.threads)
+    examples = read_jsonl(Path(data_dir) / "train.jsonl")
+    model, tokenizer = load_base_model(base_dir)
+    base_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    missing = [m for m in lora.target_modules if not any(n.endswith(m) for n, _ in model.named_modules())]
+    if missing:
+        raise ConfigError(f"lora.target_modules: {missing} not found in the base model at {base_dir}")
+    torch.manual_seed(train.seed)
+    peft_model = get_peft_model(
+        model,
+        LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules),
+            task_type="CAUSAL_LM",
+        ),
+    )
+    settings = TrainSettings(
+        steps=train.steps,
+        batch_size=train.batch_size,
+        lr=train.lr,
+        weight_decay=train.weight_decay,
+        warmup_steps=train.warmup_steps,
+        max_seq_len=train.max_seq_len,
+        seed=train.seed,
+    )
+    losses = train_completions(peft_model, tokenizer, examples, settings, desc="fine-tune LoRA")
+
+    with atomic_output_dir(Path(out_dir)) as tmp:
+        adapter_dir = tmp / ADAPTER_DIR
+        peft_model.save_pretrained(adapter_dir)
+        base_hash = backbone_hash(base_dir)
+        write_json(
+            adapter_dir / PROVENANCE,
+            {
+                "base_model_hash": base_hash,
+                "base_model_path": str(base_dir),
+                "params_hash": params_hash,
+                "train_examples": len(examples),
+                "libraries": library_versions(),
+            },
+        )
+        adapter_bytes = (adapter_dir / "adapter_model.safetensors").stat().st_size
+        write_loss_curve(losses, tmp / "loss.csv", tmp / "loss.png", "LoRA fine-tuning")
+        write_json(
+            tmp / "train_metrics.json",
+            {
+                "final_loss": losses[-1],
+                "steps": len(losses),
+                "trainable_parameters": sum(p.numel() for p in peft_model.parameters() if p.requires_grad),
+                "adapter_bytes": adapter_bytes,
+                "base_model_bytes": base_bytes,
+                "adapter_fraction_of_base": adapter_bytes / base_bytes,
+            },
+        )
+    return Path(out_dir) / ADAPTER_DIR
+
+
+def run_stage(cfg: ReleaseConfig) -> Path:
+    return finetune(
+        base_dir=Path(cfg.base_model.path),
+        data_dir=cfg.data_dir(),
+        out_dir=cfg.release_dir() / "finetune",
+        lora=cfg.lora,
+        train=cfg.train,
+        params_hash=cfg.params_hash(),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tasks.training import TrainingDiverged
+
+    parser = argparse.ArgumentParser(description="Fine-tune this month's LoRA adapter.")
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    try:
+        adapter = run_stage(load_config(args.params))
+    except (ConfigError, DataError, BaseModelError, TrainingDiverged) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"adapter written to {adapter}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The compiled ONNX Runtime engine: parity with PyTorch + PEFT, dynamic shapes, adapter swaps."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_adapter
+
+from runtime.adapter import load_adapter
+from runtime.backends.onnxruntime import OrtEngine
+from runtime.backends.torch_eager import TorchEngine
+from runtime.engine import Engine, open_engine
+from runtime.generate import greedy_generate
+from runtime.interface import InterfaceError, read_interface
+
+
+def hf_logits(model_dir, adapter_dir, ids: np.ndarray) -> np.ndarray:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+    with torch.no_grad():
+        return model.eval()(torch.from_numpy(ids)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine) -> OrtEngine:
+    return OrtEngine(tiny_engine, threads=2)
+
+
+@pytest.fixture(scope="module")
+def second_adapter(tiny_qwen, tmp_path_factory):
+    return make_adapter(tiny_qwen, tmp_path_factory.mktemp("second"), r=8, alpha=16.0, targets=("v_proj", "o_proj"), seed=5)
+
+
+def prefill_then_decode(engine, ids: np.ndarray, split: int) -> np.ndarray:
+    B, T = ids.shape
+    pos = np.broadcast_to(np.arange(T), (B, T))
+    mask = np.ones((B, T), dtype=np.int64)
+    first, cache = engine.forward(ids[:, :split], pos[:, :split], mask[:, :split], None)
+    rest = [first]
+    for t in range(split, T):
+        logits, cache = engine.forward(ids[:, t : t + 1], pos[:, t : t + 1], mask[:, : t + 1], cache)
+        rest.append(logits)
+    return np.concatenate(rest, axis=1)
+
+
+def test_ort_engine_with_adapter_matches_peft_merged_within_1e4(engine, tiny_qwen, qwen_adapter):
+    ids = np.random.default_rng(0).integers(0, 96, (2, 12))
+    engine.set_adapter(load_adapter(qwen_adapter, engine.interface))
+
+    got = prefill_then_decode(engine, ids, split=7)
+
+    assert isinstance(engine, Engine)
+    assert np.abs(got - hf_logits(tiny_qwen, qwen_adapter, ids)).max() <= 1e-4
+
+
+@pytest.mark.parametrize("batch,prefill", [(1, 1), (2, 4), (2, 9), (3, 17)])
+def test_dynamic_batch_and_prefill_lengths_match_the_eager_reference(engine, tiny_qwen, qwen_adapter, batch, prefill):
+    lora = load_adapter(qwen_adapter, engine.interface)
+    reference = TorchEngine(tiny_qwen, engine.interface, threads=None)
+    engine.set_adapter(lora)
+    reference.set_adapter(lora)
+    ids = np.random.default_rng(prefill).integers(0, 96, (batch, prefill + 3))
+
+    got = prefill_then_decode(engine, ids, split=prefill)
+    want = prefill_then_decode(reference, ids, split=prefill)
+
+    assert got.shape == (batch, prefill + 3, 96)
+    assert np.abs(got - want).max() <= 1e-4
+
+
+def test_swapping_adapters_reuses_the_same_session(engine, tiny_qwen, qwen_adapter, second_adapter):
+    ids = np.random.default_rng(3).integers(0, 96, (1, 8))
+    session = engine.session
+    first, second = load_adapter(qwen_adapter, engine.interface), load_adapter(second_adapter, engine.interface)
+
+    engine.set_adapter(first)
+    out_first = prefill_then_decode(engine, ids, 5)
+    gen_first = greedy_generate(engine, [ids[0].tolist()], 6)
+    engine.set_adapter(second)
+    out_second = prefill_then_decode(engine, ids, 5)
+    gen_second = greedy_generate(engine, [ids[0].tolist()], 6)
+    engine.set_adapter(first)
+    out_again = prefill_then_decode(engine, ids, 5)
+
+    assert engine.session is session  # no new session, no rebuild
+    assert np.abs(out_first - hf_logits(tiny_qwen, qwen_adapter, ids)).max() <= 1e-4
+    assert np.abs(out_second - hf_logits(tiny_qwen, second_adapter, ids)).max() <= 1e-4
+    assert np.abs(out_first - out_second).max() > 1e-2 and gen_first != gen_second
+    assert np.array_equal(out_first, out_again)
+
+
+def test_no_adapter_runs_the_base_model(engine, tiny_qwen):
+    ids = np.random.default_rng(4).integers(0, 96, (1, 6))
+    engine.set_adapter(None)
+    assert np.abs(prefill_then_decode(engine, ids, 6) - hf_logits(tiny_qwen, None, ids)).max() <= 1e-4
+
+
+def test_greedy_generation_is_identical_on_engine_eager_batched_and_per_row(engine, tiny_qwen, qwen_adapter):
+    lora = load_adapter(qwen_adapter, engine.interface)
+    reference = TorchEngine(tiny_qwen, engine.interface, threads=None)
+    engine.set_adapter(lora)
+    reference.set_adapter(lora)
+    prompts = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38, 32]]
+
+    batched = greedy_generate(engine, prompts, max_new_tokens=12)
+    per_row = greedy_generate(engine, prompts, max_new_tokens=12, batch_size=1)
+    eager = greedy_generate(reference, prompts, max_new_tokens=12)
+
+    assert batched == per_row == eager
+    assert [len(t) for t in batched] == [12, 12, 12]
+
+
+def test_generation_stops_at_a_stop_token_and_excludes_it(engine, qwen_adapter):
+    engine.set_adapter(load_adapter(qwen_adapter, engine.interface))
+    prompt = [[3, 14, 15, 92, 65]]
+    full = greedy_generate(engine, prompt, max_new_tokens=8)[0]
+    stop = full[3]
+
+    stopped = greedy_generate(engine, prompt, max_new_tokens=8, stop_tokens=[stop])[0]
+
+    assert stopped == full[: full.index(stop)]
+    assert len(greedy_generate(engine, prompt, max_new_tokens=2)[0]) == 2
+
+
+def test_lora_inputs_of_the_wrong_shape_are_refused_before_running(engine, qwen_adapter):
+    lora = load_adapter(qwen_adapter, engine.interface)
+    lora["lora_A.0.q_proj"] = np.zeros((4, 64), np.float32)
+    with pytest.raises(ValueError, match=r"lora_A.0.q_proj has shape \(4, 64\), interface says \(8, 64\)"):
+        engine.set_adapter(lora)
+
+
+def test_edited_interface_is_refused(tiny_engine, tmp_path):
+    copy = tmp_path / "engine"
+    shutil.copytree(tiny_engine, copy)
+    spec = json.loads((copy / "interface.json").read_text())
+    spec["max_rank"] = 16
+    (copy / "interface.json").write_text(json.dumps(spec))
+    with pytest.raises(InterfaceError, match="does not match its content"):
+        read_interface(copy)
+
+
+def test_interface_of_another_version_is_refused(tiny_engine, tmp_path):
+    copy = tmp_path / "engine"
+    shutil.copytree(tiny_engine, copy)
+    spec = json.loads((copy / "interface.json").read_text()) | {"version": 99}
+    (copy / "interface.json").write_text(json.dumps(spec))
+    with pytest.raises(InterfaceError, match="interface version 99 but this runtime speaks 1"):
+        open_engine(copy)
+
+
+def test_graph_that_disagrees_with_its_interface_is_refused(tiny_engine, tmp_path):
+    copy = tmp_path / "engine"
+    shutil.copytree(tiny_engine, copy)
+    from runtime.backends.onnxruntime import OPTIMIZED_ONNX
+
+    (copy / OPTIMIZED_ONNX).unlink()
+    shutil.copy(tiny_engine / "model.onnx", copy / "model.onnx")
+    spec = json.loads((copy / "interface.json").read_text())
+    spec["inputs"] = [t for t in spec["inputs"] if not t["name"].startswith("lora_")]
+    spec["target_modules"], spec["module_shapes"] = [], {}
+    spec.pop("interface_hash")
+    (copy / "interface.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="graph inputs differ from interface.json"):
+        OrtEngine(copy)

@@ -1,0 +1,68 @@
+"""The compile stage: one export per backbone, a verified interface, nothing half-written."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+from conftest import make_model
+
+import tasks.compile as compile_stage
+from runtime.hashing import backbone_hash
+from runtime.interface import INTERFACE_VERSION, read_interface
+from tasks.compile import compile_engine
+
+
+def test_unchanged_backbone_is_a_cache_hit_with_no_export(tiny_qwen, tiny_engine, tmp_path, monkeypatch):
+    def no_export(*args, **kwargs):
+        raise AssertionError("export must not run on a cache hit")
+
+    monkeypatch.setattr(compile_stage, "export_backbone", no_export)
+    metrics = compile_engine(tiny_qwen, tiny_engine, metrics_path=tmp_path / "engine.json")
+
+    assert metrics["engine_builds"] == 0 and metrics["cache_hit"] is True
+    assert json.loads((tmp_path / "engine.json").read_text())["engine_builds"] == 0
+
+
+def test_interface_records_the_contract(tiny_qwen, tiny_engine):
+    iface = read_interface(tiny_engine)
+    spec = json.loads((tiny_engine / "interface.json").read_text())
+    graph = onnx.load(str(tiny_engine / "model.onnx"))
+
+    assert spec["version"] == INTERFACE_VERSION and spec["interface_hash"] == iface.interface_hash
+    assert iface.backbone_hash == backbone_hash(tiny_qwen)
+    assert iface.max_rank == 8 and iface.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert iface.kv_layout == "B,num_kv_heads,past_len,head_dim" and iface.kv_dtype == "float32"
+    assert spec["exporter"]["torch"].startswith("2.13")
+    shapes = {t.name: t.shape for t in iface.inputs}
+    assert shapes["past_key.1"] == ("batch", 2, "past", 16)
+    assert shapes["lora_A.1.k_proj"] == (8, 64) and shapes["lora_B.1.k_proj"] == (32, 8)
+    assert shapes["lora_scale.0.o_proj"] == (1,)
+    assert [i.name for i in graph.graph.input] == iface.input_names
+    past = next(i for i in graph.graph.input if i.name == "past_value.0").type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in past] == ["batch", 2, "past", 16]
+    assert len(iface.inputs) == 3 + 2 * 2 + 2 * 4 * 3
+
+
+def test_changed_backbone_rebuilds_the_engine(tiny_qwen, tiny_engine, tmp_path):
+    other = make_model(tmp_path / "other", "qwen2", seed=11)
+    engine_dir = tmp_path / "engine"
+    compile_engine(tiny_qwen, engine_dir, max_rank=4, target_modules=("q_proj", "v_proj"))
+
+    metrics = compile_engine(other, engine_dir, max_rank=4, target_modules=("q_proj", "v_proj"))
+
+    assert metrics["engine_builds"] == 1 and metrics["cache_hit"] is False
+    assert read_interface(engine_dir).backbone_hash == backbone_hash(other)
+
+
+def test_failed_export_leaves_no_half_written_engine(tiny_qwen, tmp_path, monkeypatch):
+    def broken_export(model_dir, onnx_path, *args, **kwargs):
+        onnx_path.write_bytes(b"partial")
+        raise RuntimeError("exporter crashed")
+
+    monkeypatch.setattr(compile_stage, "export_backbone", broken_export)
+    with pytest.raises(RuntimeError, match="exporter crashed"):
+        compile_engine(tiny_qwen, tmp_path / "engine")
+
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,75 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tasks.config import ConfigError, ReleaseConfig, load_config, parse_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_params(tmp_path: Path, raw: dict) -> Path:
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_repository_params_file_states_the_defaults():
+    assert load_config(REPO / "params.yaml") == ReleaseConfig()
+
+
+def test_unknown_key_is_an_error_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"lora\.rank: Extra inputs are not permitted"):
+        load_config(write_params(tmp_path, {"lora": {"rank": 8}}))
+
+
+def test_unknown_section_is_an_error_naming_the_section(tmp_path):
+    with pytest.raises(ConfigError, match=r"^.*\n  gatez: Extra inputs"):
+        load_config(write_params(tmp_path, {"gatez": {}}))
+
+
+def test_wrong_type_is_an_error_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.steps: Input should be a valid integer"):
+        load_config(write_params(tmp_path, {"train": {"steps": "many"}}))
+
+
+def test_out_of_range_value_is_an_error_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"lora\.dropout: Input should be less than 1"):
+        load_config(write_params(tmp_path, {"lora": {"dropout": 1.5}}))
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(write_params(tmp_path, {"data": {"month": "2026-13"}, "lora": {"r": 0}}))
+    message = str(err.value)
+    assert "2 invalid setting(s)" in message
+    assert "data.month: Value error, must be a month written YYYY-MM, got '2026-13'" in message
+    assert "lora.r: Input should be greater than or equal to 1" in message
+
+
+def test_base_month_must_precede_release_month():
+    with pytest.raises(ConfigError, match=r"trained_through \(2026-11\) must be before data\.month \(2026-11\)"):
+        parse_config({"base_model": {"trained_through": "2026-11"}})
+
+
+def test_heads_must_group_evenly():
+    with pytest.raises(ConfigError, match=r"base_model: Value error, num_heads \(4\) must be a multiple of num_kv_heads \(3\)"):
+        parse_config({"base_model": {"num_kv_heads": 3}})
+
+
+def test_config_is_frozen():
+    cfg = ReleaseConfig()
+    with pytest.raises(Exception, match="frozen"):
+        cfg.lora.r = 4
+
+
+def test_missing_params_file_names_the_path(tmp_path):
+    with pytest.raises(ConfigError, match=r"nope\.yaml: params file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_params_hash_changes_with_any_setting():
+    a = ReleaseConfig()
+    b = parse_config({"train": {"lr": 0.001}})
+    assert a.params_hash() == ReleaseConfig().params_hash()
+    assert a.params_hash() != b.params_hash()

@@ -1,0 +1,119 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks.config import DataConfig
+from tasks.data import (
+    DEFECTS,
+    DataError,
+    changed_rules,
+    generate_month,
+    import_month,
+    read_jsonl,
+    read_text_corpus,
+    rulebook,
+)
+
+SMALL = DataConfig(train_size=40, val_size=8, calib_size=8, test_size=16, heldout_lines=8)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def month_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_generator_is_deterministic_for_a_seed(tmp_path):
+    generate_month(SMALL, "2026-10", tmp_path / "a")
+    generate_month(SMALL, "2026-10", tmp_path / "b")
+    generate_month(SMALL.model_copy(update={"seed": 7}), "2026-10", tmp_path / "c")
+    assert month_bytes(tmp_path / "a") == month_bytes(tmp_path / "b")
+    assert month_bytes(tmp_path / "a")["train.jsonl"] != month_bytes(tmp_path / "c")["train.jsonl"]
+
+
+def test_generator_writes_every_split_with_all_rules(tmp_path):
+    out = generate_month(SMALL, "2026-10", tmp_path / "2026-11")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "calib.jsonl", "heldout.txt", "rulebook.json", "test.jsonl", "train.jsonl", "val.jsonl",
+    ]
+    test = read_jsonl(out / "test.jsonl")
+    assert len(test) == 16
+    assert {ex.rule for ex in test} == set(DEFECTS)
+    assert len(read_text_corpus(out / "heldout.txt")) == 8
+
+
+def test_each_month_changes_the_configured_number_of_rules_and_keeps_the_rest():
+    changed = changed_rules("2026-11", "2026-10", seed=1234, rules_changed_per_month=2)
+    assert len(changed) == 2
+    old, new = rulebook("2026-10", 1234, 2), rulebook("2026-11", 1234, 2)
+    assert all(old[d] == new[d] for d in DEFECTS if d not in changed)
+
+
+def test_changed_rules_give_a_different_verdict_on_every_record(tmp_path):
+    out = generate_month(SMALL.model_copy(update={"test_size": 200}), "2026-10", tmp_path / "m")
+    old = rulebook("2026-10", SMALL.seed, SMALL.rules_changed_per_month)
+    test = read_jsonl(out / "test.jsonl")
+    changed_rows = [ex for ex in test if ex.changed]
+    assert len(changed_rows) == 50  # 2 of 8 rules, equally represented
+    for ex in test:
+        measurement = int(ex.prompt.split()[-2].split("=")[1])
+        old_verdict = old[ex.rule].verdict(measurement)
+        assert (ex.completion.strip() != old_verdict) == ex.changed
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"prompt": "a", "completion": " b"', "not valid JSON"),
+        ('{"prompt": "a"}', "missing field 'completion'"),
+        ('{"completion": "b"}', "missing field 'prompt'"),
+        ('{"prompt": "", "completion": "b"}', "field 'prompt' must be a non-empty string"),
+        ('{"prompt": 3, "completion": "b"}', "field 'prompt' must be a non-empty string"),
+        ('["prompt", "completion"]', "expected a JSON object, got list"),
+        ('{"prompt": "a", "completion": "b", "changed": "yes"}', "field 'changed' must be true or false"),
+    ],
+)
+def test_bad_row_is_reported_with_file_and_line(tmp_path, line, message):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"prompt": "ok", "completion": " PASS"}\n\n' + line + "\n")
+    with pytest.raises(DataError) as err:
+        read_jsonl(path)
+    assert str(err.value).startswith(f"{path}:3: ")
+    assert message in str(err.value)
+
+
+def test_empty_split_is_an_error(tmp_path):
+    path = tmp_path / "val.jsonl"
+    path.write_text("\n  \n")
+    with pytest.raises(DataError, match=r"val\.jsonl: split is empty"):
+        read_jsonl(path)
+
+
+def test_user_month_is_imported_whole_or_not_at_all(tmp_path):
+    src = tmp_path / "mine"
+    src.mkdir()
+    row = json.dumps({"prompt": "is it ok?", "completion": " yes"})
+    for split in ("train", "val", "calib"):
+        (src / f"{split}.jsonl").write_text(row + "\n")
+    (src / "test.jsonl").write_text(row + "\n" + '{"prompt": "x"}\n')
+    out = tmp_path / "data" / "2026-12"
+    with pytest.raises(DataError, match=r"test\.jsonl:2: missing field 'completion'"):
+        import_month(src, out)
+    assert not out.parent.exists() or list(out.parent.iterdir()) == []
+
+    (src / "test.jsonl").write_text(row + "\n")
+    import_month(src, out)
+    assert read_jsonl(out / "test.jsonl")[0].completion == " yes"
+
+
+def test_cli_exits_nonzero_and_names_the_bad_key(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text("data:\n  month: november\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "tasks.data", "--params", str(params)],
+        cwd=REPO, capture_output=True, text=True,
+    )
+    assert result.returncode == 2
+    assert "data.month: Value error, must be a month written YYYY-MM, got 'november'" in result.stderr

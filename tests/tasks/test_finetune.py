@@ -1,0 +1,67 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from runtime.hashing import backbone_hash
+from tasks.config import LoraSection, TrainConfig
+from tasks.data import generate_month
+from tasks.config import DataConfig
+from tasks.finetune import finetune
+from tasks.training import TrainingDiverged
+
+LORA = LoraSection(r=4, alpha=8)
+TRAIN = TrainConfig(steps=4, batch_size=4, warmup_steps=1, threads=1)
+
+
+@pytest.fixture(scope="module")
+def month_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data") / "2026-11"
+    return generate_month(DataConfig(train_size=32, val_size=8, calib_size=8, test_size=8, heldout_lines=8), "2026-10", out)
+
+
+def test_user_llama_directory_fine_tunes_into_a_loadable_peft_adapter(tmp_path, tiny_llama_dir, month_dir):
+    adapter = finetune(tiny_llama_dir, month_dir, tmp_path / "ft", LORA, TRAIN, params_hash="abc")
+    assert sorted(p.name for p in adapter.iterdir()) == [
+        "README.md", "adapter_config.json", "adapter_model.safetensors", "provenance.json",
+    ]
+    provenance = json.loads((adapter / "provenance.json").read_text())
+    assert provenance["base_model_hash"] == backbone_hash(tiny_llama_dir)
+    assert provenance["params_hash"] == "abc"
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    assert len(tensors) == 2 * 4 * 2  # A and B, 4 modules, 2 layers
+    assert all(name.endswith(("lora_A.weight", "lora_B.weight")) for name in tensors)
+    # B starts at zero in PEFT; after training it must not be, or the adapter would do nothing.
+    assert any(t.abs().sum() > 0 for n, t in tensors.items() if "lora_B" in n)
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    loaded = PeftModel.from_pretrained(base, adapter)
+    assert loaded.peft_config["default"].r == 4
+    losses = (tmp_path / "ft" / "loss.csv").read_text().splitlines()
+    assert losses[0] == "step,loss" and len(losses) == 5
+    assert (tmp_path / "ft" / "loss.png").stat().st_size > 0
+
+
+def test_non_finite_loss_stops_training_and_writes_no_adapter(tmp_path, tiny_llama_dir, month_dir):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_llama_dir.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    weights = load_file(broken / "model.safetensors")
+    weights["model.norm.weight"] = torch.full_like(weights["model.norm.weight"], float("nan"))
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(TrainingDiverged, match=r"loss became nan at step 1"):
+        finetune(broken, month_dir, tmp_path / "ft", LORA, TRAIN, params_hash="abc")
+    assert not (tmp_path / "ft").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["broken"]
+
+
+def test_target_module_missing_from_the_model_is_a_config_error(tmp_path, tiny_llama_dir, month_dir):
+    from tasks.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"lora\.target_modules: \['qkv_proj'\] not found"):
+        finetune(tiny_llama_dir, month_dir, tmp_path / "ft", LoraSection(target_modules=("qkv_proj",)), TRAIN, "x")
+    assert not (tmp_path / "ft").exists()
