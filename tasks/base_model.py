@@ -8,22 +8,22 @@ same loader takes a user's local Qwen2 or Llama checkpoint (for example Qwen2-0.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
 from pathlib import Path
 
 from tasks.artifacts import atomic_output_dir, write_json
-from tasks.config import BaseModelConfig, ConfigError, DataConfig, ReleaseConfig, TrainConfig, load_config
-from tasks.data import DataError, Example, rulebook, sample_examples
+from tasks.cli import stage_main
+from tasks.config import BaseModelConfig, DataConfig, ReleaseConfig, StageError, TrainConfig
+from tasks.data import Example, rulebook, sample_examples
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 EOS_TOKEN = "<|endoftext|>"
 CARD = "base_model_card.json"
 
 
-class BaseModelError(ValueError):
+class BaseModelError(StageError, ValueError):
     """A base-model directory that cannot be used; the message names the path."""
 
 
@@ -137,6 +137,7 @@ def build_base_model(
             warmup_steps=min(50, cfg.pretrain_steps // 10),
             max_seq_len=train_cfg.max_seq_len,
             seed=cfg.seed,
+            prompt_loss_weight=cfg.prompt_loss_weight,
         )
         losses = train_completions(model, tokenizer, examples, settings, desc="pre-train base")
         model.save_pretrained(tmp)
@@ -174,17 +175,11 @@ def prepare_base_model(cfg: ReleaseConfig) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Build (embedded) or check (local) the base model.")
-    parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.params)
-        path = prepare_base_model(cfg)
-    except (ConfigError, DataError, BaseModelError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(f"base model ready at {path}")
-    return 0
+    return stage_main(
+        "Build (embedded) or check (local) the base model.",
+        lambda cfg: f"base model ready at {prepare_base_model(cfg)}",
+        argv,
+    )
 
 
 if __name__ == "__main__":

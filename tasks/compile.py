@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metrics", type=Path, default=Path("metrics/engine.json"))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("onnx_ir").setLevel(logging.WARNING)  # one line per deduplicated initializer otherwise
     metrics = compile_engine(
         args.model_dir, args.engine_dir, args.max_rank, tuple(args.target_modules.split(",")),
         args.opset, args.threads, args.metrics,

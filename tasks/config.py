@@ -21,7 +21,11 @@ MONTH_PATTERN = re.compile(r"^\d{4}-(0[1-9]|1[0-2])$")
 DEFAULT_PARAMS = Path("params.yaml")
 
 
-class ConfigError(ValueError):
+class StageError(Exception):
+    """Input a stage refuses (bad config, data, model or a diverged run); the message says where."""
+
+
+class ConfigError(StageError, ValueError):
     """A params file that cannot be used; the message names every bad key."""
 
 
@@ -62,12 +66,13 @@ class BaseModelConfig(_Section):
     num_heads: int = Field(4, ge=1)
     num_kv_heads: int = Field(2, ge=1)
     head_dim: int = Field(64, ge=8)
-    intermediate_size: int = Field(512, ge=16)
+    intermediate_size: int = Field(768, ge=16)
     rope_theta: float = Field(10000.0, gt=0)
     pretrain_examples: int = Field(6000, ge=1)
     pretrain_steps: int = Field(400, ge=1)
     pretrain_batch_size: int = Field(32, ge=1)
     pretrain_lr: float = Field(1e-3, gt=0, le=1.0)
+    prompt_loss_weight: float = Field(0.2, ge=0.0)
     seed: int = Field(0, ge=0)
 
     @model_validator(mode="after")
@@ -97,11 +102,12 @@ class LoraSection(_Section):
 
 class TrainConfig(_Section):
     seed: int = Field(0, ge=0)
-    steps: int = Field(400, ge=1)
+    steps: int = Field(600, ge=1)
     batch_size: int = Field(32, ge=1)
     lr: float = Field(3e-3, gt=0, le=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
     warmup_steps: int = Field(20, ge=0)
+    prompt_loss_weight: float = Field(0.2, ge=0.0)
     max_seq_len: int = Field(96, ge=8)
     threads: int = Field(2, ge=1)
     output_dir: str = "artifacts"

@@ -16,7 +16,6 @@ enable the per-rule and new/regression tables).
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import shutil
@@ -25,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.artifacts import atomic_output_dir, write_json
-from tasks.config import ConfigError, DataConfig, load_config
+from tasks.cli import stage_main
+from tasks.config import DataConfig, ReleaseConfig, StageError
 
 SPLITS = ("train", "val", "calib", "test")
 HELDOUT_TEXT = "heldout.txt"
@@ -47,7 +47,7 @@ THRESHOLDS = tuple(range(20, 90, 10))
 EPOCH_MONTH = "2026-01"
 
 
-class DataError(ValueError):
+class DataError(StageError, ValueError):
     """Bad input data; the message names the file and line."""
 
 
@@ -272,18 +272,13 @@ def prepare_data(cfg: DataConfig, base_month: str, out_dir: Path) -> Path:
     return import_month(Path(cfg.jsonl_dir), out_dir, heldout)
 
 
+def run_stage(cfg: ReleaseConfig) -> str:
+    out = prepare_data(cfg.data, cfg.base_model.trained_through, cfg.data_dir())
+    return f"data for {cfg.data.month} written to {out}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Write the month's data splits.")
-    parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.params)
-        out = prepare_data(cfg.data, cfg.base_model.trained_through, cfg.data_dir())
-    except (ConfigError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(f"data for {cfg.data.month} written to {out}")
-    return 0
+    return stage_main("Write the month's data splits.", run_stage, argv)
 
 
 if __name__ == "__main__":

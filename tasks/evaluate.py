@@ -8,16 +8,16 @@ rule. Perplexity is measured on held-out plain text (``heldout.txt`` of the mont
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 from tasks.artifacts import atomic_output_dir, write_json
-from tasks.base_model import BaseModelError, load_base_model
-from tasks.config import ConfigError, EvalConfig, ReleaseConfig, load_config
-from tasks.data import HELDOUT_TEXT, DataError, Example, read_jsonl, read_text_corpus
+from tasks.base_model import load_base_model
+from tasks.cli import stage_main
+from tasks.config import EvalConfig, ReleaseConfig
+from tasks.data import HELDOUT_TEXT, Example, read_jsonl, read_text_corpus
 
 
 def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[str]:
@@ -161,16 +161,11 @@ def run_stage(cfg: ReleaseConfig) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Evaluate the base model and base + adapter.")
-    parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args(argv)
-    try:
-        metrics_path = run_stage(load_config(args.params))
-    except (ConfigError, DataError, BaseModelError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print((metrics_path.parent / "report.md").read_text())
-    return 0
+    return stage_main(
+        "Evaluate the base model and base + adapter.",
+        lambda cfg: (run_stage(cfg).parent / "report.md").read_text(),
+        argv,
+    )
 
 
 if __name__ == "__main__":

@@ -7,15 +7,15 @@ Only the LoRA matrices are saved, in PEFT's own format (``adapter_config.json`` 
 
 from __future__ import annotations
 
-import argparse
 import platform
 import sys
 from pathlib import Path
 
 from tasks.artifacts import atomic_output_dir, write_json
-from tasks.base_model import BaseModelError, load_base_model
-from tasks.config import ConfigError, LoraSection, ReleaseConfig, TrainConfig, load_config
-from tasks.data import DataError, read_jsonl
+from tasks.base_model import load_base_model
+from tasks.cli import stage_main
+from tasks.config import ConfigError, LoraSection, ReleaseConfig, TrainConfig
+from tasks.data import read_jsonl
 
 ADAPTER_DIR = "adapter"
 PROVENANCE = "provenance.json"
@@ -56,7 +56,6 @@ def finetune(
     torch.set_num_threads(train.threads)
     examples = read_jsonl(Path(data_dir) / "train.jsonl")
     model, tokenizer = load_base_model(base_dir)
-    base_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     missing = [m for m in lora.target_modules if not any(n.endswith(m) for n, _ in model.named_modules())]
     if missing:
         raise ConfigError(f"lora.target_modules: {missing} not found in the base model at {base_dir}")
@@ -79,6 +78,7 @@ def finetune(
         warmup_steps=train.warmup_steps,
         max_seq_len=train.max_seq_len,
         seed=train.seed,
+        prompt_loss_weight=train.prompt_loss_weight,
     )
     losses = train_completions(peft_model, tokenizer, examples, settings, desc="fine-tune LoRA")
 
@@ -96,7 +96,9 @@ def finetune(
                 "libraries": library_versions(),
             },
         )
-        adapter_bytes = (adapter_dir / "adapter_model.safetensors").stat().st_size
+        # Bytes on disk, whole folders: what a device downloads versus what it already has.
+        adapter_bytes = sum(f.stat().st_size for f in adapter_dir.iterdir())
+        base_bytes = sum(f.stat().st_size for f in Path(base_dir).glob("*.safetensors"))
         write_loss_curve(losses, tmp / "loss.csv", tmp / "loss.png", "LoRA fine-tuning")
         write_json(
             tmp / "train_metrics.json",
@@ -124,18 +126,7 @@ def run_stage(cfg: ReleaseConfig) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tasks.training import TrainingDiverged
-
-    parser = argparse.ArgumentParser(description="Fine-tune this month's LoRA adapter.")
-    parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args(argv)
-    try:
-        adapter = run_stage(load_config(args.params))
-    except (ConfigError, DataError, BaseModelError, TrainingDiverged) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(f"adapter written to {adapter}")
-    return 0
+    return stage_main("Fine-tune this month's LoRA adapter.", lambda cfg: f"adapter written to {run_stage(cfg)}", argv)
 
 
 if __name__ == "__main__":

@@ -7,16 +7,15 @@ engine compile, gates, packaging, publishing) join here as they are built.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 from tasks import evaluate, finetune
-from tasks.base_model import BaseModelError, prepare_base_model
-from tasks.config import ConfigError, ReleaseConfig, load_config
-from tasks.data import DataError, prepare_data
-from tasks.training import TrainingDiverged
+from tasks.base_model import prepare_base_model
+from tasks.cli import stage_main
+from tasks.config import ReleaseConfig
+from tasks.data import prepare_data
 
 
 def run_release(cfg: ReleaseConfig) -> dict[str, float]:
@@ -37,20 +36,14 @@ def run_release(cfg: ReleaseConfig) -> dict[str, float]:
     return timings
 
 
+def _run_and_report(cfg: ReleaseConfig) -> str:
+    timings = run_release(cfg)
+    report = (Path(cfg.release_dir()) / "eval" / "report.md").read_text()
+    return report + "\nstage times: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run the monthly adapter release.")
-    parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.params)
-        timings = run_release(cfg)
-    except (ConfigError, DataError, BaseModelError, TrainingDiverged) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    report = Path(cfg.release_dir()) / "eval" / "report.md"
-    print(report.read_text())
-    print("stage times: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
-    return 0
+    return stage_main("Run the monthly adapter release.", _run_and_report, argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,386 @@
+"""The calibration stage: per-channel KV-cache scales for this release (base + this month's adapter).
+
+The adapter changes K and V (it targets k_proj and v_proj), so scales belong to a release:
+a new adapter gets new scales. The stage runs base + adapter over the ``calib`` split,
+collects per-channel ranges of keys (before RoPE when ``spec.pre_rope_keys``) and values, and
+writes into ``out_dir``:
+
+  kv_scales.safetensors  ``layer.{i}.k_scale`` (nkv, d), ``layer.{i}.k_zero`` (asymmetric keys only),
+                         ``layer.{i}.v_scale``, ``layer.{i}.v_zero`` (per-channel values; written
+                         whatever ``v_granularity`` is, since ORT's GroupQueryAttention wants them),
+                         plus the identity fields as safetensors metadata.
+  kv_scales.json         how they were computed: split, rows, tokens, clipping, spec,
+                         base_model_hash, adapter_sha256, interface, key outlier ratios.
+
+``load_kv_scales`` refuses, with a distinct ``KVScalesError.reason``, a file that is missing,
+malformed, non-finite, zero or made for another adapter, backbone, interface or spec. There
+is no fallback to 1.0: an uncalibrated cache would silently clip every key.
+
+    python -m tasks.calibrate --base DIR --adapter DIR --calib calib.jsonl --out DIR [--k-bits 4 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.artifacts import atomic_output_dir, sha256_file, write_json
+
+SCALES_FILE = "kv_scales.safetensors"
+SCALES_JSON = "kv_scales.json"
+FORMAT_VERSION = 1
+
+
+class KVScalesError(ValueError):
+    """A KV-scale file that must not be used. ``reason`` is one of: missing, malformed,
+    non_finite, zero, adapter_mismatch, base_mismatch, interface_mismatch, spec_mismatch."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """Loaded, checked scales: tensors (L, nkv, d) float32; zeros are None when symmetric."""
+
+    spec: "KVQuantSpec"  # noqa: F821
+    k_scale: "torch.Tensor"  # noqa: F821
+    k_zero: "torch.Tensor | None"  # noqa: F821
+    v_scale: "torch.Tensor"  # noqa: F821
+    v_zero: "torch.Tensor | None"  # noqa: F821
+    record: dict
+
+    def cache_kwargs(self) -> dict:
+        """Keyword arguments of ``kernels.QuantizedKVCache`` for these scales."""
+        return dict(k_scale=self.k_scale, k_zero=self.k_zero, v_scale=self.v_scale, v_zero=self.v_zero)
+
+
+# ---------------------------------------------------------------- statistics
+
+def collect_kv_stats(backbone, batches, pre_rope_keys: bool, clip_percentile: float = 100.0, progress: bool = True) -> dict:
+    """Per-channel ranges of K and V over every real token of ``batches``.
+
+    batches: iterable of (input_ids (B, T), attention_mask (B, T)), right padded.
+    Returns {"k_lo", "k_hi", "v_lo", "v_hi": (L, nkv, d) float32, "tokens": int,
+    "k_channel_amax": (L, nkv, d)} where lo/hi are the (100 - p)th and p-th percentiles of
+    each channel (p = clip_percentile; 100 = min/max).
+    """
+    import torch
+    from tqdm import tqdm
+
+    from kernels import rope_rotate
+
+    if not 50.0 < clip_percentile <= 100.0:
+        raise ValueError(f"clip_percentile={clip_percentile} must be in (50, 100]")
+    L = backbone.cfg.num_layers
+    keys: list[list] = [[] for _ in range(L)]
+    values: list[list] = [[] for _ in range(L)]
+    tokens = 0
+    with torch.no_grad():
+        for ids, mask in tqdm(list(batches), desc="calibrate KV", unit="batch", disable=not progress, dynamic_ncols=True):
+            B, T = ids.shape
+            pos = torch.arange(T).expand(B, T)
+            _, present = backbone(ids, pos, mask, backbone.empty_past(B))
+            real = mask.bool()  # (B, T)
+            tokens += int(real.sum())
+            for i in range(L):
+                k, v = present[2 * i], present[2 * i + 1]  # (B, nkv, T, d), keys after RoPE
+                if pre_rope_keys:
+                    k = rope_rotate(k, pos, backbone.inv_freq, inverse=True)
+                keys[i].append(k.transpose(1, 2)[real])  # (n, nkv, d)
+                values[i].append(v.transpose(1, 2)[real])
+    if tokens == 0:
+        raise ValueError("calibration saw no tokens")
+
+    def bounds(rows: list) -> tuple:
+        x = torch.cat(rows).flatten(1)  # (N, nkv d)
+        if clip_percentile >= 100.0:
+            return x.amin(0), x.amax(0), x.abs().amax(0)
+        n = x.shape[0]
+        k_hi = max(1, min(n, math.ceil(clip_percentile / 100.0 * n)))
+        k_lo = max(1, n + 1 - k_hi)
+        return x.kthvalue(k_lo, 0).values, x.kthvalue(k_hi, 0).values, x.abs().amax(0)
+
+    stats = {name: [] for name in ("k_lo", "k_hi", "v_lo", "v_hi", "k_channel_amax")}
+    nkv, d = backbone.cfg.num_kv_heads, backbone.cfg.head_dim
+    for i in range(L):
+        k_lo, k_hi, k_amax = bounds(keys[i])
+        v_lo, v_hi, _ = bounds(values[i])
+        for name, t in (("k_lo", k_lo), ("k_hi", k_hi), ("v_lo", v_lo), ("v_hi", v_hi), ("k_channel_amax", k_amax)):
+            stats[name].append(t.reshape(nkv, d))
+    out = {name: torch.stack(ts) for name, ts in stats.items()}  # (L, nkv, d)
+    out["tokens"] = tokens
+    return out
+
+
+def key_outlier_ratio(k_channel_amax) -> list[float]:
+    """Per layer: largest channel amax over the median channel amax (the outlier check of issue 4)."""
+    flat = k_channel_amax.flatten(1)  # (L, nkv d)
+    return (flat.amax(1) / flat.median(1).values).tolist()
+
+
+def scales_from_stats(stats: dict, spec) -> dict:
+    """{"k_scale", "k_zero" (None if symmetric), "v_scale", "v_zero"}: (L, nkv, d) for this spec's widths."""
+    from kernels.kv_quant import scale_zero_from_range
+
+    out = {}
+    for kind, bits, sym in (("k", spec.k_bits, spec.k_symmetric), ("v", spec.v_bits, spec.v_symmetric)):
+        scale, zero = scale_zero_from_range(stats[f"{kind}_lo"], stats[f"{kind}_hi"], bits, sym)
+        out[f"{kind}_scale"], out[f"{kind}_zero"] = scale, (None if sym else zero)
+    return out
+
+
+# ---------------------------------------------------------------- the stage
+
+def load_release_backbone(base_dir: Path, adapter_dir: Path):
+    """Backbone with the adapter merged (calibration runs eagerly; merging is exact to fp32).
+
+    The adapter is validated by ``runtime.adapter.load_adapter`` (provenance included), so an
+    adapter made for another backbone is refused here too.
+    """
+    import torch
+
+    from runtime.adapter import ADAPTER_CONFIG, load_adapter
+    from runtime.hashing import backbone_hash
+    from runtime.interface import build_interface
+    from runtime.model import load_backbone, read_config
+
+    cfg = read_config(base_dir)
+    acfg = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())
+    targets = acfg.get("target_modules") or []
+    targets = tuple(sorted([targets] if isinstance(targets, str) else targets))
+    iface = build_interface(cfg, backbone_hash(base_dir), max_rank=int(acfg.get("r", 1)), target_modules=targets)
+    lora = {k: torch.from_numpy(v) for k, v in load_adapter(adapter_dir, iface).items()}
+    return load_backbone(base_dir, merged_lora=lora), iface.backbone_hash
+
+
+def jsonl_batches(tokenizer, calib_jsonl: Path, batch_size: int, max_seq_len: int) -> tuple[list, int]:
+    """prompt + completion + eos of every row, right padded: [(ids (B, T), mask (B, T))], rows."""
+    from tasks.data import read_jsonl
+    from tasks.training import collate, encode_example
+
+    rows = read_jsonl(Path(calib_jsonl))
+    encoded = [encode_example(tokenizer, ex, max_seq_len) for ex in rows]
+    batches = []
+    for i in range(0, len(encoded), batch_size):
+        b = collate(encoded[i : i + batch_size], tokenizer.pad_token_id)
+        batches.append((b["input_ids"], b["attention_mask"]))
+    return batches, len(rows)
+
+
+def write_kv_scales(out_dir: Path, scales: dict, record: dict) -> Path:
+    """Write kv_scales.safetensors + kv_scales.json atomically into ``out_dir``; refuse bad scales."""
+    from safetensors.torch import save_file
+
+    problems = _check_tensors({k: v for k, v in scales.items() if v is not None})
+    if problems:
+        raise KVScalesError(problems[0][0], "refusing to write KV scales: " + "; ".join(p for _, p in problems))
+    tensors = {}
+    for name, t in scales.items():
+        if t is not None:
+            for i in range(t.shape[0]):
+                tensors[f"layer.{i}.{name}"] = t[i].contiguous().float()
+    meta = {k: (v if isinstance(v, str) else json.dumps(v, sort_keys=True)) for k, v in _identity(record).items()}
+    with atomic_output_dir(Path(out_dir)) as tmp:
+        save_file(tensors, str(tmp / SCALES_FILE), metadata=meta)
+        write_json(tmp / SCALES_JSON, record)
+    return Path(out_dir) / SCALES_FILE
+
+
+def calibrate_kv_scales(
+    base_dir: Path,
+    adapter_dir: Path,
+    calib_jsonl: Path,
+    out_dir: Path,
+    spec=None,
+    clip_percentile: float = 100.0,
+    batch_size: int = 16,
+    max_seq_len: int = 96,
+    interface: str = "",
+    threads: int = 1,
+) -> Path:
+    """Calibrate per-channel K/V scales of base + adapter on ``calib_jsonl``; return the .safetensors path."""
+    import torch
+
+    from kernels import KVQuantSpec
+    from tasks.base_model import load_tokenizer
+
+    spec = spec or KVQuantSpec()
+    torch.set_num_threads(threads)
+    adapter_file = Path(adapter_dir) / "adapter_model.safetensors"
+    if not adapter_file.exists():
+        raise FileNotFoundError(f"{adapter_file} is missing: scales are calibrated for an adapter")
+    backbone, base_hash = load_release_backbone(Path(base_dir), Path(adapter_dir))
+    tokenizer = load_tokenizer(Path(base_dir))
+    batches, rows = jsonl_batches(tokenizer, Path(calib_jsonl), batch_size, max_seq_len)
+    stats = collect_kv_stats(backbone, batches, spec.pre_rope_keys, clip_percentile)
+    record = {
+        "format_version": FORMAT_VERSION,
+        "split": "calib",
+        "calib_path": str(calib_jsonl),
+        "rows": rows,
+        "tokens": stats["tokens"],
+        "clip_percentile": clip_percentile,
+        "max_seq_len": max_seq_len,
+        "spec": spec.to_dict(),
+        "base_model_hash": base_hash,
+        "adapter_sha256": sha256_file(adapter_file),
+        "interface": interface,
+        "key_outlier_ratio": key_outlier_ratio(stats["k_channel_amax"]),
+        "torch": torch.__version__,
+    }
+    return write_kv_scales(Path(out_dir), scales_from_stats(stats, spec), record)
+
+
+# ---------------------------------------------------------------- loading, with refusals
+
+def _identity(record: dict) -> dict:
+    keys = ("format_version", "base_model_hash", "adapter_sha256", "interface", "spec")
+    return {k: record.get(k) for k in keys}
+
+
+def _check_tensors(tensors: dict) -> list[tuple[str, str]]:
+    import torch
+
+    problems = []
+    for name, t in sorted(tensors.items()):
+        if not torch.isfinite(t).all():
+            problems.append(("non_finite", f"{name} has {int((~torch.isfinite(t)).sum())} non-finite values"))
+        elif name.endswith("scale") and not (t > 0).all():
+            problems.append(("zero", f"{name} has {int((t <= 0).sum())} zero or negative scales"))
+    return problems
+
+
+def load_kv_scales(
+    path: Path,
+    expected_adapter_sha256: str,
+    expected_base_hash: str,
+    expected_interface: str | None = None,
+    expected_spec=None,
+    num_layers: int | None = None,
+) -> KVScales:
+    """Read and check a calibration; raise ``KVScalesError`` (with ``reason``) instead of guessing.
+
+    ``path`` is the output directory or the .safetensors file. ``expected_interface=None`` skips
+    the interface check (until the engine provides one); ``expected_spec`` None accepts the
+    recorded spec.
+    """
+    import torch
+    from safetensors import safe_open
+
+    from kernels import KVQuantSpec
+
+    path = Path(path)
+    file = path / SCALES_FILE if path.is_dir() or not path.suffix else path
+    record_file = file.with_name(SCALES_JSON)
+    for f in (file, record_file):
+        if not f.exists():
+            raise KVScalesError("missing", f"{f} is missing: calibrate this release (python -m tasks.calibrate); "
+                                "KV scales are never defaulted to 1.0")
+    try:
+        record = json.loads(record_file.read_text())
+        with safe_open(str(file), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            tensors = {name: fh.get_tensor(name).float() for name in fh.keys()}
+        spec = KVQuantSpec.from_dict(record["spec"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, OSError) as err:
+        raise KVScalesError("malformed", f"{file}: cannot read KV scales ({err})") from None
+    written = {k: (v if isinstance(v, str) else json.dumps(v, sort_keys=True)) for k, v in _identity(record).items()}
+    if meta != written:
+        raise KVScalesError("malformed", f"{file}: safetensors metadata disagrees with {record_file.name}")
+
+    if record["adapter_sha256"] != expected_adapter_sha256:
+        raise KVScalesError("adapter_mismatch", f"{file}: scales were calibrated for adapter {record['adapter_sha256'][:12]}, "
+                            f"not for this adapter {expected_adapter_sha256[:12]}; recalibrate")
+    if record["base_model_hash"] != expected_base_hash:
+        raise KVScalesError("base_mismatch", f"{file}: scales were calibrated on backbone {record['base_model_hash'][:12]}, "
+                            f"not {expected_base_hash[:12]}")
+    if expected_interface is not None and record.get("interface", "") != expected_interface:
+        raise KVScalesError("interface_mismatch", f"{file}: scales record engine interface {record.get('interface')!r}, "
+                            f"the engine has {expected_interface!r}")
+    if expected_spec is not None and spec != expected_spec:
+        raise KVScalesError("spec_mismatch", f"{file}: scales were made for {spec.name}, not {expected_spec.name}")
+
+    problems = _check_tensors(tensors)
+    if problems:
+        raise KVScalesError(problems[0][0], f"{file}: " + "; ".join(p for _, p in problems))
+    layers = sorted({int(n.split(".")[1]) for n in tensors})
+    L = num_layers if num_layers is not None else len(layers)
+    if layers != list(range(L)):
+        raise KVScalesError("malformed", f"{file}: scales for layers {layers}, expected 0..{L - 1}")
+
+    def stack(name: str, needed: bool):
+        names = [f"layer.{i}.{name}" for i in range(L)]
+        present = [n in tensors for n in names]
+        if not needed:
+            return None
+        if not all(present):
+            raise KVScalesError("malformed", f"{file}: missing {[n for n, p in zip(names, present) if not p]}")
+        return torch.stack([tensors[n] for n in names])  # (L, nkv, d)
+
+    out = KVScales(
+        spec=spec,
+        k_scale=stack("k_scale", True),
+        k_zero=stack("k_zero", not spec.k_symmetric),
+        v_scale=stack("v_scale", True),
+        v_zero=stack("v_zero", not spec.v_symmetric),
+        record=record,
+    )
+    if out.k_scale.shape != out.v_scale.shape:
+        raise KVScalesError("malformed", f"{file}: k_scale {tuple(out.k_scale.shape)} and v_scale {tuple(out.v_scale.shape)} differ")
+    return out
+
+
+# ---------------------------------------------------------------- CLI
+
+def main(argv: list[str] | None = None) -> int:
+    from kernels import KVQuantSpec
+
+    p = argparse.ArgumentParser(description="Calibrate this release's KV-cache scales (base + adapter on the calib split).")
+    p.add_argument("--params", default=None, help="params.yaml: base, adapter, calib and out follow from it")
+    p.add_argument("--base")
+    p.add_argument("--adapter")
+    p.add_argument("--calib")
+    p.add_argument("--out")
+    p.add_argument("--k-bits", type=int, default=4)
+    p.add_argument("--v-bits", type=int, default=4)
+    p.add_argument("--k-granularity", choices=("channel", "token"), default="channel")
+    p.add_argument("--v-granularity", choices=("channel", "token"), default="token")
+    p.add_argument("--k-symmetric", action="store_true")
+    p.add_argument("--v-symmetric", action="store_true")
+    p.add_argument("--sink-tokens", type=int, default=1)
+    p.add_argument("--window-tokens", type=int, default=0)
+    p.add_argument("--post-rope-keys", action="store_true", help="quantize keys after RoPE (default: before)")
+    p.add_argument("--clip-percentile", type=float, default=100.0)
+    p.add_argument("--interface", default="", help="engine interface hash, when the engine has one")
+    args = p.parse_args(argv)
+    paths = {"base": args.base, "adapter": args.adapter, "calib": args.calib, "out": args.out}
+    try:
+        if args.params:
+            from tasks.config import load_config
+
+            cfg = load_config(args.params)
+            defaults = {"base": cfg.base_model.path, "adapter": str(cfg.release_dir() / "finetune" / "adapter"),
+                        "calib": str(cfg.data_dir() / "calib.jsonl"), "out": str(cfg.release_dir() / "kv")}
+            paths = {k: v or defaults[k] for k, v in paths.items()}
+        missing = [f"--{k}" for k, v in paths.items() if not v]
+        if missing:
+            p.error(f"missing {', '.join(missing)} (or give --params)")
+        spec = KVQuantSpec(args.k_bits, args.v_bits, args.k_granularity, args.v_granularity, args.k_symmetric,
+                           args.v_symmetric, args.sink_tokens, args.window_tokens, not args.post_rope_keys)
+        out = calibrate_kv_scales(Path(paths["base"]), Path(paths["adapter"]), Path(paths["calib"]), Path(paths["out"]),
+                                  spec, args.clip_percentile, interface=args.interface)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"KV scales written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

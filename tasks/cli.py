@@ -1,0 +1,26 @@
+"""The one command-line shape every stage shares: ``python -m tasks.<stage> --params FILE``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from tasks.config import ReleaseConfig, StageError, load_config
+
+# Exit code of a refused input or config: distinct from 1, which is a crash (a bug).
+EXIT_BAD_INPUT = 2
+
+
+def stage_main(description: str, run: Callable[[ReleaseConfig], str], argv: list[str] | None = None) -> int:
+    """Load the config, run the stage, print its one-line result or a clear error."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    args = parser.parse_args(argv)
+    try:
+        message = run(load_config(args.params))
+    except StageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(message)
+    return 0
