@@ -34,12 +34,18 @@ def main(argv: list[str] | None = None) -> int:
     from bench.engine_bench import CONFIGS, make_backbone_and_adapter, measure
     from runtime.adapter import load_adapter
     from runtime.backends.onnxruntime import OrtEngine
-    from runtime.backends.tensorrt import TensorRTEngine, build_plan, build_plan_torch_tensorrt, require_tensorrt
+    from runtime.backends.tensorrt import (
+        TensorRTEngine, TensorRTUnavailable, build_plan, build_plan_torch_tensorrt, require_tensorrt,
+    )
     from runtime.generate import greedy_generate
     from runtime.model import read_config
     from tasks.compile import compile_engine
 
-    trt = require_tensorrt()  # fails loudly, with the reason, on a machine without GPU/TensorRT
+    try:
+        trt = require_tensorrt()
+    except TensorRTUnavailable as err:
+        print(f"gpu_check: cannot run here: {err}", file=sys.stderr)
+        return 2
     report: dict = {"tensorrt": trt.__version__, "config": args.config, "checks": {}}
     ok = True
     with tempfile.TemporaryDirectory() as work:

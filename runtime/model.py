@@ -68,6 +68,9 @@ class BackboneConfig:
             problems.append("sliding-window attention is not supported")
         if hf.get("mlp_bias"):
             problems.append("mlp_bias is not supported")
+        heads, kv_heads = hf.get("num_attention_heads", 0), hf.get("num_key_value_heads") or hf.get("num_attention_heads", 0)
+        if not heads or heads % kv_heads:
+            problems.append(f"{heads} attention heads do not split evenly over {kv_heads} kv heads")
         if problems:
             raise ModelFormatError("unsupported model config: " + "; ".join(problems))
         heads = hf["num_attention_heads"]
@@ -166,24 +169,27 @@ class Block(nn.Module):
 
         h = rms_norm(x, self.ln1, cfg.rms_norm_eps)  # (N, H)
         qkv = _linear(h, self.qkv_w, self.qkv_b)  # (N, (nh + 2 nkv) d)
-        q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
-        q = self._lora("q_proj", h, q, lora)  # (N, nh d)
-        k = self._lora("k_proj", h, k, lora)  # (N, nkv d)
+        if "q_proj" in lora or "k_proj" in lora:
+            q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
+            q = self._lora("q_proj", h, q, lora)  # (N, nh d)
+            k = self._lora("k_proj", h, k, lora)  # (N, nkv d)
+            qk = torch.cat([q, k], dim=-1)  # (N, (nh + nkv) d)
+        else:
+            qk, v = qkv.split([(nh + nkv) * d, nkv * d], dim=-1)
         v = self._lora("v_proj", h, v, lora)  # (N, nkv d)
-        q = q.view(B, T, nh, d).transpose(1, 2)  # (B, nh, T, d)
-        k = k.view(B, T, nkv, d).transpose(1, 2)  # (B, nkv, T, d)
+        # RoPE on queries and keys in one pass: half the rotate/multiply ops of two passes.
+        qk = qk.view(B, T, nh + nkv, d).transpose(1, 2)  # (B, nh + nkv, T, d)
+        qk = qk * cos + rotate_half(qk) * sin
+        q, k = qk.split([nh, nkv], dim=1)  # (B, nh, T, d), (B, nkv, T, d)
         v = v.view(B, T, nkv, d).transpose(1, 2)  # (B, nkv, T, d)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
         k = torch.cat([past_k, k], dim=2)  # (B, nkv, S, d)
         v = torch.cat([past_v, v], dim=2)  # (B, nkv, S, d)
 
         # GQA without copying K/V: fold the g query heads of each kv head into the row axis.
         qg = q.reshape(B, nkv, g * T, d)  # (B, nkv, g T, d)
-        att = (qg @ k.transpose(-1, -2)) * (1.0 / math.sqrt(d))  # (B, nkv, g T, S)
-        att = att.view(B, nkv, g, T, -1) + mask  # (B, nkv, g, T, S) + (B, 1, 1, T, S)
+        att = (qg @ k.transpose(-1, -2)) * (1.0 / math.sqrt(d)) + mask  # (B, nkv, g T, S) + (B, 1, g T, S)
         att = torch.softmax(att, dim=-1)
-        y = att.view(B, nkv, g * T, -1) @ v  # (B, nkv, g T, d)
+        y = att @ v  # (B, nkv, g T, d)
         y = y.view(B, nh, T, d).transpose(1, 2).reshape(B * T, nh * d)  # (N, nh d)
         o = _linear(y, self.o_w, self.o_b)  # (N, H)
         x = x + self._lora("o_proj", y, o, lora)
@@ -246,7 +252,11 @@ class Backbone(nn.Module):
         k_slot = torch.arange(P + T, device=input_ids.device)  # (S,)
         allowed = (k_slot[None, :] <= q_slot[:, None])[None] & (attention_mask[:, None, :] > 0)  # (B, T, S)
         zero = torch.zeros((), dtype=x.dtype)
-        mask = torch.where(allowed, zero, torch.finfo(x.dtype).min)[:, None, None]  # (B, 1, 1, T, S)
+        mask = torch.where(allowed, zero, torch.finfo(x.dtype).min)  # (B, T, S)
+        # Rows repeated once per query head of a kv group, built once here instead of a 5-D
+        # view + broadcast in every layer.
+        g = cfg.num_heads // cfg.num_kv_heads
+        mask = mask.unsqueeze(1).expand(B, g, T, P + T).reshape(B, 1, g * T, P + T)  # (B, 1, g T, S)
 
         n = len(self.lora_modules)
         present = []

@@ -62,8 +62,9 @@ class OrtEngine:
 
             lora = zero_lora_inputs(self.interface)
         check_lora_inputs(self.interface, lora)
-        # Held on self: the binding refers to these buffers, they must outlive it.
-        self._lora = {n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for n, v in lora.items()}
+        # Copied (the engine keeps a snapshot, not the caller's arrays) and held on self: the
+        # binding refers to these buffers, they must outlive it.
+        self._lora = {n: ort.OrtValue.ortvalue_from_numpy(np.array(v, dtype=np.float32, order="C")) for n, v in lora.items()}
         for name, value in self._lora.items():
             self._binding.bind_ortvalue_input(name, value)
 

@@ -33,7 +33,7 @@ class TorchEngine:
 
             lora = zero_lora_inputs(self.interface)
         check_lora_inputs(self.interface, lora)
-        self._lora = tuple(torch.as_tensor(np.asarray(lora[n], dtype=np.float32)) for n in self.interface.lora_names)
+        self._lora = tuple(torch.tensor(np.asarray(lora[n], dtype=np.float32)) for n in self.interface.lora_names)  # copies
 
     def forward(self, input_ids, position_ids, attention_mask, past=None):
         if past is None:

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import make_adapter, make_model
+from engine_testkit import make_adapter, make_model
 from safetensors.numpy import load_file, save_file
 
 from runtime.adapter import AdapterError, load_adapter

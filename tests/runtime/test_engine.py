@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import make_adapter
+from engine_testkit import make_adapter
 
 from runtime.adapter import load_adapter
 from runtime.backends.onnxruntime import OrtEngine
@@ -170,3 +170,30 @@ def test_graph_that_disagrees_with_its_interface_is_refused(tiny_engine, tmp_pat
     (copy / "interface.json").write_text(json.dumps(spec))
     with pytest.raises(ValueError, match="graph inputs differ from interface.json"):
         OrtEngine(copy)
+
+
+def test_bound_adapter_is_a_snapshot_not_the_callers_arrays(engine, qwen_adapter):
+    lora = load_adapter(qwen_adapter, engine.interface)
+    ids = np.random.default_rng(6).integers(0, 96, (1, 5))
+    engine.set_adapter(lora)
+    before = prefill_then_decode(engine, ids, 5)
+
+    for value in lora.values():
+        value[...] = 0.0  # the caller reuses its buffers
+    after = prefill_then_decode(engine, ids, 5)
+
+    assert np.array_equal(before, after)
+
+
+def test_llama_engine_with_tied_embeddings_matches_peft_merged(tiny_llama, tmp_path):
+    from tasks.compile import compile_engine
+
+    adapter = make_adapter(tiny_llama, tmp_path / "adapter", r=8, alpha=16.0)
+    compile_engine(tiny_llama, tmp_path / "engine", max_rank=8)
+    engine = OrtEngine(tmp_path / "engine")
+    engine.set_adapter(load_adapter(adapter, engine.interface))
+    ids = np.random.default_rng(7).integers(0, 96, (2, 10))
+
+    got = prefill_then_decode(engine, ids, split=6)
+
+    assert np.abs(got - hf_logits(tiny_llama, adapter, ids)).max() <= 1e-4

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import make_adapter
+from engine_testkit import make_adapter
 
 from runtime.adapter import load_adapter
 from runtime.hashing import backbone_hash
@@ -121,3 +121,14 @@ def test_tied_embeddings_share_the_embedding_as_lm_head(tiny_llama):
     model = load_backbone(tiny_llama)
     assert model.lm_head is model.embed
     assert np.isclose(read_config(tiny_llama).rope_theta, 10000.0)
+
+
+def test_lora_on_every_linear_including_the_mlp_matches_peft_merged(tiny_qwen, tmp_path):
+    every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    adapter = make_adapter(tiny_qwen, tmp_path / "all", r=4, targets=every)
+    _, lora = engine_lora(tiny_qwen, adapter, targets=every)
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(4))
+
+    logits, _ = run(load_backbone(tiny_qwen, every), ids, lora)
+
+    assert (logits - hf_merged_logits(tiny_qwen, adapter, ids)).abs().max().item() <= 1e-4

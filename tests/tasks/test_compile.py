@@ -6,7 +6,7 @@ import json
 
 import onnx
 import pytest
-from conftest import make_model
+from engine_testkit import make_model, tiny_engine, tiny_qwen  # noqa: F401  (fixtures)
 
 import tasks.compile as compile_stage
 from runtime.hashing import backbone_hash

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import make_adapter, make_model
+from engine_testkit import make_adapter, make_model
 
 from tasks.base_model import train_tokenizer
 from tasks.compile import compile_engine
