@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
+from runtime.errors import RefusedInput
 from runtime.interface import EngineInterface
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -25,7 +26,7 @@ PROVENANCE = "provenance.json"
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
-class AdapterError(ValueError):
+class AdapterError(RefusedInput):
     """An adapter the engine must not run; the message lists every problem found."""
 
 

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from runtime.errors import RefusedInput
+
 if TYPE_CHECKING:  # the ONNX Runtime side reads interfaces without importing torch
     from runtime.model import BackboneConfig
 
@@ -27,7 +29,7 @@ def lora_input_names(num_layers: int, modules: tuple[str, ...]) -> list[str]:
     return [f"lora_{kind}.{i}.{m}" for i in range(num_layers) for m in modules for kind in ("A", "B", "scale")]
 
 
-class InterfaceError(ValueError):
+class InterfaceError(RefusedInput):
     """An engine, adapter or manifest that does not match the interface it claims."""
 
 

@@ -25,13 +25,15 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
+from runtime.errors import RefusedInput
+
 
 # Every linear a LoRA may target, in the order its inputs appear in the engine interface.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-class ModelFormatError(ValueError):
+class ModelFormatError(RefusedInput):
     """A model directory this forward cannot reproduce exactly; the message says why."""
 
 

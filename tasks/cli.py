@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from runtime.errors import RefusedInput
 from tasks.config import ReleaseConfig, StageError, load_config
 
 # Exit code of a refused input or config: distinct from 1, which is a crash (a bug).
@@ -19,7 +20,7 @@ def stage_main(description: str, run: Callable[[ReleaseConfig], str], argv: list
     args = parser.parse_args(argv)
     try:
         message = run(load_config(args.params))
-    except StageError as err:
+    except (StageError, RefusedInput) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(message)

@@ -9,7 +9,6 @@ builds nothing and records ``engine_builds: 0``.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -19,6 +18,8 @@ import warnings
 from pathlib import Path
 
 from tasks.artifacts import atomic_output_dir, write_json
+from tasks.cli import stage_main
+from tasks.config import ReleaseConfig, StageError
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ TRACE_BATCH, TRACE_SEQ, TRACE_PAST = 2, 3, 5
 MAX_BATCH, MAX_SEQ, MAX_PAST = 64, 4096, 4096
 
 
-class CompileError(RuntimeError):
+class CompileError(StageError, RuntimeError):
     """An export whose graph does not match the interface it was meant to implement."""
 
 
@@ -201,24 +202,27 @@ def compile_engine(
     return metrics
 
 
+def run_stage(cfg: ReleaseConfig) -> dict:
+    """The compile stage: build (or reuse) ``engine.dir`` for the backbone; record ``engine_builds``."""
+    return compile_engine(
+        Path(cfg.base_model.path),
+        Path(cfg.engine.dir),
+        cfg.engine.max_rank,
+        cfg.engine.target_modules,
+        cfg.engine.opset,
+        cfg.engine.threads,
+        cfg.release_dir() / "compile" / "metrics.json",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model-dir", type=Path, required=True)
-    ap.add_argument("--engine-dir", type=Path, default=Path("engine"))
-    ap.add_argument("--max-rank", type=int, default=8)
-    ap.add_argument("--target-modules", default=",".join(DEFAULT_TARGETS))
-    ap.add_argument("--opset", type=int, default=18)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--metrics", type=Path, default=Path("metrics/engine.json"))
-    args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("onnx_ir").setLevel(logging.WARNING)  # one line per deduplicated initializer otherwise
-    metrics = compile_engine(
-        args.model_dir, args.engine_dir, args.max_rank, tuple(args.target_modules.split(",")),
-        args.opset, args.threads, args.metrics,
+    return stage_main(
+        "Compile the backbone once into an engine with LoRA and KV cache as inputs.",
+        lambda cfg: json.dumps(run_stage(cfg), indent=2, sort_keys=True),
+        argv,
     )
-    print(json.dumps(metrics, indent=2, sort_keys=True))
-    return 0
 
 
 if __name__ == "__main__":

@@ -113,6 +113,16 @@ class TrainConfig(_Section):
     output_dir: str = "artifacts"
 
 
+class EngineConfig(_Section):
+    dir: str = "engine"
+    max_rank: int = Field(8, ge=1, le=256)
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    opset: int = Field(18, ge=17)
+    threads: int = Field(2, ge=1)
+    backend: Literal["onnxruntime", "torch", "tensorrt"] = "onnxruntime"
+    parity_tolerance: float = Field(1e-4, gt=0)
+
+
 class EvalConfig(_Section):
     max_new_tokens: int = Field(8, ge=1)
     batch_size: int = Field(64, ge=1)
@@ -123,7 +133,18 @@ class ReleaseConfig(_Section):
     base_model: BaseModelConfig = BaseModelConfig()
     lora: LoraSection = LoraSection()
     train: TrainConfig = TrainConfig()
+    engine: EngineConfig = EngineConfig()
     eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _adapter_fits_engine(self) -> "ReleaseConfig":
+        # The engine is compiled once; an adapter it cannot take must be refused before training.
+        if self.lora.r > self.engine.max_rank:
+            raise ValueError(f"lora.r ({self.lora.r}) exceeds engine.max_rank ({self.engine.max_rank})")
+        outside = [m for m in self.lora.target_modules if m not in self.engine.target_modules]
+        if outside:
+            raise ValueError(f"lora.target_modules {outside} are not LoRA inputs of the engine (engine.target_modules)")
+        return self
 
     @model_validator(mode="after")
     def _base_precedes_release(self) -> "ReleaseConfig":

@@ -22,6 +22,33 @@ from tasks.artifacts import write_json
 LOGIT_TOLERANCE = 1e-4
 
 
+def prefill_logit_diff(engine, model, tokenizer, prompts: list[str]) -> float:
+    """Max abs difference of the prefill logits, engine vs a PyTorch model, prompt by prompt."""
+    import torch
+
+    max_diff = 0.0
+    for prompt in prompts:
+        ids = np.asarray([tokenizer(prompt)["input_ids"]], dtype=np.int64)  # (1, T)
+        T = ids.shape[1]
+        got, _ = engine.forward(ids, np.arange(T)[None], np.ones((1, T), np.int64), None)
+        with torch.no_grad():
+            want = model(torch.from_numpy(ids)).logits.numpy()
+        max_diff = max(max_diff, float(np.abs(got - want).max()))
+    return max_diff
+
+
+def parity_report(max_diff: float, reference: list[str], on_engine: list[str], tolerance: float) -> dict:
+    mismatches = [i for i, (a, b) in enumerate(zip(reference, on_engine, strict=True)) if a != b]
+    return {
+        "prompts": len(reference),
+        "max_abs_logit_diff": max_diff,
+        "logit_tolerance": tolerance,
+        "logits_within_tolerance": max_diff <= tolerance,
+        "greedy_identical": not mismatches,
+        "greedy_mismatches": mismatches[:20],
+    }
+
+
 def engine_parity(
     base_dir: Path,
     adapter_dir: Path,
@@ -32,7 +59,6 @@ def engine_parity(
     threads: int = 2,
     out_path: Path | None = None,
 ) -> dict:
-    import torch
     from peft import PeftModel
 
     from runtime.adapter import load_adapter
@@ -47,26 +73,13 @@ def engine_parity(
     engine.set_adapter(load_adapter(adapter_dir, engine.interface))  # refuses a foreign adapter first
     model, tokenizer = load_base_model(Path(base_dir))
     merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().eval()
-
-    max_diff = 0.0
-    for prompt in prompts:
-        ids = np.asarray([tokenizer(prompt)["input_ids"]], dtype=np.int64)  # (1, T)
-        T = ids.shape[1]
-        got, _ = engine.forward(ids, np.arange(T)[None], np.ones((1, T), np.int64), None)
-        with torch.no_grad():
-            want = merged(torch.from_numpy(ids)).logits.numpy()
-        max_diff = max(max_diff, float(np.abs(got - want).max()))
-    reference = greedy_completions(merged, tokenizer, prompts, max_new_tokens, batch_size)
-    on_engine = generate_text(engine, tokenizer, prompts, max_new_tokens, batch_size)
-    mismatches = [i for i, (a, b) in enumerate(zip(reference, on_engine)) if a != b]
-    metrics = {
-        "prompts": len(prompts),
-        "max_abs_logit_diff": max_diff,
-        "logits_within_tolerance": max_diff <= LOGIT_TOLERANCE,
-        "greedy_identical": not mismatches,
-        "greedy_mismatches": mismatches[:20],
-        "interface_hash": engine.interface.interface_hash,
-    }
+    metrics = parity_report(
+        prefill_logit_diff(engine, merged, tokenizer, prompts),
+        greedy_completions(merged, tokenizer, prompts, max_new_tokens, batch_size),
+        generate_text(engine, tokenizer, prompts, max_new_tokens, batch_size),
+        LOGIT_TOLERANCE,
+    )
+    metrics["interface_hash"] = engine.interface.interface_hash
     if out_path is not None:
         write_json(Path(out_path), metrics)
     return metrics

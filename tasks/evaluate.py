@@ -8,6 +8,7 @@ rule. Perplexity is measured on held-out plain text (``heldout.txt`` of the mont
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections import defaultdict
@@ -16,7 +17,7 @@ from pathlib import Path
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.base_model import load_base_model
 from tasks.cli import stage_main
-from tasks.config import EvalConfig, ReleaseConfig
+from tasks.config import EngineConfig, EvalConfig, ReleaseConfig
 from tasks.data import HELDOUT_TEXT, Example, read_jsonl, read_text_corpus
 
 
@@ -89,20 +90,60 @@ def _score(model, tokenizer, test: list[Example], texts: list[str], cfg: EvalCon
     return report, predictions
 
 
+def _score_on_engine(
+    engine_cfg: EngineConfig, adapter_dir: Path, merged_model, tokenizer, test: list[Example], cfg: EvalConfig
+) -> tuple[dict, dict, list[str]]:
+    """Accuracy of base + adapter on the compiled engine, and its parity with PyTorch + merged PEFT."""
+    from runtime.adapter import load_adapter
+    from runtime.engine import open_engine
+    from runtime.generate import generate_text
+    from tasks.engine_parity import parity_report, prefill_logit_diff
+
+    engine = open_engine(engine_cfg.dir, backend=engine_cfg.backend, threads=engine_cfg.threads)
+    engine.set_adapter(load_adapter(adapter_dir, engine.interface))
+    prompts = [ex.prompt for ex in test]
+    on_engine = generate_text(engine, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size)
+    parity = parity_report(
+        prefill_logit_diff(engine, merged_model, tokenizer, prompts),
+        greedy_completions(merged_model, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size),
+        on_engine,
+        engine_cfg.parity_tolerance,
+    )
+    parity["backend"] = engine_cfg.backend
+    parity["interface_hash"] = engine.interface.interface_hash
+    return accuracy_report(test, on_engine), parity, on_engine
+
+
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
 def render_table(metrics: dict) -> str:
     base, adapted = metrics["base"], metrics["adapter"]
+    on_engine = metrics.get("adapter_on_engine")
     rows = [
         ("accuracy, new rules", "accuracy_new"),
         ("accuracy, regression rules", "accuracy_regression"),
         ("accuracy, all", "accuracy"),
         ("perplexity, held-out text", "perplexity"),
     ]
-    lines = [f"# Evaluation, {metrics['month']}", "", "| metric | base | base + adapter |", "|---|---|---|"]
-    lines += [f"| {label} | {_fmt(base[key])} | {_fmt(adapted[key])} |" for label, key in rows]
+    header = "| metric | base | base + adapter |"
+    if on_engine is not None:
+        header += f" base + adapter on the {metrics['engine_parity']['backend']} engine |"
+    lines = [f"# Evaluation, {metrics['month']}", "", header, "|" + "---|" * (header.count("|") - 1)]
+    for label, key in rows:
+        row = f"| {label} | {_fmt(base[key])} | {_fmt(adapted[key])} |"
+        if on_engine is not None:
+            row += f" {_fmt(on_engine.get(key))} |"
+        lines.append(row)
+    if on_engine is not None:
+        parity = metrics["engine_parity"]
+        lines += [
+            "",
+            f"Engine parity on {parity['prompts']} test prompts: max abs logit difference "
+            f"{parity['max_abs_logit_diff']:.2e} (tolerance {parity['logit_tolerance']:.0e}), "
+            f"greedy outputs {'identical' if parity['greedy_identical'] else 'DIFFERENT'}.",
+        ]
     lines += ["", "| rule | changed | base | base + adapter |", "|---|---|---|---|"]
     for rule, acc in adapted["per_rule"].items():
         changed = "yes" if rule in metrics["changed_rules"] else "no"
@@ -110,8 +151,19 @@ def render_table(metrics: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def evaluate(base_dir: Path, adapter_dir: Path, data_dir: Path, out_dir: Path, cfg: EvalConfig, month: str) -> Path:
-    """Score the base model and base + adapter; write ``metrics.json``, ``report.md``, predictions."""
+def evaluate(
+    base_dir: Path,
+    adapter_dir: Path,
+    data_dir: Path,
+    out_dir: Path,
+    cfg: EvalConfig,
+    month: str,
+    engine: EngineConfig | None = None,
+) -> Path:
+    """Score the base model and base + adapter (PyTorch, and on the compiled engine when given).
+
+    Writes ``metrics.json``, ``report.md`` and ``predictions.jsonl``.
+    """
     import torch
     from peft import PeftModel
 
@@ -135,14 +187,21 @@ def evaluate(base_dir: Path, adapter_dir: Path, data_dir: Path, out_dir: Path, c
         "base": base_report,
         "adapter": adapter_report,
     }
+    engine_predictions = None
+    if engine is not None:
+        merged = adapted.merge_and_unload().eval()
+        metrics["adapter_on_engine"], metrics["engine_parity"], engine_predictions = _score_on_engine(
+            engine, adapter_dir, merged, tokenizer, test, cfg
+        )
     with atomic_output_dir(Path(out_dir)) as tmp:
         write_json(tmp / "metrics.json", metrics)
         (tmp / "report.md").write_text(render_table(metrics))
         with open(tmp / "predictions.jsonl", "w") as fh:
-            import json
-
-            for ex, b, a in zip(test, base_predictions, adapter_predictions):
-                fh.write(json.dumps({**ex.to_json(), "base": b, "adapter": a}, sort_keys=True) + "\n")
+            for i, (ex, b, a) in enumerate(zip(test, base_predictions, adapter_predictions)):
+                row = {**ex.to_json(), "base": b, "adapter": a}
+                if engine_predictions is not None:
+                    row["adapter_on_engine"] = engine_predictions[i]
+                fh.write(json.dumps(row, sort_keys=True) + "\n")
     return Path(out_dir) / "metrics.json"
 
 
@@ -157,6 +216,7 @@ def run_stage(cfg: ReleaseConfig) -> Path:
         out_dir=cfg.release_dir() / "eval",
         cfg=cfg.eval,
         month=cfg.data.month,
+        engine=cfg.engine,
     )
 
 

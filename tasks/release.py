@@ -1,8 +1,9 @@
-"""Run the monthly release stages in order: data, base model, fine-tune, evaluate.
+"""Run the monthly release stages in order: data, base model, compile, fine-tune, evaluate.
 
 This is the plain, orchestrator-free path behind ``make release``. Each stage is the same
 function its ``python -m tasks.<stage>`` entry point calls; later stages (KV calibration,
-engine compile, gates, packaging, publishing) join here as they are built.
+gates, packaging, publishing) join here as they are built. The compile stage runs before
+fine-tuning so the adapter records the interface of the engine it was made for.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from tasks import compile as compile_stage
 from tasks import evaluate, finetune
 from tasks.base_model import prepare_base_model
 from tasks.cli import stage_main
@@ -24,6 +26,7 @@ def run_release(cfg: ReleaseConfig) -> dict[str, float]:
     stages = [
         ("data", lambda: prepare_data(cfg.data, cfg.base_model.trained_through, cfg.data_dir())),
         ("base_model", lambda: prepare_base_model(cfg)),
+        ("compile", lambda: compile_stage.run_stage(cfg)),
         ("finetune", lambda: finetune.run_stage(cfg)),
         ("evaluate", lambda: evaluate.run_stage(cfg)),
     ]

@@ -15,6 +15,7 @@ def test_monthly_release_on_the_embedded_default_learns_the_changed_rules(tmp_pa
     raw["data"]["dir"] = str(tmp_path / "data")
     raw["base_model"]["path"] = str(tmp_path / "models" / "base")
     raw["train"]["output_dir"] = str(tmp_path / "artifacts")
+    raw["engine"]["dir"] = str(tmp_path / "engine")
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(raw))
 
@@ -35,6 +36,16 @@ def test_monthly_release_on_the_embedded_default_learns_the_changed_rules(tmp_pa
     assert adapted["accuracy_new"] >= 0.95
     assert adapted["accuracy_regression"] >= 0.95
     assert adapted["perplexity"] < base["perplexity"]
+
+    # The same adapter on the compiled engine: same answers, logits within fp32 tolerance.
+    on_engine, parity = metrics["adapter_on_engine"], metrics["engine_parity"]
+    assert on_engine["accuracy_new"] == adapted["accuracy_new"]
+    assert parity["prompts"] == 600 and parity["greedy_identical"] is True
+    assert parity["max_abs_logit_diff"] <= 1e-4
+    compile_metrics = json.loads((release / "compile" / "metrics.json").read_text())
+    assert compile_metrics["engine_builds"] == 1
+    provenance = json.loads((release / "finetune" / "adapter" / "provenance.json").read_text())
+    assert provenance["engine_interface_hash"] == compile_metrics["interface_hash"]
 
     train = json.loads((release / "finetune" / "train_metrics.json").read_text())
     assert train["adapter_fraction_of_base"] <= 0.02

@@ -1,0 +1,423 @@
+"""KV-cache quantization: quantize, dequantize and bit-pack, in plain PyTorch ops that export to ONNX.
+
+One convention for every width b in 2..8: a value is stored as an unsigned integer
+u in [0, 2^b - 1] and read back as ``x = (u - zero) * scale``.
+
+* symmetric:  zero = 2^(b-1) (a constant, not stored), scale = amax / (2^(b-1) - 1).
+  At 4 bits this is exactly ONNX Runtime's ``GroupQueryAttention`` int4 layout
+  ("offset by 8"); at 8 bits ``u - 128`` is the op's int8 (flip the top bit).
+* asymmetric: scale = (hi - lo) / (2^b - 1), zero = round(-lo / scale) (integer valued,
+  may fall outside [0, 2^b - 1] when the range does not contain 0, so it is kept as a float:
+  fp32 for static per-channel zeros, fp16 for online per-token ones, exact up to 2048).
+
+Granularity (shapes: B batch, nkv kv heads, T tokens, d head dim):
+* per channel: one (scale, zero) per (layer, kv head, channel), shape (nkv, d), calibrated
+  offline for a release (``tasks/calibrate.py``). Used for keys: a few key channels carry
+  much larger values than the rest, and a per-token scale would be set by them and crush
+  the small channels of the same token (KIVI, Liu et al. 2024, sec. 3; KVQuant, Hooper et
+  al. 2024, sec. 3.1).
+* per token: one (scale, zero) per (token, kv head), shape (B, nkv, T, 1), computed online
+  when the token is appended. Used for values (outliers there are per token, not per channel)
+  and, as the naive baseline, for keys.
+
+Keys before or after RoPE: ``pre_rope_keys=True`` (the default) quantizes keys *before* the
+rotary embedding. RoPE rotates channel pairs (i, i + d/2) by a position-dependent angle, so a
+large channel leaks into its partner with a varying sign and the per-channel statistics that
+static scales rely on are smeared across positions; before RoPE a channel's range is the same
+at every position (KVQuant, sec. 3.2). The price: the cache holds pre-RoPE keys, so RoPE is
+re-applied to the dequantized keys at every read (the cache stores no extra data: a slot's
+position is known). The backbone in ``runtime/model.py`` hands out post-RoPE keys; the
+reference cache below un-rotates them exactly (RoPE is orthogonal) before quantizing.
+Measured (bench/kv_quality.py, K4/V4, two-pass): pre- vs post-RoPE per-channel keys give KL to
+the float cache 0.00089 vs 0.00138 on stdlib text and +0.72% vs +5.99% perplexity on the
+default month. ORT's GroupQueryAttention caches post-RoPE keys with symmetric per-channel
+K and V scales, so a backend that uses that op runs the "static per-channel K+V sym" row of
+the report (+0.04% text, +1.8% default month), not the pre-RoPE scheme.
+
+Bit packing (``pack_bits``): along the last axis, values form a little-endian bit stream,
+value j occupying bits [j b, (j + 1) b). Every 8 values fill exactly b bytes, so a (…, d) row
+costs ceil(d / 8) * b bytes. At 4 bits: two values per byte, low nibble first (the GQA op's
+layout); at 2 bits: four per byte, lowest bits first; at 8 bits: one byte per value.
+
+Full-precision tokens: the first ``sink_tokens`` (the attention sink, StreamingLLM, Xiao et al.
+2024) and the most recent ``window_tokens`` (KIVI's residual, sec. 3.3) stay in fp16; a token
+is quantized when it leaves the window.
+
+Stored sizes assumed by ``bytes_per_token``: fp16 sink/window tokens, packed integers, fp16
+per-token scales and zero points, fp32 per-channel scales and zero points (static per release,
+amortized over the context).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import torch.nn as nn
+
+Granularity = Literal["channel", "token"]
+BITS = range(2, 9)
+FP16_BYTES, TOKEN_SCALE_BYTES, CHANNEL_SCALE_BYTES = 2, 2, 4
+_TINY = 2.0**-14  # floor of a scale: the smallest normal fp16, so an all-zero token quantizes to 0, not 0/0
+
+
+# ---------------------------------------------------------------- spec and memory accounting
+
+@dataclass(frozen=True)
+class KVQuantSpec:
+    k_bits: int = 4
+    v_bits: int = 4
+    k_granularity: Granularity = "channel"  # static calibrated scales per (layer, kv head, channel)
+    v_granularity: Granularity = "token"  # online scale per (token, kv head)
+    k_symmetric: bool = False  # pre-RoPE key channels are off-centre: a zero point buys a bit
+    v_symmetric: bool = True  # values are centred per token; measured: asymmetric V4 was no better
+    # on stdlib text (KL 0.00097 vs 0.00104) and worse on the default month (KL 0.0120 vs 0.0104),
+    # and its zero point costs 2 bytes per token and head
+    sink_tokens: int = 1  # first tokens kept in fp16 (attention sink)
+    window_tokens: int = 0  # most recent tokens kept in fp16 before they are quantized
+    pre_rope_keys: bool = True  # quantize keys before the rotary embedding (see module docstring)
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("k_bits", "v_bits"):
+            if getattr(self, name) not in BITS:
+                problems.append(f"{name}={getattr(self, name)} is not a width in 2..8")
+        for name in ("k_granularity", "v_granularity"):
+            if getattr(self, name) not in ("channel", "token"):
+                problems.append(f"{name}={getattr(self, name)!r} is not 'channel' or 'token'")
+        for name in ("sink_tokens", "window_tokens"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)} is negative")
+        if problems:
+            raise ValueError("invalid KVQuantSpec: " + "; ".join(problems))
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.k_granularity == "channel" or self.v_granularity == "channel"
+
+    @property
+    def name(self) -> str:
+        """Short label for tables: K4c-a/V4t-a pre s1 w0."""
+        def part(kind, bits, gran, sym):
+            return f"{kind}{bits}{gran[0]}{'s' if sym else 'a'}"
+
+        k = part("K", self.k_bits, self.k_granularity, self.k_symmetric)
+        v = part("V", self.v_bits, self.v_granularity, self.v_symmetric)
+        rope = "pre" if self.pre_rope_keys else "post"
+        return f"{k}/{v} {rope} s{self.sink_tokens} w{self.window_tokens}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVQuantSpec":
+        return cls(**d)
+
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, context_len: int) -> float:
+        return bytes_per_token(self, num_layers, num_kv_heads, head_dim, context_len)
+
+
+def packed_size(n: int, bits: int) -> int:
+    """Bytes of ``n`` values packed at ``bits`` each (groups of 8 values fill ``bits`` bytes)."""
+    return n if bits == 8 else math.ceil(n / 8) * bits
+
+
+def bytes_per_token(spec: KVQuantSpec | None, num_layers: int, num_kv_heads: int, head_dim: int, context_len: int) -> float:
+    """KV bytes per token at ``context_len`` tokens, everything counted: packed values, per-token
+    scales and zero points, static per-channel scales and zero points (amortized), and the fp16
+    sink and window tokens. ``spec=None`` is the fp16 cache."""
+    L, nkv, d, T = num_layers, num_kv_heads, head_dim, context_len
+    fp16_token = 2 * nkv * d * FP16_BYTES  # K and V of one token in one layer
+    if spec is None:
+        return float(L * fp16_token)
+    full = min(T, spec.sink_tokens + spec.window_tokens)
+    per_token, static = 0.0, 0.0
+    for bits, gran, sym in ((spec.k_bits, spec.k_granularity, spec.k_symmetric),
+                            (spec.v_bits, spec.v_granularity, spec.v_symmetric)):
+        params = 1 if sym else 2  # scale, plus a zero point when asymmetric
+        per_token += nkv * packed_size(d, bits)
+        if gran == "token":
+            per_token += nkv * params * TOKEN_SCALE_BYTES
+        else:
+            static += nkv * d * params * CHANNEL_SCALE_BYTES
+    total = L * (full * fp16_token + (T - full) * per_token + static)
+    return total / T
+
+
+# ---------------------------------------------------------------- quantize / dequantize
+
+def scale_zero_from_range(lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) covering [lo, hi]; symmetric covers [-amax, amax] with zero = 2^(b-1)."""
+    if symmetric:
+        amax = torch.maximum(lo.abs(), hi.abs())
+        scale = amax / (2 ** (bits - 1) - 1)
+        return scale, torch.full_like(scale, 2.0 ** (bits - 1))
+    scale = (hi - lo) / (2**bits - 1)
+    zero = torch.round(-lo / scale.clamp_min(_TINY))
+    return scale, zero
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """u = clamp(round(x / scale) + zero, 0, 2^b - 1) as uint8; scale/zero broadcast against x."""
+    u = torch.round(x / scale) + zero
+    return u.clamp(0, 2**bits - 1).to(torch.uint8)
+
+
+def dequantize(u: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """x = (u - zero) * scale, float32."""
+    return (u.to(torch.float32) - zero) * scale
+
+
+def quantize_per_channel(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """x (B, nkv, T, d) with static scale/zero (nkv, d) -> u (B, nkv, T, d). zero None = symmetric."""
+    scale = scale[:, None, :]  # (nkv, 1, d) broadcasts over B and T
+    zero = torch.full_like(scale, 2.0 ** (bits - 1)) if zero is None else zero[:, None, :]
+    return quantize(x, scale, zero, bits)
+
+
+def quantize_per_token(x: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (..., d) -> (u (..., d), scale (..., 1), zero (..., 1)), one online (scale, zero) per row.
+
+    Scale and zero point are rounded to fp16 before use, because fp16 is what the cache stores
+    (a zero point is an integer, exact in fp16 up to 2048 = 128 ranges of offset at 4 bits).
+    """
+    lo = x.amin(dim=-1, keepdim=True)  # (..., 1)
+    hi = x.amax(dim=-1, keepdim=True)
+    scale, zero = scale_zero_from_range(lo, hi, bits, symmetric)
+    scale = scale.to(torch.float16).to(torch.float32).clamp_min(_TINY)
+    if not symmetric:  # recompute the zero point for the rounded scale; it is stored as fp16 too
+        zero = torch.round(-lo / scale).to(torch.float16).to(torch.float32)
+    return quantize(x, scale, zero, bits), scale, zero
+
+
+# ---------------------------------------------------------------- bit packing
+
+def _bit_weights(n: int) -> torch.Tensor:
+    return torch.tensor([2**j for j in range(n)], dtype=torch.int64)  # (n,): 1, 2, 4, ...
+
+
+def pack_bits(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """u (..., n) uint8 values < 2^b -> (..., ceil(n/8) * b) uint8, little-endian bit stream.
+
+    Goes through bit planes (values 0/1) rather than shifting machine words: the ONNX exporter
+    lowers integer division to float Div + Floor and ONNX BitShift takes unsigned types only,
+    while every intermediate here stays below 256 and is exact in float32.
+    """
+    if bits == 8:
+        return u.to(torch.uint8)
+    n = u.shape[-1]
+    x = u.to(torch.int64)
+    if n % 8:
+        x = nn.functional.pad(x, (0, 8 - n % 8))  # 8 values fill exactly `bits` bytes
+    planes = torch.remainder(torch.div(x.unsqueeze(-1), _bit_weights(bits), rounding_mode="trunc"), 2)  # (..., n8, b)
+    stream = planes.flatten(-2).unflatten(-1, (-1, 8))  # (..., n8 b / 8, 8): value j owns bits [j b, (j+1) b)
+    return (stream * _bit_weights(8)).sum(-1).to(torch.uint8)  # (..., n8 b / 8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of ``pack_bits``: (..., ceil(n/8) * b) uint8 -> (..., n) uint8."""
+    if bits == 8:
+        return packed[..., :n]
+    p = packed.to(torch.int64)
+    planes = torch.remainder(torch.div(p.unsqueeze(-1), _bit_weights(8), rounding_mode="trunc"), 2)  # (..., nbytes, 8)
+    stream = planes.flatten(-2).unflatten(-1, (-1, bits))  # (..., n8, b)
+    return (stream * _bit_weights(bits)).sum(-1)[..., :n].to(torch.uint8)  # (..., n)
+
+
+# ---------------------------------------------------------------- exportable modules
+
+class QuantizePack(nn.Module):
+    """(x (B, nkv, T, d), scale (nkv, d), zero (nkv, d)) -> packed (B, nkv, T, d b / 8) uint8.
+
+    Static per-channel keys (or values); the engine's quantize-on-append step.
+    """
+
+    def __init__(self, bits: int):
+        super().__init__()
+        self.bits = bits
+
+    def forward(self, x, scale, zero):
+        return pack_bits(quantize_per_channel(x, scale, zero, self.bits), self.bits)
+
+
+class UnpackDequantize(nn.Module):
+    """(packed, scale (nkv, d), zero (nkv, d)) -> x (B, nkv, T, d) float32; the read step."""
+
+    def __init__(self, bits: int, head_dim: int):
+        super().__init__()
+        self.bits, self.head_dim = bits, head_dim
+
+    def forward(self, packed, scale, zero):
+        u = unpack_bits(packed, self.bits, self.head_dim)  # (B, nkv, T, d)
+        return dequantize(u, scale[:, None, :], zero[:, None, :])
+
+
+class QuantizePackPerToken(nn.Module):
+    """x (B, nkv, T, d) -> (packed, scale (B, nkv, T, 1), zero (B, nkv, T, 1)): online per-token values."""
+
+    def __init__(self, bits: int, symmetric: bool):
+        super().__init__()
+        self.bits, self.symmetric = bits, symmetric
+
+    def forward(self, x):
+        u, scale, zero = quantize_per_token(x, self.bits, self.symmetric)
+        return pack_bits(u, self.bits), scale, zero
+
+
+class UnpackDequantizePerToken(nn.Module):
+    def __init__(self, bits: int, head_dim: int):
+        super().__init__()
+        self.bits, self.head_dim = bits, head_dim
+
+    def forward(self, packed, scale, zero):
+        return dequantize(unpack_bits(packed, self.bits, self.head_dim), scale, zero)
+
+
+# ---------------------------------------------------------------- RoPE (to move keys across it)
+
+def rope_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Apply (or undo) the rotary embedding of ``runtime/model.py``: x (B, n, T, d), positions (B, T)."""
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # (B, T, d/2)
+    emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)  # (B, 1, T, d)
+    cos, sin = emb.cos(), emb.sin()
+    if inverse:
+        sin = -sin
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# ---------------------------------------------------------------- reference cache
+
+class _Quantized:
+    """One tensor stream (K or V of one layer) of quantized tokens: packed bytes + scales."""
+
+    def __init__(self):
+        self.packed: list[torch.Tensor] = []  # (B, nkv, t, packed_size(d))
+        self.scales: list[torch.Tensor] = []  # (B, nkv, t, 1) per-token fp16 scales (empty for per-channel)
+        self.zeros: list[torch.Tensor] = []
+        self.decoded: list[torch.Tensor] = []  # decoded from the packed bytes once, reused on every read
+
+
+class QuantizedKVCache:
+    """Reference quantized KV cache for all layers of ``runtime.model.Backbone``.
+
+    ``append(layer, k, v, positions)`` takes the post-RoPE k and v (B, nkv, T, d) that the
+    backbone returns and the positions (B, T) of those tokens; ``get(layer)`` returns the
+    dequantized post-RoPE (k, v) (B, nkv, S, d) float32 to feed back as ``past_kv``.
+    Per-channel scales ``k_scale``/``v_scale`` (L, nkv, d) come from a calibration; their
+    zero points are None when symmetric.
+    """
+
+    def __init__(
+        self,
+        spec: KVQuantSpec,
+        num_layers: int,
+        head_dim: int,
+        inv_freq: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        k_zero: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        v_zero: torch.Tensor | None = None,
+    ):
+        if spec.k_granularity == "channel" and k_scale is None:
+            raise ValueError("per-channel keys need calibrated k_scale (layers, kv heads, head_dim)")
+        if spec.v_granularity == "channel" and v_scale is None:
+            raise ValueError("per-channel values need calibrated v_scale (layers, kv heads, head_dim)")
+        if spec.pre_rope_keys and inv_freq is None:
+            raise ValueError("pre-RoPE keys need the backbone's inv_freq to undo and redo RoPE")
+        self.spec, self.num_layers, self.head_dim, self.inv_freq = spec, num_layers, head_dim, inv_freq
+        self.static = {"k": (k_scale, k_zero), "v": (v_scale, v_zero)}
+        self.layers = [self._empty() for _ in range(num_layers)]
+
+    @staticmethod
+    def _empty() -> dict:
+        return {"sink_k": [], "sink_v": [], "win_k": [], "win_v": [], "win_pos": [],
+                "k": _Quantized(), "v": _Quantized(), "q_pos": [], "sink_len": 0}
+
+    def __len__(self) -> int:
+        st = self.layers[0]
+        return st["sink_len"] + sum(t.shape[2] for t in st["win_k"]) + sum(t.shape[2] for t in st["k"].packed)
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        st, spec = self.layers[layer], self.spec
+        take = min(spec.sink_tokens - st["sink_len"], k.shape[2])
+        if take > 0:  # the first tokens go to the fp16 sink
+            st["sink_k"].append(k[:, :, :take].half())
+            st["sink_v"].append(v[:, :, :take].half())
+            st["sink_len"] += take
+            k, v, positions = k[:, :, take:], v[:, :, take:], positions[:, take:]
+        if k.shape[2] == 0:
+            return
+        st["win_k"].append(k.half()), st["win_v"].append(v.half()), st["win_pos"].append(positions)
+        wk, wv, wpos = torch.cat(st["win_k"], 2), torch.cat(st["win_v"], 2), torch.cat(st["win_pos"], 1)
+        leave = wk.shape[2] - spec.window_tokens
+        if leave > 0:  # the oldest tokens leave the window and are quantized
+            # From their fp16 values even when they pass straight through a short window: the
+            # codes then do not depend on how tokens were chunked (prefill vs one by one).
+            self._quantize(layer, wk[:, :, :leave].float(), wv[:, :, :leave].float(), wpos[:, :leave])
+            wk, wv, wpos = wk[:, :, leave:], wv[:, :, leave:], wpos[:, leave:]
+        st["win_k"], st["win_v"], st["win_pos"] = [wk], [wv], [wpos]
+
+    def _quantize(self, layer: int, k_full: torch.Tensor, v_full: torch.Tensor, pos: torch.Tensor) -> None:
+        st, spec = self.layers[layer], self.spec
+        if spec.pre_rope_keys:
+            k_full = rope_rotate(k_full, pos, self.inv_freq, inverse=True)  # exact up to fp32 rounding
+        for kind, x, bits, gran, sym in (("k", k_full, spec.k_bits, spec.k_granularity, spec.k_symmetric),
+                                         ("v", v_full, spec.v_bits, spec.v_granularity, spec.v_symmetric)):
+            q: _Quantized = st[kind]
+            if gran == "channel":
+                scale, zero = self.static[kind]
+                s = scale[layer][:, None, :]  # (nkv, 1, d)
+                z = torch.full_like(s, 2.0 ** (bits - 1)) if zero is None else zero[layer][:, None, :]
+                u = quantize(x, s, z, bits)
+            else:
+                u, s, z = quantize_per_token(x, bits, sym)  # s, z (B, nkv, t, 1)
+                q.scales.append(s.half()), q.zeros.append(z.half())
+            packed = pack_bits(u, bits)
+            q.packed.append(packed)
+            q.decoded.append(dequantize(unpack_bits(packed, bits, self.head_dim), s, z))  # from the bytes
+        st["q_pos"].append(pos)
+
+    def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized (k, v), each (B, nkv, S, d) float32, slots in append order."""
+        st = self.layers[layer]
+        ks = [t.float() for t in st["sink_k"]]
+        vs = [t.float() for t in st["sink_v"]]
+        if st["k"].decoded:
+            k_body = torch.cat(st["k"].decoded, 2)
+            if self.spec.pre_rope_keys:
+                k_body = rope_rotate(k_body, torch.cat(st["q_pos"], 1), self.inv_freq)
+            ks.append(k_body), vs.append(torch.cat(st["v"].decoded, 2))
+        ks += [t.float() for t in st["win_k"]]
+        vs += [t.float() for t in st["win_v"]]
+        return torch.cat(ks, 2), torch.cat(vs, 2)
+
+    def past(self) -> tuple[torch.Tensor, ...]:
+        """Flat (k.0, v.0, k.1, ...) as ``Backbone.forward`` takes it."""
+        return tuple(t for i in range(self.num_layers) for t in self.get(i))
+
+    def stored_bytes(self) -> int:
+        """Bytes this cache actually holds (packed values, per-token scales, fp16 tokens) plus the
+        static per-channel scales and zero points it was given: the check of ``bytes_per_token``."""
+        total = 0
+        for st in self.layers:
+            for name in ("sink_k", "sink_v", "win_k", "win_v"):
+                total += sum(t.numel() * t.element_size() for t in st[name])
+            for kind in ("k", "v"):
+                q = st[kind]
+                total += sum(t.numel() for t in q.packed)
+                total += sum(t.numel() * t.element_size() for t in q.scales)
+                total += sum(t.numel() * t.element_size() for t in q.zeros if not self._symmetric(kind))
+        for kind in ("k", "v"):
+            scale, zero = self.static[kind]
+            gran = self.spec.k_granularity if kind == "k" else self.spec.v_granularity
+            if gran == "channel":
+                total += scale.numel() * CHANNEL_SCALE_BYTES
+                total += 0 if self._symmetric(kind) else zero.numel() * CHANNEL_SCALE_BYTES
+        return total
+
+    def _symmetric(self, kind: str) -> bool:
+        return self.spec.k_symmetric if kind == "k" else self.spec.v_symmetric

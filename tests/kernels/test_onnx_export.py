@@ -1,0 +1,59 @@
+"""The kernels export with torch.onnx.export(dynamo=True) and ONNX Runtime reproduces them bit for bit."""
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.kv_quant import QuantizePack, QuantizePackPerToken, UnpackDequantize, UnpackDequantizePerToken
+
+
+def _export(module, args, names, outputs, path, dynamic):
+    torch.onnx.export(module.eval(), args, str(path), dynamo=True, input_names=names, output_names=outputs,
+                      dynamic_shapes=dynamic, optimize=True, verbose=False)
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("bits", [4, 3])
+def test_per_channel_quantize_pack_and_unpack_dequantize_match_ort_bit_exactly(bits, tmp_path):
+    B, nkv, T, d = 2, 2, 7, 64
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(B, nkv, T, d, generator=g) * 3
+    scale = torch.rand(nkv, d, generator=g) * 0.5 + 0.1
+    zero = torch.round(torch.rand(nkv, d, generator=g) * 2**bits)
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+
+    q = _export(QuantizePack(bits), (x, scale, zero), ["x", "scale", "zero"], ["packed"], tmp_path / "q.onnx",
+                {"x": {0: batch, 2: seq}, "scale": None, "zero": None})
+    packed = QuantizePack(bits)(x, scale, zero)
+    x2 = torch.randn(3, nkv, 11, d, generator=g) * 3  # other batch and length than at export
+    for inp in (x, x2):
+        ours = QuantizePack(bits)(inp, scale, zero).numpy()
+        theirs = q.run(None, {"x": inp.numpy(), "scale": scale.numpy(), "zero": zero.numpy()})[0]
+        assert theirs.dtype == np.uint8 and np.array_equal(ours, theirs)
+
+    dq = _export(UnpackDequantize(bits, d), (packed, scale, zero), ["packed", "scale", "zero"], ["x"],
+                 tmp_path / "dq.onnx", {"packed": {0: batch, 2: seq}, "scale": None, "zero": None})
+    ours = UnpackDequantize(bits, d)(packed, scale, zero).numpy()
+    theirs = dq.run(None, {"packed": packed.numpy(), "scale": scale.numpy(), "zero": zero.numpy()})[0]
+    assert np.array_equal(ours, theirs)  # bit-exact, not allclose
+
+
+def test_per_token_values_match_ort_bit_exactly(tmp_path):
+    bits, d = 4, 64
+    x = torch.randn(1, 2, 5, d, generator=torch.Generator().manual_seed(0))
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+    q = _export(QuantizePackPerToken(bits, False), (x,), ["x"], ["packed", "scale", "zero"], tmp_path / "qt.onnx",
+                {"x": {0: batch, 2: seq}})
+    ours = [t.numpy() for t in QuantizePackPerToken(bits, False)(x)]
+    theirs = q.run(None, {"x": x.numpy()})
+    for a, b in zip(ours, theirs):
+        assert np.array_equal(a, b)
+    packed, scale, zero = (torch.from_numpy(t) for t in theirs)
+    dq = _export(UnpackDequantizePerToken(bits, d), (packed, scale, zero), ["packed", "scale", "zero"], ["x"],
+                 tmp_path / "dqt.onnx", {"packed": {0: batch, 2: seq}, "scale": {0: batch, 2: seq}, "zero": {0: batch, 2: seq}})
+    assert np.array_equal(UnpackDequantizePerToken(bits, d)(packed, scale, zero).numpy(),
+                          dq.run(None, {"packed": theirs[0], "scale": theirs[1], "zero": theirs[2]})[0])

@@ -1,0 +1,188 @@
+"""The calibration stage: scales for base + this month's adapter, and every refusal of a scale file."""
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine_testkit import make_adapter
+from kernels import KVQuantSpec, QuantizedKVCache
+from runtime.hashing import backbone_hash
+from tasks.artifacts import sha256_file
+from tasks.calibrate import SCALES_FILE, SCALES_JSON, KVScalesError, calibrate_kv_scales, load_kv_scales, main
+from tasks.data import rulebook, sample_examples, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def release(tiny_llama_dir, tmp_path_factory):
+    """A base (tiny Llama with tokenizer), two adapters for it, a calib split and one calibration."""
+    root = tmp_path_factory.mktemp("calib")
+    adapter = make_adapter(tiny_llama_dir, root / "adapter", seed=1)
+    other = make_adapter(tiny_llama_dir, root / "other_adapter", seed=2)
+    calib = root / "calib.jsonl"
+    write_jsonl(calib, sample_examples(rulebook("2026-11", 1234, 2), 24, random.Random(0)))
+    out = calibrate_kv_scales(tiny_llama_dir, adapter, calib, root / "kv", KVQuantSpec(), batch_size=8)
+    return dict(base=tiny_llama_dir, adapter=adapter, other=other, calib=calib, out=out, root=root,
+                sha=sha256_file(adapter / "adapter_model.safetensors"), base_hash=backbone_hash(tiny_llama_dir))
+
+
+def _load(r, path=None, **kw):
+    args = dict(expected_adapter_sha256=r["sha"], expected_base_hash=r["base_hash"])
+    return load_kv_scales(path or r["out"].parent, **(args | kw))
+
+
+def _copy(r, tmp_path):
+    dst = tmp_path / "kv"
+    shutil.copytree(r["out"].parent, dst)
+    return dst
+
+
+def test_calibration_writes_scales_and_how_they_were_computed(release):
+    out = release["out"]
+    assert out.name == SCALES_FILE and (out.parent / SCALES_JSON).exists()
+    record = json.loads((out.parent / SCALES_JSON).read_text())
+    assert record["split"] == "calib" and record["rows"] == 24 and record["tokens"] > 24 * 10
+    assert record["clip_percentile"] == 99.9
+    assert record["spec"] == KVQuantSpec().to_dict()
+    assert record["base_model_hash"] == release["base_hash"]
+    assert record["adapter_sha256"] == release["sha"]
+    assert record["interface"] == ""
+    tensors = load_file(str(out))
+    # per-channel values too (ORT's GroupQueryAttention takes them); no v_zero: values are symmetric
+    assert set(tensors) == {f"layer.{i}.{n}" for i in range(2) for n in ("k_scale", "k_zero", "v_scale")}
+    assert tensors["layer.0.k_scale"].shape == (2, 8)  # (kv heads, head dim)
+    assert all(torch.isfinite(t).all() and (t > 0).all() for n, t in tensors.items() if n.endswith("scale"))
+
+
+def test_loaded_scales_drive_the_reference_cache(release):
+    scales = _load(release)
+    assert scales.k_scale.shape == (2, 2, 8) and scales.k_zero is not None and scales.v_zero is None
+    cache = QuantizedKVCache(scales.spec, 2, 8, torch.ones(4), **scales.cache_kwargs())
+    cache.append(0, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.arange(5)[None])
+    assert cache.get(0)[0].shape == (1, 2, 5, 8)
+
+
+def test_a_new_adapter_gets_new_scales(release, tmp_path):
+    out = calibrate_kv_scales(release["base"], release["other"], release["calib"], tmp_path / "kv", KVQuantSpec())
+    a, b = load_file(str(release["out"])), load_file(str(out))
+    assert not torch.equal(a["layer.1.k_scale"], b["layer.1.k_scale"])
+    with pytest.raises(KVScalesError) as err:  # the first adapter's scales do not serve the second
+        _load(release, expected_adapter_sha256=sha256_file(release["other"] / "adapter_model.safetensors"))
+    assert err.value.reason == "adapter_mismatch"
+
+
+def test_clipping_narrows_the_range(release, tmp_path):
+    out = calibrate_kv_scales(release["base"], release["adapter"], release["calib"], tmp_path / "kv",
+                              KVQuantSpec(), clip_percentile=99.0)
+    clipped, full = load_file(str(out)), load_file(str(release["out"]))
+    assert (clipped["layer.0.k_scale"] <= full["layer.0.k_scale"] + 1e-6).all()
+    assert (clipped["layer.0.k_scale"] < full["layer.0.k_scale"]).any()
+    assert json.loads((out.parent / SCALES_JSON).read_text())["clip_percentile"] == 99.0
+
+
+def test_refuses_a_missing_file(release, tmp_path):
+    with pytest.raises(KVScalesError, match="never defaulted to 1.0") as err:
+        _load(release, tmp_path / "nowhere")
+    assert err.value.reason == "missing"
+    dst = _copy(release, tmp_path)
+    (dst / SCALES_JSON).unlink()
+    with pytest.raises(KVScalesError) as err:
+        _load(release, dst)
+    assert err.value.reason == "missing"
+
+
+def _tamper(release, tmp_path, name, value):
+    from safetensors import safe_open
+
+    dst = _copy(release, tmp_path)
+    with safe_open(str(dst / SCALES_FILE), framework="pt") as fh:
+        meta = fh.metadata()
+    tensors = load_file(str(dst / SCALES_FILE))
+    tensors[name][0, 3] = value
+    save_file(tensors, str(dst / SCALES_FILE), metadata=meta)
+    return dst
+
+
+@pytest.mark.parametrize("value, reason", [(float("nan"), "non_finite"), (float("inf"), "non_finite"), (0.0, "zero"),
+                                           (-0.5, "zero")])
+def test_refuses_non_finite_and_zero_scales(release, tmp_path, value, reason):
+    dst = _tamper(release, tmp_path, "layer.1.k_scale", value)
+    with pytest.raises(KVScalesError, match="layer.1.k_scale") as err:
+        _load(release, dst)
+    assert err.value.reason == reason
+
+
+def test_refuses_a_non_finite_zero_point(release, tmp_path):
+    dst = _tamper(release, tmp_path, "layer.0.k_zero", float("nan"))
+    with pytest.raises(KVScalesError) as err:
+        _load(release, dst)
+    assert err.value.reason == "non_finite"
+
+
+def test_refuses_another_backbone_interface_or_spec(release):
+    with pytest.raises(KVScalesError) as err:
+        _load(release, expected_base_hash="0" * 64)
+    assert err.value.reason == "base_mismatch"
+    with pytest.raises(KVScalesError) as err:
+        _load(release, expected_interface="abc123")
+    assert err.value.reason == "interface_mismatch"
+    with pytest.raises(KVScalesError) as err:
+        _load(release, expected_spec=KVQuantSpec(k_bits=3))
+    assert err.value.reason == "spec_mismatch"
+    assert _load(release, expected_interface="", expected_spec=KVQuantSpec()).spec == KVQuantSpec()
+
+
+def test_refuses_a_record_that_disagrees_with_the_tensors(release, tmp_path):
+    dst = _copy(release, tmp_path)
+    record = json.loads((dst / SCALES_JSON).read_text())
+    record["adapter_sha256"] = "f" * 64  # someone edited the JSON to make old scales look current
+    (dst / SCALES_JSON).write_text(json.dumps(record))
+    with pytest.raises(KVScalesError) as err:
+        _load(release, dst, expected_adapter_sha256="f" * 64)
+    assert err.value.reason == "malformed"
+
+
+def test_refuses_missing_layer_tensors(release, tmp_path):
+    from safetensors import safe_open
+
+    dst = _copy(release, tmp_path)
+    with safe_open(str(dst / SCALES_FILE), framework="pt") as fh:
+        meta = fh.metadata()
+    tensors = load_file(str(dst / SCALES_FILE))
+    del tensors["layer.1.k_zero"]
+    save_file(tensors, str(dst / SCALES_FILE), metadata=meta)
+    with pytest.raises(KVScalesError, match="layer.1.k_zero") as err:
+        _load(release, dst)
+    assert err.value.reason == "malformed"
+
+
+def test_never_writes_bad_scales(tmp_path):
+    from tasks.calibrate import write_kv_scales
+
+    bad = {"k_scale": torch.zeros(2, 2, 8), "k_zero": None, "v_scale": torch.ones(2, 2, 8), "v_zero": None}
+    with pytest.raises(KVScalesError) as err:
+        write_kv_scales(tmp_path / "kv", bad, {"spec": KVQuantSpec().to_dict()})
+    assert err.value.reason == "zero"
+    assert not (tmp_path / "kv").exists()
+
+
+def test_refuses_an_adapter_made_for_another_backbone(release, tmp_path):
+    from runtime.adapter import AdapterError
+
+    wrong = make_adapter(release["base"], tmp_path / "wrong", base_hash="0" * 64)
+    with pytest.raises(AdapterError, match="backbone"):
+        calibrate_kv_scales(release["base"], wrong, release["calib"], tmp_path / "kv")
+    assert not (tmp_path / "kv").exists()
+
+
+def test_cli_takes_explicit_paths(release, tmp_path, capsys):
+    rc = main(["--base", str(release["base"]), "--adapter", str(release["adapter"]), "--calib", str(release["calib"]),
+               "--out", str(tmp_path / "kv"), "--k-bits", "3", "--v-bits", "5"])
+    assert rc == 0 and (tmp_path / "kv" / SCALES_FILE).exists()
+    assert json.loads((tmp_path / "kv" / SCALES_JSON).read_text())["spec"]["k_bits"] == 3
+    with pytest.raises(SystemExit):
+        main(["--base", str(release["base"])])
+    assert "--adapter" in capsys.readouterr().err
