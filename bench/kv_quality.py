@@ -117,7 +117,7 @@ def train_text_model(out_dir: Path, steps: int = 300, seq_len: int = 256, batch_
 
 def grid() -> dict[str, "KVQuantSpec | None"]:
     """Configurations of the report; None is the float (fp32) cache every metric is compared with."""
-    from kernels import KVQuantSpec as S
+    from kernels.kv_quant import KVQuantSpec as S
 
     chosen = S()  # K4 per-channel asymmetric pre-RoPE, V4 per-token symmetric, fp16 sink of 1
     return {
@@ -142,7 +142,7 @@ def grid() -> dict[str, "KVQuantSpec | None"]:
 
 def fill_cache(backbone, present: tuple, positions: torch.Tensor, spec, scales: dict | None):
     """A QuantizedKVCache holding ``present`` (the float K/V of a prefix); None spec = float cache."""
-    from kernels import QuantizedKVCache
+    from kernels.kv_quant import QuantizedKVCache
 
     if spec is None:
         return None
@@ -237,7 +237,7 @@ def measure(backbone, ids: torch.Tensor, prefix_len: int, configs: dict, scales_
             chunk: int = 0) -> dict:
     """Every metric of the report for each config on token windows ``ids`` (N, T); ``chunk`` > 0 adds
     the decode-like perplexity (suffix appended to the cache every ``chunk`` tokens)."""
-    from kernels import bytes_per_token
+    from kernels.kv_quant import bytes_per_token
 
     cfg = backbone.cfg
     B, T = ids.shape
@@ -336,7 +336,7 @@ def greedy_through_cache(backbone, tokenizer, prompts: list[str], spec, scales: 
 
     Prompts are grouped by token length so no batch needs padding (the sink is then always a real token).
     """
-    from kernels import QuantizedKVCache
+    from kernels.kv_quant import QuantizedKVCache
 
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     by_len: dict[int, list[int]] = {}

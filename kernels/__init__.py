@@ -1,29 +1,6 @@
-"""Numerics of the quantized KV cache: quantize, dequantize, bit-pack (all ONNX-exportable)."""
+"""Numerics of the quantized KV cache: quantize, dequantize, bit-pack (all ONNX-exportable).
 
-from kernels.kv_quant import (
-    KVQuantSpec,
-    QuantizedKVCache,
-    bytes_per_token,
-    dequantize,
-    pack_bits,
-    packed_size,
-    quantize,
-    quantize_per_channel,
-    quantize_per_token,
-    rope_rotate,
-    unpack_bits,
-)
-
-__all__ = [
-    "KVQuantSpec",
-    "QuantizedKVCache",
-    "bytes_per_token",
-    "dequantize",
-    "pack_bits",
-    "packed_size",
-    "quantize",
-    "quantize_per_channel",
-    "quantize_per_token",
-    "rope_rotate",
-    "unpack_bits",
-]
+Import from ``kernels.kv_quant``. This file stays import-free on purpose: transformers
+probes for Hugging Face's own ``kernels`` package by importing whatever ``kernels`` is on
+the path, so anything heavy or fragile here would run inside every ``import transformers``.
+"""

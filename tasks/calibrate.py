@@ -16,12 +16,11 @@ writes into ``out_dir``:
 malformed, non-finite, zero or made for another adapter, backbone, interface or spec. There
 is no fallback to 1.0: an uncalibrated cache would silently clip every key.
 
-    python -m tasks.calibrate --base DIR --adapter DIR --calib calib.jsonl --out DIR [--k-bits 4 ...]
+    python -m tasks.calibrate --params params.yaml   (settings from the ``kv`` section)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -30,6 +29,8 @@ from pathlib import Path
 
 from runtime.errors import RefusedInput
 from tasks.artifacts import atomic_output_dir, sha256_file, write_json
+from tasks.cli import stage_main
+from tasks.config import ReleaseConfig
 
 SCALES_FILE = "kv_scales.safetensors"
 SCALES_JSON = "kv_scales.json"
@@ -78,7 +79,7 @@ def collect_kv_stats(backbone, batches, pre_rope_keys: bool, clip_percentile: fl
     import torch
     from tqdm import tqdm
 
-    from kernels import rope_rotate
+    from kernels.kv_quant import rope_rotate
 
     if not 50.0 < clip_percentile <= 100.0:
         raise ValueError(f"clip_percentile={clip_percentile} must be in (50, 100]")
@@ -212,7 +213,7 @@ def calibrate_kv_scales(
     """Calibrate per-channel K/V scales of base + adapter on ``calib_jsonl``; return the .safetensors path."""
     import torch
 
-    from kernels import KVQuantSpec
+    from kernels.kv_quant import KVQuantSpec
     from tasks.base_model import load_tokenizer
 
     spec = spec or KVQuantSpec()
@@ -278,7 +279,7 @@ def load_kv_scales(
     import torch
     from safetensors import safe_open
 
-    from kernels import KVQuantSpec
+    from kernels.kv_quant import KVQuantSpec
 
     path = Path(path)
     file = path / SCALES_FILE if path.is_dir() or not path.suffix else path
@@ -343,49 +344,38 @@ def load_kv_scales(
 
 # ---------------------------------------------------------------- CLI
 
+def run_stage(cfg: ReleaseConfig) -> Path:
+    """The calibrate stage: scales for this release's base + adapter, bound to the engine interface."""
+    from kernels.kv_quant import KVQuantSpec
+    from runtime.interface import INTERFACE_FILE, read_interface
+
+    kv = cfg.kv
+    spec = KVQuantSpec(
+        kv.k_bits, kv.v_bits, kv.k_granularity, kv.v_granularity, kv.k_symmetric, kv.v_symmetric,
+        kv.sink_tokens, kv.window_tokens, kv.pre_rope_keys,
+    )
+    engine_dir = Path(cfg.engine.dir)
+    interface = read_interface(engine_dir).interface_hash if (engine_dir / INTERFACE_FILE).exists() else ""
+    return calibrate_kv_scales(
+        Path(cfg.base_model.path),
+        cfg.release_dir() / "finetune" / "adapter",
+        cfg.data_dir() / "calib.jsonl",
+        cfg.release_dir() / "kv",
+        spec,
+        kv.clip_percentile,
+        batch_size=kv.calib_batch_size,
+        max_seq_len=cfg.train.max_seq_len,
+        interface=interface,
+        threads=cfg.train.threads,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    from kernels import KVQuantSpec
-    from tasks.config import StageError
-
-    p = argparse.ArgumentParser(description="Calibrate this release's KV-cache scales (base + adapter on the calib split).")
-    p.add_argument("--params", default=None, help="params.yaml: base, adapter, calib and out follow from it")
-    p.add_argument("--base")
-    p.add_argument("--adapter")
-    p.add_argument("--calib")
-    p.add_argument("--out")
-    p.add_argument("--k-bits", type=int, default=4)
-    p.add_argument("--v-bits", type=int, default=4)
-    p.add_argument("--k-granularity", choices=("channel", "token"), default="channel")
-    p.add_argument("--v-granularity", choices=("channel", "token"), default="token")
-    p.add_argument("--k-symmetric", action="store_true")
-    p.add_argument("--v-asymmetric", action="store_true")
-    p.add_argument("--sink-tokens", type=int, default=1)
-    p.add_argument("--window-tokens", type=int, default=0)
-    p.add_argument("--post-rope-keys", action="store_true", help="quantize keys after RoPE (default: before)")
-    p.add_argument("--clip-percentile", type=float, default=DEFAULT_CLIP_PERCENTILE)
-    p.add_argument("--interface", default="", help="engine interface hash, when the engine has one")
-    args = p.parse_args(argv)
-    paths = {"base": args.base, "adapter": args.adapter, "calib": args.calib, "out": args.out}
-    try:
-        if args.params:
-            from tasks.config import load_config
-
-            cfg = load_config(args.params)
-            defaults = {"base": cfg.base_model.path, "adapter": str(cfg.release_dir() / "finetune" / "adapter"),
-                        "calib": str(cfg.data_dir() / "calib.jsonl"), "out": str(cfg.release_dir() / "kv")}
-            paths = {k: v or defaults[k] for k, v in paths.items()}
-        missing = [f"--{k}" for k, v in paths.items() if not v]
-        if missing:
-            p.error(f"missing {', '.join(missing)} (or give --params)")
-        spec = KVQuantSpec(args.k_bits, args.v_bits, args.k_granularity, args.v_granularity, args.k_symmetric,
-                           not args.v_asymmetric, args.sink_tokens, args.window_tokens, not args.post_rope_keys)
-        out = calibrate_kv_scales(Path(paths["base"]), Path(paths["adapter"]), Path(paths["calib"]), Path(paths["out"]),
-                                  spec, args.clip_percentile, interface=args.interface)
-    except (StageError, RefusedInput, ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(f"KV scales written to {out}")
-    return 0
+    return stage_main(
+        "Calibrate this release's KV-cache scales (base + adapter on the calib split).",
+        lambda cfg: f"KV scales written to {run_stage(cfg)}",
+        argv,
+    )
 
 
 if __name__ == "__main__":

@@ -123,6 +123,21 @@ class EngineConfig(_Section):
     parity_tolerance: float = Field(1e-4, gt=0)
 
 
+class KVConfig(_Section):
+    enabled: bool = True
+    k_bits: int = Field(4, ge=2, le=8)
+    v_bits: int = Field(4, ge=2, le=8)
+    k_granularity: Literal["channel", "token"] = "channel"
+    v_granularity: Literal["channel", "token"] = "token"
+    k_symmetric: bool = False
+    v_symmetric: bool = True
+    sink_tokens: int = Field(1, ge=0)
+    window_tokens: int = Field(0, ge=0)
+    pre_rope_keys: bool = True
+    clip_percentile: float = Field(99.9, gt=50.0, le=100.0)
+    calib_batch_size: int = Field(16, ge=1)
+
+
 class EvalConfig(_Section):
     max_new_tokens: int = Field(8, ge=1)
     batch_size: int = Field(64, ge=1)
@@ -134,6 +149,7 @@ class ReleaseConfig(_Section):
     lora: LoraSection = LoraSection()
     train: TrainConfig = TrainConfig()
     engine: EngineConfig = EngineConfig()
+    kv: KVConfig = KVConfig()
     eval: EvalConfig = EvalConfig()
 
     @model_validator(mode="after")

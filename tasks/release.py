@@ -1,8 +1,8 @@
-"""Run the monthly release stages in order: data, base model, compile, fine-tune, evaluate.
+"""Run the monthly release stages in order: data, base model, compile, fine-tune, KV calibration, evaluate.
 
 This is the plain, orchestrator-free path behind ``make release``. Each stage is the same
-function its ``python -m tasks.<stage>`` entry point calls; later stages (KV calibration,
-gates, packaging, publishing) join here as they are built. The compile stage runs before
+function its ``python -m tasks.<stage>`` entry point calls; later stages (gates,
+packaging, publishing) join here as they are built. The compile stage runs before
 fine-tuning so the adapter records the interface of the engine it was made for.
 """
 
@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from tasks import calibrate, evaluate, finetune
 from tasks import compile as compile_stage
-from tasks import evaluate, finetune
 from tasks.base_model import prepare_base_model
 from tasks.cli import stage_main
 from tasks.config import ReleaseConfig
@@ -28,6 +28,7 @@ def run_release(cfg: ReleaseConfig) -> dict[str, float]:
         ("base_model", lambda: prepare_base_model(cfg)),
         ("compile", lambda: compile_stage.run_stage(cfg)),
         ("finetune", lambda: finetune.run_stage(cfg)),
+        *([("calibrate", lambda: calibrate.run_stage(cfg))] if cfg.kv.enabled else []),
         ("evaluate", lambda: evaluate.run_stage(cfg)),
     ]
     for name, stage in stages:

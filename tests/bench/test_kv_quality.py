@@ -5,7 +5,7 @@ import torch
 
 from bench.kv_quality import grid, inject_key_outliers, measure, two_pass_logits
 from engine_testkit import tiny_qwen  # noqa: F401  (fixture)
-from kernels import KVQuantSpec
+from kernels.kv_quant import KVQuantSpec
 from runtime.model import load_backbone
 from tasks.calibrate import collect_kv_stats, key_outlier_ratio, scales_from_stats
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels import (
+from kernels.kv_quant import (
     KVQuantSpec,
     QuantizedKVCache,
     bytes_per_token,

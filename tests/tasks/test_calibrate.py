@@ -5,11 +5,12 @@ import random
 import shutil
 
 import pytest
+import yaml
 import torch
 from safetensors.torch import load_file, save_file
 
 from engine_testkit import make_adapter
-from kernels import KVQuantSpec, QuantizedKVCache
+from kernels.kv_quant import KVQuantSpec, QuantizedKVCache
 from runtime.hashing import backbone_hash
 from tasks.artifacts import sha256_file
 from tasks.calibrate import SCALES_FILE, SCALES_JSON, KVScalesError, calibrate_kv_scales, load_kv_scales, main
@@ -178,11 +179,27 @@ def test_refuses_an_adapter_made_for_another_backbone(release, tmp_path):
     assert not (tmp_path / "kv").exists()
 
 
-def test_cli_takes_explicit_paths(release, tmp_path, capsys):
-    rc = main(["--base", str(release["base"]), "--adapter", str(release["adapter"]), "--calib", str(release["calib"]),
-               "--out", str(tmp_path / "kv"), "--k-bits", "3", "--v-bits", "5"])
-    assert rc == 0 and (tmp_path / "kv" / SCALES_FILE).exists()
-    assert json.loads((tmp_path / "kv" / SCALES_JSON).read_text())["spec"]["k_bits"] == 3
-    with pytest.raises(SystemExit):
-        main(["--base", str(release["base"])])
-    assert "--adapter" in capsys.readouterr().err
+def test_cli_reads_the_kv_section_of_params(release, tmp_path):
+    month = tmp_path / "data" / "2026-11"
+    month.mkdir(parents=True)
+    shutil.copyfile(release["calib"], month / "calib.jsonl")
+    shutil.copytree(release["adapter"], tmp_path / "artifacts" / "2026-11" / "finetune" / "adapter")
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({
+        "data": {"dir": str(tmp_path / "data")},
+        "base_model": {"source": "local", "path": str(release["base"])},
+        "train": {"output_dir": str(tmp_path / "artifacts"), "threads": 1},
+        "engine": {"dir": str(tmp_path / "no-engine")},
+        "kv": {"k_bits": 3, "v_bits": 5},
+    }))
+    assert main(["--params", str(params)]) == 0
+    record = json.loads((tmp_path / "artifacts" / "2026-11" / "kv" / SCALES_JSON).read_text())
+    assert (record["spec"]["k_bits"], record["spec"]["v_bits"]) == (3, 5)
+    assert record["interface"] == ""  # no engine compiled in this test: nothing to bind to
+
+
+def test_cli_refuses_bad_kv_settings_naming_the_key(tmp_path, capsys):
+    params = tmp_path / "params.yaml"
+    params.write_text("kv:\n  k_bits: 9\n")
+    assert main(["--params", str(params)]) == 2
+    assert "kv.k_bits: Input should be less than or equal to 8" in capsys.readouterr().err
