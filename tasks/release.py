@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tasks import calibrate, evaluate, finetune
 from tasks import compile as compile_stage
+from tasks.artifacts import write_json
 from tasks.base_model import prepare_base_model
 from tasks.cli import stage_main
 from tasks.config import ReleaseConfig
@@ -37,6 +38,7 @@ def run_release(cfg: ReleaseConfig) -> dict[str, float]:
         stage()
         timings[name] = time.perf_counter() - start
         print(f"    {name} done in {timings[name]:.1f} s", flush=True)
+    write_json(cfg.release_dir() / "stage_seconds.json", {k: round(v, 2) for k, v in timings.items()})
     return timings
 
 

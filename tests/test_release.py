@@ -47,6 +47,10 @@ def test_monthly_release_on_the_embedded_default_learns_the_changed_rules(tmp_pa
     provenance = json.loads((release / "finetune" / "adapter" / "provenance.json").read_text())
     assert provenance["engine_interface_hash"] == compile_metrics["interface_hash"]
 
+    seconds = json.loads((release / "stage_seconds.json").read_text())
+    assert list(seconds) == ["data", "base_model", "compile", "finetune", "calibrate", "evaluate"]
+    assert (release / "kv" / "kv_scales.safetensors").exists()
+
     train = json.loads((release / "finetune" / "train_metrics.json").read_text())
     assert train["adapter_fraction_of_base"] <= 0.02
     assert "| accuracy, new rules |" in (release / "eval" / "report.md").read_text()
