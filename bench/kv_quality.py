@@ -431,7 +431,7 @@ def default_case(base: Path, adapter: Path, data: Path, out_dir: Path, quick: bo
     from tasks.data import read_jsonl
     from tasks.evaluate import accuracy_report
 
-    backbone, base_hash = load_release_backbone(base, adapter)
+    backbone, base_hash, _ = load_release_backbone(base, adapter)
     tokenizer = load_tokenizer(base)
     configs = grid()
     # The stage itself, and its loader, for the chosen configuration.

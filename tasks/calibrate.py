@@ -143,26 +143,33 @@ def scales_from_stats(stats: dict, spec) -> dict:
 
 # ---------------------------------------------------------------- the stage
 
-def load_release_backbone(base_dir: Path, adapter_dir: Path):
+def load_release_backbone(base_dir: Path, adapter_dir: Path, engine_dir: Path | None = None):
     """Backbone with the adapter merged (calibration runs eagerly; merging is exact to fp32).
 
-    The adapter is validated by ``runtime.adapter.load_adapter`` (provenance included), so an
-    adapter made for another backbone is refused here too.
+    The adapter is validated by ``runtime.adapter.load_adapter`` (provenance included) against
+    the compiled engine's interface when ``engine_dir`` is given, else against an interface
+    shaped after the adapter itself; an adapter made for another backbone is refused either way.
+    Returns (backbone, base hash, interface hash of the engine or "").
     """
     import torch
 
     from runtime.adapter import ADAPTER_CONFIG, load_adapter
     from runtime.hashing import backbone_hash
-    from runtime.interface import build_interface
+    from runtime.interface import build_interface, read_interface
     from runtime.model import load_backbone, read_config
 
-    cfg = read_config(base_dir)
-    acfg = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())
-    targets = acfg.get("target_modules") or []
-    targets = tuple(sorted([targets] if isinstance(targets, str) else targets))
-    iface = build_interface(cfg, backbone_hash(base_dir), max_rank=int(acfg.get("r", 1)), target_modules=targets)
+    if engine_dir is not None:
+        iface = read_interface(engine_dir)
+        interface_hash = iface.interface_hash
+    else:
+        acfg = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())
+        targets = acfg.get("target_modules") or []
+        targets = tuple(sorted([targets] if isinstance(targets, str) else targets))
+        rank = int(acfg.get("r", 1))
+        iface = build_interface(read_config(base_dir), backbone_hash(base_dir), max_rank=rank, target_modules=targets)
+        interface_hash = ""
     lora = {k: torch.from_numpy(v) for k, v in load_adapter(adapter_dir, iface).items()}
-    return load_backbone(base_dir, merged_lora=lora), iface.backbone_hash
+    return load_backbone(base_dir, merged_lora=lora), iface.backbone_hash, interface_hash
 
 
 def jsonl_batches(tokenizer, calib_jsonl: Path, batch_size: int, max_seq_len: int) -> tuple[list, int]:
@@ -207,7 +214,7 @@ def calibrate_kv_scales(
     clip_percentile: float = DEFAULT_CLIP_PERCENTILE,
     batch_size: int = 16,
     max_seq_len: int = 96,
-    interface: str = "",
+    engine_dir: Path | None = None,
     threads: int = 1,
 ) -> Path:
     """Calibrate per-channel K/V scales of base + adapter on ``calib_jsonl``; return the .safetensors path."""
@@ -221,7 +228,7 @@ def calibrate_kv_scales(
     adapter_file = Path(adapter_dir) / "adapter_model.safetensors"
     if not adapter_file.exists():
         raise FileNotFoundError(f"{adapter_file} is missing: scales are calibrated for an adapter")
-    backbone, base_hash = load_release_backbone(Path(base_dir), Path(adapter_dir))
+    backbone, base_hash, interface = load_release_backbone(Path(base_dir), Path(adapter_dir), engine_dir)
     tokenizer = load_tokenizer(Path(base_dir))
     batches, rows = jsonl_batches(tokenizer, Path(calib_jsonl), batch_size, max_seq_len)
     stats = collect_kv_stats(backbone, batches, spec.pre_rope_keys, clip_percentile)
@@ -347,7 +354,7 @@ def load_kv_scales(
 def run_stage(cfg: ReleaseConfig) -> Path:
     """The calibrate stage: scales for this release's base + adapter, bound to the engine interface."""
     from kernels.kv_quant import KVQuantSpec
-    from runtime.interface import INTERFACE_FILE, read_interface
+    from runtime.interface import INTERFACE_FILE
 
     kv = cfg.kv
     spec = KVQuantSpec(
@@ -355,7 +362,6 @@ def run_stage(cfg: ReleaseConfig) -> Path:
         kv.sink_tokens, kv.window_tokens, kv.pre_rope_keys,
     )
     engine_dir = Path(cfg.engine.dir)
-    interface = read_interface(engine_dir).interface_hash if (engine_dir / INTERFACE_FILE).exists() else ""
     return calibrate_kv_scales(
         Path(cfg.base_model.path),
         cfg.release_dir() / "finetune" / "adapter",
@@ -365,7 +371,7 @@ def run_stage(cfg: ReleaseConfig) -> Path:
         kv.clip_percentile,
         batch_size=kv.calib_batch_size,
         max_seq_len=cfg.train.max_seq_len,
-        interface=interface,
+        engine_dir=engine_dir if (engine_dir / INTERFACE_FILE).exists() else None,
         threads=cfg.train.threads,
     )
 

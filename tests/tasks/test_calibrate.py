@@ -203,3 +203,27 @@ def test_cli_refuses_bad_kv_settings_naming_the_key(tmp_path, capsys):
     params.write_text("kv:\n  k_bits: 9\n")
     assert main(["--params", str(params)]) == 2
     assert "kv.k_bits: Input should be less than or equal to 8" in capsys.readouterr().err
+
+
+def test_calibration_binds_scales_to_the_compiled_engine_interface(release, tmp_path):
+    """An adapter bound to a compiled engine is checked against that engine, and so are its scales."""
+    from runtime.interface import read_interface
+    from tasks.compile import compile_engine
+
+    engine_dir = tmp_path / "engine"
+    compile_engine(release["base"], engine_dir, max_rank=8, ort_threads=1)
+    iface_hash = read_interface(engine_dir).interface_hash
+    bound = tmp_path / "bound"
+    shutil.copytree(release["adapter"], bound)
+    provenance = json.loads((bound / "provenance.json").read_text())
+    (bound / "provenance.json").write_text(json.dumps(provenance | {"engine_interface_hash": iface_hash}))
+
+    out = calibrate_kv_scales(release["base"], bound, release["calib"], tmp_path / "kv", engine_dir=engine_dir)
+    assert json.loads((out.parent / SCALES_JSON).read_text())["interface"] == iface_hash
+
+    (bound / "provenance.json").write_text(json.dumps(provenance | {"engine_interface_hash": "f" * 64}))
+    from runtime.adapter import AdapterError
+
+    with pytest.raises(AdapterError, match="adapter records engine interface ffffffffffff"):
+        calibrate_kv_scales(release["base"], bound, release["calib"], tmp_path / "kv2", engine_dir=engine_dir)
+    assert not (tmp_path / "kv2").exists()
