@@ -83,6 +83,23 @@ def perplexity(model, tokenizer, texts: list[str], batch_size: int) -> float:
     return math.exp(total_nll / total_tokens)
 
 
+def engine_perplexity(engine, tokenizer, texts: list[str]) -> float:
+    """The same perplexity as ``perplexity``, computed from the engine's prefill logits, text by text."""
+    import numpy as np
+
+    total_nll, total_tokens = 0.0, 0
+    for text in texts:
+        ids = np.asarray([tokenizer(text + tokenizer.eos_token)["input_ids"]], dtype=np.int64)  # (1, T)
+        T = ids.shape[1]
+        logits, _ = engine.forward(ids, np.arange(T)[None], np.ones((1, T), np.int64), None)  # (1, T, V)
+        logits = logits[0, :-1].astype(np.float64)
+        shifted = logits - logits.max(-1, keepdims=True)
+        log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))  # (T-1, V)
+        total_nll -= log_probs[np.arange(T - 1), ids[0, 1:]].sum()
+        total_tokens += T - 1
+    return math.exp(total_nll / total_tokens)
+
+
 def _score(model, tokenizer, test: list[Example], texts: list[str], cfg: EvalConfig) -> tuple[dict, list[str]]:
     predictions = greedy_completions(model, tokenizer, [ex.prompt for ex in test], cfg.max_new_tokens, cfg.batch_size)
     report = accuracy_report(test, predictions)
@@ -91,7 +108,13 @@ def _score(model, tokenizer, test: list[Example], texts: list[str], cfg: EvalCon
 
 
 def _score_on_engine(
-    engine_cfg: EngineConfig, adapter_dir: Path, merged_model, tokenizer, test: list[Example], cfg: EvalConfig
+    engine_cfg: EngineConfig,
+    adapter_dir: Path,
+    merged_model,
+    tokenizer,
+    test: list[Example],
+    texts: list[str],
+    cfg: EvalConfig,
 ) -> tuple[dict, dict, list[str]]:
     """Accuracy of base + adapter on the compiled engine, and its parity with PyTorch + merged PEFT."""
     from runtime.adapter import load_adapter
@@ -111,7 +134,9 @@ def _score_on_engine(
     )
     parity["backend"] = engine_cfg.backend
     parity["interface_hash"] = engine.interface.interface_hash
-    return accuracy_report(test, on_engine), parity, on_engine
+    report = accuracy_report(test, on_engine)
+    report["perplexity"] = engine_perplexity(engine, tokenizer, texts)
+    return report, parity, on_engine
 
 
 def _fmt(value: float | None) -> str:
@@ -191,7 +216,7 @@ def evaluate(
     if engine is not None:
         merged = adapted.merge_and_unload().eval()
         metrics["adapter_on_engine"], metrics["engine_parity"], engine_predictions = _score_on_engine(
-            engine, adapter_dir, merged, tokenizer, test, cfg
+            engine, adapter_dir, merged, tokenizer, test, texts, cfg
         )
     with atomic_output_dir(Path(out_dir)) as tmp:
         write_json(tmp / "metrics.json", metrics)

@@ -37,3 +37,17 @@ def test_perplexity_of_an_untrained_model_is_near_the_vocabulary_size(tiny_llama
     # Random init predicts close to uniformly: perplexity within a factor of 2 of the vocabulary.
     assert len(tokenizer) / 2 < ppl < 2 * len(tokenizer)
     assert math.isfinite(ppl)
+
+
+def test_perplexity_on_the_engine_equals_perplexity_in_pytorch(tiny_llama_dir, tmp_path):
+    from runtime.backends.onnxruntime import OrtEngine
+    from tasks.compile import compile_engine
+    from tasks.evaluate import engine_perplexity
+
+    compile_engine(tiny_llama_dir, tmp_path / "engine", max_rank=4, ort_threads=1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    texts = ["inspect board=PCB-0001 verdict: PASS", "a longer line of held-out text, 12345"]
+    on_engine = engine_perplexity(OrtEngine(tmp_path / "engine", threads=1), tokenizer, texts)
+    assert on_engine == pytest.approx(perplexity(model, tokenizer, texts, batch_size=2), rel=1e-4)
+    assert len(tokenizer) / 2 < on_engine < 2 * len(tokenizer)
