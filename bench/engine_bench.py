@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.report import write_report
+
 CONFIGS = {
     # The default backbone of the foundation issue.
     "tiny": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024,
@@ -206,9 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_1m_before": load_before,
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-    print(f"\nwrote {args.out}")
+    write_report(args.out, payload)
     return 0
 
 

@@ -22,7 +22,8 @@ class Engine(Protocol):
     interface: EngineInterface
 
     def set_adapter(self, lora: Mapping[str, np.ndarray] | None) -> None:
-        """Bind LoRA inputs (``runtime.adapter.load_adapter`` output); None = base model."""
+        """Bind LoRA inputs (``runtime.adapter.load_adapter`` output); None = base model.
+        Engines with a quantized KV cache (``interface.kv_spec``) also take ``kv_scales=``."""
 
     def forward(
         self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray, past: Cache | None
@@ -47,6 +48,43 @@ def check_lora_inputs(iface: EngineInterface, lora: Mapping[str, np.ndarray]) ->
                 problems.append(f"{name} has non-finite values")
     if problems:
         raise ValueError("LoRA inputs do not match the engine interface: " + "; ".join(problems))
+
+
+def kv_scale_inputs(iface: EngineInterface, kv_scales) -> dict[str, np.ndarray]:
+    """The static KV-scale inputs (``k_scale.{i}`` ... (nkv, d) float32) of a quantized-KV engine,
+    from a calibration (``tasks.calibrate.KVScales``: ``spec``, ``k_scale``/``k_zero``/``v_scale``/
+    ``v_zero`` (L, nkv, d), ``record``). Refuses another spec or backbone, missing, mis-shaped,
+    non-finite or non-positive scales, every problem at once; nothing is defaulted."""
+    from runtime.errors import RefusedInput
+
+    spec = kv_scales.spec.to_dict() if hasattr(kv_scales.spec, "to_dict") else dict(kv_scales.spec)
+    problems = []
+    if spec != iface.kv_spec:
+        problems.append(f"scales were calibrated for KV spec {spec}, the engine implements {iface.kv_spec}")
+    base = (getattr(kv_scales, "record", None) or {}).get("base_model_hash")
+    if base is not None and base != iface.backbone_hash:
+        problems.append(f"scales were calibrated on backbone {base[:12]}, the engine runs {iface.backbone_hash[:12]}")
+    wanted = [t for t in iface.inputs if t.name.split(".")[0] in ("k_scale", "k_zero", "v_scale", "v_zero")]
+    inputs = {}
+    for t in wanted:
+        field, layer = t.name.split(".")
+        stacked = getattr(kv_scales, field, None)
+        if stacked is None:
+            problems.append(f"{field} is missing")
+            continue
+        stacked = np.asarray(stacked, dtype=np.float32)
+        if stacked.ndim != 3 or stacked.shape[0] != iface.num_layers or tuple(stacked.shape[1:]) != tuple(t.shape):
+            problems.append(f"{field} has shape {stacked.shape}, the engine needs ({iface.num_layers}, *{tuple(t.shape)})")
+            continue
+        value = np.ascontiguousarray(stacked[int(layer)])
+        if not np.isfinite(value).all():
+            problems.append(f"{t.name} has non-finite values")
+        elif field.endswith("scale") and not (value > 0).all():
+            problems.append(f"{t.name} has zero or negative scales")
+        inputs[t.name] = value
+    if problems:
+        raise RefusedInput("KV scales do not fit this engine: " + "; ".join(dict.fromkeys(problems)))
+    return inputs
 
 
 def open_engine(engine_dir: str | Path, backend: str = "onnxruntime", threads: int = 2, **options) -> Engine:

@@ -20,8 +20,13 @@ if TYPE_CHECKING:  # the ONNX Runtime side reads interfaces without importing to
 
 # 1: ids/positions/mask + per-layer past K/V (B, nkv, P, d) + unmerged LoRA A/B/scale inputs.
 INTERFACE_VERSION = 1
+# 2: the same, with the KV cache quantized and bit-packed as ``kv_spec`` (a kernels.kv_quant.KVQuantSpec
+# dict) describes; see ``quantized_kv_tensors``. Float engines keep version 1 and their hash.
+QUANT_KV_INTERFACE_VERSION = 2
+SUPPORTED_VERSIONS = (INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSION)
 INTERFACE_FILE = "interface.json"
 KV_LAYOUT = "B,num_kv_heads,past_len,head_dim"  # one key and one value tensor per layer
+QUANT_KV_DTYPE = "packed-uint8"
 
 
 def lora_input_names(num_layers: int, modules: tuple[str, ...]) -> list[str]:
@@ -52,9 +57,17 @@ class EngineInterface:
     target_modules: tuple[str, ...]
     module_shapes: dict  # module -> [in_features, out_features]
     kv_layout: str
-    kv_dtype: str  # "float32" today; quantized KV formats will get their own version
+    kv_dtype: str  # "float32", or QUANT_KV_DTYPE with kv_spec set (version 2)
     inputs: tuple[TensorSpec, ...] = field(default_factory=tuple)
     outputs: tuple[TensorSpec, ...] = field(default_factory=tuple)
+    kv_spec: dict | None = None  # KVQuantSpec.to_dict() of a quantized cache; None = float cache
+    # Hash of the same engine with a float cache: the LoRA contract an adapter was made for is
+    # identical, so an adapter bound to the float engine also runs on the quantized one.
+    float_interface_hash: str | None = None
+
+    @property
+    def quantized_kv(self) -> bool:
+        return self.kv_spec is not None
 
     @property
     def input_names(self) -> list[str]:
@@ -70,6 +83,8 @@ class EngineInterface:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        if self.kv_spec is None:  # absent, not null: float engines keep the hash they had before version 2
+            del d["kv_spec"], d["float_interface_hash"]
         d["target_modules"] = list(self.target_modules)
         for key in ("inputs", "outputs"):
             d[key] = [{"name": t["name"], "dtype": t["dtype"], "shape": list(t["shape"])} for t in d[key]]
@@ -97,16 +112,59 @@ class EngineInterface:
         return iface
 
 
+def quantized_kv_tensors(num_layers: int, num_kv_heads: int, head_dim: int, spec: dict) -> tuple[list, list, list]:
+    """(cache inputs, static-scale inputs, cache outputs) of a quantized-KV engine, as TensorSpecs.
+
+    Per layer i, for kind in (key, value):
+      past_{kind}.i        uint8 (batch, nkv, past, packed d): quantized tokens, bit-packed (kernels.kv_quant.pack_bits)
+      past_{kind}_scale.i  float16 (batch, nkv, past, 1): per-token scale (token granularity only)
+      past_{kind}_zero.i   float16 (batch, nkv, past, 1): per-token zero point (token granularity, asymmetric only)
+    then sink_key.i / sink_value.i float16 (batch, nkv, sink, d): the first ``sink_tokens`` tokens
+    kept unquantized (post-RoPE keys). Once: past_positions int64 (batch, past), the position of
+    every quantized slot, when keys are quantized before RoPE (RoPE is re-applied at read).
+    Static inputs (channel granularity): k_scale.i, k_zero.i (asymmetric), v_scale.i, v_zero.i, float32 (nkv, d).
+    Outputs per layer: present_* (present = past + seq) = past_* with the new tokens appended (all quantized;
+    the runtime moves the first ones into the sink while it fills), new_key.i / new_value.i
+    float16 (batch, nkv, seq, d): the new tokens unquantized, for the sink.
+    The attention mask covers sink + past + seq slots, in that order.
+    """
+    L, nkv, d = num_layers, num_kv_heads, head_dim
+    cache, static, outputs = [], [], []
+    if spec["pre_rope_keys"]:
+        cache.append(TensorSpec("past_positions", "int64", ("batch", "past")))
+    for i in range(L):
+        layer_out = []
+        for kind, short in (("key", "k"), ("value", "v")):
+            bits, gran, sym = spec[f"{short}_bits"], spec[f"{short}_granularity"], spec[f"{short}_symmetric"]
+            width = d if bits == 8 else -(-d // 8) * bits  # kernels.kv_quant.packed_size (no torch here)
+            names = [(f"{kind}", "uint8", width)]
+            if gran == "token":
+                names += [(f"{kind}_scale", "float16", 1)] + ([] if sym else [(f"{kind}_zero", "float16", 1)])
+            else:
+                static += [TensorSpec(f"{short}_scale.{i}", "float32", (nkv, d))]
+                static += [] if sym else [TensorSpec(f"{short}_zero.{i}", "float32", (nkv, d))]
+            for name, dtype, last in names:
+                cache.append(TensorSpec(f"past_{name}.{i}", dtype, ("batch", nkv, "past", last)))
+                layer_out.append(TensorSpec(f"present_{name}.{i}", dtype, ("batch", nkv, "present", last)))
+        cache += [TensorSpec(f"sink_{kind}.{i}", "float16", ("batch", nkv, "sink", d)) for kind in ("key", "value")]
+        outputs += layer_out + [TensorSpec(f"new_{kind}.{i}", "float16", ("batch", nkv, "seq", d)) for kind in ("key", "value")]
+    return cache, static, outputs
+
+
 def build_interface(
-    cfg: "BackboneConfig", backbone_hash: str, max_rank: int, target_modules: tuple[str, ...]
+    cfg: "BackboneConfig", backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], kv_spec: dict | None = None
 ) -> EngineInterface:
+    """The interface of the float-KV engine, or with ``kv_spec`` of the quantized-KV engine."""
     L, nkv, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     inputs = [
         TensorSpec("input_ids", "int64", ("batch", "seq")),
         TensorSpec("position_ids", "int64", ("batch", "seq")),
         TensorSpec("attention_mask", "int64", ("batch", "total")),
     ]
-    for i in range(L):
+    if kv_spec is not None:
+        cache, static, kv_outputs = quantized_kv_tensors(L, nkv, d, kv_spec)
+        inputs += cache + static
+    for i in range(L if kv_spec is None else 0):
         inputs += [
             TensorSpec(f"past_key.{i}", "float32", ("batch", nkv, "past", d)),
             TensorSpec(f"past_value.{i}", "float32", ("batch", nkv, "past", d)),
@@ -117,6 +175,13 @@ def build_interface(
         shape = {"lora_A": (max_rank, fan_in), "lora_B": (fan_out, max_rank), "lora_scale": (1,)}[kind]
         inputs.append(TensorSpec(name, "float32", shape))
     outputs = [TensorSpec("logits", "float32", ("batch", "seq", cfg.vocab_size))]
+    if kv_spec is not None:
+        float_iface = build_interface(cfg, backbone_hash, max_rank, target_modules)
+        return EngineInterface(
+            **{**float_iface.__dict__, "version": QUANT_KV_INTERFACE_VERSION, "kv_dtype": QUANT_KV_DTYPE,
+               "inputs": tuple(inputs), "outputs": tuple(outputs + kv_outputs), "kv_spec": dict(kv_spec),
+               "float_interface_hash": float_iface.interface_hash}
+        )
     for i in range(L):
         outputs += [
             TensorSpec(f"present_key.{i}", "float32", ("batch", nkv, "total", d)),
@@ -151,8 +216,9 @@ def read_interface(path: Path) -> EngineInterface:
     if not path.exists():
         raise InterfaceError(f"{path}: no engine interface; compile the engine first")
     d = json.loads(path.read_text())
-    if d.get("version") != INTERFACE_VERSION:
+    if d.get("version") not in SUPPORTED_VERSIONS:
         raise InterfaceError(
-            f"{path}: interface version {d.get('version')} but this runtime speaks {INTERFACE_VERSION}; recompile"
+            f"{path}: interface version {d.get('version')} but this runtime speaks "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))}; recompile"
         )
     return EngineInterface.from_dict(d)

@@ -169,6 +169,21 @@ class Block(nn.Module):
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         g = nh // nkv
 
+        q, k, v = self.project_qkv(x, B, T, cos, sin, lora)
+        k = torch.cat([past_k, k], dim=2)  # (B, nkv, S, d)
+        v = torch.cat([past_v, v], dim=2)  # (B, nkv, S, d)
+
+        # GQA without copying K/V: fold the g query heads of each kv head into the row axis.
+        qg = q.reshape(B, nkv, g * T, d)  # (B, nkv, g T, d)
+        att = (qg @ k.transpose(-1, -2)) * (1.0 / math.sqrt(d)) + mask  # (B, nkv, g T, S) + (B, 1, g T, S)
+        att = torch.softmax(att, dim=-1)
+        y = att @ v  # (B, nkv, g T, d)
+        return self.finish(x, y, B, T, lora), k, v
+
+    def project_qkv(self, x, B: int, T: int, cos, sin, lora: dict[str, tuple]):
+        """(q (B, nh, T, d), k (B, nkv, T, d), v (B, nkv, T, d)) of the new tokens, q and k after RoPE."""
+        cfg = self.cfg
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = rms_norm(x, self.ln1, cfg.rms_norm_eps)  # (N, H)
         qkv = _linear(h, self.qkv_w, self.qkv_b)  # (N, (nh + 2 nkv) d)
         if "q_proj" in lora or "k_proj" in lora:
@@ -184,14 +199,12 @@ class Block(nn.Module):
         qk = qk * cos + rotate_half(qk) * sin
         q, k = qk.split([nh, nkv], dim=1)  # (B, nh, T, d), (B, nkv, T, d)
         v = v.view(B, T, nkv, d).transpose(1, 2)  # (B, nkv, T, d)
-        k = torch.cat([past_k, k], dim=2)  # (B, nkv, S, d)
-        v = torch.cat([past_v, v], dim=2)  # (B, nkv, S, d)
+        return q, k, v
 
-        # GQA without copying K/V: fold the g query heads of each kv head into the row axis.
-        qg = q.reshape(B, nkv, g * T, d)  # (B, nkv, g T, d)
-        att = (qg @ k.transpose(-1, -2)) * (1.0 / math.sqrt(d)) + mask  # (B, nkv, g T, S) + (B, 1, g T, S)
-        att = torch.softmax(att, dim=-1)
-        y = att @ v  # (B, nkv, g T, d)
+    def finish(self, x, y, B: int, T: int, lora: dict[str, tuple]):
+        """Attention output y (B, nkv, g T, d) -> o_proj, residual, MLP: the layer's output (N, H)."""
+        cfg = self.cfg
+        nh, d = cfg.num_heads, cfg.head_dim
         y = y.view(B, nh, T, d).transpose(1, 2).reshape(B * T, nh * d)  # (N, nh d)
         o = _linear(y, self.o_w, self.o_b)  # (N, H)
         x = x + self._lora("o_proj", y, o, lora)
@@ -203,7 +216,7 @@ class Block(nn.Module):
         up = self._lora("up_proj", h, up, lora)
         m = nn.functional.silu(gate) * up  # (N, I)
         down = _linear(m, self.down_w)  # (N, H)
-        return x + self._lora("down_proj", m, down, lora), k, v
+        return x + self._lora("down_proj", m, down, lora)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,6 +252,16 @@ class Backbone(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (d/2,)
 
     def forward(self, input_ids, position_ids, attention_mask, past_kv: tuple, lora: tuple = ()):
+        x, cos, sin, mask = self.prepare(input_ids, position_ids, attention_mask, past_kv[0].shape[2])
+        B, T = input_ids.shape
+        present = []
+        for i, block in enumerate(self.blocks):
+            x, k, v = block(x, B, T, cos, sin, mask, past_kv[2 * i], past_kv[2 * i + 1], self.layer_lora(lora, i))
+            present += [k, v]
+        return self.head(x, B, T), tuple(present)
+
+    def prepare(self, input_ids, position_ids, attention_mask, P):
+        """Embeddings x (N, H), RoPE cos/sin (B, 1, T, d) of the new tokens, additive mask (B, 1, g T, P + T)."""
         cfg = self.cfg
         B, T = input_ids.shape
         x = nn.functional.embedding(input_ids, self.embed).reshape(B * T, -1)  # (N, H); one Gather
@@ -249,7 +272,6 @@ class Backbone(nn.Module):
 
         # Causal by cache slot (not by position id, which skips left padding), and never
         # attend to a padded slot. A finite minimum, not -inf, so a fully padded row stays finite.
-        P = past_kv[0].shape[2]
         q_slot = torch.arange(T, device=input_ids.device) + P  # (T,)
         k_slot = torch.arange(P + T, device=input_ids.device)  # (S,)
         allowed = (k_slot[None, :] <= q_slot[:, None])[None] & (attention_mask[:, None, :] > 0)  # (B, T, S)
@@ -259,17 +281,16 @@ class Backbone(nn.Module):
         # view + broadcast in every layer.
         g = cfg.num_heads // cfg.num_kv_heads
         mask = mask.unsqueeze(1).expand(B, g, T, P + T).reshape(B, 1, g * T, P + T)  # (B, 1, g T, S)
+        return x, cos, sin, mask
 
+    def layer_lora(self, lora: tuple, i: int) -> dict[str, tuple]:
         n = len(self.lora_modules)
-        present = []
-        for i, block in enumerate(self.blocks):
-            group = lora[3 * n * i : 3 * n * (i + 1)]
-            lora_i = {m: tuple(group[3 * j : 3 * j + 3]) for j, m in enumerate(self.lora_modules)}
-            x, k, v = block(x, B, T, cos, sin, mask, past_kv[2 * i], past_kv[2 * i + 1], lora_i)
-            present += [k, v]
-        x = rms_norm(x, self.norm, cfg.rms_norm_eps)  # (N, H)
-        logits = (x @ self.lm_head.t()).view(B, T, -1)  # (B, T, V)
-        return logits, tuple(present)
+        group = lora[3 * n * i : 3 * n * (i + 1)]
+        return {m: tuple(group[3 * j : 3 * j + 3]) for j, m in enumerate(self.lora_modules)}
+
+    def head(self, x, B: int, T: int):
+        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)  # (N, H)
+        return (x @ self.lm_head.t()).view(B, T, -1)  # (B, T, V)
 
     def empty_past(self, batch: int) -> tuple[torch.Tensor, ...]:
         shape = (batch, self.cfg.num_kv_heads, 0, self.cfg.head_dim)

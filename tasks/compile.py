@@ -27,7 +27,7 @@ ENGINE_ONNX = "model.onnx"
 CACHE_KEY_FILE = "cache_key.json"
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # Sizes used to trace: deliberately not 0 or 1, which torch.export would specialize to constants.
-TRACE_BATCH, TRACE_SEQ, TRACE_PAST = 2, 3, 5
+TRACE_BATCH, TRACE_SEQ, TRACE_PAST, TRACE_SINK = 2, 3, 5, 2
 # Upper bounds of the dynamic axes (also the TensorRT optimization-profile maxima).
 MAX_BATCH, MAX_SEQ, MAX_PAST = 64, 4096, 4096
 
@@ -44,17 +44,32 @@ def exporter_version() -> dict:
     return {"torch": torch.__version__, "onnxscript": onnxscript.__version__, "onnx": onnx.__version__}
 
 
-def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], opset: int) -> dict:
-    from runtime.interface import INTERFACE_VERSION
+# The code that defines the exported graph: editing any of it must rebuild the engine.
+GRAPH_SOURCES = ("runtime/model.py", "runtime/kv_model.py", "runtime/interface.py", "kernels/kv_quant.py")
+
+
+def graph_source_hash() -> str:
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for name in GRAPH_SOURCES:
+        digest.update(name.encode() + b"\0" + (root / name).read_bytes())
+    return digest.hexdigest()
+
+
+def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], opset: int, kv_spec: dict | None = None) -> dict:
+    from runtime.interface import INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSION
 
     key = {
         "backbone_hash": backbone_hash,
-        "interface_version": INTERFACE_VERSION,
+        "interface_version": INTERFACE_VERSION if kv_spec is None else QUANT_KV_INTERFACE_VERSION,
         "exporter": exporter_version(),
+        "graph_source": graph_source_hash(),
         "max_rank": max_rank,
         "target_modules": list(target_modules),
         "opset": opset,
     }
+    if kv_spec is not None:  # absent for float engines: their key (and cached builds) stay as they were
+        key["kv_spec"] = dict(kv_spec)
     key["key"] = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     return key
 
@@ -65,11 +80,52 @@ def _example_inputs(model, iface, batch: int, seq: int, past: int):
     cfg = model.cfg
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))  # (B, T)
     pos = (torch.arange(seq) + past).expand(batch, seq).contiguous()  # (B, T)
-    mask = torch.ones(batch, past + seq, dtype=torch.long)  # (B, S)
-    kv = [torch.randn(batch, cfg.num_kv_heads, past, cfg.head_dim) for _ in range(2 * cfg.num_layers)]
     shapes = {t.name: t.shape for t in iface.inputs}
     lora = [torch.randn(*shapes[n]) * 0.05 for n in iface.lora_names]
+    if iface.quantized_kv:
+        cache, static = _quantized_example_inputs(iface, batch, past)
+        mask = torch.ones(batch, TRACE_SINK + past + seq, dtype=torch.long)  # (B, sink + P + T)
+        return ids, pos, mask, cache, static, lora
+    mask = torch.ones(batch, past + seq, dtype=torch.long)  # (B, S)
+    kv = [torch.randn(batch, cfg.num_kv_heads, past, cfg.head_dim) for _ in range(2 * cfg.num_layers)]
     return ids, pos, mask, kv, lora
+
+
+def _quantized_example_inputs(iface, batch: int, past: int):
+    """Random packed cache, fp16 scales and sink, static scales; shapes from the interface."""
+    import torch
+
+    from runtime.interface import quantized_kv_tensors
+
+    cache_specs, static_specs, _ = quantized_kv_tensors(iface.num_layers, iface.num_kv_heads, iface.head_dim, iface.kv_spec)
+    sizes = {"batch": batch, "past": past, "sink": TRACE_SINK}
+    cache = []
+    for t in cache_specs:
+        shape = [sizes.get(a, a) for a in t.shape]
+        if t.dtype == "uint8":
+            cache.append(torch.randint(0, 256, shape, dtype=torch.uint8))
+        elif t.dtype == "int64":
+            cache.append(torch.arange(past).expand(batch, past).contiguous())
+        else:
+            cache.append((torch.rand(shape) * 0.1 + 0.01).to(torch.float16))
+    static = [torch.rand(*t.shape) * 0.1 + 0.01 for t in static_specs]
+    return cache, static
+
+
+def _dynamic_shapes(iface, args, Dim):
+    batch = Dim("batch", min=1, max=MAX_BATCH)
+    seq = Dim("seq", min=1, max=MAX_SEQ)
+    past = Dim("past", min=0, max=MAX_PAST)  # 0 = prefill with an empty cache
+    head = ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: Dim.DYNAMIC})  # total = past + seq: derived
+    if not iface.quantized_kv:
+        return head + ([{0: batch, 2: past} for _ in args[3]], [None for _ in args[4]])
+    sink = Dim("sink", min=0, max=MAX_PAST)  # up to sink_tokens; traced at 2 so it is not specialized
+    from runtime.interface import quantized_kv_tensors
+
+    cache_specs, _, _ = quantized_kv_tensors(iface.num_layers, iface.num_kv_heads, iface.head_dim, iface.kv_spec)
+    cache = [{0: batch, 1: past} if t.name == "past_positions" else {0: batch, 2: sink if t.name.startswith("sink_") else past}
+             for t in cache_specs]
+    return head + (cache, [None for _ in args[4]], [None for _ in args[5]])
 
 
 def _name_dynamic_axes(onnx_path: Path, iface) -> None:
@@ -106,11 +162,14 @@ def export_backbone(
     target_modules: tuple[str, ...] = DEFAULT_TARGETS,
     opset: int = 18,
     merged_lora: dict | None = None,
+    kv_spec: dict | None = None,
 ):
     """Export the hand-written forward with dynamic batch/seq/past; return its EngineInterface.
 
     ``target_modules=()`` exports a graph without LoRA inputs; with ``merged_lora`` (engine
     LoRA inputs as numpy) the adapter is merged into the weights first (the merged baseline).
+    ``kv_spec`` (a ``kernels.kv_quant.KVQuantSpec`` dict) exports the quantized-KV engine
+    (``runtime.kv_model``) instead of the float-KV one.
     """
     import torch
 
@@ -120,19 +179,15 @@ def export_backbone(
 
     merged = None if merged_lora is None else {k: torch.from_numpy(v) for k, v in merged_lora.items()}
     model = load_backbone(model_dir, tuple(target_modules), merged_lora=merged)
-    iface = build_interface(model.cfg, backbone_hash(model_dir), max_rank, tuple(target_modules))
-    Dim = torch.export.Dim
-    batch = Dim("batch", min=1, max=MAX_BATCH)
-    seq = Dim("seq", min=1, max=MAX_SEQ)
-    past = Dim("past", min=0, max=MAX_PAST)  # 0 = prefill with an empty cache
-    args = _example_inputs(model, iface, TRACE_BATCH, TRACE_SEQ, TRACE_PAST)
-    dynamic_shapes = (
-        {0: batch, 1: seq},
-        {0: batch, 1: seq},
-        {0: batch, 1: Dim.DYNAMIC},  # total = past + seq; torch.export derives the relation
-        [{0: batch, 2: past} for _ in args[3]],
-        [None for _ in args[4]],  # LoRA inputs have fixed shapes: (r_max, in), (out, r_max), (1,)
-    )
+    iface = build_interface(model.cfg, backbone_hash(model_dir), max_rank, tuple(target_modules), kv_spec)
+    if kv_spec is not None:
+        from kernels.kv_quant import KVQuantSpec
+        from runtime.kv_model import QuantizedKVBackbone
+
+        model = QuantizedKVBackbone(model, KVQuantSpec.from_dict(kv_spec)).eval()
+    args = _example_inputs(model.backbone if kv_spec else model, iface, TRACE_BATCH, TRACE_SEQ, TRACE_PAST)
+    # LoRA (and static KV-scale) inputs have fixed shapes: (r_max, in), (out, r_max), (1,), (nkv, d).
+    dynamic_shapes = _dynamic_shapes(iface, args, torch.export.Dim)
     t0 = time.perf_counter()
     with torch.no_grad(), warnings.catch_warnings():
         # The exporter cannot rename axes of nested inputs; _name_dynamic_axes does it below.
@@ -162,8 +217,12 @@ def compile_engine(
     opset: int = 18,
     ort_threads: int = 2,
     metrics_path: Path | None = None,
+    kv_spec: dict | None = None,
 ) -> dict:
     """Build ``engine_dir`` unless a build for the same key is already there; return metrics.
+
+    ``kv_spec`` None builds the float-KV engine; a ``KVQuantSpec`` dict the quantized-KV one
+    (part of the cache key, so give the two different directories).
 
     The new engine is written into a temporary sibling and renamed into place only when the
     export, the interface check and the ORT optimization all succeeded.
@@ -173,7 +232,13 @@ def compile_engine(
 
     model_dir, engine_dir = Path(model_dir), Path(engine_dir)
     bhash = backbone_hash(model_dir)
-    key = cache_key(bhash, max_rank, tuple(target_modules), opset)
+    if kv_spec is not None:
+        from kernels.kv_quant import KVQuantSpec
+        from runtime.kv_model import check_engine_spec
+
+        kv_spec = KVQuantSpec.from_dict(dict(kv_spec)).to_dict()  # validated, every field spelled out
+        check_engine_spec(KVQuantSpec.from_dict(kv_spec))
+    key = cache_key(bhash, max_rank, tuple(target_modules), opset, kv_spec)
     key_file = engine_dir / CACHE_KEY_FILE
     metrics = {"backbone_hash": bhash, "cache_key": key["key"]}
     if key_file.exists() and json.loads(key_file.read_text()).get("key") == key["key"]:
@@ -183,7 +248,7 @@ def compile_engine(
     else:
         t0 = time.perf_counter()
         with atomic_output_dir(engine_dir) as tmp:
-            iface = export_backbone(model_dir, tmp / ENGINE_ONNX, max_rank, tuple(target_modules), opset)
+            iface = export_backbone(model_dir, tmp / ENGINE_ONNX, max_rank, tuple(target_modules), opset, kv_spec=kv_spec)
             write_interface(iface, tmp / "interface.json", exporter=key["exporter"])
             from runtime.backends.onnxruntime import OrtEngine
 

@@ -184,6 +184,8 @@ class TensorRTEngine:
         self._torch = torch
         engine_dir = Path(engine_dir)
         self.interface = read_interface(engine_dir)
+        if self.interface.quantized_kv:
+            raise ValueError(f"{engine_dir}: quantized KV cache; only the onnxruntime backend runs it so far")
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
         self._engine = self._runtime.deserialize_cuda_engine((engine_dir / plan_file).read_bytes())

@@ -1,0 +1,127 @@
+"""Quantized KV cache inside the engine: decode latency vs the float cache, ONNX Runtime CPU.
+
+One run, interleaved (float, quantized, float, ...; see ``bench.engine_bench.interleaved``),
+batch 1, 2 threads, on the tiny default backbone with a rank-8 LoRA as inputs:
+  decode latency per token with a past of 512 and of 2048 tokens, and the KV bytes stored per token.
+
+Engines (all standard ONNX ops, ``runtime/kv_model.py``):
+  float32            the float-KV engine of issue 3 (the cache is fp32 ORT values)
+  K4pre/V4t sink1    the default KVQuantSpec: per-channel asymmetric keys before RoPE, per-token
+                     symmetric values, one fp16 sink token (RoPE re-applied to the past at every step)
+  K4post/V4t sink1   the same with symmetric per-channel keys after RoPE: no RoPE at read
+
+    python -m bench.kv_engine_bench [--out bench/results/kv_engine_bench.json] [--iters 300]
+
+Target (issue 4): quantized decode not slower than float at past 2048. Scales are calibrated on
+random tokens: fine for latency, meaningless for quality (that is bench/kv_quality.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.engine_bench import CONFIGS, RANK, TARGETS, engine_steps, interleaved, make_backbone_and_adapter
+from bench.report import write_report
+
+SPECS = {
+    "K4pre/V4t sink1": dict(),  # the KVQuantSpec defaults
+    "K4post/V4t sink1": dict(k_symmetric=True, pre_rope_keys=False),
+}
+PASTS = (512, 2048)
+
+
+def calibrate_random(model_dir: Path, lora: dict, spec):
+    from runtime.model import load_backbone
+    from tasks.calibrate import KVScales, collect_kv_stats, scales_from_stats
+
+    model = load_backbone(model_dir, merged_lora={k: torch.from_numpy(v) for k, v in lora.items()})
+    ids = torch.from_numpy(np.random.default_rng(1).integers(0, model.cfg.vocab_size, (4, 128)))
+    stats = collect_kv_stats(model, [(ids, torch.ones_like(ids))], spec.pre_rope_keys, 99.9, progress=False)
+    s = scales_from_stats(stats, spec)
+    return KVScales(spec, s["k_scale"], s["k_zero"], s["v_scale"], s["v_zero"], record={})
+
+
+def cache_bytes_per_token(engine, cache, past: int) -> float:
+    arrays = engine.cache_to_numpy(cache)
+    arrays = arrays.values() if isinstance(arrays, dict) else arrays
+    return sum(a.nbytes for a in arrays if a.dtype != np.int64) / past  # positions are bookkeeping, not KV
+
+
+def run(iters: int, threads: int, work: Path) -> dict:
+    from kernels.kv_quant import KVQuantSpec
+    from runtime.adapter import load_adapter
+    from runtime.backends.onnxruntime import OrtEngine
+    from runtime.model import read_config
+    from tasks.compile import compile_engine
+
+    dims = CONFIGS["tiny"]
+    model_dir, adapter_dir = make_backbone_and_adapter(work, dims)
+    cfg = read_config(model_dir)
+    compile_engine(model_dir, work / "engine_float", RANK, TARGETS, ort_threads=threads)
+    engines = {"float32": OrtEngine(work / "engine_float", threads=threads)}
+    lora = load_adapter(adapter_dir, engines["float32"].interface)
+    engines["float32"].set_adapter(lora)
+    for name, overrides in SPECS.items():
+        spec = KVQuantSpec(**overrides)
+        engine_dir = work / f"engine_{len(engines)}"
+        compile_engine(model_dir, engine_dir, RANK, TARGETS, ort_threads=threads, kv_spec=spec.to_dict())
+        engines[name] = OrtEngine(engine_dir, threads=threads)
+        engines[name].set_adapter(lora, kv_scales=calibrate_random(model_dir, lora, spec))
+
+    rows: dict[str, dict] = {name: {} for name in engines}
+    for P in PASTS:
+        steps = {name: engine_steps(e, cfg, P) for name, e in engines.items()}
+        stats = interleaved(steps, iters, rounds=20)
+        for name, e in engines.items():
+            _, cache = e.forward(np.zeros((1, P), np.int64), np.arange(P)[None], np.ones((1, P), np.int64), None)
+            rows[name][f"decode_{P}_ms"] = stats[name]["median"]
+            rows[name][f"decode_{P}_p10_ms"] = stats[name]["p10"]
+            rows[name][f"kv_bytes_per_token_{P}"] = cache_bytes_per_token(e, cache, P)
+    base = rows["float32"]
+    ratios = {name: {f"decode_{P}": row[f"decode_{P}_ms"] / base[f"decode_{P}_ms"] for P in PASTS}
+              | {f"decode_{P}_p10": row[f"decode_{P}_p10_ms"] / base[f"decode_{P}_p10_ms"] for P in PASTS}
+              for name, row in rows.items() if name != "float32"}
+    return {"dims": dims, "rows": rows, "ratios_vs_float": ratios, "loadavg_1m_after": os.getloadavg()[0]}
+
+
+def print_table(res: dict) -> None:
+    print(f"\n== tiny {res['dims']}  (1-min load average after: {res['loadavg_1m_after']:.2f})")
+    cols = [f"decode_{P}_ms" for P in PASTS] + [f"decode_{P}_p10_ms" for P in PASTS] + [f"kv_bytes_per_token_{PASTS[-1]}"]
+    print(f"{'cache':<20}" + "".join(f"{c:>26}" for c in cols))
+    for name, row in res["rows"].items():
+        print(f"{name:<20}" + "".join(f"{row[c]:>26.3f}" for c in cols))
+    for name, r in res["ratios_vs_float"].items():
+        print(f"  {name:<18} quantized / float: " + "  ".join(f"{k} {v:.2f}x" for k, v in r.items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="decode latency: quantized vs float KV cache in the ORT engine")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/kv_engine_bench.json"))
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as work:
+        res = run(args.iters, args.threads, Path(work))
+    print_table(res)
+    import onnxruntime
+
+    payload = {
+        "batch": 1, "threads": args.threads, "iters": args.iters, "lora_rank": RANK, "specs": SPECS,
+        "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
+        "cpus": os.cpu_count(), "loadavg_1m_before": load_before, "results": res,
+    }
+    write_report(args.out, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

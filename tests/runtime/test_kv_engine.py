@@ -1,0 +1,172 @@
+"""The quantized-KV engine: same stored integers and logits as the PyTorch reference cache, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.kv_quant import KVQuantSpec, QuantizedKVCache
+from runtime.adapter import load_adapter
+from runtime.backends.onnxruntime import OrtEngine
+from runtime.errors import RefusedInput
+from runtime.generate import greedy_generate
+from runtime.interface import QUANT_KV_INTERFACE_VERSION, read_interface
+from runtime.model import load_backbone
+from tasks.calibrate import KVScales, collect_kv_stats, scales_from_stats
+from engine_testkit import TARGETS
+
+DEFAULT = KVQuantSpec()  # K4 per-channel asymmetric pre-RoPE, V4 per-token symmetric, 1 fp16 sink token
+# The other corner: 8-bit symmetric post-RoPE keys (ORT GroupQueryAttention's layout), asymmetric
+# 3-bit per-token values (a zero point input, a non-byte-aligned width), no sink.
+OTHER = KVQuantSpec(k_bits=8, v_bits=3, k_symmetric=True, v_symmetric=False, sink_tokens=0, pre_rope_keys=False)
+
+
+def calibrate(model_dir, spec: KVQuantSpec, lora: dict | None = None) -> KVScales:
+    """Per-channel scales from random text through the eager backbone (the stage's statistics)."""
+    model = load_backbone(model_dir, merged_lora=None if lora is None else {k: torch.from_numpy(v) for k, v in lora.items()})
+    ids = torch.from_numpy(np.random.default_rng(11).integers(0, 96, (4, 24)))
+    stats = collect_kv_stats(model, [(ids, torch.ones_like(ids))], spec.pre_rope_keys, 99.0, progress=False)
+    s = scales_from_stats(stats, spec)
+    return KVScales(spec, s["k_scale"], s["k_zero"], s["v_scale"], s["v_zero"], record={})
+
+
+def reference_run(model_dir, iface, lora: dict, spec: KVQuantSpec, scales: KVScales, ids: np.ndarray, split: int):
+    """Backbone + kernels' QuantizedKVCache: prefill ``split`` tokens, then one token per step."""
+    model = load_backbone(model_dir, iface.target_modules)
+    lora_t = tuple(torch.from_numpy(lora[n]) for n in iface.lora_names)
+    L = model.cfg.num_layers
+    cache = QuantizedKVCache(spec, L, model.cfg.head_dim, inv_freq=model.inv_freq, **scales.cache_kwargs())
+    B, T = ids.shape
+    pos = torch.arange(T).expand(B, T)
+    mask = torch.ones(B, T, dtype=torch.long)
+    ids_t = torch.from_numpy(ids)
+    out = []
+    with torch.inference_mode():
+        for a, b in [(0, split)] + [(t, t + 1) for t in range(split, T)]:
+            past = cache.past() if a else model.empty_past(B)
+            logits, present = model(ids_t[:, a:b], pos[:, a:b], mask[:, :b], past, lora_t)
+            for i in range(L):
+                cache.append(i, present[2 * i][:, :, a:], present[2 * i + 1][:, :, a:], pos[:, a:b])
+            out.append(logits.numpy())
+    return np.concatenate(out, axis=1), cache
+
+
+def engine_run(engine, ids: np.ndarray, split: int):
+    B, T = ids.shape
+    pos = np.broadcast_to(np.arange(T), (B, T))
+    mask = np.ones((B, T), dtype=np.int64)
+    logits, cache = engine.forward(ids[:, :split], pos[:, :split], mask[:, :split], None)
+    out = [logits]
+    for t in range(split, T):
+        logits, cache = engine.forward(ids[:, t : t + 1], pos[:, t : t + 1], mask[:, : t + 1], cache)
+        out.append(logits)
+    return np.concatenate(out, axis=1), cache
+
+
+@pytest.fixture(scope="module", params=[DEFAULT, OTHER], ids=["K4c-pre-V4t-sink1", "K8c-post-V3ta-sink0"])
+def quant_engine(request, tiny_qwen, tmp_path_factory):
+    from tasks.compile import compile_engine
+
+    engine_dir = tmp_path_factory.mktemp("kv_engines") / "engine"
+    compile_engine(tiny_qwen, engine_dir, max_rank=8, target_modules=TARGETS, kv_spec=request.param.to_dict())
+    return request.param, OrtEngine(engine_dir, threads=2)
+
+
+def test_quantized_engine_stores_the_reference_integers_and_matches_its_logits_within_1e4(quant_engine, tiny_qwen, qwen_adapter):
+    spec, engine = quant_engine
+    lora = load_adapter(qwen_adapter, engine.interface)  # bound to the float engine: same LoRA contract
+    scales = calibrate(tiny_qwen, spec, lora)
+    engine.set_adapter(lora, kv_scales=scales)
+    ids = np.random.default_rng(0).integers(0, 96, (2, 14))
+
+    got, cache = engine_run(engine, ids, split=7)
+    want, ref = reference_run(tiny_qwen, engine.interface, lora, spec, scales, ids, split=7)
+
+    stored = engine.cache_to_numpy(cache)
+    for i in range(engine.interface.num_layers):
+        layer = ref.layers[i]
+        for kind, short in (("key", "k"), ("value", "v")):
+            assert np.array_equal(stored[f"past_{kind}.{i}"], torch.cat(layer[short].packed, 2).numpy())
+            if layer[short].scales:  # per-token scales and zero points, fp16
+                assert np.array_equal(stored[f"past_{kind}_scale.{i}"], torch.cat(layer[short].scales, 2).numpy())
+            if f"past_{kind}_zero.{i}" in stored:
+                assert np.array_equal(stored[f"past_{kind}_zero.{i}"], torch.cat(layer[short].zeros, 2).numpy())
+            sink = layer[f"sink_{short}"]
+            want_sink = torch.cat(sink, 2).numpy() if sink else np.zeros((2, 2, 0, 16), np.float16)
+            # fp16 values, not integers: the engine's float K/V differ from eager by ~1e-7, which
+            # may flip the last fp16 bit (one ulp = 2^-10 relative).
+            np.testing.assert_allclose(stored[f"sink_{kind}.{i}"].astype(np.float32), want_sink.astype(np.float32),
+                                       rtol=2.0**-10, atol=1e-6)
+    assert stored["past_key.0"].shape == (2, 2, 14 - spec.sink_tokens, 16 * spec.k_bits // 8)
+    assert np.abs(got - want).max() <= 1e-4
+    # The quantization is really there: the logits moved away from the float cache's.
+    float_like, _ = reference_run(tiny_qwen, engine.interface, lora, KVQuantSpec(8, 8, "token", "token", sink_tokens=64),
+                                  scales, ids, split=7)
+    assert np.abs(got - float_like).max() > 1e-3
+
+
+def test_quantized_engine_generates_like_the_reference_batched_and_per_row(quant_engine, tiny_qwen, qwen_adapter):
+    spec, engine = quant_engine
+    lora = load_adapter(qwen_adapter, engine.interface)
+    engine.set_adapter(lora, kv_scales=calibrate(tiny_qwen, spec, lora))
+    prompts = [[3, 14, 15, 92, 65], [35, 89, 7]]
+
+    batched = greedy_generate(engine, prompts, max_new_tokens=10)
+    per_row = greedy_generate(engine, prompts, max_new_tokens=10, batch_size=1)
+
+    assert [len(t) for t in per_row] == [10, 10]
+    assert batched == per_row  # left padding: a padded slot is masked, so the rows decode alike
+
+
+def test_quantized_engine_refuses_to_run_without_scales(quant_engine):
+    spec, engine = quant_engine
+    fresh = OrtEngine(engine.engine_dir)
+    ids = np.zeros((1, 3), dtype=np.int64)
+    with pytest.raises(RefusedInput, match="without KV scales"):
+        fresh.forward(ids, np.arange(3)[None], np.ones((1, 3), np.int64), None)
+    with pytest.raises(RefusedInput, match="needs the release's kv_scales"):
+        fresh.set_adapter(None)
+
+
+def test_scales_of_the_wrong_shape_spec_or_values_are_refused_all_at_once(quant_engine, tiny_qwen):
+    spec, engine = quant_engine
+    good = calibrate(tiny_qwen, spec)
+    bad_shape = KVScales(spec, good.k_scale[:, :, :8], good.k_zero, good.v_scale, good.v_zero, {})
+    with pytest.raises(RefusedInput, match=r"k_scale has shape \(2, 2, 8\), the engine needs \(2, \*\(2, 16\)\)"):
+        engine.set_adapter(None, kv_scales=bad_shape)
+    zero = good.k_scale.clone()
+    zero[1, 0, 3] = 0.0
+    other_spec = KVQuantSpec(**(spec.to_dict() | {"k_bits": 2}))
+    with pytest.raises(RefusedInput, match="calibrated for KV spec.*k_scale.1 has zero or negative scales"):
+        engine.set_adapter(None, kv_scales=KVScales(other_spec, zero, good.k_zero, good.v_scale, good.v_zero, {}))
+    with pytest.raises(RefusedInput, match="calibrated on backbone 000000000000"):
+        engine.set_adapter(None, kv_scales=KVScales(spec, good.k_scale, good.k_zero, good.v_scale, good.v_zero,
+                                                    {"base_model_hash": "0" * 64}))
+
+
+def test_float_engine_is_unchanged_and_takes_no_scales(tiny_engine, tiny_qwen):
+    iface = read_interface(tiny_engine)
+    written = json.loads((tiny_engine / "interface.json").read_text())
+    engine = OrtEngine(tiny_engine)
+
+    assert iface.version == 1 and iface.kv_dtype == "float32" and "kv_spec" not in written
+    with pytest.raises(ValueError, match="float KV cache; it takes no kv_scales"):
+        engine.set_adapter(None, kv_scales=calibrate(tiny_qwen, DEFAULT))
+
+
+def test_quantized_interface_records_its_spec_and_the_float_contract(quant_engine, tiny_engine):
+    spec, engine = quant_engine
+    iface = engine.interface
+    assert iface.version == QUANT_KV_INTERFACE_VERSION and iface.kv_spec == spec.to_dict()
+    assert iface.float_interface_hash == read_interface(tiny_engine).interface_hash
+    assert read_interface(engine.engine_dir).interface_hash == iface.interface_hash
+
+
+def test_window_tokens_are_refused_at_compile(tiny_qwen, tmp_path):
+    from tasks.compile import compile_engine
+
+    with pytest.raises(ValueError, match="window_tokens=4: the engine's quantized cache has no fp16 window"):
+        compile_engine(tiny_qwen, tmp_path / "e", 8, TARGETS, kv_spec=KVQuantSpec(window_tokens=4).to_dict())
