@@ -48,7 +48,8 @@ def test_monthly_release_on_the_embedded_default_learns_the_changed_rules(tmp_pa
     assert provenance["engine_interface_hash"] == compile_metrics["interface_hash"]
 
     seconds = json.loads((release / "stage_seconds.json").read_text())
-    assert list(seconds) == ["data", "base_model", "compile", "finetune", "calibrate", "evaluate"]
+    assert sorted(seconds) == ["base_model", "calibrate", "compile", "data", "evaluate", "finetune"]
+    assert sum(seconds.values()) < 600  # the whole release on 2 cores, install excluded
     assert (release / "kv" / "kv_scales.safetensors").exists()
 
     train = json.loads((release / "finetune" / "train_metrics.json").read_text())
