@@ -268,16 +268,28 @@ def compile_engine(
 
 
 def run_stage(cfg: ReleaseConfig) -> dict:
-    """The compile stage: build (or reuse) ``engine.dir`` for the backbone; record ``engine_builds``."""
-    return compile_engine(
+    """The compile stage: build (or reuse) ``engine.dir`` for the backbone; record ``engine_builds``.
+
+    With ``engine.weights`` int8/int4 the float engine is also copied with quantized weights into
+    ``engine.serving_dir()`` (reused likewise); the adapters' interface is the same for both.
+    """
+    metrics = compile_engine(
         Path(cfg.base_model.path),
         Path(cfg.engine.dir),
         cfg.engine.max_rank,
         cfg.engine.target_modules,
         cfg.engine.opset,
         cfg.engine.threads,
-        cfg.release_dir() / "compile" / "metrics.json",
+        None,
     )
+    if cfg.engine.weights != "fp32":
+        from tasks.quantize_weights import ensure_quantized_engine
+
+        metrics |= ensure_quantized_engine(Path(cfg.engine.dir), cfg.engine.serving_dir(), cfg.engine.weights)
+    out = cfg.release_dir() / "compile" / "metrics.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out, metrics)
+    return metrics
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -121,6 +121,19 @@ class EngineConfig(_Section):
     threads: int = Field(2, ge=1)
     backend: Literal["onnxruntime", "torch", "tensorrt"] = "onnxruntime"
     parity_tolerance: float = Field(1e-4, gt=0)
+    weights: Literal["fp32", "int8", "int4"] = "fp32"
+
+    def serving_dir(self) -> Path:
+        """The engine the device runs: the float engine, or its weight-quantized copy beside it."""
+        return Path(self.dir) if self.weights == "fp32" else Path(f"{self.dir}-{self.weights}")
+
+    @model_validator(mode="after")
+    def _weights_need_onnxruntime(self) -> "EngineConfig":
+        # MatMulNBits is an ONNX Runtime contrib op: TensorRT cannot parse it, the eager
+        # reference would silently run float weights.
+        if self.weights != "fp32" and self.backend != "onnxruntime":
+            raise ValueError(f"weights {self.weights} needs backend onnxruntime, not {self.backend}")
+        return self
 
 
 class KVConfig(_Section):

@@ -122,7 +122,7 @@ def _score_on_engine(
     from runtime.generate import generate_text
     from tasks.engine_parity import parity_report, prefill_logit_diff
 
-    engine = open_engine(engine_cfg.dir, backend=engine_cfg.backend, threads=engine_cfg.threads)
+    engine = open_engine(engine_cfg.serving_dir(), backend=engine_cfg.backend, threads=engine_cfg.threads)
     engine.set_adapter(load_adapter(adapter_dir, engine.interface))
     prompts = [ex.prompt for ex in test]
     on_engine = generate_text(engine, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size)
@@ -133,6 +133,7 @@ def _score_on_engine(
         engine_cfg.parity_tolerance,
     )
     parity["backend"] = engine_cfg.backend
+    parity["weights"] = engine_cfg.weights
     parity["interface_hash"] = engine.interface.interface_hash
     report = accuracy_report(test, on_engine)
     report["perplexity"] = engine_perplexity(engine, tokenizer, texts)
@@ -154,7 +155,8 @@ def render_table(metrics: dict) -> str:
     ]
     header = "| metric | base | base + adapter |"
     if on_engine is not None:
-        header += f" base + adapter on the {metrics['engine_parity']['backend']} engine |"
+        parity = metrics["engine_parity"]
+        header += f" base + adapter on the {parity['backend']} engine ({parity['weights']} weights) |"
     lines = [f"# Evaluation, {metrics['month']}", "", header, "|" + "---|" * (header.count("|") - 1)]
     for label, key in rows:
         row = f"| {label} | {_fmt(base[key])} | {_fmt(adapted[key])} |"
@@ -218,6 +220,11 @@ def evaluate(
         metrics["adapter_on_engine"], metrics["engine_parity"], engine_predictions = _score_on_engine(
             engine, adapter_dir, merged, tokenizer, test, texts, cfg
         )
+        if engine.weights != "fp32":
+            from tasks.quantize_weights import accuracy_gate
+
+            # Quantized weights cannot match float logits to 1e-4; what must hold is accuracy.
+            metrics["weights_gate"] = accuracy_gate(adapter_report, metrics["adapter_on_engine"], engine.weights)
     with atomic_output_dir(Path(out_dir)) as tmp:
         write_json(tmp / "metrics.json", metrics)
         (tmp / "report.md").write_text(render_table(metrics))

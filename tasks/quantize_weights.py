@@ -518,6 +518,21 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
     return record
 
 
+def ensure_quantized_engine(float_dir: Path, out_dir: Path, weights: str) -> dict:
+    """``quantize_engine_dir`` unless ``out_dir`` already holds the build for this float engine and
+    these settings; written to a temporary sibling and renamed, like the float engine."""
+    from tasks.artifacts import atomic_output_dir
+
+    fields = weights_key_fields(weights)
+    expected = quantized_cache_key(json.loads((Path(float_dir) / "cache_key.json").read_text()), fields)["key"]
+    key_file = Path(out_dir) / "cache_key.json"
+    if key_file.exists() and json.loads(key_file.read_text()).get("key") == expected:
+        return {"weights": weights, "weights_builds": 0, "weights_dir": str(out_dir)}
+    with atomic_output_dir(Path(out_dir)) as tmp:
+        record = quantize_engine_dir(Path(float_dir), tmp, weights)
+    return {"weights": weights, "weights_builds": 1, "weights_dir": str(out_dir), "weights_record": record}
+
+
 def engine_quality(engine_dir: Path, base_dir: Path, adapter_dir: Path, data_dir: Path, max_new_tokens: int = 8,
                    batch_size: int = 64, threads: int = 2) -> dict:
     """Accuracy (all / new / regression rules) on ``test`` and perplexity on held-out text, base + adapter."""

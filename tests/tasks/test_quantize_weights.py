@@ -213,3 +213,34 @@ def test_calibration_reads_every_projection_input_from_the_float_graph(tiny_engi
     engine = OrtEngine(tmp_path / "c")
     engine.set_adapter(load_adapter(adapter, engine.interface))
     assert np.isfinite(_prefill_and_decode(engine, np.arange(5)[None])).all()
+
+
+def test_compile_stage_builds_the_int8_serving_engine_once_beside_the_float_one(tiny_llama_dir, tmp_path):
+    import yaml
+
+    from runtime.interface import read_interface
+    from tasks import compile as compile_stage
+    from tasks.config import load_config
+
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({
+        "base_model": {"source": "local", "path": str(tiny_llama_dir)},
+        "train": {"output_dir": str(tmp_path / "artifacts")},
+        "engine": {"dir": str(tmp_path / "engine"), "weights": "int8", "threads": 1},
+    }))
+    cfg = load_config(params)
+    first = compile_stage.run_stage(cfg)
+    assert (first["engine_builds"], first["weights_builds"]) == (1, 1)
+    serving = tmp_path / "engine-int8"
+    assert json.loads((serving / "weights.json").read_text())["weights"] == "int8"
+    # Same LoRA contract: an adapter bound to the float engine runs on its int8 copy.
+    assert read_interface(serving).interface_hash == read_interface(tmp_path / "engine").interface_hash
+    again = compile_stage.run_stage(cfg)
+    assert (again["engine_builds"], again["weights_builds"]) == (0, 0)
+
+
+def test_quantized_weights_are_refused_on_a_backend_that_cannot_run_them():
+    from tasks.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=r"engine: Value error, weights int4 needs backend onnxruntime, not tensorrt"):
+        parse_config({"engine": {"weights": "int4", "backend": "tensorrt"}})
