@@ -236,8 +236,9 @@ def compile_engine(
         from kernels.kv_quant import KVQuantSpec
         from runtime.kv_model import check_engine_spec
 
-        kv_spec = KVQuantSpec.from_dict(dict(kv_spec)).to_dict()  # validated, every field spelled out
-        check_engine_spec(KVQuantSpec.from_dict(kv_spec))
+        spec = KVQuantSpec.from_dict(dict(kv_spec))
+        check_engine_spec(spec)
+        kv_spec = spec.to_dict()  # validated, every field spelled out
     key = cache_key(bhash, max_rank, tuple(target_modules), opset, kv_spec)
     key_file = engine_dir / CACHE_KEY_FILE
     metrics = {"backbone_hash": bhash, "cache_key": key["key"]}

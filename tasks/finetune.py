@@ -41,20 +41,31 @@ def finetune(
     lora: LoraSection,
     train: TrainConfig,
     params_hash: str,
-    engine_interface_hash: str | None = None,
+    engine_dir: Path | None = None,
 ) -> Path:
     """Train a LoRA adapter on ``data_dir/train.jsonl``; write it, its loss curve and provenance.
 
     ``out_dir`` receives ``adapter/``, ``loss.csv``, ``loss.png`` and ``train_metrics.json``;
-    it is replaced as a whole only when training finished with a finite loss. With
-    ``engine_interface_hash`` the adapter is bound to that compiled engine interface too.
+    it is replaced as a whole only when training finished with a finite loss. With a compiled
+    ``engine_dir`` the adapter is bound to that engine's interface too; an engine compiled for
+    another backbone is refused before training.
     """
     import torch
     from peft import LoraConfig, get_peft_model
 
     from runtime.hashing import backbone_hash
+    from runtime.interface import INTERFACE_FILE, read_interface
     from tasks.training import TrainSettings, train_completions, write_loss_curve
 
+    base_hash = backbone_hash(base_dir)
+    interface_hash = None
+    if engine_dir is not None and (Path(engine_dir) / INTERFACE_FILE).exists():
+        iface = read_interface(engine_dir)
+        if iface.backbone_hash != base_hash:
+            raise ConfigError(
+                f"{engine_dir}: engine was compiled for another backbone; run `python -m tasks.compile` first"
+            )
+        interface_hash = iface.interface_hash
     torch.set_num_threads(train.threads)
     examples = read_jsonl(Path(data_dir) / "train.jsonl")
     model, tokenizer = load_base_model(base_dir)
@@ -87,7 +98,6 @@ def finetune(
     with atomic_output_dir(Path(out_dir)) as tmp:
         adapter_dir = tmp / ADAPTER_DIR
         peft_model.save_pretrained(adapter_dir)
-        base_hash = backbone_hash(base_dir)
         provenance = {
             "base_model_hash": base_hash,
             "base_model_path": str(base_dir),
@@ -95,8 +105,8 @@ def finetune(
             "train_examples": len(examples),
             "libraries": library_versions(),
         }
-        if engine_interface_hash is not None:
-            provenance["engine_interface_hash"] = engine_interface_hash
+        if interface_hash is not None:
+            provenance["engine_interface_hash"] = interface_hash
         write_json(adapter_dir / PROVENANCE, provenance)
         # Bytes on disk, whole folders: what a device downloads versus what it already has.
         adapter_bytes = sum(f.stat().st_size for f in adapter_dir.iterdir())
@@ -117,19 +127,6 @@ def finetune(
 
 
 def run_stage(cfg: ReleaseConfig) -> Path:
-    from runtime.interface import INTERFACE_FILE, read_interface
-
-    from runtime.hashing import backbone_hash
-
-    engine_dir = Path(cfg.engine.dir)
-    interface_hash = None
-    if (engine_dir / INTERFACE_FILE).exists():
-        iface = read_interface(engine_dir)
-        if iface.backbone_hash != backbone_hash(cfg.base_model.path):
-            raise ConfigError(
-                f"{engine_dir}: engine was compiled for another backbone; run `python -m tasks.compile` first"
-            )
-        interface_hash = iface.interface_hash
     return finetune(
         base_dir=Path(cfg.base_model.path),
         data_dir=cfg.data_dir(),
@@ -137,7 +134,7 @@ def run_stage(cfg: ReleaseConfig) -> Path:
         lora=cfg.lora,
         train=cfg.train,
         params_hash=cfg.params_hash(),
-        engine_interface_hash=interface_hash,
+        engine_dir=Path(cfg.engine.dir),
     )
 
 

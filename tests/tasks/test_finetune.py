@@ -65,3 +65,25 @@ def test_target_module_missing_from_the_model_is_a_config_error(tmp_path, tiny_l
     with pytest.raises(ConfigError, match=r"lora\.target_modules: \['qkv_proj'\] not found"):
         finetune(tiny_llama_dir, month_dir, tmp_path / "ft", LoraSection(target_modules=("qkv_proj",)), TRAIN, "x")
     assert not (tmp_path / "ft").exists()
+
+
+def test_adapter_is_bound_to_the_compiled_engine_and_a_foreign_engine_is_refused(tmp_path, tiny_llama_dir, month_dir):
+    from runtime.interface import read_interface
+    from tasks.compile import compile_engine
+
+    compile_engine(tiny_llama_dir, tmp_path / "engine", max_rank=4, ort_threads=1)
+    adapter = finetune(tiny_llama_dir, month_dir, tmp_path / "ft", LORA, TRAIN, "abc", engine_dir=tmp_path / "engine")
+    provenance = json.loads((adapter / "provenance.json").read_text())
+    assert provenance["engine_interface_hash"] == read_interface(tmp_path / "engine").interface_hash
+
+    other = tmp_path / "other_base"
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(2.0)
+    model.save_pretrained(other)
+    compile_engine(other, tmp_path / "other_engine", max_rank=4, ort_threads=1)
+    from tasks.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"other_engine: engine was compiled for another backbone"):
+        finetune(tiny_llama_dir, month_dir, tmp_path / "ft2", LORA, TRAIN, "abc", engine_dir=tmp_path / "other_engine")
+    assert not (tmp_path / "ft2").exists()
