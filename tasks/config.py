@@ -156,6 +156,33 @@ class EvalConfig(_Section):
     batch_size: int = Field(64, ge=1)
 
 
+class GatesConfig(_Section):
+    """Thresholds a candidate must pass before it is packaged and published."""
+
+    min_accuracy_new: float = Field(0.95, ge=0.0, le=1.01)
+    champion_tolerance: float = Field(0.02, ge=0.0, le=1.0)
+    min_accuracy_regression: float = Field(0.95, ge=0.0, le=1.01)
+    max_kv_accuracy_drop: float = Field(0.01, ge=0.0, le=1.0)
+    max_kv_ppl_increase_pct: float = Field(1.0, ge=0.0)
+    max_p95_decode_ms: float = Field(50.0, gt=0.0)
+    max_package_pct_of_base: float = Field(2.0, gt=0.0)
+
+
+class PublishConfig(_Section):
+    """Where a release is published and recorded, and how it is signed."""
+
+    dry_run: bool = False
+    force: bool = False
+    registry_dir: str = "registry"
+    remote_dir: str = "dvc-remote"
+    signing_key: str = "keys/release_signing.key"
+    expiry_days: int = Field(120, ge=1)
+    tracking_uri: str = "sqlite:///mlflow.db"
+    artifacts_dir: str = "mlruns"
+    experiment: str = "monthly-adapter-release"
+    model_name: str = "inspection-adapter"
+
+
 class ReleaseConfig(_Section):
     data: DataConfig = DataConfig()
     base_model: BaseModelConfig = BaseModelConfig()
@@ -164,6 +191,8 @@ class ReleaseConfig(_Section):
     engine: EngineConfig = EngineConfig()
     kv: KVConfig = KVConfig()
     eval: EvalConfig = EvalConfig()
+    gates: GatesConfig = GatesConfig()
+    publish: PublishConfig = PublishConfig()
 
     @model_validator(mode="after")
     def _adapter_fits_engine(self) -> "ReleaseConfig":
