@@ -12,7 +12,9 @@ export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: release test clean
+PREFECT_PORT ?= 4200
+
+.PHONY: release test prefect clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
@@ -23,11 +25,17 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
+# The monthly flow in ephemeral Prefect mode: DVC stages, gates, MLflow, publish.
 release: $(STAMP)
-	$(PY) -m tasks.release --params params.yaml
+	$(PY) -m flows.monthly_release --params params.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# A local Prefect server (UI at http://127.0.0.1:$(PREFECT_PORT)) and the monthly-release deployment
+# served from this checkout until Ctrl-C; the server stops with it.
+prefect: $(STAMP)
+	$(PY) -m flows.local_server --port $(PREFECT_PORT) -- $(PY) -m flows.serve --params params.yaml
 
 clean:
 	rm -rf artifacts data models

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from tasks.calibrate import DEFAULT_CLIP_PERCENTILE as CLIP  # the stage's clipping, for every config
+from tasks.kv_quality import fill_cache, greedy_through_cache, two_pass_logits
 
 TEXT_MODEL = dict(  # the embedded default's shape (tasks/config.py BaseModelConfig)
     hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -140,33 +141,8 @@ def grid() -> dict[str, "KVQuantSpec | None"]:
 
 # ---------------------------------------------------------------- two-pass measurement
 
-def fill_cache(backbone, present: tuple, positions: torch.Tensor, spec, scales: dict | None):
-    """A QuantizedKVCache holding ``present`` (the float K/V of a prefix); None spec = float cache."""
-    from kernels.kv_quant import QuantizedKVCache
-
-    if spec is None:
-        return None
-    cache = QuantizedKVCache(spec, backbone.cfg.num_layers, backbone.cfg.head_dim, backbone.inv_freq, **(scales or {}))
-    for i in range(backbone.cfg.num_layers):
-        cache.append(i, present[2 * i], present[2 * i + 1], positions)
-    return cache
 
 
-def two_pass_logits(backbone, ids: torch.Tensor, prefix_len: int, spec, scales: dict | None, prefix_present=None):
-    """Fill the (quantized) cache with ``ids[:, :prefix_len]``, then run the suffix through it.
-
-    Returns (logits (B, T - prefix_len, V) of the suffix, cache, past fed to the suffix pass).
-    """
-    B, T = ids.shape
-    pos = torch.arange(T).expand(B, T)
-    mask = torch.ones(B, T, dtype=torch.long)
-    with torch.no_grad():
-        if prefix_present is None:
-            _, prefix_present = backbone(ids[:, :prefix_len], pos[:, :prefix_len], mask[:, :prefix_len], backbone.empty_past(B))
-        cache = fill_cache(backbone, prefix_present, pos[:, :prefix_len], spec, scales)
-        past = prefix_present if cache is None else cache.past()
-        logits, _ = backbone(ids[:, prefix_len:], pos[:, prefix_len:], mask, past)
-    return logits, cache, past
 
 
 def chunked_logits(backbone, ids: torch.Tensor, prefix_len: int, spec, scales: dict | None, chunk: int,
@@ -328,48 +304,6 @@ def inject_key_outliers(backbone, factor: float = 20.0, pairs: tuple[int, ...] =
                     blk.qkv_b[rows] *= f
     return out
 
-
-# ---------------------------------------------------------------- task accuracy through the cache
-
-def greedy_through_cache(backbone, tokenizer, prompts: list[str], spec, scales: dict | None, max_new_tokens: int = 8) -> list[str]:
-    """Greedy decoding where every token's K/V goes through the quantized cache (prefill + decode).
-
-    Prompts are grouped by token length so no batch needs padding (the sink is then always a real token).
-    """
-    from kernels.kv_quant import QuantizedKVCache
-
-    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    by_len: dict[int, list[int]] = {}
-    for i, ids in enumerate(encoded):
-        by_len.setdefault(len(ids), []).append(i)
-    out = [""] * len(prompts)
-    L = backbone.cfg.num_layers
-    eos = tokenizer.eos_token_id
-    with torch.no_grad():
-        for T, rows in sorted(by_len.items()):
-            ids = torch.tensor([encoded[i] for i in rows])  # (B, T)
-            B = len(rows)
-            cache = None if spec is None else QuantizedKVCache(spec, L, backbone.cfg.head_dim, backbone.inv_freq, **(scales or {}))
-            past = backbone.empty_past(B)
-            step_ids, start, generated = ids, 0, []
-            for _ in range(max_new_tokens):
-                n = step_ids.shape[1]
-                pos = torch.arange(start, start + n).expand(B, n)
-                logits, present = backbone(step_ids, pos, torch.ones(B, start + n, dtype=torch.long), past)
-                if cache is None:
-                    past = present
-                else:
-                    for i in range(L):
-                        cache.append(i, present[2 * i][:, :, -n:], present[2 * i + 1][:, :, -n:], pos)
-                    past = cache.past()
-                step_ids = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
-                generated.append(step_ids)
-                start += n
-            gen = torch.cat(generated, 1).tolist()
-            for r, toks in zip(rows, gen):
-                toks = toks[: toks.index(eos)] if eos in toks else toks
-                out[r] = tokenizer.decode(toks, skip_special_tokens=True)
-    return out
 
 
 # ---------------------------------------------------------------- report

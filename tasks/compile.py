@@ -287,10 +287,16 @@ def run_stage(cfg: ReleaseConfig) -> dict:
         from tasks.quantize_weights import ensure_quantized_engine
 
         metrics |= ensure_quantized_engine(Path(cfg.engine.dir), cfg.engine.serving_dir(), cfg.engine.weights)
-    out = cfg.release_dir() / "compile" / "metrics.json"
+    # Not under the month's folder: the engine belongs to the backbone, and a new month must not
+    # make this stage (or its DVC record) look changed.
+    out = engine_build_file(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, metrics)
     return metrics
+
+
+def engine_build_file(cfg: ReleaseConfig) -> Path:
+    return Path(cfg.train.output_dir) / "engine_build.json"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -154,6 +154,8 @@ class KVConfig(_Section):
 class EvalConfig(_Section):
     max_new_tokens: int = Field(8, ge=1)
     batch_size: int = Field(64, ge=1)
+    latency_prompts: int = Field(16, ge=1)
+    latency_steps: int = Field(16, ge=1)
 
 
 class GatesConfig(_Section):

@@ -107,6 +107,33 @@ def _score(model, tokenizer, test: list[Example], texts: list[str], cfg: EvalCon
     return report, predictions
 
 
+def decode_latency(engine, tokenizer, prompts: list[str], steps: int) -> tuple[dict, list[float]]:
+    """Wall time of single decode steps, batch 1, adapter bound: what one device request waits per token.
+
+    Each prompt is prefilled (not timed), then ``steps`` tokens are decoded one forward each.
+    Returns the summary (ms) and every step's time in ms, in order.
+    """
+    import time
+
+    import numpy as np
+
+    samples: list[float] = []
+    for prompt in prompts:
+        ids = np.array([tokenizer(prompt)["input_ids"]], dtype=np.int64)  # (1, T)
+        T = ids.shape[1]
+        logits, cache = engine.forward(ids, np.arange(T)[None], np.ones_like(ids), None)
+        for step in range(steps):
+            token = logits[:, -1].argmax(-1)[:, None].astype(np.int64)  # (1, 1)
+            start = time.perf_counter()
+            logits, cache = engine.forward(token, np.array([[T + step]]), np.ones((1, T + step + 1), dtype=np.int64), cache)
+            samples.append(1000.0 * (time.perf_counter() - start))
+    ordered = sorted(samples)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    summary = {"p50_ms": pick(0.50), "p95_ms": pick(0.95), "max_ms": ordered[-1], "steps": len(samples),
+               "prompts": len(prompts), "batch": 1}
+    return summary, samples
+
+
 def _score_on_engine(
     engine_cfg: EngineConfig,
     adapter_dir: Path,
@@ -115,8 +142,9 @@ def _score_on_engine(
     test: list[Example],
     texts: list[str],
     cfg: EvalConfig,
-) -> tuple[dict, dict, list[str]]:
-    """Accuracy of base + adapter on the compiled engine, and its parity with PyTorch + merged PEFT."""
+) -> tuple[dict, dict, list[str], list[float]]:
+    """Accuracy, perplexity and decode latency of base + adapter on the compiled engine, and its
+    parity with PyTorch + merged PEFT. The last item is every timed decode step (ms)."""
     from runtime.adapter import load_adapter
     from runtime.engine import open_engine
     from runtime.generate import generate_text
@@ -137,7 +165,17 @@ def _score_on_engine(
     parity["interface_hash"] = engine.interface.interface_hash
     report = accuracy_report(test, on_engine)
     report["perplexity"] = engine_perplexity(engine, tokenizer, texts)
-    return report, parity, on_engine
+    report["decode_latency"], latency_samples = decode_latency(engine, tokenizer, prompts[: cfg.latency_prompts], cfg.latency_steps)
+    return report, parity, on_engine, latency_samples
+
+
+def _write_csv(path: Path, header: list[str], rows) -> None:
+    import csv
+
+    with open(path, "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(header)
+        writer.writerows(rows)
 
 
 def _fmt(value: float | None) -> str:
@@ -171,6 +209,20 @@ def render_table(metrics: dict) -> str:
             f"{parity['max_abs_logit_diff']:.2e} (tolerance {parity['logit_tolerance']:.0e}), "
             f"greedy outputs {'identical' if parity['greedy_identical'] else 'DIFFERENT'}.",
         ]
+        latency = on_engine.get("decode_latency")
+        if latency:
+            lines.append(f"Decode step on the engine, batch 1, adapter bound: p50 {latency['p50_ms']:.2f} ms, "
+                         f"p95 {latency['p95_ms']:.2f} ms over {latency['steps']} steps.")
+    kv = metrics.get("kv_cache")
+    if kv:
+        spec_label = next(row["config"] for row in kv["grid"] if row["config"].startswith("release"))
+        lines += [
+            "",
+            f"Quantized KV cache, {spec_label}: "
+            f"accuracy {kv['accuracy_float_cache']:.3f} -> {kv['accuracy_quantized_cache']:.3f}, held-out perplexity "
+            f"{kv['perplexity_float_cache']:.4f} -> {kv['perplexity_quantized_cache']:.4f} ({kv['ppl_increase_pct']:+.2f}%), "
+            f"{kv['compression_vs_fp16']:.2f}x fewer bytes than an fp16 cache.",
+        ]
     lines += ["", "| rule | changed | base | base + adapter |", "|---|---|---|---|"]
     for rule, acc in adapted["per_rule"].items():
         changed = "yes" if rule in metrics["changed_rules"] else "no"
@@ -186,10 +238,13 @@ def evaluate(
     cfg: EvalConfig,
     month: str,
     engine: EngineConfig | None = None,
+    kv_dir: Path | None = None,
 ) -> Path:
-    """Score the base model and base + adapter (PyTorch, and on the compiled engine when given).
+    """Score the base model and base + adapter (PyTorch, and on the compiled engine when given,
+    with its decode latency; and through this release's quantized KV cache when ``kv_dir`` is given).
 
-    Writes ``metrics.json``, ``report.md`` and ``predictions.jsonl``.
+    Writes ``metrics.json``, ``report.md``, ``predictions.jsonl``, and ``latency.csv`` and
+    ``kv_grid.csv`` (plot data) when measured.
     """
     import torch
     from peft import PeftModel
@@ -214,10 +269,10 @@ def evaluate(
         "base": base_report,
         "adapter": adapter_report,
     }
-    engine_predictions = None
+    engine_predictions, latency_samples = None, []
     if engine is not None:
         merged = adapted.merge_and_unload().eval()
-        metrics["adapter_on_engine"], metrics["engine_parity"], engine_predictions = _score_on_engine(
+        metrics["adapter_on_engine"], metrics["engine_parity"], engine_predictions, latency_samples = _score_on_engine(
             engine, adapter_dir, merged, tokenizer, test, texts, cfg
         )
         if engine.weights != "fp32":
@@ -225,8 +280,20 @@ def evaluate(
 
             # Quantized weights cannot match float logits to 1e-4; what must hold is accuracy.
             metrics["weights_gate"] = accuracy_gate(adapter_report, metrics["adapter_on_engine"], engine.weights)
+    if kv_dir is not None:
+        from tasks.kv_quality import release_kv_quality
+
+        metrics["kv_cache"] = release_kv_quality(
+            base_dir, adapter_dir, kv_dir, Path(data_dir) / "calib.jsonl", test, texts, cfg.max_new_tokens,
+            engine_dir=Path(engine.dir) if engine is not None else None,
+        )
     with atomic_output_dir(Path(out_dir)) as tmp:
         write_json(tmp / "metrics.json", metrics)
+        if latency_samples:
+            _write_csv(tmp / "latency.csv", ["step", "decode_ms"], enumerate(latency_samples))
+        if kv_dir is not None:
+            grid = metrics["kv_cache"]["grid"]
+            _write_csv(tmp / "kv_grid.csv", list(grid[0]), [row.values() for row in grid])
         (tmp / "report.md").write_text(render_table(metrics))
         with open(tmp / "predictions.jsonl", "w") as fh:
             for i, (ex, b, a) in enumerate(zip(test, base_predictions, adapter_predictions)):
@@ -249,6 +316,7 @@ def run_stage(cfg: ReleaseConfig) -> Path:
         cfg=cfg.eval,
         month=cfg.data.month,
         engine=cfg.engine,
+        kv_dir=cfg.release_dir() / "kv" if cfg.kv.enabled else None,
     )
 
 

@@ -1,56 +1,200 @@
-"""Run the monthly release stages in order: data, base model, compile, fine-tune, KV calibration, evaluate.
+"""What the monthly flow does between DVC stages: read the gates, record the run, publish, summarize.
 
-This is the plain, orchestrator-free path behind ``make release``. Each stage is the same
-function its ``python -m tasks.<stage>`` entry point calls; later stages (gates,
-packaging, publishing) join here as they are built. The compile stage runs before
-fine-tuning so the adapter records the interface of the engine it was made for.
+``flows/monthly_release.py`` only wires these together as Prefect tasks; every decision lives
+here so it can be tested without Prefect. The stages themselves are ``dvc.yaml``'s.
 """
 
 from __future__ import annotations
 
-import sys
-import time
+import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tasks import calibrate, evaluate, finetune
-from tasks import compile as compile_stage
-from tasks.artifacts import write_json
-from tasks.base_model import prepare_base_model
-from tasks.cli import stage_main
+from tasks.artifacts import sha256_file
+from tasks.compile import engine_build_file
 from tasks.config import ReleaseConfig
-from tasks.data import prepare_data
+from tasks.gates import GATES_FILE, gate_report, package_gates, render_gate_table
+from tasks.pipeline import StageRun
+
+GATES_STAGE, PACKAGE_STAGE = "gates", "package"
+SUMMARY_KEY = "monthly-release-summary"  # stable Prefect artifact key: the UI shows its history
 
 
-def run_release(cfg: ReleaseConfig) -> dict[str, float]:
-    """Run every stage that exists; return the wall time of each in seconds."""
-    timings: dict[str, float] = {}
-    stages = [
-        ("data", lambda: prepare_data(cfg.data, cfg.base_model.trained_through, cfg.data_dir())),
-        ("base_model", lambda: prepare_base_model(cfg)),
-        ("compile", lambda: compile_stage.run_stage(cfg)),
-        ("finetune", lambda: finetune.run_stage(cfg)),
-        *([("calibrate", lambda: calibrate.run_stage(cfg))] if cfg.kv.enabled else []),
-        ("evaluate", lambda: evaluate.run_stage(cfg)),
-    ]
-    for name, stage in stages:
-        print(f"==> {name}", flush=True)
-        start = time.perf_counter()
-        stage()
-        timings[name] = time.perf_counter() - start
-        print(f"    {name} done in {timings[name]:.1f} s", flush=True)
-    write_json(cfg.release_dir() / "stage_seconds.json", {k: round(v, 2) for k, v in timings.items()})
-    return timings
+@dataclass(frozen=True)
+class Recorded:
+    run_id: str
+    experiment_id: str
+    version: str | None  # registered model version; None when the candidate was not registered
+    tracking_uri: str
 
 
-def _run_and_report(cfg: ReleaseConfig) -> str:
-    timings = run_release(cfg)
-    report = (Path(cfg.release_dir()) / "eval" / "report.md").read_text()
-    return report + "\nstage times: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
+def package_dir(cfg: ReleaseConfig) -> Path:
+    return cfg.release_dir() / "package" / "release"
 
 
-def main(argv: list[str] | None = None) -> int:
-    return stage_main("Run the monthly adapter release.", _run_and_report, argv)
+def full_gate_report(cfg: ReleaseConfig) -> dict:
+    """The evaluation gates (``gates/gates.json``), plus the package gates once the package exists."""
+    evaluation = json.loads((cfg.release_dir() / "gates" / GATES_FILE).read_text())
+    check = cfg.release_dir() / "package" / "check.json"
+    if not check.exists():
+        return evaluation | {"packaged": False}
+    from tasks.gates import Gate
+
+    gates = [Gate(**g) for g in evaluation["gates"]] + package_gates(json.loads(check.read_text()), cfg.gates)
+    return gate_report(gates) | {"champion": evaluation.get("champion"), "packaged": True}
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def engine_builds(cfg: ReleaseConfig, runs: list[StageRun]) -> int:
+    """1 if this run compiled the engine, 0 if it reused the one built for this backbone before."""
+    ran = any(r.name == "compile" and r.reproduced for r in runs)
+    return int(ran and json.loads(engine_build_file(cfg).read_text()).get("engine_builds", 0))
+
+
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def stage_outputs(cfg: ReleaseConfig, stage: str) -> tuple[dict[str, float], list[Path]]:
+    """The metrics (numeric leaves of the stage's JSON outputs) and files to attach to a stage's MLflow run."""
+    from tasks.tracking import flatten_numbers
+
+    rel = cfg.release_dir()
+    files = {
+        "base_model": ([Path(cfg.base_model.path) / "base_model_card.json"], []),
+        "compile": ([engine_build_file(cfg)], []),
+        "finetune": ([rel / "finetune" / "train_metrics.json"], [rel / "finetune" / "loss.png", rel / "finetune" / "loss.csv"]),
+        "calibrate": ([], [rel / "kv" / "kv_scales.json"]),
+        "evaluate": ([rel / "eval" / "metrics.json"], [rel / "eval" / "report.md", rel / "eval" / "latency.csv", rel / "eval" / "kv_grid.csv"]),
+        "gates": ([], [rel / "gates" / GATES_FILE]),
+        "package": ([rel / "package" / "check.json"], [package_dir(cfg) / "manifest.json"]),
+    }
+    json_files, artifacts = files.get(stage, ([], []))
+    metrics: dict[str, float] = {}
+    for path in json_files:
+        metrics |= flatten_numbers(_read(path))
+    return metrics, [p for p in artifacts if p.exists()]
+
+
+def headline_metrics(cfg: ReleaseConfig, runs: list[StageRun], report: dict) -> dict[str, float]:
+    """The numbers a reviewer compares month to month, on the parent run."""
+    rel = cfg.release_dir()
+    metrics = _read(rel / "eval" / "metrics.json")
+    scored = metrics.get("adapter_on_engine") or metrics.get("adapter", {})
+    kv = metrics.get("kv_cache", {})
+    latency = scored.get("decode_latency", {})
+    check = _read(rel / "package" / "check.json")
+    out = {
+        "accuracy_new": scored.get("accuracy_new"),
+        "accuracy_regression": scored.get("accuracy_regression"),
+        "perplexity": scored.get("perplexity"),
+        "base_accuracy_new": metrics.get("base", {}).get("accuracy_new"),
+        "kv_accuracy_drop": kv.get("accuracy_drop"),
+        "kv_ppl_increase_pct": kv.get("ppl_increase_pct"),
+        "kv_bytes_per_token": kv.get("bytes_per_token"),
+        "kv_compression_vs_fp16": kv.get("compression_vs_fp16"),
+        "decode_p50_ms": latency.get("p50_ms"),
+        "decode_p95_ms": latency.get("p95_ms"),
+        "engine_max_abs_logit_diff": metrics.get("engine_parity", {}).get("max_abs_logit_diff"),
+        "package_bytes": check.get("package_bytes"),
+        "package_pct_of_base": check.get("pct_of_base"),
+        "engine_builds": engine_builds(cfg, runs),
+        "stages_reproduced": sum(r.reproduced for r in runs),
+        "gates_passed": float(report["passed"]),
+    }
+    return {k: float(v) for k, v in out.items() if v is not None}
+
+
+def record_in_mlflow(cfg: ReleaseConfig, root: Path, runs: list[StageRun], report: dict, git_revision: str,
+                     flow_run: str | None) -> Recorded:
+    """Parent run, nested stage runs, gate metrics, and a candidate model version (packaged candidates)."""
+    from tasks import tracking
+
+    client, experiment_id = tracking.client_for(cfg.publish, root)
+    parent = tracking.start_release_run(client, experiment_id, cfg, git_revision, flow_run)
+    for run in runs:
+        metrics, artifacts = stage_outputs(cfg, run.name)
+        tracking.log_stage_run(client, experiment_id, parent, run.name, run.reproduced, run.seconds, metrics, artifacts)
+    gate_metrics = {}
+    for g in report["gates"]:
+        gate_metrics[f"gate.{g['name']}.passed"] = float(g["passed"])
+        if isinstance(g["value"], (int, float)):
+            gate_metrics[f"gate.{g['name']}.value"] = float(g["value"])
+        if isinstance(g["threshold"], (int, float)):
+            gate_metrics[f"gate.{g['name']}.threshold"] = float(g["threshold"])
+    tracking.log_metrics(client, parent, headline_metrics(cfg, runs, report) | gate_metrics)
+    client.log_text(parent, render_gate_table(report), "gate_report.md")
+    client.log_dict(parent, report, "gate_report.json")
+    version = None
+    if report.get("packaged"):
+        client.log_artifacts(parent, str(package_dir(cfg)), "package")
+        source = f"{client.get_run(parent).info.artifact_uri}/package"
+        manifest = _read(package_dir(cfg) / "manifest.json")
+        version = tracking.register_candidate(client, cfg.publish.model_name, parent, source, {
+            "month": cfg.data.month,
+            "release_id": str(manifest.get("release_id")),
+            "gates_passed": str(report["passed"]),
+        })
+        client.set_tag(parent, "model_version", version)
+    client.set_tag(parent, "gates_passed", str(report["passed"]))
+    return Recorded(parent, experiment_id, version, client.tracking_uri)
+
+
+def finish_mlflow_run(cfg: ReleaseConfig, root: Path, recorded: Recorded, status: str, note: str) -> None:
+    from tasks import tracking
+
+    client, _ = tracking.client_for(cfg.publish, root)
+    client.set_tag(recorded.run_id, "outcome", note[:5000])
+    client.set_terminated(recorded.run_id, status)
+
+
+def registry_entry(cfg: ReleaseConfig, recorded: Recorded | None) -> dict:
+    """What ``releases/index.json`` says of this release (and the champion gate reads next month)."""
+    release = package_dir(cfg)
+    manifest = _read(release / "manifest.json")
+    headline = _read(cfg.release_dir() / "eval" / "metrics.json")
+    scored = headline.get("adapter_on_engine") or headline.get("adapter", {})
+    return {
+        "release_id": manifest.get("release_id", cfg.data.month),
+        "adapter_sha256": sha256_file(release / "adapter_model.safetensors"),
+        "accuracy_new": scored.get("accuracy_new"),
+        "accuracy_regression": scored.get("accuracy_regression"),
+        "mlflow_run_id": recorded.run_id if recorded else None,
+        "mlflow_version": recorded.version if recorded else None,
+    }
+
+
+def already_published(cfg: ReleaseConfig) -> dict | None:
+    """The registry's entry for this month if it holds this very package (same adapter bytes)."""
+    from tasks.publish import read_index, tag_name, _tag_exists
+
+    registry = Path(cfg.publish.registry_dir)
+    entry = read_index(registry).get(cfg.data.month)
+    adapter = package_dir(cfg) / "adapter_model.safetensors"
+    if entry is None or not adapter.exists() or not _tag_exists(registry.resolve(), tag_name(cfg.data.month)):
+        return None
+    return entry if entry.get("adapter_sha256") == sha256_file(adapter) else None
+
+
+def summary_markdown(cfg: ReleaseConfig, runs: list[StageRun], report: dict, recorded: Recorded | None,
+                     outcome: str) -> str:
+    """The run summary Prefect shows as an artifact: outcome, gates, metrics, where things are."""
+    lines = [f"# Monthly release {cfg.data.month}: {outcome}", ""]
+    lines += ["## Gates", "", render_gate_table(report)]
+    metrics = headline_metrics(cfg, runs, report)
+    lines += ["## Metrics", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {v:.6g} |" for k, v in sorted(metrics.items())]
+    lines += ["", "## Stages", "", "| stage | ran | seconds |", "|---|---|---|"]
+    lines += [f"| {r.name} | {'yes' if r.reproduced else 'up to date'} | {r.seconds:.1f} |" for r in runs]
+    lines += ["", "## Where", ""]
+    if recorded is not None:
+        lines.append(f"- MLflow run `{recorded.run_id}` (experiment {recorded.experiment_id}) in `{recorded.tracking_uri}`; "
+                     f"browse with `mlflow ui --backend-store-uri {recorded.tracking_uri}`")
+        if recorded.version:
+            lines.append(f"- model `{cfg.publish.model_name}` version {recorded.version}")
+    lines.append(f"- release directory `{package_dir(cfg)}`; registry `{Path(cfg.publish.registry_dir).resolve()}` "
+                 f"tag `release/{cfg.data.month}`")
+    return "\n".join(lines) + "\n"
+
+
+def runs_as_dicts(runs: list[StageRun]) -> list[dict]:
+    return [asdict(r) for r in runs]

@@ -1,57 +1,210 @@
-"""End to end: the monthly release on the embedded default, as `make release` runs it."""
+"""End to end: the monthly flow on the embedded default, in a fresh copy of the project, as `make release` runs it.
+
+One project copy (a new git repository holding the tracked files) lives for the module, and the
+runs build on each other like months in production:
+
+1. 2026-11: the whole flow; it publishes, and everything it recorded is checked.
+2. 2026-11 again: nothing recomputed, nothing published twice.
+3. 2026-12 with an impossible threshold: Failed with the reason; no release; champion unchanged.
+4. 2026-12: publishes, reusing the engine (engine_builds 0); champion moves.
+5. A real Prefect server serves the deployment; a run triggered through its API completes.
+"""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+       "TOKENIZERS_PARALLELISM": "false"}
+MODEL = "inspection-adapter"
 
 
-def test_monthly_release_on_the_embedded_default_learns_the_changed_rules(tmp_path):
+def git(cwd, *args):
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """A fresh clone-like copy of the project: tracked and new (not ignored) files, committed."""
+    root = tmp_path_factory.mktemp("project")
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        src = REPO / rel
+        if src.is_file():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, root / rel)
+    git(root, "init", "-q", "-b", "main")
+    git(root, "config", "user.email", "e2e@localhost")
+    git(root, "config", "user.name", "e2e")
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", "project")
+    home = tmp_path_factory.mktemp("prefect-home")
+    return {"root": root, "env": ENV | {"PREFECT_HOME": str(home)}, "seconds": {}}
+
+
+def run_flow(project, name: str, **overrides) -> subprocess.CompletedProcess:
+    root = project["root"]
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
-    raw["data"]["dir"] = str(tmp_path / "data")
-    raw["base_model"]["path"] = str(tmp_path / "models" / "base")
-    raw["train"]["output_dir"] = str(tmp_path / "artifacts")
-    raw["engine"]["dir"] = str(tmp_path / "engine")
-    params = tmp_path / "params.yaml"
+    for key, value in overrides.items():
+        section, field = key.split("__")
+        raw[section][field] = value
+    params = root.parent / f"params-{name}.yaml"
     params.write_text(yaml.safe_dump(raw))
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "flows.monthly_release", "--params", str(params)], cwd=root,
+                          env=project["env"], capture_output=True, text=True, timeout=1500)
+    project["seconds"][name] = time.perf_counter() - start
+    print(f"{name}: rc {done.returncode} in {project['seconds'][name]:.1f} s")
+    return done
 
-    result = subprocess.run(
-        [sys.executable, "-m", "tasks.release", "--params", str(params)],
-        cwd=REPO, capture_output=True, text=True, timeout=1500,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
 
-    release = tmp_path / "artifacts" / "2026-11"
+def mlflow_client(root):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+
+
+def parent_runs(client, month):
+    exp = client.get_experiment_by_name("monthly-adapter-release")
+    runs = client.search_runs([exp.experiment_id], f"tags.month = '{month}'", order_by=["attributes.start_time ASC"])
+    return [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+
+
+def test_first_month_publishes_and_records_everything(project):
+    root = project["root"]
+    done = run_flow(project, "first")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert project["seconds"]["first"] < 600  # the whole monthly flow on 2 cores
+
+    release = root / "artifacts" / "2026-11"
     metrics = json.loads((release / "eval" / "metrics.json").read_text())
-    base, adapted = metrics["base"], metrics["adapter"]
+    base, on_engine = metrics["base"], metrics["adapter_on_engine"]
     assert metrics["changed_rules"] == ["crack", "tombstone"]
-    assert base["count_new"] == 150 and base["count_regression"] == 450
-    # The base learned last month's book: it gets the changed rules wrong.
-    assert base["accuracy_new"] <= 0.60
-    # The adapter learns them and keeps the unchanged ones.
-    assert adapted["accuracy_new"] >= 0.95
-    assert adapted["accuracy_regression"] >= 0.95
-    assert adapted["perplexity"] < base["perplexity"]
+    assert base["accuracy_new"] <= 0.60  # the base learned last month's rule book
+    assert on_engine["accuracy_new"] >= 0.95 and on_engine["accuracy_regression"] >= 0.95
+    assert on_engine["accuracy_new"] == metrics["adapter"]["accuracy_new"]
+    assert metrics["engine_parity"]["greedy_identical"] and metrics["engine_parity"]["max_abs_logit_diff"] <= 1e-4
+    assert metrics["kv_cache"]["accuracy_drop"] <= 0.01 and metrics["kv_cache"]["compression_vs_fp16"] > 2.5
+    assert 0 < on_engine["decode_latency"]["p50_ms"] <= on_engine["decode_latency"]["p95_ms"]
+    gates = json.loads((release / "gates" / "gates.json").read_text())
+    assert gates["passed"] and gates["champion"] is None
 
-    # The same adapter on the compiled engine: same answers, logits within fp32 tolerance.
-    on_engine, parity = metrics["adapter_on_engine"], metrics["engine_parity"]
-    assert on_engine["accuracy_new"] == adapted["accuracy_new"]
-    assert parity["prompts"] == 600 and parity["greedy_identical"] is True
-    assert parity["max_abs_logit_diff"] <= 1e-4
-    compile_metrics = json.loads((release / "compile" / "metrics.json").read_text())
-    assert compile_metrics["engine_builds"] == 1
-    provenance = json.loads((release / "finetune" / "adapter" / "provenance.json").read_text())
-    assert provenance["engine_interface_hash"] == compile_metrics["interface_hash"]
+    # MLflow: a parent run with the headline metrics, a nested run per DVC stage, version 1 is champion.
+    client = mlflow_client(root)
+    (parent,) = parent_runs(client, "2026-11")
+    assert parent.info.status == "FINISHED"
+    assert parent.data.metrics["accuracy_new"] >= 0.95 and parent.data.metrics["engine_builds"] == 1.0
+    assert parent.data.metrics["gate.package_pct_of_base.value"] <= 2.0
+    assert {"decode_p95_ms", "kv_ppl_increase_pct", "kv_bytes_per_token", "package_bytes"} <= set(parent.data.metrics)
+    children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert sorted(c.data.tags["stage"] for c in children) == sorted(yaml.safe_load((root / "dvc.yaml").read_text())["stages"])
+    assert all(c.data.metrics["reproduced"] == 1.0 for c in children)
+    champion = client.get_model_version_by_alias(MODEL, "champion")
+    assert champion.version == "1" and champion.run_id == parent.info.run_id
+    assert client.get_model_version_by_alias(MODEL, "candidate").version == "1"
 
-    seconds = json.loads((release / "stage_seconds.json").read_text())
-    assert sorted(seconds) == ["base_model", "calibrate", "compile", "data", "evaluate", "finetune"]
-    assert sum(seconds.values()) < 600  # the whole release on 2 cores, install excluded
-    assert (release / "kv" / "kv_scales.safetensors").exists()
+    # The registry names it champion; the DVC remote holds it; DVC says the pipeline is up to date.
+    registry = root / "registry"
+    assert json.loads((registry / "channels.json").read_text()) == {"champion": "2026-11"}
+    assert git(registry, "tag", "--list") == "release/2026-11"
+    pulled = root.parent / "pulled-2026-11"
+    subprocess.run([sys.executable, "-m", "dvc", "get", str(registry), "releases/2026-11", "--rev", "release/2026-11",
+                    "-o", str(pulled)], check=True, capture_output=True, env=project["env"])
+    assert (pulled / "adapter_model.safetensors").read_bytes() == \
+        (release / "package" / "release" / "adapter_model.safetensors").read_bytes()
+    status = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=root, env=project["env"], capture_output=True, text=True)
+    assert status.returncode == 0 and "up to date" in status.stdout, status.stdout
+    assert "metrics.json" in subprocess.run([sys.executable, "-m", "dvc", "metrics", "show"], cwd=root, env=project["env"],
+                                            capture_output=True, text=True, check=True).stdout
 
-    train = json.loads((release / "finetune" / "train_metrics.json").read_text())
-    assert train["adapter_fraction_of_base"] <= 0.02
-    assert "| accuracy, new rules |" in (release / "eval" / "report.md").read_text()
+
+def test_second_run_with_nothing_changed_recomputes_and_publishes_nothing(project):
+    root = project["root"]
+    metrics_file = root / "artifacts" / "2026-11" / "eval" / "metrics.json"
+    before = metrics_file.stat().st_mtime_ns
+    done = run_flow(project, "second")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "already published" in done.stdout
+    assert metrics_file.stat().st_mtime_ns == before
+    assert len(parent_runs(mlflow_client(root), "2026-11")) == 1
+    assert git(root / "registry", "rev-list", "--count", "HEAD") == "2"  # set-up and one release
+    assert project["seconds"]["second"] <= 0.25 * project["seconds"]["first"]
+
+
+def test_an_impossible_threshold_fails_the_flow_and_publishes_nothing(project):
+    root = project["root"]
+    done = run_flow(project, "impossible", data__month="2026-12", gates__min_accuracy_new=1.01)
+    assert done.returncode == 2
+    assert "release 2026-12 not published: accuracy_new" in done.stderr and "needs >= 1.01" in done.stderr
+    registry = root / "registry"
+    assert json.loads((registry / "channels.json").read_text()) == {"champion": "2026-11"}
+    assert git(registry, "tag", "--list") == "release/2026-11"
+    assert not (root / "artifacts" / "2026-12" / "package").exists()
+    client = mlflow_client(root)
+    (failed,) = parent_runs(client, "2026-12")
+    assert failed.info.status == "FAILED" and failed.data.metrics["gate.accuracy_new.passed"] == 0.0
+    assert client.get_model_version_by_alias(MODEL, "champion").version == "1"
+
+
+def test_next_month_reuses_the_engine_and_becomes_champion(project):
+    root = project["root"]
+    done = run_flow(project, "next", data__month="2026-12")
+    assert done.returncode == 0, done.stderr[-4000:]
+    client = mlflow_client(root)
+    latest = parent_runs(client, "2026-12")[-1]
+    assert latest.info.status == "FINISHED"
+    assert latest.data.metrics["engine_builds"] == 0.0
+    assert client.get_model_version_by_alias(MODEL, "champion").run_id == latest.info.run_id
+    assert json.loads((root / "registry" / "channels.json").read_text()) == {"champion": "2026-12"}
+    assert sorted(git(root / "registry", "tag", "--list").split()) == ["release/2026-11", "release/2026-12"]
+    champion_gate = next(g for g in json.loads((root / "artifacts" / "2026-12" / "gates" / "gates.json").read_text())["gates"]
+                         if g["name"] == "accuracy_new_vs_champion")
+    assert champion_gate["op"] == ">=" and "2026-11" in champion_gate["detail"]
+
+
+def test_a_real_prefect_server_runs_the_deployment_with_other_parameters(project):
+    from flows.local_server import start_server, stop_server
+
+    root, env = project["root"], project["env"]
+    port = 4300 + os.getpid() % 500
+    server, api_url = start_server(port, env)
+    served = None
+    try:
+        env = env | {"PREFECT_API_URL": api_url}
+        served = subprocess.Popen([sys.executable, "-m", "flows.serve", "--params", "params.yaml"], cwd=root, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        trigger = (
+            "import json, sys, time\n"
+            "from prefect.deployments import run_deployment\n"
+            "from tasks.config import load_config\n"
+            "cfg = load_config('params.yaml').model_dump(mode='json')\n"
+            "cfg['data']['month'] = '2026-12'; cfg['publish']['dry_run'] = True\n"
+            "for _ in range(60):\n"
+            "    try:\n"
+            "        run = run_deployment('monthly-release/monthly-release', parameters={'config': cfg}, timeout=600)\n"
+            "        break\n"
+            "    except Exception as err:  # the deployment appears once serve has registered it\n"
+            "        if 'not found' not in str(err).lower(): raise\n"
+            "        time.sleep(2)\n"
+            "print(json.dumps({'state': run.state.type.value, 'params': run.parameters['config']['publish']['dry_run']}))\n"
+        )
+        done = subprocess.run([sys.executable, "-c", trigger], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        assert result == {"state": "COMPLETED", "params": True}
+    finally:
+        if served is not None:
+            served.terminate()
+            served.wait(timeout=30)
+        stop_server(server)
+    # A dry run moves nothing.
+    assert json.loads((root / "registry" / "channels.json").read_text()) == {"champion": "2026-12"}

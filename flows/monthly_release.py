@@ -1,0 +1,163 @@
+"""The monthly adapter release as a Prefect flow: DVC stages, gates, MLflow, then an atomic publish.
+
+The flow takes the whole ``ReleaseConfig`` as its one parameter, so the Prefect UI shows it as a
+form with the defaults of ``params.yaml``. It only wires things together: stages are
+``dvc.yaml``'s, decisions are in ``tasks/release.py``, ``tasks/publish.py`` and ``tasks/tracking.py``.
+
+    python -m flows.monthly_release --params params.yaml      # ephemeral Prefect, what `make release` runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from prefect import flow, get_run_logger, task  # noqa: E402
+from prefect.artifacts import create_markdown_artifact  # noqa: E402
+from prefect.runtime import flow_run  # noqa: E402
+from prefect.transactions import get_transaction, transaction  # noqa: E402
+
+from tasks import pipeline, publish, release, tracking  # noqa: E402
+from tasks.config import ReleaseConfig, StageError, load_config  # noqa: E402
+from tasks.gates import GateFailed, failed_reason  # noqa: E402
+
+
+@task
+def write_params(config: ReleaseConfig) -> list[str]:
+    changed = pipeline.write_params_file(config, Path.cwd() / pipeline.PARAMS_FILE)
+    if changed:
+        get_run_logger().info("params.yaml updated for this run: %s", ", ".join(changed))
+    return changed
+
+
+@task(retries=2, retry_delay_seconds=5)
+def set_up(config: ReleaseConfig) -> None:
+    pipeline.ensure_dvc_repo(Path.cwd(), Path(config.publish.remote_dir))
+    publish.ensure_registry(Path(config.publish.registry_dir), Path(config.publish.remote_dir))
+
+
+@task(task_run_name="dvc-repro-{name}")
+def reproduce(name: str, force: bool = False) -> pipeline.StageRun:
+    run = pipeline.reproduce_stage(Path.cwd(), name, force=force)
+    get_run_logger().info("%s: %s in %.1f s", name, "ran" if run.reproduced else "up to date", run.seconds)
+    return run
+
+
+@task(retries=2, retry_delay_seconds=5)
+def record(config: ReleaseConfig, runs: list[pipeline.StageRun], report: dict) -> release.Recorded:
+    return release.record_in_mlflow(config, Path.cwd(), runs, report, pipeline.git_revision(Path.cwd()), str(flow_run.id))
+
+
+@task
+def summarize(config: ReleaseConfig, runs: list[pipeline.StageRun], report: dict, recorded: release.Recorded | None,
+              outcome: str) -> str:
+    text = release.summary_markdown(config, runs, report, recorded, outcome)
+    create_markdown_artifact(text, key=release.SUMMARY_KEY, description=f"release {config.data.month}: {outcome}")
+    return text
+
+
+@task
+def publish_to_registry(config: ReleaseConfig, recorded: release.Recorded) -> publish.Published:
+    published = publish.publish_release(
+        Path(config.publish.registry_dir), release.package_dir(config), config.data.month,
+        release.registry_entry(config, recorded), champion=True, force=config.publish.force,
+    )
+    get_transaction().set("published", published)
+    return published
+
+
+@publish_to_registry.on_rollback
+def _unpublish(txn) -> None:
+    published = txn.get("published")
+    publish.rollback(Path.cwd() / txn.get("registry"), published.previous_head, published.month, published.previous_tag)
+
+
+@task(retries=2, retry_delay_seconds=5)
+def push_pipeline_outputs() -> int:
+    return pipeline.push_outputs(Path.cwd())
+
+
+@task
+def promote(config: ReleaseConfig, recorded: release.Recorded) -> str | None:
+    client, _ = tracking.client_for(config.publish, Path.cwd())
+    previous = tracking.move_champion(client, config.publish.model_name, recorded.version)
+    get_transaction().set("previous_champion", previous)
+    return previous
+
+
+@promote.on_rollback
+def _demote(txn) -> None:
+    config = txn.get("config")
+    client, _ = tracking.client_for(config.publish, Path.cwd())
+    tracking.restore_champion(client, config.publish.model_name, txn.get("previous_champion"), txn.get("version"))
+
+
+@flow(name="monthly-release", log_prints=True)
+def monthly_release(config: ReleaseConfig = ReleaseConfig()) -> dict:
+    """Reproduce this month's stages, gate the candidate, record it, and publish it if every gate passed.
+
+    DVC stages read ``params.yaml``: a run with other parameters writes them there first.
+    """
+    write_params(config)
+    set_up(config)
+    runs = []
+    for name in pipeline.stage_names(Path.cwd()):
+        if name == release.PACKAGE_STAGE and not release.full_gate_report(config)["passed"]:
+            break  # the package stage would refuse: nothing is packaged for a failed candidate
+        # The gates read the registry's champion, which DVC does not track: always re-evaluate them.
+        runs.append(reproduce(name, force=name == release.GATES_STAGE))
+    report = release.full_gate_report(config)
+
+    existing = release.already_published(config) if report["passed"] and not config.publish.force else None
+    if existing is not None:
+        outcome = f"already published as {existing['release_id']}; nothing to do"
+        summarize(config, runs, report, None, outcome)
+        return {"outcome": outcome, "release_id": existing["release_id"], "published": False}
+
+    recorded = record(config, runs, report)
+    if not report["passed"]:
+        reason = failed_reason(report)
+        release.finish_mlflow_run(config, Path.cwd(), recorded, "FAILED", f"gates failed: {reason}")
+        summarize(config, runs, report, recorded, "FAILED: a gate did not pass")
+        raise GateFailed(f"release {config.data.month} not published: {reason}")
+    if config.publish.dry_run:
+        release.finish_mlflow_run(config, Path.cwd(), recorded, "FINISHED", "dry run: gates passed, nothing published")
+        summarize(config, runs, report, recorded, "dry run: gates passed, nothing published")
+        return {"outcome": "dry run", "mlflow_run_id": recorded.run_id, "published": False}
+
+    # Registry commit + tag + remote push, pipeline outputs pushed, champion moved: all or nothing.
+    with transaction() as txn:
+        txn.set("config", config)
+        txn.set("registry", config.publish.registry_dir)
+        txn.set("version", recorded.version)
+        published = publish_to_registry(config, recorded)
+        push_pipeline_outputs()
+        promote(config, recorded)
+    release.finish_mlflow_run(config, Path.cwd(), recorded, "FINISHED", f"published {published.release_id}")
+    summarize(config, runs, report, recorded, f"published {published.release_id} as champion")
+    return {"outcome": "published", "release_id": published.release_id, "mlflow_run_id": recorded.run_id,
+            "model_version": recorded.version, "tag": published.tag, "published": True}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run the monthly adapter release (ephemeral Prefect).")
+    parser.add_argument("--params", default="params.yaml",
+                        help="the run's parameters; written into ./params.yaml, which the DVC stages read")
+    args = parser.parse_args(argv)
+    try:
+        result = monthly_release(load_config(args.params))
+    except (GateFailed, StageError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(result["outcome"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""Release gates: every number a candidate must reach before it is packaged, and after, before it is published.
+
+Two groups, because two artifacts answer them. ``evaluation_gates`` read the evaluate stage's
+metrics (accuracy on the engine, against the floors and the current champion; KV-cache deltas;
+decode latency; engine parity); the ``gates`` stage writes them to ``gates/gates.json``, and the
+package stage refuses to run unless they all passed. ``package_gates`` read the package stage's
+``check.json`` (size; verification and a load-and-query on the engine). The flow publishes only
+when both groups pass. Each gate keeps its value, threshold and verdict for MLflow and the run summary.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tasks.artifacts import write_json
+from tasks.cli import stage_main
+from tasks.config import GatesConfig, ReleaseConfig, StageError
+
+GATES_FILE = "gates.json"
+CHANNELS_FILE = "channels.json"  # alias -> month, in the release registry
+INDEX_FILE = "releases/index.json"  # month -> release id and headline metrics, in the release registry
+
+
+class GateFailed(StageError):
+    """A candidate that did not pass every gate; the message lists the failed ones."""
+
+
+@dataclass(frozen=True)
+class Gate:
+    name: str
+    value: float | str | None
+    threshold: float | str | None
+    op: str  # ">=", "<=", "==" or "n/a" (a gate that does not apply passes and says why)
+    passed: bool
+    detail: str
+
+
+def _compare(name: str, value: float | None, op: str, threshold: float, detail: str) -> Gate:
+    if value is None:
+        return Gate(name, None, threshold, op, False, f"{detail}: not measured")
+    ok = value >= threshold if op == ">=" else value <= threshold
+    return Gate(name, value, threshold, op, ok, detail)
+
+
+def _not_applicable(name: str, why: str) -> Gate:
+    return Gate(name, None, None, "n/a", True, why)
+
+
+def current_champion(registry_dir: Path) -> dict | None:
+    """The published champion's month and headline metrics, read from the release registry; None if none."""
+    channels = Path(registry_dir) / CHANNELS_FILE
+    index = Path(registry_dir) / INDEX_FILE
+    if not channels.exists() or not index.exists():
+        return None
+    month = json.loads(channels.read_text()).get("champion")
+    if month is None:
+        return None
+    entry = json.loads(index.read_text()).get(month)
+    if entry is None:
+        raise StageError(f"{channels} names champion {month} but {index} has no entry for it")
+    return {"month": month, **entry}
+
+
+def evaluation_gates(metrics: dict, gates: GatesConfig, champion: dict | None, parity_tolerance: float,
+                     kv_enabled: bool) -> list[Gate]:
+    """Gates on the evaluate stage's metrics. Accuracy is read on the engine when it was measured there."""
+    scored = metrics.get("adapter_on_engine") or metrics["adapter"]
+    where = "on the engine" if "adapter_on_engine" in metrics else "in PyTorch"
+    acc_new = scored.get("accuracy_new")
+    out = [
+        _compare("accuracy_new", acc_new, ">=", gates.min_accuracy_new, f"accuracy on the changed rules {where}"),
+        _compare("accuracy_regression", scored.get("accuracy_regression"), ">=", gates.min_accuracy_regression,
+                 f"accuracy on the unchanged rules {where}"),
+    ]
+    if champion is None or champion.get("accuracy_new") is None:
+        out.append(_not_applicable("accuracy_new_vs_champion", "no champion published yet"))
+    else:
+        floor = champion["accuracy_new"] - gates.champion_tolerance
+        out.append(_compare("accuracy_new_vs_champion", acc_new, ">=", floor,
+                            f"not below champion {champion['month']} ({champion['accuracy_new']:.3f}) "
+                            f"minus {gates.champion_tolerance}"))
+    kv = metrics.get("kv_cache")
+    if not kv_enabled:
+        out += [_not_applicable(n, "KV quantization disabled (kv.enabled: false)")
+                for n in ("kv_accuracy_drop", "kv_ppl_increase_pct")]
+    else:
+        kv = kv or {}
+        out += [
+            _compare("kv_accuracy_drop", kv.get("accuracy_drop"), "<=", gates.max_kv_accuracy_drop,
+                     "test accuracy lost by the quantized KV cache"),
+            _compare("kv_ppl_increase_pct", kv.get("ppl_increase_pct"), "<=", gates.max_kv_ppl_increase_pct,
+                     "held-out perplexity increase from the quantized KV cache, %"),
+        ]
+    latency = (metrics.get("adapter_on_engine") or {}).get("decode_latency")
+    out.append(_compare("p95_decode_ms", latency and latency["p95_ms"], "<=", gates.max_p95_decode_ms,
+                        "p95 of one decode step, batch 1, adapter bound, on the compiled engine"))
+    parity = metrics.get("engine_parity")
+    if parity is None:
+        out.append(Gate("engine_parity", None, parity_tolerance, "<=", False, "the engine was not evaluated"))
+    elif parity.get("weights", "fp32") != "fp32":
+        weights_gate = metrics.get("weights_gate", {})
+        out.append(Gate("engine_parity", str(weights_gate.get("passed")), "True", "==", bool(weights_gate.get("passed")),
+                        f"{parity['weights']} weights: accuracy gate against float PyTorch"))
+    else:
+        out.append(_compare("engine_parity", parity["max_abs_logit_diff"], "<=", parity_tolerance,
+                            "max abs logit difference, engine vs PyTorch + merged PEFT"))
+    return out
+
+
+def package_gates(check: dict, gates: GatesConfig) -> list[Gate]:
+    """Gates on the package stage's ``check.json``: size, verification, and a query on the engine."""
+    verify, query = check.get("verify", {}), check.get("load_and_query", {})
+    return [
+        _compare("package_pct_of_base", check.get("pct_of_base"), "<=", gates.max_package_pct_of_base,
+                 f"package {check.get('package_bytes')} bytes against base {check.get('base_bytes')} bytes, %"),
+        Gate("package_verifies", str(bool(verify.get("ok"))), "True", "==", bool(verify.get("ok")),
+             verify.get("error") or "checksums, signature, backbone and interface as a device checks them"),
+        Gate("load_and_query", str(bool(query.get("ok"))), "True", "==", bool(query.get("ok")),
+             query.get("error") or f"engine loaded the package and answered {query.get('output')!r}"),
+    ]
+
+
+def gate_report(gates: list[Gate]) -> dict:
+    return {"passed": all(g.passed for g in gates), "gates": [asdict(g) for g in gates]}
+
+
+def failed_reason(report: dict) -> str:
+    failed = [g for g in report["gates"] if not g["passed"]]
+    return "; ".join(f"{g['name']} = {_fmt(g['value'])} (needs {g['op']} {_fmt(g['threshold'])}: {g['detail']})"
+                     for g in failed)
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def render_gate_table(report: dict) -> str:
+    lines = ["| gate | value | threshold | verdict | detail |", "|---|---|---|---|---|"]
+    for g in report["gates"]:
+        verdict = "pass" if g["passed"] else "**FAIL**"
+        threshold = "" if g["threshold"] is None else f"{g['op']} {_fmt(g['threshold'])}"
+        lines.append(f"| {g['name']} | {_fmt(g['value'])} | {threshold} | {verdict} | {g['detail']} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_stage(cfg: ReleaseConfig) -> Path:
+    """The gates stage: ``gates/gates.json`` from the evaluation and the registry's champion. A failed
+    gate is a verdict, not an error: the file is written either way, and packaging reads it."""
+    metrics_file = cfg.release_dir() / "eval" / "metrics.json"
+    if not metrics_file.exists():
+        raise StageError(f"{metrics_file} is missing: run the evaluate stage first")
+    metrics = json.loads(metrics_file.read_text())
+    champion = current_champion(Path(cfg.publish.registry_dir))
+    if champion is not None and champion["month"] == cfg.data.month:
+        champion = None  # a month is not compared with its own earlier release
+    gates = evaluation_gates(metrics, cfg.gates, champion, cfg.engine.parity_tolerance, cfg.kv.enabled)
+    out = cfg.release_dir() / "gates" / GATES_FILE
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out, gate_report(gates) | {"champion": champion})
+    return out
+
+
+def _run_and_report(cfg: ReleaseConfig) -> str:
+    report = json.loads(run_stage(cfg).read_text())
+    verdict = "all gates passed" if report["passed"] else f"FAILED: {failed_reason(report)}"
+    return render_gate_table(report) + "\n" + verdict
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main("Evaluate the release gates on this month's metrics.", _run_and_report, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

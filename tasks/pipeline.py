@@ -1,0 +1,189 @@
+"""The DVC side of a release: set-up, the params file DVC reads, and one stage at a time.
+
+``dvc.yaml`` is the record of lineage: each stage names its code, its ``params.yaml`` keys, its
+outputs and metrics, so ``dvc repro`` alone reproduces a release and recomputes only what
+changed. The Prefect flow drives the same stages one by one through ``reproduce_stage`` (DVC
+holds one repository lock, so never two at once) and reads back whether each stage ran.
+
+A run triggered with other parameters (from the Prefect UI, say) must reach DVC through
+``params.yaml``: ``write_params_file`` rewrites only the values that differ, in place, so the
+file keeps its comments and a diff shows exactly what the run changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from tasks.config import ReleaseConfig, StageError, parse_config
+
+DVC_ENV = {"DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+REMOTE_NAME = "storage"
+PARAMS_FILE = "params.yaml"  # what dvc.yaml's stages read
+
+
+class PipelineError(StageError):
+    """A DVC stage that failed, or a repository the pipeline cannot run in."""
+
+
+@dataclass(frozen=True)
+class StageRun:
+    name: str
+    reproduced: bool  # False: DVC found the stage up to date and ran nothing
+    seconds: float
+
+
+def stage_names(root: Path) -> list[str]:
+    """The stages of ``dvc.yaml``, in the order they are written (which is the order they run)."""
+    stages = yaml.safe_load((Path(root) / "dvc.yaml").read_text()).get("stages") or {}
+    return list(stages)
+
+
+def _env() -> None:
+    os.environ.update(DVC_ENV)
+    # Stage commands run `python -m tasks.<stage>`: the interpreter running the pipeline must be first.
+    bindir = str(Path(os.sys.executable).parent)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != bindir:
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+
+
+def _git(root: Path, *args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise PipelineError(f"git {' '.join(args)} failed in {root}: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def ensure_dvc_repo(root: Path, remote_dir: Path) -> Path:
+    """Make ``root`` a DVC repository with ``remote_dir`` as its default remote; return the remote path.
+
+    The remote is recorded in ``.dvc/config.local`` (not committed): its path is this machine's.
+    """
+    from dvc.repo import Repo
+
+    _env()
+    root = Path(root).resolve()
+    if not (root / ".git").exists():
+        raise PipelineError(f"{root} is not a git repository: DVC records lineage in git (run `git init` first)")
+    if not (root / ".dvc").exists():
+        Repo.init(str(root))
+    remote = Path(remote_dir)
+    remote = (remote if remote.is_absolute() else root / remote).resolve()
+    remote.mkdir(parents=True, exist_ok=True)
+    with Repo(str(root)) as repo:
+        with repo.config.edit("local") as conf:
+            conf.setdefault("remote", {})[REMOTE_NAME] = {"url": str(remote)}
+            conf.setdefault("core", {})["remote"] = REMOTE_NAME
+    return remote
+
+
+def reproduce_stage(root: Path, name: str, force: bool = False) -> StageRun:
+    """Run one stage if its dependencies changed (or ``force``); never its upstream stages."""
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+
+    _env()
+    start = time.perf_counter()
+    try:
+        with contextlib.chdir(root), Repo(str(root)) as repo:  # DVC resolves stage paths against the cwd
+            ran = repo.reproduce(targets=[name], single_item=True, force=force)
+    except DvcException as err:
+        cause = err.__cause__ or err
+        raise PipelineError(f"DVC stage '{name}' failed: {cause}") from err
+    return StageRun(name, bool(ran), time.perf_counter() - start)
+
+
+def pipeline_status(root: Path) -> dict:
+    """``dvc status`` of the pipeline: {} when every stage is up to date."""
+    from dvc.repo import Repo
+
+    _env()
+    with contextlib.chdir(root), Repo(str(root)) as repo:
+        return repo.status()
+
+
+def push_outputs(root: Path) -> int:
+    """Push every cached pipeline output to the default remote; return the number of files sent."""
+    from dvc.repo import Repo
+
+    _env()
+    with contextlib.chdir(root), Repo(str(root)) as repo:
+        return repo.push()
+
+
+# ---------------------------------------------------------------- params.yaml, edited in place
+
+_LINE = re.compile(r"^(?P<indent>\s*)(?P<key>[A-Za-z_][\w]*):(?P<space>\s*)(?P<value>[^#\n]*?)(?P<comment>\s*#.*)?$")
+
+
+def _yaml_scalar(value) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, width=1000).strip()
+    return text[: -len("...")].strip() if text.endswith("...") else text
+
+
+def write_params_file(cfg: ReleaseConfig, path: Path) -> list[str]:
+    """Make ``path`` state ``cfg``: rewrite the lines whose value differs, append keys it lacks.
+
+    Comments and layout are kept. Returns the dotted keys that changed. The result is read back
+    and must parse to ``cfg``, or nothing is written.
+    """
+    path = Path(path)
+    text = path.read_text() if path.exists() else ""
+    wanted = cfg.model_dump(mode="json")
+    current = parse_config(yaml.safe_load(text) or {}, str(path)).model_dump(mode="json") if text else {}
+    lines = text.splitlines()
+    changed: list[str] = []
+    for section, values in wanted.items():
+        for key, value in values.items():
+            if current.get(section, {}).get(key) == value:
+                continue  # stated, or omitted and the default is what we want
+            changed.append(f"{section}.{key}")
+            lines = _set_key(lines, section, key, _yaml_scalar(value))
+    if not changed:
+        return []
+    new_text = "\n".join(lines) + "\n"
+    if parse_config(yaml.safe_load(new_text) or {}, str(path)) != cfg:
+        raise PipelineError(f"{path}: could not write the run's parameters without changing its meaning")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(new_text)
+    os.replace(tmp, path)
+    return changed
+
+
+def _section_span(lines: list[str], section: str) -> tuple[int, int] | None:
+    start = next((i for i, line in enumerate(lines) if re.match(rf"^{section}:(\s|$)", line)), None)
+    if start is None:
+        return None
+    end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace() and not lines[i].startswith("#")),
+               len(lines))
+    return start, end
+
+
+def _set_key(lines: list[str], section: str, key: str, value: str) -> list[str]:
+    lines = list(lines)
+    span = _section_span(lines, section)
+    if span is None:
+        return lines + ["", f"{section}:", f"  {key}: {value}"]
+    start, end = span
+    for i in range(start + 1, end):
+        m = _LINE.match(lines[i])
+        if m and m["indent"] and m["key"] == key:
+            comment = m["comment"] or ""
+            lines[i] = f"{m['indent']}{key}:{m['space'] or ' '}{value}{comment}"
+            return lines
+    last = max((i for i in range(start + 1, end) if lines[i].strip()), default=start)
+    return lines[: last + 1] + [f"  {key}: {value}"] + lines[last + 1 :]
+
+
+def git_revision(root: Path) -> str:
+    try:
+        return _git(Path(root), "rev-parse", "HEAD")
+    except (PipelineError, FileNotFoundError):
+        return "unknown"

@@ -1,0 +1,168 @@
+"""The release registry: a git + DVC repository that devices pull published releases from.
+
+Layout (the device side, ``runtime/pull.py``, reads exactly this):
+
+- ``releases/<month>/`` the release directory, tracked by DVC as ``releases/<month>.dvc``; its
+  files live in the DVC remote;
+- ``releases/index.json`` month -> release id, adapter sha256, headline metrics, MLflow version;
+- ``channels.json`` alias -> month, e.g. ``{"champion": "2026-11"}``;
+- a tag ``release/<month>`` on the commit that published the month.
+
+``.dvc/config`` in the registry names the remote, so ``dvc get <registry> releases/<month>``
+works on any machine that can reach both. Publishing is one commit plus one tag plus one push;
+``rollback`` returns the registry to the commit before, so a failure half way leaves no
+visible half release.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.artifacts import write_json
+from tasks.config import StageError
+from tasks.gates import CHANNELS_FILE, INDEX_FILE
+from tasks.pipeline import DVC_ENV, REMOTE_NAME
+
+GIT_IDENTITY = {"user.name": "adapter-release", "user.email": "adapter-release@localhost"}
+
+
+class PublishError(StageError):
+    """A release that cannot be published (already published differently, or a registry problem)."""
+
+
+@dataclass(frozen=True)
+class Published:
+    month: str
+    release_id: str
+    commit: str
+    tag: str
+    previous_head: str  # where ``rollback`` returns the registry
+    previous_tag: str | None  # the commit the month's tag named before (a forced republish), if any
+    already: bool  # True: this exact release was already published; nothing was done
+
+
+def _run(cwd: Path, *cmd: str) -> str:
+    done = subprocess.run(list(cmd), cwd=cwd, capture_output=True, text=True, env={**os.environ, **DVC_ENV})
+    if done.returncode != 0:
+        raise PublishError(f"`{' '.join(cmd)}` failed in {cwd}: {(done.stderr or done.stdout).strip()[-2000:]}")
+    return done.stdout.strip()
+
+
+def _git(registry: Path, *args: str) -> str:
+    return _run(registry, "git", *args)
+
+
+def _dvc(registry: Path, *args: str) -> str:
+    return _run(registry, os.sys.executable, "-m", "dvc", *args)
+
+
+def tag_name(month: str) -> str:
+    return f"release/{month}"
+
+
+def ensure_registry(registry_dir: Path, remote_dir: Path) -> Path:
+    """Create the registry (git, DVC, remote, empty channels and index) if it does not exist."""
+    registry = Path(registry_dir).resolve()
+    remote = Path(remote_dir).resolve()
+    remote.mkdir(parents=True, exist_ok=True)
+    if not (registry / ".git").exists():
+        registry.mkdir(parents=True, exist_ok=True)
+        _git(registry, "init", "-q", "-b", "main")
+        for key, value in GIT_IDENTITY.items():
+            _git(registry, "config", key, value)
+    if not (registry / ".dvc").exists():
+        _dvc(registry, "init", "-q")
+        _dvc(registry, "config", "core.analytics", "false")
+    _dvc(registry, "remote", "add", "-d", "-f", REMOTE_NAME, str(remote))
+    for path, empty in ((registry / CHANNELS_FILE, {}), (registry / INDEX_FILE, {})):
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(path, empty)
+    _git(registry, "add", "-A")
+    if _git(registry, "status", "--porcelain"):
+        _git(registry, "commit", "-q", "-m", f"registry: DVC remote {remote}")
+    return registry
+
+
+def read_index(registry: Path) -> dict:
+    path = Path(registry) / INDEX_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def read_channels(registry: Path) -> dict:
+    path = Path(registry) / CHANNELS_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _head(registry: Path) -> str:
+    return _git(registry, "rev-parse", "HEAD")
+
+
+def _tag_exists(registry: Path, tag: str) -> bool:
+    return bool(_git(registry, "tag", "--list", tag))
+
+
+def publish_release(registry_dir: Path, package_dir: Path, month: str, entry: dict, champion: bool,
+                    force: bool = False) -> Published:
+    """Commit ``package_dir`` as ``releases/<month>``, tag it, push its files, and (``champion``)
+    point the champion channel at it. ``entry`` must hold ``release_id`` and ``adapter_sha256``.
+
+    The same release published twice is reported, not repeated; a different release for a
+    month already published is refused unless ``force``.
+    """
+    registry = Path(registry_dir).resolve()
+    tag = tag_name(month)
+    previous = _head(registry)
+    previous_tag = _git(registry, "rev-list", "-n", "1", tag) if _tag_exists(registry, tag) else None
+    existing = read_index(registry).get(month)
+    if existing is not None and previous_tag is not None:
+        if existing.get("adapter_sha256") == entry["adapter_sha256"] and not force:
+            return Published(month, existing["release_id"], previous_tag, tag, previous, previous_tag, True)
+        if not force:
+            raise PublishError(
+                f"{month} is already published as {existing['release_id']} with another adapter "
+                f"(sha256 {existing['adapter_sha256'][:12]}); set publish.force: true to replace it"
+            )
+    target = registry / "releases" / month
+    try:
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(package_dir, target)
+        _dvc(registry, "add", "-q", f"releases/{month}")
+        index = read_index(registry)
+        index[month] = entry
+        write_json(registry / INDEX_FILE, index)
+        if champion:
+            write_json(registry / CHANNELS_FILE, read_channels(registry) | {"champion": month})
+        _git(registry, "add", f"releases/{month}.dvc", "releases/.gitignore", INDEX_FILE, CHANNELS_FILE)
+        _git(registry, "commit", "-q", "-m", f"release {entry['release_id']} ({month})" + (", champion" if champion else ""))
+        _git(registry, "tag", "-f", tag)
+        _dvc(registry, "push", "-q", f"releases/{month}.dvc")
+    except BaseException:
+        rollback(registry, previous, month, previous_tag)
+        raise
+    return Published(month, entry["release_id"], _head(registry), tag, previous, previous_tag, False)
+
+
+def rollback(registry_dir: Path, previous_head: str, month: str, previous_tag: str | None) -> None:
+    """Return the registry to ``previous_head``: commit, the month's tag and its working files.
+
+    Objects already pushed to the remote stay: they are content-addressed and nothing names them.
+    """
+    registry = Path(registry_dir).resolve()
+    tag = tag_name(month)
+    _git(registry, "reset", "-q", "--hard", previous_head)
+    if previous_tag is not None:
+        _git(registry, "tag", "-f", tag, previous_tag)
+    elif _tag_exists(registry, tag):
+        _git(registry, "tag", "-d", tag)
+    target = registry / "releases" / month
+    if (registry / "releases" / f"{month}.dvc").exists():
+        _dvc(registry, "checkout", "-q", "--force", f"releases/{month}.dvc")
+    elif target.exists():
+        shutil.rmtree(target)

@@ -1,0 +1,85 @@
+import json
+
+import pytest
+
+from tasks.config import GatesConfig, ReleaseConfig
+from tasks.gates import (current_champion, evaluation_gates, failed_reason, gate_report, package_gates,
+                         render_gate_table, run_stage)
+
+
+def good_metrics(**engine_overrides) -> dict:
+    engine = {"accuracy_new": 1.0, "accuracy_regression": 0.99, "perplexity": 2.1,
+              "decode_latency": {"p50_ms": 1.5, "p95_ms": 2.5}} | engine_overrides
+    return {
+        "adapter": {"accuracy_new": 1.0, "accuracy_regression": 0.99},
+        "adapter_on_engine": engine,
+        "engine_parity": {"max_abs_logit_diff": 3e-5, "weights": "fp32"},
+        "kv_cache": {"accuracy_drop": 0.0, "ppl_increase_pct": 0.4},
+    }
+
+
+def by_name(gates):
+    return {g.name: g for g in gates}
+
+
+def test_a_good_candidate_passes_every_evaluation_gate():
+    gates = evaluation_gates(good_metrics(), GatesConfig(), None, 1e-4, kv_enabled=True)
+    assert all(g.passed for g in gates), [g for g in gates if not g.passed]
+    assert sorted(by_name(gates)) == ["accuracy_new", "accuracy_new_vs_champion", "accuracy_regression", "engine_parity",
+                                      "kv_accuracy_drop", "kv_ppl_increase_pct", "p95_decode_ms"]
+    assert by_name(gates)["accuracy_new_vs_champion"].op == "n/a"
+
+
+def test_an_impossible_threshold_fails_and_the_reason_names_gate_value_and_threshold():
+    gates = evaluation_gates(good_metrics(), GatesConfig(min_accuracy_new=1.01), None, 1e-4, kv_enabled=True)
+    report = gate_report(gates)
+    assert report["passed"] is False
+    assert [g["name"] for g in report["gates"] if not g["passed"]] == ["accuracy_new"]
+    assert failed_reason(report).startswith("accuracy_new = 1 (needs >= 1.01")
+    assert "| accuracy_new | 1 | >= 1.01 | **FAIL** |" in render_gate_table(report)
+
+
+def test_a_candidate_below_the_champion_minus_tolerance_fails():
+    champion = {"month": "2026-10", "accuracy_new": 1.0}
+    gates = by_name(evaluation_gates(good_metrics(accuracy_new=0.97), GatesConfig(champion_tolerance=0.02), champion,
+                                     1e-4, kv_enabled=True))
+    assert gates["accuracy_new"].passed  # above the absolute floor of 0.95 ...
+    assert not gates["accuracy_new_vs_champion"].passed  # ... but below 1.0 - 0.02
+    assert gates["accuracy_new_vs_champion"].threshold == pytest.approx(0.98)
+
+
+def test_kv_gates_do_not_apply_when_kv_quantization_is_off_but_unmeasured_latency_fails():
+    metrics = good_metrics()
+    del metrics["kv_cache"], metrics["adapter_on_engine"]["decode_latency"]
+    gates = by_name(evaluation_gates(metrics, GatesConfig(), None, 1e-4, kv_enabled=False))
+    assert gates["kv_ppl_increase_pct"].passed and gates["kv_ppl_increase_pct"].op == "n/a"
+    assert not gates["p95_decode_ms"].passed and "not measured" in gates["p95_decode_ms"].detail
+
+
+def test_package_gates_check_size_verification_and_a_query():
+    check = {"package_bytes": 250_000, "base_bytes": 13_000_000, "pct_of_base": 1.92,
+             "verify": {"ok": True}, "load_and_query": {"ok": True, "output": "PASS"}}
+    assert all(g.passed for g in package_gates(check, GatesConfig()))
+    too_big = package_gates(check | {"pct_of_base": 2.5}, GatesConfig())
+    assert [g.name for g in too_big if not g.passed] == ["package_pct_of_base"]
+    broken = package_gates(check | {"load_and_query": {"ok": False, "error": "engine refused the adapter"}}, GatesConfig())
+    assert [g.detail for g in broken if not g.passed] == ["engine refused the adapter"]
+
+
+def test_the_champion_comes_from_the_registry_channels_and_index(tmp_path):
+    assert current_champion(tmp_path) is None
+    (tmp_path / "releases").mkdir()
+    (tmp_path / "channels.json").write_text(json.dumps({"champion": "2026-10"}))
+    (tmp_path / "releases" / "index.json").write_text(json.dumps({"2026-10": {"release_id": "r", "accuracy_new": 0.97}}))
+    assert current_champion(tmp_path) == {"month": "2026-10", "release_id": "r", "accuracy_new": 0.97}
+
+
+def test_the_gates_stage_writes_its_verdict_even_when_a_gate_fails(tmp_path):
+    cfg = ReleaseConfig.model_validate({"train": {"output_dir": str(tmp_path / "artifacts")},
+                                        "publish": {"registry_dir": str(tmp_path / "registry")},
+                                        "gates": {"max_p95_decode_ms": 1.0}})
+    (cfg.release_dir() / "eval").mkdir(parents=True)
+    (cfg.release_dir() / "eval" / "metrics.json").write_text(json.dumps(good_metrics()))
+    report = json.loads(run_stage(cfg).read_text())
+    assert report["passed"] is False and report["champion"] is None
+    assert [g["name"] for g in report["gates"] if not g["passed"]] == ["p95_decode_ms"]

@@ -1,0 +1,81 @@
+import subprocess
+import textwrap
+
+import pytest
+import yaml
+
+from tasks.config import ReleaseConfig, load_config
+from tasks.pipeline import PipelineError, ensure_dvc_repo, reproduce_stage, stage_names, write_params_file
+
+PARAMS = textwrap.dedent("""\
+    # header comment stays
+    data:
+      month: "2026-11"              # release month
+      seed: 1234                    # seeds everything
+
+    gates:
+      min_accuracy_new: 0.95        # floor
+    """)
+
+
+def test_params_file_is_rewritten_in_place_keeping_comments_and_untouched_lines(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(PARAMS)
+    cfg = ReleaseConfig.model_validate({"data": {"month": "2026-12", "seed": 1234}, "gates": {"min_accuracy_new": 1.01},
+                                        "publish": {"dry_run": True}})
+    changed = write_params_file(cfg, path)
+    assert changed == ["data.month", "gates.min_accuracy_new", "publish.dry_run"]
+    text = path.read_text()
+    assert "  month: 2026-12              # release month" in text
+    assert "  seed: 1234                    # seeds everything" in text
+    assert "  min_accuracy_new: 1.01        # floor" in text
+    assert text.startswith("# header comment stays\n")
+    assert load_config(path) == cfg
+
+
+def test_params_file_that_already_states_the_config_is_not_touched(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(PARAMS)
+    before = path.stat().st_mtime_ns
+    assert write_params_file(load_config(path), path) == []
+    assert path.stat().st_mtime_ns == before and path.read_text() == PARAMS
+
+
+def git_repo(path):
+    path.mkdir(parents=True, exist_ok=True)
+    for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "t@t"], ["git", "config", "user.name", "t"]):
+        subprocess.run(cmd, cwd=path, check=True)
+    return path
+
+
+def test_a_stage_runs_once_then_is_up_to_date_until_its_params_change(tmp_path):
+    repo = git_repo(tmp_path / "repo")
+    (repo / "params.yaml").write_text("greeting: hello\n")
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {
+        "make": {"cmd": "python -c \"import yaml; open('out.txt','w').write(yaml.safe_load(open('params.yaml'))['greeting'])\"",
+                 "params": ["greeting"], "outs": ["out.txt"]},
+        "shout": {"cmd": "python -c \"open('loud.txt','w').write(open('out.txt').read().upper())\"",
+                  "deps": ["out.txt"], "outs": ["loud.txt"]},
+    }}, sort_keys=False))
+    remote = ensure_dvc_repo(repo, tmp_path / "remote")
+    assert remote.is_dir() and str(remote) in (repo / ".dvc" / "config.local").read_text()
+    assert stage_names(repo) == ["make", "shout"]
+    assert [reproduce_stage(repo, s).reproduced for s in ("make", "shout")] == [True, True]
+    assert (repo / "loud.txt").read_text() == "HELLO"
+    assert [reproduce_stage(repo, s).reproduced for s in ("make", "shout")] == [False, False]
+    (repo / "params.yaml").write_text("greeting: bye\n")
+    assert [reproduce_stage(repo, s).reproduced for s in ("make", "shout")] == [True, True]
+    assert (repo / "loud.txt").read_text() == "BYE"
+
+
+def test_a_failing_stage_names_itself(tmp_path):
+    repo = git_repo(tmp_path / "repo")
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"broken": {"cmd": "exit 3", "outs": ["never.txt"]}}}))
+    ensure_dvc_repo(repo, tmp_path / "remote")
+    with pytest.raises(PipelineError, match="DVC stage 'broken' failed"):
+        reproduce_stage(repo, "broken")
+
+
+def test_dvc_needs_a_git_repository(tmp_path):
+    with pytest.raises(PipelineError, match="not a git repository"):
+        ensure_dvc_repo(tmp_path, tmp_path / "remote")
