@@ -67,6 +67,7 @@ def publish_to_registry(config: ReleaseConfig, recorded: release.Recorded) -> pu
     published = publish.publish_release(
         Path(config.publish.registry_dir), release.package_dir(config), config.data.month,
         release.registry_entry(config, recorded), champion=True, force=config.publish.force,
+        lineage=Path.cwd() / "dvc.lock",
     )
     get_transaction().set("published", published)
     return published

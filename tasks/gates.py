@@ -76,7 +76,7 @@ def evaluation_gates(metrics: dict, gates: GatesConfig, champion: dict | None, p
                  f"accuracy on the unchanged rules {where}"),
     ]
     if champion is None or champion.get("accuracy_new") is None:
-        out.append(_not_applicable("accuracy_new_vs_champion", "no champion published yet"))
+        out.append(_not_applicable("accuracy_new_vs_champion", "no champion from an earlier month to compare with"))
     else:
         floor = champion["accuracy_new"] - gates.champion_tolerance
         out.append(_compare("accuracy_new_vs_champion", acc_new, ">=", floor,

@@ -108,9 +108,11 @@ def _tag_exists(registry: Path, tag: str) -> bool:
 
 
 def publish_release(registry_dir: Path, package_dir: Path, month: str, entry: dict, champion: bool,
-                    force: bool = False) -> Published:
+                    force: bool = False, lineage: Path | None = None) -> Published:
     """Commit ``package_dir`` as ``releases/<month>``, tag it, push its files, and (``champion``)
     point the champion channel at it. ``entry`` must hold ``release_id`` and ``adapter_sha256``.
+    ``lineage`` (the pipeline's ``dvc.lock``) is committed beside it as ``releases/<month>.dvc.lock``:
+    the exact code, parameters and data hashes that produced the release.
 
     The same release published twice is reported, not repeated; a different release for a
     month already published is refused unless ``force``.
@@ -134,12 +136,14 @@ def publish_release(registry_dir: Path, package_dir: Path, month: str, entry: di
             shutil.rmtree(target)
         shutil.copytree(package_dir, target)
         _dvc(registry, "add", "-q", f"releases/{month}")
+        if lineage is not None:
+            shutil.copyfile(lineage, registry / "releases" / f"{month}.dvc.lock")
         index = read_index(registry)
         index[month] = entry
         write_json(registry / INDEX_FILE, index)
         if champion:
             write_json(registry / CHANNELS_FILE, read_channels(registry) | {"champion": month})
-        _git(registry, "add", f"releases/{month}.dvc", "releases/.gitignore", INDEX_FILE, CHANNELS_FILE)
+        _git(registry, "add", "-A", "releases", CHANNELS_FILE)
         _git(registry, "commit", "-q", "-m", f"release {entry['release_id']} ({month})" + (", champion" if champion else ""))
         _git(registry, "tag", "-f", tag)
         _dvc(registry, "push", "-q", f"releases/{month}.dvc")

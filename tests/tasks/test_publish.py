@@ -33,6 +33,7 @@ def test_a_published_release_is_committed_tagged_indexed_and_in_the_remote(tmp_p
     pkg = package(tmp_path, "r-2026-11", b"weights-1")
     published = publish_release(registry, pkg, "2026-11", entry("r-2026-11", "aaa"), champion=True)
     assert not published.already and published.tag == "release/2026-11"
+    assert git(registry, "ls-files", "releases") == "releases/.gitignore\nreleases/2026-11.dvc\nreleases/index.json"
     assert git(registry, "rev-list", "-n", "1", "release/2026-11") == published.commit
     assert read_channels(registry) == {"champion": "2026-11"}
     assert read_index(registry)["2026-11"]["release_id"] == "r-2026-11"

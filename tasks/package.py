@@ -1,0 +1,327 @@
+"""The package stage: the signed, adapter-only release a device installs.
+
+Only a candidate whose gates passed is packaged (``gates/gates.json`` missing or failed:
+refused, exit 2). The stage writes ``artifacts/<month>/package/``:
+
+  release/          the release directory (format: ``runtime/package.py``): the PEFT files
+                    unchanged, provenance, KV scales, ``manifest.json`` (sorted keys) and
+                    ``manifest.sig`` (Ed25519 over the manifest bytes)
+  release.tar.gz    the same files, reproducible archive
+  check.json        post-package checks for the gates: size against the base, the device's own
+                    verification, and one generation through the device's verify + load path
+
+The signing key is ``publish.signing_key`` (PEM) or the file named by the environment variable
+``RELEASE_SIGNING_KEY``; when neither exists the key is created at ``publish.signing_key``
+(mode 0600) with its public half beside it (``.pub``, PEM), the file devices are given to trust.
+
+    python -m tasks.package --params params.yaml
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tasks.artifacts import atomic_output_dir, sha256_file, write_json
+from tasks.cli import stage_main
+from tasks.config import ReleaseConfig, StageError
+
+SIGNING_KEY_ENV = "RELEASE_SIGNING_KEY"
+RELEASE_DIR = "release"
+TARBALL = "release.tar.gz"
+CHECK_FILE = "check.json"
+# Copied byte for byte: PEFT's files must stay loadable by PeftModel.from_pretrained.
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "provenance.json")
+KV_FILES = ("kv_scales.safetensors", "kv_scales.json")
+FALLBACK_PROMPT = "inspect board=PCB-1000 line=L1 part=R1 temp_c=240 defect=bridge bridge_um=10 verdict:"
+
+
+class PackageRefused(StageError):
+    """A candidate that must not be packaged (gates missing or failed, inputs missing or stale)."""
+
+
+# ---------------------------------------------------------------- inputs
+
+def read_gates(path: Path) -> dict:
+    """The gate report; refuse a missing, malformed or failed one, naming the failed gates."""
+    path = Path(path)
+    if not path.exists():
+        raise PackageRefused(f"{path} is missing: the gates stage must pass before a release is packaged")
+    try:
+        report = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise PackageRefused(f"{path}: not valid JSON ({err.msg}, line {err.lineno})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("passed"), bool) or not isinstance(report.get("gates"), list):
+        raise PackageRefused(f"{path}: expected {{\"passed\": bool, \"gates\": [...]}}")
+    for i, gate in enumerate(report["gates"]):
+        if not isinstance(gate, dict) or not isinstance(gate.get("name"), str) or not isinstance(gate.get("passed"), bool):
+            raise PackageRefused(f"{path}: gates[{i}] needs a string name and a boolean passed")
+    failed = [g for g in report["gates"] if not g["passed"]]
+    if not report["passed"] or failed:
+        detail = ", ".join(f"{g['name']} ({g.get('value')} {g.get('op', '')} {g.get('threshold')})" for g in failed)
+        raise PackageRefused(f"{path}: gates did not pass{': ' + detail if detail else ''}; nothing is packaged")
+    return report
+
+
+def gate_verdicts(report: dict) -> dict:
+    verdicts = {}
+    for gate in report["gates"]:
+        name = gate["name"]
+        while name in verdicts:  # a repeated gate name keeps every verdict
+            name += "_"
+        verdicts[name] = {k: gate.get(k) for k in ("passed", "value", "threshold", "op")}
+    return {"passed": report["passed"], "verdicts": verdicts}
+
+
+def key_metrics(metrics: dict) -> dict:
+    """The numbers worth carrying to a device: every numeric scalar at the top level and one level
+    down (accuracy, accuracy_new, accuracy_regression, perplexity per model); per-rule tables stay out."""
+    def scalar(v):  # NaN/inf are left out: the manifest is strict JSON
+        return isinstance(v, (int, float, bool)) and v == v and v not in (float("inf"), float("-inf"))
+
+    out = {}
+    for key, value in sorted(metrics.items()):
+        if scalar(value):
+            out[key] = value
+        elif isinstance(value, dict):
+            inner = {k: v for k, v in sorted(value.items()) if scalar(v)}
+            if inner:
+                out[key] = inner
+    return out
+
+
+def git_revision(cwd: Path | None = None) -> dict:
+    """HEAD of the pipeline repository and whether its tracked files differ from it."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=30)
+
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return {"git_revision": "unknown", "git_dirty": None}
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return {"git_revision": head.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
+    except (OSError, subprocess.TimeoutExpired):
+        return {"git_revision": "unknown", "git_dirty": None}
+
+
+def resolve_signing_key(setting: str | Path):
+    """(private key, path of its public key). ``RELEASE_SIGNING_KEY`` wins over the setting; a
+    missing key at the setting's path is created. A ``.pub`` that is not this key's is refused."""
+    from runtime.signing import generate_key, load_private_key, public_key_path, public_pem
+
+    env = os.environ.get(SIGNING_KEY_ENV)
+    path = Path(env) if env else Path(setting)
+    if env and not path.exists():
+        raise PackageRefused(f"{SIGNING_KEY_ENV}={env}: no such key file")
+    if path.exists():
+        key = load_private_key(path)
+    else:
+        key = generate_key(path)
+        print(f"created signing key {path} (public key {public_key_path(path)}: give it to the devices)", file=sys.stderr)
+    pub_path, pem = public_key_path(path), public_pem(key.public_key())
+    if pub_path.exists() and pub_path.read_bytes() != pem:
+        raise PackageRefused(f"{pub_path} is not the public half of {path}; remove it or restore the matching key")
+    if not pub_path.exists():
+        pub_path.write_bytes(pem)
+    return key, pub_path
+
+
+# ---------------------------------------------------------------- the package
+
+def build_manifest(release_dir: Path, month: str, created: dt.datetime, expiry_days: int, iface, metrics: dict,
+                   gates: dict, key_id: str, tokenizer_sha256: str | None, pipeline: dict) -> dict:
+    from runtime.package import FORMAT, FORMAT_VERSION, format_time, make_release_id
+
+    provenance = json.loads((release_dir / "provenance.json").read_text())
+    acfg = json.loads((release_dir / "adapter_config.json").read_text())
+    targets = acfg.get("target_modules") or []
+    kv_json = release_dir / "kv_scales.json"
+    files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(release_dir.iterdir())}
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "release_id": make_release_id(month, created),
+        "month": month,
+        "created_at": format_time(created),
+        "expires_at": format_time(created + dt.timedelta(days=expiry_days)),
+        "base_model_hash": provenance["base_model_hash"],
+        # The LoRA contract: the float engine's hash, which a quantized-KV engine of the same
+        # backbone also accepts (its float_interface_hash); a float engine reports its own.
+        "engine": {
+            "interface_hash": iface.float_interface_hash or iface.interface_hash,
+            "interface_version": iface.version,
+            "max_rank": iface.max_rank,
+            "target_modules": list(iface.target_modules),
+        },
+        "adapter": {"r": acfg.get("r"), "lora_alpha": acfg.get("lora_alpha"),
+                    "target_modules": sorted([targets] if isinstance(targets, str) else targets)},
+        "kv_format": json.loads(kv_json.read_text())["spec"] if kv_json.exists() else None,
+        "tokenizer_sha256": tokenizer_sha256,
+        "metrics": metrics,
+        "gates": gates,
+        "files": files,
+        "pipeline": pipeline | {"params_hash": provenance.get("params_hash")},
+        "signing_key_id": key_id,
+    }
+
+
+def _check_inputs(adapter_dir: Path, kv_dir: Path | None, iface) -> None:
+    problems = [f"{adapter_dir / n} is missing" for n in ADAPTER_FILES if not (adapter_dir / n).exists()]
+    if kv_dir is not None:
+        problems += [f"{kv_dir / n} is missing (run python -m tasks.calibrate)" for n in KV_FILES if not (kv_dir / n).exists()]
+    if problems:
+        raise PackageRefused("; ".join(problems))
+    prov = json.loads((adapter_dir / "provenance.json").read_text())
+    if prov.get("base_model_hash") != iface.backbone_hash:
+        raise PackageRefused(f"{adapter_dir}: adapter is for backbone {str(prov.get('base_model_hash'))[:12]}, the "
+                             f"engine runs {iface.backbone_hash[:12]}; recompile or fine-tune again")
+    if kv_dir is not None:
+        record = json.loads((kv_dir / "kv_scales.json").read_text())
+        if record.get("adapter_sha256") != sha256_file(adapter_dir / "adapter_model.safetensors"):
+            raise PackageRefused(f"{kv_dir}: KV scales were calibrated for another adapter; run python -m tasks.calibrate")
+        if record.get("base_model_hash") != iface.backbone_hash:
+            raise PackageRefused(f"{kv_dir}: KV scales were calibrated on another backbone")
+
+
+def load_and_query(release_dir: Path, pub_path: Path, engine_dir: Path, backend: str, threads: int,
+                   tokenizer_dir: Path, prompt: str, max_new_tokens: int) -> dict:
+    """Open the serving engine and answer one prompt through the device's verify + load path."""
+    from runtime.engine import open_engine
+    from runtime.generate import greedy_generate
+    from runtime.package import bind_release, load_trusted_keys, verify_release
+    from runtime.tokenizer import DeviceTokenizer
+
+    start = time.perf_counter()
+    engine = open_engine(engine_dir, backend, threads=threads)
+    tok = DeviceTokenizer(tokenizer_dir)
+    verified = verify_release(release_dir, load_trusted_keys([pub_path]), engine.interface, tokenizer_sha256=tok.sha256)
+    bind_release(engine, verified)
+    ids = greedy_generate(engine, [tok.encode(prompt)], max_new_tokens, [tok.eos_id], tok.pad_id)[0]
+    return {"ok": True, "prompt": prompt, "output": tok.decode(ids), "release_id": verified.release_id,
+            "backend": backend, "seconds": round(time.perf_counter() - start, 3)}
+
+
+def build_release(
+    adapter_dir: Path,
+    kv_dir: Path | None,
+    metrics_path: Path,
+    gates_path: Path,
+    engine_dir: Path,
+    base_dir: Path,
+    out_dir: Path,
+    signing_key: str | Path,
+    month: str,
+    expiry_days: int = 120,
+    backend: str = "onnxruntime",
+    threads: int = 2,
+    prompt: str = FALLBACK_PROMPT,
+    max_new_tokens: int = 8,
+    now: dt.datetime | None = None,
+    repo_dir: Path | None = None,
+) -> Path:
+    """Package, sign, archive and check one release into ``out_dir`` (replaced as a whole); return it."""
+    from runtime.interface import read_interface
+    from runtime.package import MANIFEST, SIGNATURE, manifest_bytes, verify_release, load_trusted_keys, write_tarball
+    from runtime.signing import key_id, sign
+
+    adapter_dir, base_dir, engine_dir = Path(adapter_dir), Path(base_dir), Path(engine_dir)
+    gates = gate_verdicts(read_gates(gates_path))
+    if not Path(metrics_path).exists():
+        raise PackageRefused(f"{metrics_path} is missing: run python -m tasks.evaluate first")
+    metrics = key_metrics(json.loads(Path(metrics_path).read_text()))
+    iface = read_interface(engine_dir)
+    _check_inputs(adapter_dir, Path(kv_dir) if kv_dir is not None else None, iface)
+    private, pub_path = resolve_signing_key(signing_key)
+    tokenizer_file = base_dir / "tokenizer.json"
+    created = (now or dt.datetime.now(dt.timezone.utc)).replace(microsecond=0)
+
+    with atomic_output_dir(Path(out_dir)) as tmp:
+        release = tmp / RELEASE_DIR
+        release.mkdir()
+        for name in ADAPTER_FILES:
+            shutil.copyfile(adapter_dir / name, release / name)
+        for name in KV_FILES if kv_dir is not None else ():
+            shutil.copyfile(Path(kv_dir) / name, release / name)
+        manifest = build_manifest(release, month, created, expiry_days, iface, metrics, gates,
+                                  key_id(private.public_key()),
+                                  sha256_file(tokenizer_file) if tokenizer_file.exists() else None,
+                                  git_revision(repo_dir))
+        data = manifest_bytes(manifest)
+        (release / MANIFEST).write_bytes(data)
+        (release / SIGNATURE).write_bytes(sign(private, data))
+        write_tarball(release, tmp / TARBALL)
+
+        package_bytes = sum(p.stat().st_size for p in release.iterdir())
+        base_bytes = sum(p.stat().st_size for p in base_dir.glob("*.safetensors"))
+        check = {
+            "release_id": manifest["release_id"],
+            "package_bytes": package_bytes,
+            "tarball_bytes": (tmp / TARBALL).stat().st_size,
+            "base_bytes": base_bytes,
+            "pct_of_base": round(100.0 * package_bytes / base_bytes, 4) if base_bytes else None,
+        }
+        try:
+            verified = verify_release(release, load_trusted_keys([pub_path]), iface)
+            check["verify"] = verified.summary()
+        except Exception as err:  # recorded for the gate, which blocks publishing
+            check["verify"] = {"ok": False, "reason": getattr(err, "reason", type(err).__name__), "error": str(err)}
+        try:
+            check["load_and_query"] = load_and_query(release, pub_path, engine_dir, backend, threads, base_dir,
+                                                     prompt, max_new_tokens)
+        except Exception as err:
+            check["load_and_query"] = {"ok": False, "prompt": prompt, "output": None, "seconds": None,
+                                       "error": f"{type(err).__name__}: {err}"}
+        write_json(tmp / CHECK_FILE, check)
+    return Path(out_dir)
+
+
+def _first_test_prompt(data_dir: Path) -> str:
+    test = Path(data_dir) / "test.jsonl"
+    if test.exists():
+        with open(test) as fh:
+            line = fh.readline()
+        if line.strip():
+            return json.loads(line)["prompt"]
+    return FALLBACK_PROMPT
+
+
+def run_stage(cfg: ReleaseConfig) -> Path:
+    release = cfg.release_dir()
+    return build_release(
+        adapter_dir=release / "finetune" / "adapter",
+        kv_dir=release / "kv" if cfg.kv.enabled else None,
+        metrics_path=release / "eval" / "metrics.json",
+        gates_path=release / "gates" / "gates.json",
+        engine_dir=cfg.engine.serving_dir(),
+        base_dir=Path(cfg.base_model.path),
+        out_dir=release / "package",
+        signing_key=cfg.publish.signing_key,
+        month=cfg.data.month,
+        expiry_days=cfg.publish.expiry_days,
+        backend=cfg.engine.backend,
+        threads=cfg.engine.threads,
+        prompt=_first_test_prompt(cfg.data_dir()),
+        max_new_tokens=cfg.eval.max_new_tokens,
+    )
+
+
+def _summary(out: Path) -> str:
+    check = json.loads((out / CHECK_FILE).read_text())
+    return (f"release {check['release_id']} packaged at {out / RELEASE_DIR} ({check['package_bytes']} bytes, "
+            f"{check['pct_of_base']}% of the base); verify ok={check['verify']['ok']}, "
+            f"load and query ok={check['load_and_query']['ok']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main("Package, sign and check this month's adapter release.", lambda cfg: _summary(run_stage(cfg)), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

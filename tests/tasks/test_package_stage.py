@@ -1,0 +1,135 @@
+"""The package stage: refuses ungated candidates, writes a signed release, its tarball and the checks."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shutil
+import stat
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+import yaml
+from release_testkit import world
+
+from runtime.package import load_trusted_keys, verify_release
+from runtime.signing import generate_key, key_id, load_private_key
+from tasks.package import build_release, main
+
+GATES = {"passed": True, "gates": [
+    {"name": "accuracy_new", "value": 0.97, "threshold": 0.95, "op": ">=", "passed": True, "detail": "engine"},
+    {"name": "package_pct_of_base", "value": None, "threshold": 2.0, "op": "<=", "passed": True, "detail": "later"}]}
+
+
+@pytest.fixture(scope="module")
+def w(tmp_path_factory):
+    return world(tmp_path_factory)
+
+
+@pytest.fixture()
+def stage(w, tmp_path, monkeypatch):
+    """A params file and the month's stage inputs laid out as the earlier stages write them."""
+    monkeypatch.delenv("RELEASE_SIGNING_KEY", raising=False)
+    month = tmp_path / "artifacts" / "2026-11"
+    shutil.copytree(w["root"] / "adapter-2026-11", month / "finetune" / "adapter")
+    shutil.copytree(w["root"] / "release-2026-11" / "kv", month / "kv")
+    (month / "eval").mkdir()
+    (month / "eval" / "metrics.json").write_text(json.dumps({
+        "month": "2026-11", "base": {"accuracy": 0.4, "per_rule": {"void": 0.1}},
+        "adapter": {"accuracy": 0.98, "accuracy_new": 0.97, "perplexity": 2.5}}))
+    params = {"data": {"month": "2026-11", "dir": str(tmp_path / "data")},
+              "base_model": {"source": "local", "path": str(w["tokenizer"])},
+              "train": {"output_dir": str(tmp_path / "artifacts"), "threads": 1},
+              "engine": {"dir": str(w["engine"]), "threads": 1},
+              "publish": {"signing_key": str(tmp_path / "keys" / "release_signing.key")}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    return {"params": tmp_path / "params.yaml", "month": month, "key": tmp_path / "keys" / "release_signing.key"}
+
+
+def write_gates(month: Path, report: dict) -> None:
+    (month / "gates").mkdir(exist_ok=True)
+    (month / "gates" / "gates.json").write_text(json.dumps(report))
+
+
+def test_a_candidate_without_a_gate_report_is_refused(stage, capsys):
+    assert main(["--params", str(stage["params"])]) == 2
+    assert "gates/gates.json is missing: the gates stage must pass" in capsys.readouterr().err
+    assert not (stage["month"] / "package").exists()
+
+
+def test_a_candidate_whose_gates_failed_is_refused(stage, capsys):
+    failed = {"passed": False, "gates": [GATES["gates"][0] | {"value": 0.80, "passed": False}]}
+    write_gates(stage["month"], failed)
+    assert main(["--params", str(stage["params"])]) == 2
+    assert "gates did not pass: accuracy_new (0.8 >= 0.95)" in capsys.readouterr().err
+    assert not (stage["month"] / "package").exists()
+
+
+def test_the_stage_packages_signs_and_checks_the_release(w, stage):
+    write_gates(stage["month"], GATES)
+    assert main(["--params", str(stage["params"])]) == 0
+
+    package = stage["month"] / "package"
+    release, check = package / "release", json.loads((package / "check.json").read_text())
+    adapter = stage["month"] / "finetune" / "adapter"
+    for name in ("adapter_config.json", "adapter_model.safetensors", "provenance.json"):
+        assert (release / name).read_bytes() == (adapter / name).read_bytes()  # PEFT files unchanged
+    assert sorted(p.name for p in release.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "kv_scales.json", "kv_scales.safetensors",
+        "manifest.json", "manifest.sig", "provenance.json"]
+    with tarfile.open(package / "release.tar.gz") as tar:
+        assert {m.name: tar.extractfile(m).read() for m in tar} == {p.name: p.read_bytes() for p in release.iterdir()}
+
+    sizes = sum(p.stat().st_size for p in release.iterdir())
+    base = sum(p.stat().st_size for p in Path(w["tokenizer"]).glob("*.safetensors"))
+    assert check["package_bytes"] == sizes and check["base_bytes"] == base
+    assert check["pct_of_base"] == round(100 * sizes / base, 4)
+    assert check["verify"]["ok"] is True and check["verify"]["release_id"] == check["release_id"]
+    q = check["load_and_query"]
+    assert q["ok"] is True and q["release_id"] == check["release_id"] and isinstance(q["output"], str) and q["seconds"] > 0
+
+    key = stage["key"]
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and key.with_suffix(".pub").exists()
+    manifest = json.loads((release / "manifest.json").read_text())
+    assert manifest["signing_key_id"] == key_id(load_private_key(key).public_key())
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert manifest["pipeline"]["git_revision"] == head
+    assert manifest["gates"]["verdicts"]["accuracy_new"] == {"op": ">=", "passed": True, "threshold": 0.95, "value": 0.97}
+    assert manifest["metrics"] == {"adapter": {"accuracy": 0.98, "accuracy_new": 0.97, "perplexity": 2.5},
+                                   "base": {"accuracy": 0.4}}
+    assert verify_release(release, load_trusted_keys([key.with_suffix(".pub")])).release_id == check["release_id"]
+
+
+def test_the_same_inputs_and_time_give_the_same_bytes(w, stage, tmp_path):
+    write_gates(stage["month"], GATES)
+    now = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.timezone.utc)
+    m = stage["month"]
+    outs = [build_release(m / "finetune" / "adapter", m / "kv", m / "eval" / "metrics.json", m / "gates" / "gates.json",
+                          w["engine"], w["tokenizer"], tmp_path / f"out{i}", stage["key"], "2026-11", threads=1, now=now)
+            for i in range(2)]
+    for name in ("release/manifest.json", "release/manifest.sig", "release.tar.gz"):
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes()
+    manifest = json.loads((outs[0] / "release" / "manifest.json").read_text())
+    assert manifest["release_id"] == "2026-11+20261130T120000Z" and manifest["expires_at"] == "2027-03-30T12:00:00Z"
+
+
+def test_the_signing_key_comes_from_the_environment_when_set(stage, tmp_path, monkeypatch):
+    write_gates(stage["month"], GATES)
+    env_key = tmp_path / "vault" / "signing.key"
+    generate_key(env_key)
+    monkeypatch.setenv("RELEASE_SIGNING_KEY", str(env_key))
+    assert main(["--params", str(stage["params"])]) == 0
+    manifest = json.loads((stage["month"] / "package" / "release" / "manifest.json").read_text())
+    assert manifest["signing_key_id"] == key_id(load_private_key(env_key).public_key())
+    assert not stage["key"].exists()  # the configured path was not used, nor created
+
+
+def test_kv_scales_of_another_adapter_are_refused(w, stage, capsys):
+    write_gates(stage["month"], GATES)
+    shutil.rmtree(stage["month"] / "kv")
+    shutil.copytree(w["root"] / "release-2026-10" / "kv", stage["month"] / "kv")
+    assert main(["--params", str(stage["params"])]) == 2
+    assert "KV scales were calibrated for another adapter" in capsys.readouterr().err
+    assert not (stage["month"] / "package").exists()
