@@ -7,8 +7,9 @@ form with the defaults of ``params.yaml``. It only wires things together: stages
     python -m flows.monthly_release --params params.yaml      # ephemeral Prefect, what `make release` runs
 """
 
-from __future__ import annotations
 
+# No `from __future__ import annotations` here: Prefect builds the parameter form from the flow's
+# annotations, and a served flow is loaded from its file, where a string annotation cannot be resolved.
 import argparse
 import os
 import sys
@@ -26,14 +27,6 @@ from prefect.transactions import get_transaction, transaction  # noqa: E402
 from tasks import pipeline, publish, release, tracking  # noqa: E402
 from tasks.config import ReleaseConfig, StageError, load_config  # noqa: E402
 from tasks.gates import GateFailed, failed_reason  # noqa: E402
-
-
-@task
-def write_params(config: ReleaseConfig) -> list[str]:
-    changed = pipeline.write_params_file(config, Path.cwd() / pipeline.PARAMS_FILE)
-    if changed:
-        get_run_logger().info("params.yaml updated for this run: %s", ", ".join(changed))
-    return changed
 
 
 @task(retries=2, retry_delay_seconds=5)
@@ -60,6 +53,11 @@ def summarize(config: ReleaseConfig, runs: list[pipeline.StageRun], report: dict
     text = release.summary_markdown(config, runs, report, recorded, outcome)
     create_markdown_artifact(text, key=release.SUMMARY_KEY, description=f"release {config.data.month}: {outcome}")
     return text
+
+
+@task(retries=2, retry_delay_seconds=5)
+def reconcile(config: ReleaseConfig, entry: dict) -> list[str]:
+    return release.reconcile_published(config, Path.cwd(), entry)
 
 
 @task
@@ -103,9 +101,15 @@ def _demote(txn) -> None:
 def monthly_release(config: ReleaseConfig = ReleaseConfig()) -> dict:
     """Reproduce this month's stages, gate the candidate, record it, and publish it if every gate passed.
 
-    DVC stages read ``params.yaml``: a run with other parameters writes them there first.
+    DVC stages read ``params.yaml``: a run with other parameters states them there while it runs.
     """
-    write_params(config)
+    with pipeline.params_for_run(config, Path.cwd() / pipeline.PARAMS_FILE) as changed:
+        if changed:
+            get_run_logger().info("params.yaml states this run's parameters until it ends: %s", ", ".join(changed))
+        return _release(config)
+
+
+def _release(config: ReleaseConfig) -> dict:
     set_up(config)
     runs = []
     for name in pipeline.stage_names(Path.cwd()):
@@ -117,7 +121,8 @@ def monthly_release(config: ReleaseConfig = ReleaseConfig()) -> dict:
 
     existing = release.already_published(config) if report["passed"] and not config.publish.force else None
     if existing is not None:
-        outcome = f"already published as {existing['release_id']}; nothing to do"
+        repairs = reconcile(config, existing)
+        outcome = f"already published as {existing['release_id']}; " + ("; ".join(repairs) or "nothing to do")
         summarize(config, runs, report, None, outcome)
         return {"outcome": outcome, "release_id": existing["release_id"], "published": False}
 

@@ -8,13 +8,15 @@ that a later stage (or DVC) would take for a finished one.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+# The device checks files with this very function; the pipeline must hash them the same way.
+from runtime.package import sha256_file  # noqa: F401
 
 
 @contextlib.contextmanager
@@ -41,10 +43,3 @@ def write_json(path: Path, payload: object) -> None:
     """JSON with sorted keys and a trailing newline, so diffs of metrics stay clean."""
     Path(path).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

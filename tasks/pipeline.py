@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,6 +156,25 @@ def write_params_file(cfg: ReleaseConfig, path: Path) -> list[str]:
     tmp.write_text(new_text)
     os.replace(tmp, path)
     return changed
+
+
+@contextlib.contextmanager
+def params_for_run(cfg: ReleaseConfig, path: Path) -> Iterator[list[str]]:
+    """``path`` states ``cfg`` for the duration of a run, then is put back as it was.
+
+    A run triggered with other parameters must not leave them behind for the next `make release`;
+    ``dvc.lock`` keeps what this run used, so ``dvc status`` then shows the difference.
+    """
+    path = Path(path)
+    before = path.read_text() if path.exists() else None
+    changed = write_params_file(cfg, path)
+    try:
+        yield changed
+    finally:
+        if changed and before is not None:
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(before)
+            os.replace(tmp, path)
 
 
 def _section_span(lines: list[str], section: str) -> tuple[int, int] | None:

@@ -16,10 +16,14 @@ visible half release.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
 import subprocess
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +93,31 @@ def ensure_registry(registry_dir: Path, remote_dir: Path) -> Path:
     return registry
 
 
+@contextlib.contextmanager
+def registry_lock(registry_dir: Path, timeout: float = 600.0) -> Iterator[None]:
+    """One publisher at a time. An OS lock (flock) dies with its process: a killed run leaves none behind."""
+    path = Path(registry_dir).resolve() / ".git" / "publish.lock"
+    deadline = time.monotonic() + timeout
+    with open(path, "w") as fh:
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise PublishError(f"{path}: another run has been publishing for over {timeout:.0f} s") from None
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def push_release(registry_dir: Path, month: str) -> None:
+    """Push the month's files to the remote again (idempotent): repairs a run killed after its commit."""
+    _dvc(Path(registry_dir).resolve(), "push", "-q", f"releases/{month}.dvc")
+
+
 def read_index(registry: Path) -> dict:
     path = Path(registry) / INDEX_FILE
     return json.loads(path.read_text()) if path.exists() else {}
@@ -117,7 +146,12 @@ def publish_release(registry_dir: Path, package_dir: Path, month: str, entry: di
     The same release published twice is reported, not repeated; a different release for a
     month already published is refused unless ``force``.
     """
-    registry = Path(registry_dir).resolve()
+    with registry_lock(registry_dir):
+        return _publish_locked(Path(registry_dir).resolve(), Path(package_dir), month, entry, champion, force, lineage)
+
+
+def _publish_locked(registry: Path, package_dir: Path, month: str, entry: dict, champion: bool, force: bool,
+                    lineage: Path | None) -> Published:
     tag = tag_name(month)
     previous = _head(registry)
     previous_tag = _git(registry, "rev-list", "-n", "1", tag) if _tag_exists(registry, tag) else None

@@ -14,7 +14,7 @@ from tasks.artifacts import sha256_file
 from tasks.compile import engine_build_file
 from tasks.config import ReleaseConfig
 from tasks.gates import GATES_FILE, gate_report, package_gates, render_gate_table
-from tasks.pipeline import StageRun
+from tasks.pipeline import StageRun, push_outputs
 
 GATES_STAGE, PACKAGE_STAGE = "gates", "package"
 SUMMARY_KEY = "monthly-release-summary"  # stable Prefect artifact key: the UI shows its history
@@ -173,6 +173,27 @@ def already_published(cfg: ReleaseConfig) -> dict | None:
     if entry is None or not adapter.exists() or not _tag_exists(registry.resolve(), tag_name(cfg.data.month)):
         return None
     return entry if entry.get("adapter_sha256") == sha256_file(adapter) else None
+
+
+def reconcile_published(cfg: ReleaseConfig, root: Path, entry: dict) -> list[str]:
+    """Finish what a run killed mid-publication left undone; return what was repaired.
+
+    The registry commit is the point of no return: once it names the month, a rerun pushes its
+    files again (idempotent) and moves the MLflow ``champion`` to the version the registry names.
+    """
+    from tasks import publish, tracking
+
+    repairs = []
+    registry = Path(cfg.publish.registry_dir)
+    publish.push_release(registry, cfg.data.month)
+    push_outputs(root)
+    version = entry.get("mlflow_version")
+    if publish.read_channels(registry).get("champion") == cfg.data.month and version:
+        client, _ = tracking.client_for(cfg.publish, root)
+        if tracking.alias_version(client, cfg.publish.model_name, tracking.CHAMPION) != str(version):
+            tracking.move_champion(client, cfg.publish.model_name, str(version))
+            repairs.append(f"MLflow champion moved to version {version}, as the registry names it")
+    return repairs
 
 
 def summary_markdown(cfg: ReleaseConfig, runs: list[StageRun], report: dict, recorded: Recorded | None,

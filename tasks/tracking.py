@@ -32,6 +32,8 @@ def client_for(publish: PublishConfig, root: Path):
     experiment = client.get_experiment_by_name(publish.experiment)
     if experiment is not None:
         return client, experiment.experiment_id
+    if not uri.startswith("sqlite:"):  # a tracking server decides where artifacts go (--artifacts-destination)
+        return client, client.create_experiment(publish.experiment)
     artifacts = (Path(root) / publish.artifacts_dir).resolve()
     artifacts.mkdir(parents=True, exist_ok=True)
     return client, client.create_experiment(publish.experiment, artifact_location=artifacts.as_uri())

@@ -37,7 +37,7 @@ def project(tmp_path_factory):
     root = tmp_path_factory.mktemp("project")
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                             capture_output=True, check=True).stdout.decode().split("\0")
-    for rel in filter(None, listed):
+    for rel in filter(lambda r: r and r != "dvc.lock", listed):  # a clone has no lock of this machine's runs
         src = REPO / rel
         if src.is_file():
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -109,8 +109,8 @@ def test_first_month_publishes_and_records_everything(project):
     assert sorted(c.data.tags["stage"] for c in children) == sorted(yaml.safe_load((root / "dvc.yaml").read_text())["stages"])
     assert all(c.data.metrics["reproduced"] == 1.0 for c in children)
     champion = client.get_model_version_by_alias(MODEL, "champion")
-    assert champion.version == "1" and champion.run_id == parent.info.run_id
-    assert client.get_model_version_by_alias(MODEL, "candidate").version == "1"
+    assert str(champion.version) == "1" and champion.run_id == parent.info.run_id
+    assert str(client.get_model_version_by_alias(MODEL, "candidate").version) == "1"
 
     # The registry names it champion; the DVC remote holds it; DVC says the pipeline is up to date.
     registry = root / "registry"
@@ -152,7 +152,7 @@ def test_an_impossible_threshold_fails_the_flow_and_publishes_nothing(project):
     client = mlflow_client(root)
     (failed,) = parent_runs(client, "2026-12")
     assert failed.info.status == "FAILED" and failed.data.metrics["gate.accuracy_new.passed"] == 0.0
-    assert client.get_model_version_by_alias(MODEL, "champion").version == "1"
+    assert str(client.get_model_version_by_alias(MODEL, "champion").version) == "1"
 
 
 def test_next_month_reuses_the_engine_and_becomes_champion(project):
@@ -166,6 +166,14 @@ def test_next_month_reuses_the_engine_and_becomes_champion(project):
     assert client.get_model_version_by_alias(MODEL, "champion").run_id == latest.info.run_id
     assert json.loads((root / "registry" / "channels.json").read_text()) == {"champion": "2026-12"}
     assert sorted(git(root / "registry", "tag", "--list").split()) == ["release/2026-11", "release/2026-12"]
+    # A device pulls `champion` through DVC, verifies it against its engine and key, and gets 2026-12.
+    device = root.parent / "device-release"
+    pulled = subprocess.run([sys.executable, "-m", "runtime", "pull", "--registry", str(root / "registry"),
+                             "--alias", "champion", "--to", str(device), "--trusted-key", str(root / "keys" / "release_signing.pub"),
+                             "--engine", str(root / "engine"), "--tokenizer", str(root / "models" / "base")],
+                            cwd=root, env=project["env"], capture_output=True, text=True)
+    assert pulled.returncode == 0, pulled.stderr[-3000:]
+    assert json.loads((device / "manifest.json").read_text())["month"] == "2026-12"
     champion_gate = next(g for g in json.loads((root / "artifacts" / "2026-12" / "gates" / "gates.json").read_text())["gates"]
                          if g["name"] == "accuracy_new_vs_champion")
     assert champion_gate["op"] == ">=" and "2026-11" in champion_gate["detail"]
@@ -185,6 +193,7 @@ def test_a_real_prefect_server_runs_the_deployment_with_other_parameters(project
         trigger = (
             "import json, sys, time\n"
             "from prefect.deployments import run_deployment\n"
+            "from prefect.exceptions import ObjectNotFound\n"
             "from tasks.config import load_config\n"
             "cfg = load_config('params.yaml').model_dump(mode='json')\n"
             "cfg['data']['month'] = '2026-12'; cfg['publish']['dry_run'] = True\n"
@@ -192,8 +201,7 @@ def test_a_real_prefect_server_runs_the_deployment_with_other_parameters(project
             "    try:\n"
             "        run = run_deployment('monthly-release/monthly-release', parameters={'config': cfg}, timeout=600)\n"
             "        break\n"
-            "    except Exception as err:  # the deployment appears once serve has registered it\n"
-            "        if 'not found' not in str(err).lower(): raise\n"
+            "    except ObjectNotFound:  # the deployment appears once serve has registered it\n"
             "        time.sleep(2)\n"
             "print(json.dumps({'state': run.state.type.value, 'params': run.parameters['config']['publish']['dry_run']}))\n"
         )

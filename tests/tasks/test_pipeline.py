@@ -79,3 +79,17 @@ def test_a_failing_stage_names_itself(tmp_path):
 def test_dvc_needs_a_git_repository(tmp_path):
     with pytest.raises(PipelineError, match="not a git repository"):
         ensure_dvc_repo(tmp_path, tmp_path / "remote")
+
+
+def test_a_run_with_other_parameters_puts_the_params_file_back_when_it_ends(tmp_path):
+    from tasks.pipeline import params_for_run
+
+    path = tmp_path / "params.yaml"
+    path.write_text(PARAMS)
+    cfg = ReleaseConfig.model_validate({"data": {"month": "2026-12"}, "publish": {"dry_run": True}})
+    with pytest.raises(RuntimeError):
+        with params_for_run(cfg, path) as changed:
+            assert changed == ["data.month", "publish.dry_run"]
+            assert load_config(path).publish.dry_run is True
+            raise RuntimeError("the run failed")
+    assert path.read_text() == PARAMS
