@@ -103,7 +103,7 @@ def monthly_release(config: ReleaseConfig = ReleaseConfig()) -> dict:
 
     DVC stages read ``params.yaml``: a run with other parameters states them there while it runs.
     """
-    with pipeline.params_for_run(config, Path.cwd() / pipeline.PARAMS_FILE) as changed:
+    with pipeline.release_lock(Path.cwd()), pipeline.params_for_run(config, Path.cwd() / pipeline.PARAMS_FILE) as changed:
         if changed:
             get_run_logger().info("params.yaml states this run's parameters until it ends: %s", ", ".join(changed))
         return _release(config)
@@ -144,7 +144,8 @@ def _release(config: ReleaseConfig) -> dict:
         txn.set("version", recorded.version)
         published = publish_to_registry(config, recorded)
         push_pipeline_outputs()
-        promote(config, recorded)
+        if not published.already:  # the registry already names an identical release: its version stays champion
+            promote(config, recorded)
     release.finish_mlflow_run(config, Path.cwd(), recorded, "FINISHED", f"published {published.release_id}")
     summarize(config, runs, report, recorded, f"published {published.release_id} as champion")
     return {"outcome": "published", "release_id": published.release_id, "mlflow_run_id": recorded.run_id,

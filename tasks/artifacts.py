@@ -24,7 +24,8 @@ def atomic_output_dir(final: Path) -> Iterator[Path]:
     """Yield a fresh temporary directory that replaces ``final`` on success."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    _remove_orphans(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
     try:
         yield tmp
     except BaseException:
@@ -37,6 +38,24 @@ def atomic_output_dir(final: Path) -> Iterator[Path]:
     os.replace(tmp, final)
     if backup is not None:
         shutil.rmtree(backup, ignore_errors=True)
+
+
+def _remove_orphans(final: Path) -> None:
+    """Temporary siblings left by a killed writer (its pid is in the name and no longer runs)."""
+    for sibling in final.parent.glob(f".{final.name}.tmp-*-*"):
+        pid = sibling.name[len(f".{final.name}.tmp-"):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def write_json(path: Path, payload: object) -> None:

@@ -11,6 +11,7 @@ from tasks.config import ReleaseConfig, StageError, load_config
 
 # Exit code of a refused input or config: distinct from 1, which is a crash (a bug).
 EXIT_BAD_INPUT = 2
+EXIT_IO_ERROR = 3
 
 
 def stage_main(description: str, run: Callable[[ReleaseConfig], str], argv: list[str] | None = None) -> int:
@@ -23,5 +24,8 @@ def stage_main(description: str, run: Callable[[ReleaseConfig], str], argv: list
     except (StageError, RefusedInput) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as err:  # a full disk, a read-only or missing folder: say which file, not a traceback
+        print(f"error: {err.filename or 'output'}: {err.strerror or err}", file=sys.stderr)
+        return EXIT_IO_ERROR
     print(message)
     return 0

@@ -159,6 +159,33 @@ def write_params_file(cfg: ReleaseConfig, path: Path) -> list[str]:
 
 
 @contextlib.contextmanager
+def release_lock(root: Path) -> Iterator[None]:
+    """One release run per project at a time; a second is refused at once, naming the first.
+
+    An OS lock (flock): it dies with its process, so a killed run never blocks the next one.
+    """
+    import fcntl
+
+    path = Path(root) / ".dvc" / "tmp" / "release.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            raise PipelineError(f"another release run holds {path} ({fh.read().strip() or 'unknown'}); "
+                                "runs of one project take turns: retry when it has finished") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+        fh.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
 def params_for_run(cfg: ReleaseConfig, path: Path) -> Iterator[list[str]]:
     """``path`` states ``cfg`` for the duration of a run, then is put back as it was.
 

@@ -21,6 +21,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -63,6 +64,15 @@ def _git(registry: Path, *args: str) -> str:
 
 def _dvc(registry: Path, *args: str) -> str:
     return _run(registry, os.sys.executable, "-m", "dvc", *args)
+
+
+FAULT_ENV = "RELEASE_FAULT_POINT"
+
+
+def fault_point(name: str) -> None:
+    """Die here, as a power cut would, when ``RELEASE_FAULT_POINT`` names this point (fault-injection tests)."""
+    if os.environ.get(FAULT_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def tag_name(month: str) -> str:
@@ -180,6 +190,7 @@ def _publish_locked(registry: Path, package_dir: Path, month: str, entry: dict, 
         _git(registry, "add", "-A", "releases", CHANNELS_FILE)
         _git(registry, "commit", "-q", "-m", f"release {entry['release_id']} ({month})" + (", champion" if champion else ""))
         _git(registry, "tag", "-f", tag)
+        fault_point("registry-committed")
         _dvc(registry, "push", "-q", f"releases/{month}.dvc")
     except BaseException:
         rollback(registry, previous, month, previous_tag)

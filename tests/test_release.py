@@ -12,7 +12,6 @@ runs build on each other like months in production:
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -21,32 +20,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-       "TOKENIZERS_PARALLELISM": "false"}
-MODEL = "inspection-adapter"
-
-
-def git(cwd, *args):
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+from project_testkit import ENV, MODEL, REPO, copy_project, git
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
-    """A fresh clone-like copy of the project: tracked and new (not ignored) files, committed."""
-    root = tmp_path_factory.mktemp("project")
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                            capture_output=True, check=True).stdout.decode().split("\0")
-    for rel in filter(lambda r: r and r != "dvc.lock", listed):  # a clone has no lock of this machine's runs
-        src = REPO / rel
-        if src.is_file():
-            (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, root / rel)
-    git(root, "init", "-q", "-b", "main")
-    git(root, "config", "user.email", "e2e@localhost")
-    git(root, "config", "user.name", "e2e")
-    git(root, "add", "-A")
-    git(root, "commit", "-q", "-m", "project")
+    root = copy_project(tmp_path_factory.mktemp("project"))
     home = tmp_path_factory.mktemp("prefect-home")
     return {"root": root, "env": ENV | {"PREFECT_HOME": str(home)}, "seconds": {}}
 

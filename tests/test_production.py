@@ -1,0 +1,161 @@
+"""Production mode, for real: a Prefect server, an MLflow tracking server and a process worker on loopback.
+
+In a fresh copy of the project, as `make prefect-server`, `make mlflow-server`, `make worker` and
+`make deploy` set it up: `flows.deploy` registers `monthly-release` on the work pool with its monthly
+schedule; a run is triggered the way the UI's Custom run does it (the deployment's parameters with
+some fields changed, POSTed to the API); the worker, started elsewhere, runs it in the project copy;
+the release lands in the MLflow server (parent run, nested stage runs, registered version and
+aliases), the registry and the shared DVC remote. Every service is then stopped with its process
+group and nothing is left running.
+
+The run is a small release (short training, small splits) with gates its short-trained candidate
+passes: it exercises the machinery, not the accuracy targets (tests/test_release.py checks those).
+"""
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from project_testkit import ENV, MODEL, copy_project, git
+from service_testkit import free_port, kill_pids, processes_in, start_service, stop_group, wait_http
+
+POOL = "adapter-release-test"
+MONTH = "2026-12"
+# Changed in the run's parameters (the defaults are params.yaml's): a smaller backbone, short training, small
+# splits, one thread per process (the machine's 2 cores are shared), gates a short-trained candidate passes.
+FAST = {
+    "data": {"month": MONTH, "train_size": 200, "val_size": 32, "calib_size": 16, "test_size": 48, "heldout_lines": 32},
+    "base_model": {"num_layers": 2, "hidden_size": 128, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 256,
+                   "pretrain_examples": 300, "pretrain_steps": 30, "pretrain_batch_size": 16},
+    "train": {"steps": 30, "batch_size": 16, "warmup_steps": 3, "threads": 1},
+    "engine": {"threads": 1},
+    "eval": {"latency_prompts": 2, "latency_steps": 4},
+    "gates": {"min_accuracy_new": 0.0, "min_accuracy_regression": 0.0, "max_kv_accuracy_drop": 1.0,
+              "max_kv_ppl_increase_pct": 1000.0, "max_p95_decode_ms": 10000.0, "max_package_pct_of_base": 100.0},
+}
+FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+RUN_TIMEOUT_S = 240  # the run takes about 80 s on 2 busy cores; this bounds the whole test to about 5 min
+
+
+def api(url: str, payload: dict | None = None) -> dict:
+    """One Prefect REST call, as the UI makes it (GET, or POST with a JSON body)."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+                                     method="GET" if data is None else "POST")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def merged(base: dict, changes: dict) -> dict:
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = merged(base.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def tail(path: Path, chars: int = 4000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+
+def test_a_worker_runs_the_deployment_triggered_through_the_api_and_records_in_the_mlflow_server(tmp_path):
+    from flows.local_server import start_server, stop_server
+
+    started = time.monotonic()
+    root = copy_project(tmp_path / "project")
+    shared = tmp_path / "shared"  # what production keeps outside the checkout (make PROD_DIR=...)
+    (shared / "mlflow").mkdir(parents=True)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    env = ENV | {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_WORKER_QUERY_SECONDS": "2"}
+    prefect_port, mlflow_port = free_port(), free_port()
+    tracking = f"http://127.0.0.1:{mlflow_port}"
+    services, prefect_server = [], None
+    try:
+        prefect_server, api_url = start_server(prefect_port, env)
+        env |= {"PREFECT_API_URL": api_url}
+        mlflow_server = start_service(
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{shared / 'mlflow' / 'mlflow.db'}",
+             "--artifacts-destination", str(shared / "mlflow" / "artifacts"), "--host", "127.0.0.1",
+             "--port", str(mlflow_port), "--workers", "1"],
+            cwd=shared / "mlflow", env=env, log=logs / "mlflow.log")
+        services.append(mlflow_server)
+        deployed = subprocess.run([sys.executable, "-m", "flows.deploy", "--params", "params.yaml", "--work-pool", POOL,
+                                   "--set", f"publish.tracking_uri={tracking}",
+                                   "--set", f"publish.remote_dir={shared / 'dvc-remote'}"],
+                                  cwd=root, env=env, capture_output=True, text=True, timeout=180)
+        assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
+        # The worker starts elsewhere: the deployment's pull step makes the project copy the run's directory.
+        worker = start_service([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process",
+                                "--limit", "1", "--install-policy", "never"], cwd=tmp_path, env=env, log=logs / "worker.log")
+        services.append(worker)
+        wait_http(f"{tracking}/health", 120, mlflow_server, "mlflow server")
+
+        deployment = api(f"{api_url}/deployments/name/monthly-release/monthly-release")
+        (schedule,) = deployment["schedules"]
+        assert (schedule["schedule"]["cron"], schedule["schedule"]["timezone"], schedule["active"]) == \
+            ("0 6 1 * *", "Europe/Berlin", True)
+        assert deployment["work_pool_name"] == POOL
+        assert deployment["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(root)}}]
+        defaults = deployment["parameters"]["config"]
+        assert defaults["publish"]["tracking_uri"] == tracking and defaults["data"]["month"] == "2026-11"
+
+        # Custom run: the form holds the deployment's parameters; the user changes some and submits them all.
+        config = merged(defaults, FAST)
+        flow_run = api(f"{api_url}/deployments/{deployment['id']}/create_flow_run", {"parameters": {"config": config}})
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while flow_run["state"]["type"] not in FINAL and time.monotonic() < deadline:
+            assert worker.poll() is None, tail(logs / "worker.log")
+            time.sleep(3)
+            flow_run = api(f"{api_url}/flow_runs/{flow_run['id']}")
+        run_seconds = time.monotonic() - started
+        print(f"flow run {flow_run['id']}: {flow_run['state']['type']} after {run_seconds:.0f} s since the test began")
+        assert flow_run["state"]["type"] == "COMPLETED", (flow_run["state"], tail(logs / "worker.log", 8000))
+        assert flow_run["work_pool_name"] == POOL
+        assert flow_run["parameters"]["config"]["gates"]["min_accuracy_new"] == 0.0
+
+        # MLflow server: the parent run of the month, a nested run per DVC stage, version 1 champion.
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=tracking)
+        experiment = client.get_experiment_by_name(defaults["publish"]["experiment"])
+        runs = client.search_runs([experiment.experiment_id], f"tags.month = '{MONTH}'")
+        (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+        assert parent.info.status == "FINISHED"
+        assert parent.data.tags["prefect_flow_run_id"] == flow_run["id"]
+        assert parent.data.params["train.steps"] == "30" and parent.data.params["publish.tracking_uri"] == tracking
+        assert parent.data.metrics["gates_passed"] == 1.0 and parent.data.metrics["engine_builds"] == 1.0
+        assert parent.info.artifact_uri.startswith("mlflow-artifacts:")  # the server chose where artifacts go
+        children = client.search_runs([experiment.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+        assert sorted(c.data.tags["stage"] for c in children) == sorted(yaml.safe_load((root / "dvc.yaml").read_text())["stages"])
+        assert all(c.info.status == "FINISHED" and c.data.metrics["reproduced"] == 1.0 for c in children)
+        champion = client.get_model_version_by_alias(MODEL, "champion")
+        assert str(champion.version) == "1" and champion.run_id == parent.info.run_id
+        assert str(client.get_model_version_by_alias(MODEL, "candidate").version) == "1"
+        assert "package/manifest.json" in {f.path for f in client.list_artifacts(parent.info.run_id, "package")}
+        assert list((shared / "mlflow" / "artifacts").rglob("manifest.json"))  # proxied to --artifacts-destination
+    finally:
+        for service in reversed(services):
+            stop_group(service)
+        if prefect_server is not None:
+            stop_server(prefect_server)
+            stop_group(prefect_server)
+        left = processes_in(tmp_path)
+        kill_pids(left)  # a flow run this test started, if the run outlived the worker (a timeout)
+    assert left == [], f"processes left running in {tmp_path}: {left}"
+    assert all(service.returncode is not None for service in [*services, prefect_server])
+
+    # The registry in the project copy names the release; the shared DVC remote holds its files.
+    registry = root / "registry"
+    assert git(registry, "tag", "--list") == f"release/{MONTH}"
+    assert json.loads((registry / "channels.json").read_text()) == {"champion": MONTH}
+    assert any(p.is_file() for p in (shared / "dvc-remote").rglob("*"))
+    assert (root / "artifacts" / MONTH / "package" / "release.tar.gz").is_file()
+    # The run stated its parameters in params.yaml only while it lasted.
+    assert git(root, "status", "--porcelain", "params.yaml") == ""
+    print(f"production-mode test: {time.monotonic() - started:.0f} s")
+
