@@ -31,8 +31,8 @@ from tasks.gates import GateFailed, failed_reason  # noqa: E402
 
 @task(retries=2, retry_delay_seconds=5)
 def set_up(config: ReleaseConfig) -> None:
-    pipeline.ensure_dvc_repo(Path.cwd(), Path(config.publish.remote_dir))
-    publish.ensure_registry(Path(config.publish.registry_dir), Path(config.publish.remote_dir))
+    pipeline.ensure_dvc_repo(Path.cwd(), config.publish.remote_dir)
+    publish.ensure_registry(Path(config.publish.registry_dir), config.publish.remote_dir)
 
 
 @task(task_run_name="dvc-repro-{name}")

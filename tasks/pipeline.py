@@ -62,8 +62,19 @@ def _git(root: Path, *args: str) -> str:
     return done.stdout.strip()
 
 
-def ensure_dvc_repo(root: Path, remote_dir: Path) -> Path:
-    """Make ``root`` a DVC repository with ``remote_dir`` as its default remote; return the remote path.
+def remote_url(root: Path, remote: str) -> str:
+    """``publish.remote_dir`` as DVC takes it: a URL (``s3://bucket/path``) unchanged, a folder made
+    absolute against ``root`` and created."""
+    if "://" in str(remote):
+        return str(remote)
+    path = Path(remote)
+    path = (path if path.is_absolute() else Path(root) / path).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+def ensure_dvc_repo(root: Path, remote_dir: str) -> str:
+    """Make ``root`` a DVC repository with ``remote_dir`` as its default remote; return the remote URL.
 
     The remote is recorded in ``.dvc/config.local`` (not committed): its path is this machine's.
     """
@@ -75,12 +86,10 @@ def ensure_dvc_repo(root: Path, remote_dir: Path) -> Path:
         raise PipelineError(f"{root} is not a git repository: DVC records lineage in git (run `git init` first)")
     if not (root / ".dvc").exists():
         Repo.init(str(root))
-    remote = Path(remote_dir)
-    remote = (remote if remote.is_absolute() else root / remote).resolve()
-    remote.mkdir(parents=True, exist_ok=True)
+    remote = remote_url(root, remote_dir)
     with Repo(str(root)) as repo:
         with repo.config.edit("local") as conf:
-            conf.setdefault("remote", {})[REMOTE_NAME] = {"url": str(remote)}
+            conf.setdefault("remote", {})[REMOTE_NAME] = {"url": remote}
             conf.setdefault("core", {})["remote"] = REMOTE_NAME
     return remote
 

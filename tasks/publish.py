@@ -31,7 +31,7 @@ from pathlib import Path
 from tasks.artifacts import write_json
 from tasks.config import StageError
 from tasks.gates import CHANNELS_FILE, INDEX_FILE
-from tasks.pipeline import DVC_ENV, REMOTE_NAME
+from tasks.pipeline import DVC_ENV, REMOTE_NAME, remote_url
 
 GIT_IDENTITY = {"user.name": "adapter-release", "user.email": "adapter-release@localhost"}
 
@@ -79,11 +79,13 @@ def tag_name(month: str) -> str:
     return f"release/{month}"
 
 
-def ensure_registry(registry_dir: Path, remote_dir: Path) -> Path:
-    """Create the registry (git, DVC, remote, empty channels and index) if it does not exist."""
+def ensure_registry(registry_dir: Path, remote_dir: str) -> Path:
+    """Create the registry (git, DVC, remote, empty channels and index) if it does not exist.
+
+    ``remote_dir`` is a folder (relative to the working directory) or a URL such as ``s3://bucket/releases``.
+    """
     registry = Path(registry_dir).resolve()
-    remote = Path(remote_dir).resolve()
-    remote.mkdir(parents=True, exist_ok=True)
+    remote = remote_url(Path.cwd(), remote_dir)
     if not (registry / ".git").exists():
         registry.mkdir(parents=True, exist_ok=True)
         _git(registry, "init", "-q", "-b", "main")
@@ -92,7 +94,7 @@ def ensure_registry(registry_dir: Path, remote_dir: Path) -> Path:
     if not (registry / ".dvc").exists():
         _dvc(registry, "init", "-q")
         _dvc(registry, "config", "core.analytics", "false")
-    _dvc(registry, "remote", "add", "-d", "-f", REMOTE_NAME, str(remote))
+    _dvc(registry, "remote", "add", "-d", "-f", REMOTE_NAME, remote)
     for path, empty in ((registry / CHANNELS_FILE, {}), (registry / INDEX_FILE, {})):
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
 import subprocess
 import textwrap
+from pathlib import Path
 
 import pytest
 import yaml
@@ -58,7 +59,7 @@ def test_a_stage_runs_once_then_is_up_to_date_until_its_params_change(tmp_path):
                   "deps": ["out.txt"], "outs": ["loud.txt"]},
     }}, sort_keys=False))
     remote = ensure_dvc_repo(repo, tmp_path / "remote")
-    assert remote.is_dir() and str(remote) in (repo / ".dvc" / "config.local").read_text()
+    assert Path(remote).is_dir() and remote in (repo / ".dvc" / "config.local").read_text()
     assert stage_names(repo) == ["make", "shout"]
     assert [reproduce_stage(repo, s).reproduced for s in ("make", "shout")] == [True, True]
     assert (repo / "loud.txt").read_text() == "HELLO"
@@ -74,6 +75,13 @@ def test_a_failing_stage_names_itself(tmp_path):
     ensure_dvc_repo(repo, tmp_path / "remote")
     with pytest.raises(PipelineError, match="DVC stage 'broken' failed"):
         reproduce_stage(repo, "broken")
+
+
+def test_a_url_remote_is_taken_as_is_and_a_folder_is_made_absolute(tmp_path):
+    from tasks.pipeline import remote_url
+
+    assert remote_url(tmp_path, "s3://bucket/releases") == "s3://bucket/releases"
+    assert remote_url(tmp_path, "store") == str(tmp_path / "store") and (tmp_path / "store").is_dir()
 
 
 def test_dvc_needs_a_git_repository(tmp_path):
