@@ -14,7 +14,19 @@ export TOKENIZERS_PARALLELISM := false
 
 PREFECT_PORT ?= 4200
 
-.PHONY: release test prefect clean
+# Production mode (README "Production mode"): long-lived servers and a worker, on loopback by default.
+HOST ?= 127.0.0.1
+MLFLOW_PORT ?= 5000
+WORK_POOL ?= adapter-release
+# Long-lived state outside the checkout: Prefect's and MLflow's databases, MLflow artifacts, the DVC remote.
+PROD_DIR ?= $(HOME)/.adapter-release
+PREFECT_PROD_HOME ?= $(PROD_DIR)/prefect
+MLFLOW_BACKEND_STORE_URI ?= sqlite:///$(PROD_DIR)/mlflow/mlflow.db
+MLFLOW_ARTIFACTS_DESTINATION ?= $(PROD_DIR)/mlflow/artifacts
+DVC_REMOTE ?= $(PROD_DIR)/dvc-remote
+PROD_API_URL := http://$(HOST):$(PREFECT_PORT)/api
+
+.PHONY: release test prefect clean prefect-server mlflow-server worker deploy
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
@@ -36,6 +48,34 @@ test: $(STAMP)
 # served from this checkout until Ctrl-C; the server stops with it.
 prefect: $(STAMP)
 	$(PY) -m flows.local_server --port $(PREFECT_PORT) -- $(PY) -m flows.serve --params params.yaml
+
+# Production mode, one command per terminal (or service unit): server, tracking server, worker; then deploy once.
+# Prefect's database: SQLite in $(PREFECT_PROD_HOME) unless PREFECT_API_DATABASE_CONNECTION_URL names PostgreSQL.
+prefect-server: $(STAMP)
+	mkdir -p $(PREFECT_PROD_HOME)
+	PREFECT_HOME=$(PREFECT_PROD_HOME) $(VENV)/bin/prefect server start --host $(HOST) --port $(PREFECT_PORT)
+
+# MLflow tracking server: runs, registry and aliases in MLFLOW_BACKEND_STORE_URI, artifacts proxied to
+# MLFLOW_ARTIFACTS_DESTINATION (a local path, or s3://bucket/prefix with MLFLOW_S3_ENDPOINT_URL for S3-compatible stores).
+mlflow-server: $(STAMP)
+	mkdir -p $(PROD_DIR)/mlflow
+	$(VENV)/bin/mlflow server --backend-store-uri $(MLFLOW_BACKEND_STORE_URI) \
+	  --artifacts-destination $(MLFLOW_ARTIFACTS_DESTINATION) --host $(HOST) --port $(MLFLOW_PORT) --workers 1
+
+# A process worker on the work pool: it runs the scheduled and hand-triggered runs of monthly-release, one at a time.
+worker: $(STAMP)
+	PREFECT_API_URL=$(PROD_API_URL) $(VENV)/bin/prefect worker start --pool $(WORK_POOL) --type process \
+	  --limit 1 --install-policy never
+
+# Register monthly-release (work pool, monthly schedule, params.yaml as defaults, MLflow server, shared DVC remote).
+deploy: $(STAMP)
+	PREFECT_API_URL=$(PROD_API_URL) $(PY) -m flows.deploy --params params.yaml --work-pool $(WORK_POOL) \
+	  --set publish.tracking_uri=http://$(HOST):$(MLFLOW_PORT) --set publish.remote_dir=$(DVC_REMOTE)
+
+# Every benchmark of bench/, one after another (21 min on 2 busy cores): bench/results/latest.{json,md} + plots.
+.PHONY: bench
+bench: $(STAMP)
+	$(PY) -m bench.run_all
 
 clean:
 	rm -rf artifacts data models

@@ -1,6 +1,6 @@
 """KV-cache quantization: quality and memory report (issue 4, items 4 and 5).
 
-    python -m bench.kv_quality [--quick] [--out bench/results/kv_quality.json]
+    python -m bench.kv_quality [--quick] [--out bench/results/kv_quality.json] [--base --adapter --data --engine]
 
 Two cases:
   * ``text``: real text every machine has offline, the Python standard library's own source.
@@ -355,7 +355,8 @@ def text_case(cache_dir: Path, quick: bool, steps: int, context_len: int) -> dic
     return out
 
 
-def default_case(base: Path, adapter: Path, data: Path, out_dir: Path, quick: bool, context_len: int) -> dict:
+def default_case(base: Path, adapter: Path, data: Path, out_dir: Path, quick: bool, context_len: int,
+                 engine: Path | None = None) -> dict:
     """The default month: calibration through the real stage, perplexity and task accuracy through the cache."""
     from runtime.hashing import backbone_hash
     from tasks.artifacts import sha256_file
@@ -365,11 +366,13 @@ def default_case(base: Path, adapter: Path, data: Path, out_dir: Path, quick: bo
     from tasks.data import read_jsonl
     from tasks.evaluate import accuracy_report
 
-    backbone, base_hash, _ = load_release_backbone(base, adapter)
+    # An adapter fine-tuned against the compiled engine records its interface: check it against that engine.
+    backbone, base_hash, _ = load_release_backbone(base, adapter, engine)
     tokenizer = load_tokenizer(base)
     configs = grid()
     # The stage itself, and its loader, for the chosen configuration.
-    stage_dir = calibrate_kv_scales(base, adapter, data / "calib.jsonl", out_dir / "default_kv", configs["K4/V4 chosen"]).parent
+    stage_dir = calibrate_kv_scales(base, adapter, data / "calib.jsonl", out_dir / "default_kv", configs["K4/V4 chosen"],
+                                    engine_dir=engine).parent
     chosen = load_kv_scales(stage_dir, sha256_file(adapter / "adapter_model.safetensors"), backbone_hash(base),
                             expected_spec=configs["K4/V4 chosen"])
     batches, rows = jsonl_batches(tokenizer, data / "calib.jsonl", 16, 96)
@@ -475,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base", help="default-month base model dir (with --adapter and --data)")
     p.add_argument("--adapter", help="default-month adapter dir")
     p.add_argument("--data", help="default-month data dir (calib.jsonl, test.jsonl, heldout.txt)")
+    p.add_argument("--engine", help="the engine dir the adapter was fine-tuned against (its provenance names it)")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -486,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
               "text": text_case(Path(args.cache), args.quick, steps, args.context_len)}
     if args.base and args.adapter and args.data:
         report["default_month"] = default_case(Path(args.base), Path(args.adapter), Path(args.data), out.parent,
-                                               args.quick, args.context_len)
+                                               args.quick, args.context_len,
+                                               engine=Path(args.engine) if args.engine else None)
     report["acceptance"] = acceptance(report)
     report["seconds"] = time.perf_counter() - t0
     tables = [f"## stdlib text ({report['text']['eval_windows']} windows of {report['text']['window_len']} tokens, "
