@@ -110,15 +110,6 @@ def reproduce_stage(root: Path, name: str, force: bool = False) -> StageRun:
     return StageRun(name, bool(ran), time.perf_counter() - start)
 
 
-def pipeline_status(root: Path) -> dict:
-    """``dvc status`` of the pipeline: {} when every stage is up to date."""
-    from dvc.repo import Repo
-
-    _env()
-    with contextlib.chdir(root), Repo(str(root)) as repo:
-        return repo.status()
-
-
 def push_outputs(root: Path) -> int:
     """Push every cached pipeline output to the default remote; return the number of files sent."""
     from dvc.repo import Repo

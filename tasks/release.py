@@ -7,7 +7,7 @@ here so it can be tested without Prefect. The stages themselves are ``dvc.yaml``
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.artifacts import sha256_file
@@ -215,7 +215,3 @@ def summary_markdown(cfg: ReleaseConfig, runs: list[StageRun], report: dict, rec
     lines.append(f"- release directory `{package_dir(cfg)}`; registry `{Path(cfg.publish.registry_dir).resolve()}` "
                  f"tag `release/{cfg.data.month}`")
     return "\n".join(lines) + "\n"
-
-
-def runs_as_dicts(runs: list[StageRun]) -> list[dict]:
-    return [asdict(r) for r in runs]
