@@ -190,18 +190,23 @@ def params_for_run(cfg: ReleaseConfig, path: Path) -> Iterator[list[str]]:
     """``path`` states ``cfg`` for the duration of a run, then is put back as it was.
 
     A run triggered with other parameters must not leave them behind for the next `make release`;
-    ``dvc.lock`` keeps what this run used, so ``dvc status`` then shows the difference.
+    ``dvc.lock`` keeps what this run used, so ``dvc status`` then shows the difference. The file
+    as it was waits in a hidden sibling while the run lasts: a run that was killed is undone by
+    the next one (callers hold ``release_lock``, so no live run owns that copy).
     """
     path = Path(path)
+    saved = path.with_name(f".{path.name}.before-run")
+    if saved.exists():
+        os.replace(saved, path)
     before = path.read_text() if path.exists() else None
-    changed = write_params_file(cfg, path)
+    if before is not None:
+        saved.write_text(before)
     try:
+        changed = write_params_file(cfg, path)
         yield changed
     finally:
-        if changed and before is not None:
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text(before)
-            os.replace(tmp, path)
+        if saved.exists():
+            os.replace(saved, path)
 
 
 def _section_span(lines: list[str], section: str) -> tuple[int, int] | None:

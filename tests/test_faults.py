@@ -166,7 +166,7 @@ def test_a_corrupted_release_in_the_remote_is_refused_by_the_device(project):
                              "2027-02", "--to", str(target), "--trusted-key", str(root / "keys" / "release_signing.pub"),
                              "--engine", str(root / "engine"), "--tokenizer", str(root / "models" / "base")],
                             cwd=root, env=project["env"], capture_output=True, text=True)
-    assert pulled.returncode != 0 and "adapter_model.safetensors" in pulled.stderr, pulled.stderr
+    assert pulled.returncode in (11, 30), pulled.stderr  # runtime's checksum refusal, or DVC's own check on download
     assert not target.exists()
 
 

@@ -101,3 +101,16 @@ def test_a_run_with_other_parameters_puts_the_params_file_back_when_it_ends(tmp_
             assert load_config(path).publish.dry_run is True
             raise RuntimeError("the run failed")
     assert path.read_text() == PARAMS
+
+
+def test_a_killed_run_leaves_the_params_file_to_be_restored_by_the_next(tmp_path):
+    from tasks.pipeline import params_for_run
+
+    path = tmp_path / "params.yaml"
+    path.write_text(PARAMS)
+    killed = params_for_run(ReleaseConfig.model_validate({"data": {"month": "2026-12"}}), path)
+    killed.__enter__()  # the run dies here: no __exit__
+    assert load_config(path).data.month == "2026-12"
+    with params_for_run(load_config(tmp_path / ".params.yaml.before-run"), path) as changed:
+        assert changed == []
+    assert path.read_text() == PARAMS and not (tmp_path / ".params.yaml.before-run").exists()
