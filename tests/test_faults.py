@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from project_testkit import ENV, MODEL, copy_project, git
+from service_testkit import free_port
 
 SMALL = {
     "base_model": {"pretrain_steps": 60, "pretrain_examples": 600},
@@ -33,8 +34,17 @@ SMALL = {
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
+    """The project copy, and one Prefect server for all its runs: a killed flow then leaves no
+    temporary server of its own behind."""
+    from flows.local_server import start_server, stop_server
+
     root = copy_project(tmp_path_factory.mktemp("faults"))
-    return {"root": root, "env": ENV | {"PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-home"))}}
+    env = ENV | {"PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-home"))}
+    server, api_url = start_server(free_port(), env)
+    try:
+        yield {"root": root, "env": env | {"PREFECT_API_URL": api_url}}
+    finally:
+        stop_server(server)
 
 
 def params_for(project, month: str) -> Path:
@@ -47,17 +57,23 @@ def params_for(project, month: str) -> Path:
     return path
 
 
-def start_flow(project, month: str, **env) -> subprocess.Popen:
+def start_flow(project, month: str, log: Path | None = None, **env) -> subprocess.Popen:
+    """The flow in its own process group; output to ``log`` or to a pipe the caller reads line by line."""
+    out = open(log, "w") if log else subprocess.PIPE
     return subprocess.Popen([sys.executable, "-m", "flows.monthly_release", "--params", str(params_for(project, month))],
-                            cwd=project["root"], env=project["env"] | env, stdout=subprocess.PIPE,
+                            cwd=project["root"], env=project["env"] | env, stdout=out,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
+def finish(proc: subprocess.Popen, log: Path) -> tuple[int, str]:
+    proc.wait(timeout=900)
+    _kill_group(proc)
+    return proc.returncode, log.read_text()
+
+
 def run_flow(project, month: str, **env) -> tuple[int, str]:
-    proc = start_flow(project, month, **env)
-    out, _ = proc.communicate(timeout=900)
-    _kill_group(proc)  # a flow that killed itself leaves its temporary Prefect server behind
-    return proc.returncode, out
+    log = project["root"].parent / f"flow-{month}-{time.monotonic_ns()}.log"
+    return finish(start_flow(project, month, log, **env), log)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -142,11 +158,10 @@ def test_killed_right_after_the_registry_commit_the_rerun_completes_the_publicat
 
 
 def test_two_runs_of_one_month_at_once_make_one_release(project):
-    first, second = start_flow(project, "2027-02"), start_flow(project, "2027-02")
-    outs = [p.communicate(timeout=900)[0] for p in (first, second)]
-    codes = sorted(p.returncode for p in (first, second))
-    for p in (first, second):
-        _kill_group(p)
+    logs = [project["root"].parent / f"concurrent-{i}.log" for i in (1, 2)]
+    runs = [start_flow(project, "2027-02", log) for log in logs]
+    results = [finish(proc, log) for proc, log in zip(runs, logs)]
+    codes, outs = sorted(code for code, _ in results), [out for _, out in results]
     assert codes == [0, 2], outs
     assert any("another release run holds" in out for out in outs)
     assert_consistent(project, ["2026-11", "2026-12", "2027-01", "2027-02"])
@@ -156,11 +171,14 @@ def test_a_corrupted_release_in_the_remote_is_refused_by_the_device(project):
     root = project["root"]
     adapter = root / "registry" / "releases" / "2027-02" / "adapter_model.safetensors"
     digest = hashlib.md5(adapter.read_bytes()).hexdigest()
-    stored = root / "dvc-remote" / "files" / "md5" / digest[:2] / digest[2:]
-    blob = bytearray(stored.read_bytes())
-    blob[len(blob) // 2] ^= 0xFF
-    stored.chmod(0o644)
-    stored.write_bytes(bytes(blob))
+    # Both stored copies: the remote's, and the registry's own DVC cache, which `dvc get` on a local
+    # registry reads first. A device pulling from a git URL reads the remote's.
+    for store in (root / "dvc-remote", root / "registry" / ".dvc" / "cache"):
+        stored = store / "files" / "md5" / digest[:2] / digest[2:]
+        blob = bytearray(stored.read_bytes())
+        blob[len(blob) // 2] ^= 0xFF
+        stored.chmod(0o644)
+        stored.write_bytes(bytes(blob))
     target = root.parent / "device-corrupt"
     pulled = subprocess.run([sys.executable, "-m", "runtime", "pull", "--registry", str(root / "registry"), "--release",
                              "2027-02", "--to", str(target), "--trusted-key", str(root / "keys" / "release_signing.pub"),

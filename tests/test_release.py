@@ -11,16 +11,15 @@ runs build on each other like months in production:
 """
 
 import json
-import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
 from project_testkit import ENV, MODEL, REPO, copy_project, git
+from service_testkit import free_port
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +161,7 @@ def test_a_real_prefect_server_runs_the_deployment_with_other_parameters(project
     from flows.local_server import start_server, stop_server
 
     root, env = project["root"], project["env"]
-    port = 4300 + os.getpid() % 500
-    server, api_url = start_server(port, env)
+    server, api_url = start_server(free_port(), env)
     served = None
     try:
         env = env | {"PREFECT_API_URL": api_url}
