@@ -47,8 +47,11 @@ def git(cwd: Path, *args: str) -> str:
 
 
 def copy_project(root: Path) -> Path:
-    """The ``project`` fixture of tests/test_release.py: tracked and new (not ignored) files, committed."""
-    root.mkdir(parents=True)
+    """A fresh, clone-like copy of the project in ``root``: tracked and new (not ignored) files, committed.
+
+    The end-to-end, fault and production tests build their projects with it too.
+    """
+    root.mkdir(parents=True, exist_ok=True)
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                             capture_output=True, check=True).stdout.decode().split("\0")
     for rel in filter(lambda r: r and r != "dvc.lock", listed):  # a clone has no lock of this machine's runs

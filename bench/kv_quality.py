@@ -29,13 +29,14 @@ import random
 import sys
 import sysconfig
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from tasks.calibrate import DEFAULT_CLIP_PERCENTILE as CLIP  # the stage's clipping, for every config
-from tasks.kv_quality import fill_cache, greedy_through_cache, two_pass_logits
+from tasks.kv_quality import fill_cache, greedy_through_cache, heldout_sequences, two_pass_logits
 
 TEXT_MODEL = dict(  # the embedded default's shape (tasks/config.py BaseModelConfig)
     hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -378,12 +379,15 @@ def default_case(base: Path, adapter: Path, data: Path, out_dir: Path, quick: bo
     batches, rows = jsonl_batches(tokenizer, data / "calib.jsonl", 16, 96)
     stats = {pre: collect_kv_stats(backbone, batches, pre, CLIP, progress=False) for pre in (True, False)}
     scales_for = _scales_for(stats)
-    lines = (data / "heldout.txt").read_text().splitlines()
-    stream = tokenizer("\n".join(lines), add_special_tokens=False)["input_ids"]
-    seq = 128
-    evals = torch.tensor([stream[i : i + seq] for i in range(0, len(stream) - seq + 1, seq)][: 8 if quick else 64])
+    # Whole documents, as the evaluate stage scores them: windows of joined documents would reach
+    # positions the tiny base never saw, where its float perplexity is already ~100 and deltas mean nothing.
+    # The documents of the most common length make one batch; each is scored with its first half cached.
+    documents = heldout_sequences(tokenizer, (data / "heldout.txt").read_text().splitlines())
+    seq = Counter(len(d) for d in documents).most_common(1)[0][0]
+    evals = torch.tensor([d for d in documents if len(d) == seq][: 8 if quick else 64])
     out = {"calib_rows": rows, "calib_tokens": stats[True]["tokens"], "heldout_windows": len(evals),
-           "window_len": seq, "prefix_len": seq // 2, "stage_record": chosen.record}
+           "window_len": seq, "prefix_len": seq // 2, "stage_record": chosen.record,
+           "heldout_note": "held-out documents of the most common token length, first half cached"}
     out["results"] = measure(backbone, evals, seq // 2, configs, scales_for, context_len, chunk=16)
     test = read_jsonl(data / "test.jsonl")[: 64 if quick else None]
     for name in TASK_CONFIGS:
