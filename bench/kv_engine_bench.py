@@ -4,11 +4,13 @@ One run, interleaved (float, quantized, float, ...; see ``bench.engine_bench.int
 batch 1, 2 threads, on the tiny default backbone with a rank-8 LoRA as inputs:
   decode latency per token with a past of 512 and of 2048 tokens, and the KV bytes stored per token.
 
-Engines (all standard ONNX ops, ``runtime/kv_model.py``):
+Engines (``runtime/kv_model.py``):
   float32            the float-KV engine of issue 3 (the cache is fp32 ORT values)
-  K4pre/V4t sink1    the default KVQuantSpec: per-channel asymmetric keys before RoPE, per-token
-                     symmetric values, one fp16 sink token (RoPE re-applied to the past at every step)
-  K4post/V4t sink1   the same with symmetric per-channel keys after RoPE: no RoPE at read
+  K4pre/V4t sink1    standard ONNX ops, the default KVQuantSpec: per-channel asymmetric keys before
+                     RoPE, per-token symmetric values, one fp16 sink token (RoPE re-applied at every step)
+  K4post/V4t sink1   standard ONNX ops, symmetric per-channel keys after RoPE: no RoPE at read
+  K4c/V4c GQA op     ONNX Runtime's GroupQueryAttention reading the packed cache: static symmetric
+                     per-channel K (after RoPE) and V, no sink (``kernels/gqa_attention.py``)
 
     python -m bench.kv_engine_bench [--out bench/results/kv_engine_bench.json] [--iters 300]
 
@@ -30,9 +32,10 @@ import torch
 from bench.engine_bench import CONFIGS, RANK, TARGETS, engine_steps, interleaved, make_backbone_and_adapter
 from bench.report import write_report
 
-SPECS = {
-    "K4pre/V4t sink1": dict(),  # the KVQuantSpec defaults
-    "K4post/V4t sink1": dict(k_symmetric=True, pre_rope_keys=False),
+SPECS = {  # name -> (KVQuantSpec fields, how the engine reads the cache)
+    "K4pre/V4t sink1": (dict(), "standard"),  # the KVQuantSpec defaults
+    "K4post/V4t sink1": (dict(k_symmetric=True, pre_rope_keys=False), "standard"),
+    "K4c/V4c GQA op": (dict(v_granularity="channel", k_symmetric=True, sink_tokens=0, pre_rope_keys=False), "gqa"),
 }
 PASTS = (512, 2048)
 
@@ -68,10 +71,11 @@ def run(iters: int, threads: int, work: Path) -> dict:
     engines = {"float32": OrtEngine(work / "engine_float", threads=threads)}
     lora = load_adapter(adapter_dir, engines["float32"].interface)
     engines["float32"].set_adapter(lora)
-    for name, overrides in SPECS.items():
+    for name, (overrides, attention) in SPECS.items():
         spec = KVQuantSpec(**overrides)
         engine_dir = work / f"engine_{len(engines)}"
-        compile_engine(model_dir, engine_dir, RANK, TARGETS, ort_threads=threads, kv_spec=spec.to_dict())
+        compile_engine(model_dir, engine_dir, RANK, TARGETS, ort_threads=threads, kv_spec=spec.to_dict(),
+                       kv_attention=attention)
         engines[name] = OrtEngine(engine_dir, threads=threads)
         engines[name].set_adapter(lora, kv_scales=calibrate_random(model_dir, lora, spec))
 

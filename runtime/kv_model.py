@@ -34,6 +34,7 @@ import math
 import torch
 import torch.nn as nn
 
+from kernels.gqa_attention import gqa_problems, gqa_quantized_attention
 from kernels.kv_quant import (
     KVQuantSpec,
     pack_bits,
@@ -43,6 +44,11 @@ from kernels.kv_quant import (
     unpack_bits_f32,
 )
 from runtime.model import Backbone
+
+# How the engine reads its quantized cache: "standard" = the ONNX ops below (TensorRT can parse
+# them); "gqa" = ONNX Runtime's fused GroupQueryAttention (kernels/gqa_attention.py), for the
+# schemes that op supports.
+KV_ATTENTION = ("standard", "gqa")
 
 # Positions the pre-RoPE key table covers: tasks.compile's MAX_PAST + MAX_SEQ (4 MiB at d = 64).
 ROPE_TABLE = 8192
@@ -63,10 +69,14 @@ class QuantizedKVBackbone(nn.Module):
     outputs: per layer the present_* tensors then new_key, new_value, in that order too.
     """
 
-    def __init__(self, backbone: Backbone, spec: KVQuantSpec):
+    def __init__(self, backbone: Backbone, spec: KVQuantSpec, attention: str = "standard"):
         super().__init__()
         check_engine_spec(spec)
-        self.backbone, self.spec = backbone, spec
+        if attention not in KV_ATTENTION:
+            raise ValueError(f"attention={attention!r}: one of {KV_ATTENTION}")
+        if attention == "gqa" and gqa_problems(spec):
+            raise ValueError(f"{spec.name} cannot run on GroupQueryAttention: " + "; ".join(gqa_problems(spec)))
+        self.backbone, self.spec, self.attention = backbone, spec, attention
         cfg = backbone.cfg
         self.L, self.d = cfg.num_layers, cfg.head_dim
         self.kinds = []  # per kind: (name, bits, granularity, symmetric), key first
@@ -114,6 +124,8 @@ class QuantizedKVBackbone(nn.Module):
         return layers
 
     def forward(self, input_ids, position_ids, attention_mask, cache: list, static: list, lora: list):
+        if self.attention == "gqa":
+            return self._forward_gqa(input_ids, position_ids, attention_mask, cache, static, lora)
         spec, bb = self.spec, self.backbone
         cache = list(cache)
         past_positions = cache.pop(0) if spec.pre_rope_keys else None  # (B, P)
@@ -143,6 +155,55 @@ class QuantizedKVBackbone(nn.Module):
             x = block.finish(x, y, B, T, lora_i)
             outputs += self._append(layer, k, v, position_ids)
         return (bb.head(x, B, T), *outputs)
+
+    def _forward_gqa(self, input_ids, position_ids, attention_mask, cache: list, static: list, lora: list):
+        """Attention by ``kernels.gqa_attention`` (one GroupQueryAttention node per layer in ONNX).
+
+        The sink inputs stay in the signature (same interface as the standard-ops engine) but are
+        empty: the scheme has no sink. The new K/V are rounded to fp16 before they are quantized,
+        as ``kernels.kv_quant.QuantizedKVCache`` stores them, so both hold the same integers.
+        """
+        bb = self.backbone
+        layers = self._parse(list(cache), list(static))
+        B, T = input_ids.shape
+        sink_len, P = layers[0]["sink"][0].shape[2], layers[0]["key"][0].shape[2]
+        x, cos, sin, _ = bb.prepare(input_ids, position_ids, attention_mask, sink_len + P)
+        slots = attention_mask[:, sink_len:]  # (B, P + T): sink slots come first and there are none
+        bias = torch.where(slots > 0, 0.0, torch.finfo(torch.float32).min)[:, None, None, :].expand(B, 1, T, P + T)
+        nh, nkv, d = bb.cfg.num_heads, bb.cfg.num_kv_heads, self.d
+        outputs = []
+        for i, block in enumerate(bb.blocks):
+            layer, lora_i = layers[i], bb.layer_lora(tuple(lora), i)
+            q, k, v = block.project_qkv(x, B, T, cos, sin, lora_i)  # (B, heads, T, d), post-RoPE
+            k16, v16 = k.to(torch.float16), v.to(torch.float16)
+            y, present_k, present_v = gqa_quantized_attention(
+                q.transpose(1, 2).reshape(B, T, nh * d),
+                *(t.float().transpose(1, 2).reshape(B, T, nkv * d) for t in (k16, v16)),
+                layer["key"][0], layer["value"][0],
+                *(layer[kind + "_static"][0].reshape(1, nkv, 1, d) for kind in ("key", "value")),
+                bias, nh, nkv,
+            )  # y (B, T, nh d)
+            y = y.view(B, T, nh, d).transpose(1, 2).reshape(B, nkv, (nh // nkv) * T, d)  # finish's layout
+            x = block.finish(x, y, B, T, lora_i)
+            outputs += [present_k, present_v, k16, v16]
+        return (bb.head(x, B, T), *outputs)
+
+    def run_gqa_chunks(self, ids, bounds: list[tuple[int, int]], static: list, lora: tuple = ()) -> tuple[list, list]:
+        """Eager GQA-mode run of ``ids`` (B, T) chunk by chunk (``bounds``: [(start, end), ...] from 0),
+        each chunk through the packed cache the previous ones left, as the engine is driven. Returns
+        (logits per chunk, packed [key.0, value.0, key.1, ...]). No padding: every slot is real."""
+        cfg = self.backbone.cfg
+        B = ids.shape[0]
+        packed = [torch.zeros(B, cfg.num_kv_heads, 0, self.d // 2, dtype=torch.uint8) for _ in range(2 * self.L)]
+        no_sink = torch.zeros(B, cfg.num_kv_heads, 0, self.d, dtype=torch.float16)
+        logits = []
+        for a, b in bounds:
+            cache = [t for i in range(self.L) for t in (packed[2 * i], packed[2 * i + 1], no_sink, no_sink)]
+            out, *rest = self(ids[:, a:b], torch.arange(a, b).expand(B, b - a), torch.ones(B, b, dtype=torch.long),
+                              cache, static, lora)
+            packed = [t for i in range(self.L) for t in rest[4 * i : 4 * i + 2]]
+            logits.append(out)
+        return logits, packed
 
     # ------------------------------------------------------------ read side
 

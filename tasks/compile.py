@@ -45,7 +45,8 @@ def exporter_version() -> dict:
 
 
 # The code that defines the exported graph: editing any of it must rebuild the engine.
-GRAPH_SOURCES = ("runtime/model.py", "runtime/kv_model.py", "runtime/interface.py", "kernels/kv_quant.py")
+GRAPH_SOURCES = ("runtime/model.py", "runtime/kv_model.py", "runtime/interface.py", "kernels/kv_quant.py",
+                 "kernels/gqa_attention.py")
 
 
 def graph_source_hash() -> str:
@@ -56,7 +57,8 @@ def graph_source_hash() -> str:
     return digest.hexdigest()
 
 
-def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], opset: int, kv_spec: dict | None = None) -> dict:
+def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], opset: int, kv_spec: dict | None = None,
+              kv_attention: str = "standard") -> dict:
     from runtime.interface import INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSION
 
     key = {
@@ -70,6 +72,7 @@ def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...]
     }
     if kv_spec is not None:  # absent for float engines: their key (and cached builds) stay as they were
         key["kv_spec"] = dict(kv_spec)
+        key["kv_attention"] = kv_attention
     key["key"] = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     return key
 
@@ -163,13 +166,15 @@ def export_backbone(
     opset: int = 18,
     merged_lora: dict | None = None,
     kv_spec: dict | None = None,
+    kv_attention: str = "standard",
 ):
     """Export the hand-written forward with dynamic batch/seq/past; return its EngineInterface.
 
     ``target_modules=()`` exports a graph without LoRA inputs; with ``merged_lora`` (engine
     LoRA inputs as numpy) the adapter is merged into the weights first (the merged baseline).
     ``kv_spec`` (a ``kernels.kv_quant.KVQuantSpec`` dict) exports the quantized-KV engine
-    (``runtime.kv_model``) instead of the float-KV one.
+    (``runtime.kv_model``) instead of the float-KV one, its attention as ``kv_attention`` says
+    (``runtime.kv_model.KV_ATTENTION``: standard ONNX ops, or ONNX Runtime's GroupQueryAttention).
     """
     import torch
 
@@ -181,10 +186,11 @@ def export_backbone(
     model = load_backbone(model_dir, tuple(target_modules), merged_lora=merged)
     iface = build_interface(model.cfg, backbone_hash(model_dir), max_rank, tuple(target_modules), kv_spec)
     if kv_spec is not None:
+        from kernels.gqa_attention import onnx_translation
         from kernels.kv_quant import KVQuantSpec
         from runtime.kv_model import QuantizedKVBackbone
 
-        model = QuantizedKVBackbone(model, KVQuantSpec.from_dict(kv_spec)).eval()
+        model = QuantizedKVBackbone(model, KVQuantSpec.from_dict(kv_spec), kv_attention).eval()
     args = _example_inputs(model.backbone if kv_spec else model, iface, TRACE_BATCH, TRACE_SEQ, TRACE_PAST)
     # LoRA (and static KV-scale) inputs have fixed shapes: (r_max, in), (out, r_max), (1,), (nkv, d).
     dynamic_shapes = _dynamic_shapes(iface, args, torch.export.Dim)
@@ -201,6 +207,7 @@ def export_backbone(
             output_names=iface.output_names,
             opset_version=opset,
             optimize=True,
+            custom_translation_table=onnx_translation() if kv_spec and kv_attention == "gqa" else None,
         )
     big = sum(p.numel() * 4 for p in model.parameters()) > 1.5e9  # protobuf caps one file at 2 GiB
     program.save(str(onnx_path), external_data=big)
@@ -218,11 +225,14 @@ def compile_engine(
     ort_threads: int = 2,
     metrics_path: Path | None = None,
     kv_spec: dict | None = None,
+    kv_attention: str = "standard",
 ) -> dict:
     """Build ``engine_dir`` unless a build for the same key is already there; return metrics.
 
     ``kv_spec`` None builds the float-KV engine; a ``KVQuantSpec`` dict the quantized-KV one
-    (part of the cache key, so give the two different directories).
+    (part of the cache key, so give the two different directories), read by standard ONNX ops or,
+    with ``kv_attention="gqa"``, by ONNX Runtime's GroupQueryAttention (ORT only; 4-bit symmetric
+    per-channel K and V after RoPE, no sink: ``kernels.gqa_attention``).
 
     The new engine is written into a temporary sibling and renamed into place only when the
     export, the interface check and the ORT optimization all succeeded.
@@ -234,12 +244,17 @@ def compile_engine(
     bhash = backbone_hash(model_dir)
     if kv_spec is not None:
         from kernels.kv_quant import KVQuantSpec
-        from runtime.kv_model import check_engine_spec
+        from kernels.gqa_attention import gqa_problems
+        from runtime.kv_model import KV_ATTENTION, check_engine_spec
 
         spec = KVQuantSpec.from_dict(dict(kv_spec))
         check_engine_spec(spec)
+        if kv_attention not in KV_ATTENTION:
+            raise ValueError(f"kv_attention={kv_attention!r}: one of {KV_ATTENTION}")
+        if kv_attention == "gqa" and gqa_problems(spec):
+            raise ValueError(f"{spec.name} cannot run on GroupQueryAttention: " + "; ".join(gqa_problems(spec)))
         kv_spec = spec.to_dict()  # validated, every field spelled out
-    key = cache_key(bhash, max_rank, tuple(target_modules), opset, kv_spec)
+    key = cache_key(bhash, max_rank, tuple(target_modules), opset, kv_spec, kv_attention)
     key_file = engine_dir / CACHE_KEY_FILE
     metrics = {"backbone_hash": bhash, "cache_key": key["key"]}
     if key_file.exists() and json.loads(key_file.read_text()).get("key") == key["key"]:
@@ -249,7 +264,8 @@ def compile_engine(
     else:
         t0 = time.perf_counter()
         with atomic_output_dir(engine_dir) as tmp:
-            iface = export_backbone(model_dir, tmp / ENGINE_ONNX, max_rank, tuple(target_modules), opset, kv_spec=kv_spec)
+            iface = export_backbone(model_dir, tmp / ENGINE_ONNX, max_rank, tuple(target_modules), opset, kv_spec=kv_spec,
+                                    kv_attention=kv_attention)
             write_interface(iface, tmp / "interface.json", exporter=key["exporter"])
             from runtime.backends.onnxruntime import OrtEngine
 

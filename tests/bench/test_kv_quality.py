@@ -81,6 +81,22 @@ def test_decode_like_scoring_puts_the_suffix_in_the_cache_too(backbone, ids):
     assert not torch.allclose(quant_chunked[:, 4:], quant_two_pass[:, 4:], atol=1e-4)  # later chunks read quantized suffix
 
 
+def test_the_gqa_engine_row_is_scored_through_the_engines_own_module(backbone, ids):
+    from bench.kv_quality import GQA_ROW, gqa_engine_exact
+
+    stats = _stats(backbone, ids)
+    spec = grid()[GQA_ROW]
+    scales = scales_from_stats(stats[False], spec)
+    res = measure(backbone, ids, 16, {"float": None, GQA_ROW: spec}, lambda s: None if s is None else scales, 2048, chunk=4)
+    exact = gqa_engine_exact(backbone, ids, 16, scales, res["float"], chunk=4)
+    # The same quantizer, read differently: the engine's prompt and suffix also read themselves quantized.
+    assert exact["perplexity"] != pytest.approx(res[GQA_ROW]["perplexity"], rel=1e-6)
+    assert abs(exact["ppl_increase_pct"] - res[GQA_ROW]["ppl_increase_pct"]) < 5.0
+    assert exact["ppl_increase_pct"] != 0.0
+    # Every token is appended before attention reads the cache, so how the suffix is chunked changes nothing.
+    assert exact["ppl_increase_pct_decode_like"] == pytest.approx(exact["ppl_increase_pct"], abs=1e-6)
+
+
 def test_one_command_writes_json_table_and_plot(tmp_path):
     import json
 
@@ -94,6 +110,8 @@ def test_one_command_writes_json_table_and_plot(tmp_path):
     assert text["results"]["K4/V4 chosen"]["bytes_per_token"] < 2048 / 3.5  # at the stated context of 2048
     assert len(text["key_outlier_ratio"]["pre_rope"]) == 4
     assert min(text["outlier_case"]["key_outlier_ratio"]["pre_rope"]) > 5
-    assert set(report["acceptance"]) >= {"k4v4_ppl_increase_le_0.5pct", "outlier_per_channel_le_half_of_per_token"}
+    assert set(report["acceptance"]) >= {"k4v4_ppl_increase_le_0.5pct", "outlier_per_channel_le_half_of_per_token",
+                                         "gqa_engine_ppl_increase_le_0.5pct", "gqa_outlier_le_half_of_per_token"}
+    assert "exactly as the GQA engine computes it" in out.with_suffix(".md").read_text()
     assert "| K4/V4 chosen |" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").stat().st_size > 10_000

@@ -108,10 +108,9 @@ def test_quantized_engine_stores_the_reference_integers_and_matches_its_logits_w
     assert np.abs(got - float_like).max() > 1e-3
 
 
-def test_quantized_engine_generates_like_the_reference_batched_and_per_row(quant_engine, tiny_qwen, qwen_adapter):
-    spec, engine = quant_engine
-    lora = load_adapter(qwen_adapter, engine.interface)
-    engine.set_adapter(lora, kv_scales=calibrate(tiny_qwen, spec, lora))
+def assert_decodes_alike_batched_with_left_padding_and_per_row(engine, spec: KVQuantSpec, model_dir, adapter_dir):
+    lora = load_adapter(adapter_dir, engine.interface)
+    engine.set_adapter(lora, kv_scales=calibrate(model_dir, spec, lora))
     prompts = [[3, 14, 15, 92, 65], [35, 89, 7]]
 
     batched = greedy_generate(engine, prompts, max_new_tokens=10)
@@ -119,6 +118,11 @@ def test_quantized_engine_generates_like_the_reference_batched_and_per_row(quant
 
     assert [len(t) for t in per_row] == [10, 10]
     assert batched == per_row  # left padding: a padded slot is masked, so the rows decode alike
+
+
+def test_quantized_engine_generates_like_the_reference_batched_and_per_row(quant_engine, tiny_qwen, qwen_adapter):
+    spec, engine = quant_engine
+    assert_decodes_alike_batched_with_left_padding_and_per_row(engine, spec, tiny_qwen, qwen_adapter)
 
 
 def test_quantized_engine_refuses_to_run_without_scales(quant_engine):
@@ -170,3 +174,68 @@ def test_window_tokens_are_refused_at_compile(tiny_qwen, tmp_path):
 
     with pytest.raises(ValueError, match="window_tokens=4: the engine's quantized cache has no fp16 window"):
         compile_engine(tiny_qwen, tmp_path / "e", 8, TARGETS, kv_spec=KVQuantSpec(window_tokens=4).to_dict())
+
+
+# ---------------------------------------------------------------- GroupQueryAttention engine
+
+GQA = KVQuantSpec(k_bits=4, v_bits=4, v_granularity="channel", k_symmetric=True, v_symmetric=True, sink_tokens=0,
+                  pre_rope_keys=False)
+
+
+@pytest.fixture(scope="module")
+def gqa_engine(tiny_qwen, tmp_path_factory):
+    from tasks.compile import compile_engine
+
+    engine_dir = tmp_path_factory.mktemp("kv_engines") / "engine-gqa"
+    compile_engine(tiny_qwen, engine_dir, max_rank=8, target_modules=TARGETS, kv_spec=GQA.to_dict(), kv_attention="gqa")
+    return OrtEngine(engine_dir, threads=2)
+
+
+def eager_gqa_run(model_dir, iface, lora: dict, scales: KVScales, ids: np.ndarray, split: int):
+    """The same steps through the PyTorch module the engine was exported from (the op's eager reference)."""
+    from runtime.kv_model import QuantizedKVBackbone
+
+    module = QuantizedKVBackbone(load_backbone(model_dir, iface.target_modules), GQA, "gqa")
+    static = [t for i in range(iface.num_layers) for t in (scales.k_scale[i], scales.v_scale[i])]
+    bounds = [(0, split)] + [(t, t + 1) for t in range(split, ids.shape[1])]
+    with torch.inference_mode():
+        logits, packed = module.run_gqa_chunks(torch.from_numpy(ids), bounds, static,
+                                               tuple(torch.from_numpy(lora[n]) for n in iface.lora_names))
+    return torch.cat(logits, 1).numpy(), packed
+
+
+def test_gqa_engine_is_one_group_query_attention_node_per_layer_storing_the_eager_integers(gqa_engine, tiny_qwen, qwen_adapter):
+    import onnx
+
+    graph = onnx.load(gqa_engine.engine_dir / "model.onnx").graph
+    assert [n.op_type for n in graph.node].count("GroupQueryAttention") == gqa_engine.interface.num_layers
+    lora = load_adapter(qwen_adapter, gqa_engine.interface)
+    scales = calibrate(tiny_qwen, GQA, lora)
+    gqa_engine.set_adapter(lora, kv_scales=scales)
+    ids = np.random.default_rng(0).integers(0, 96, (2, 14))
+
+    got, cache = engine_run(gqa_engine, ids, split=7)
+    want, packed = eager_gqa_run(tiny_qwen, gqa_engine.interface, lora, scales, ids, split=7)
+
+    stored = gqa_engine.cache_to_numpy(cache)
+    for i in range(gqa_engine.interface.num_layers):
+        assert np.array_equal(stored[f"past_key.{i}"], packed[2 * i].numpy())
+        assert np.array_equal(stored[f"past_value.{i}"], packed[2 * i + 1].numpy())
+    assert stored["past_key.0"].shape == (2, 2, 14, 8)  # 16 channels, two per byte
+    assert np.abs(got - want).max() <= 1e-4
+    # The first layer's prompt keys are quantized from the same inputs as kernels' reference cache.
+    _, ref = reference_run(tiny_qwen, gqa_engine.interface, lora, GQA, scales, ids[:, :7], split=7)
+    assert np.array_equal(stored["past_key.0"][:, :, :7], torch.cat(ref.layers[0]["k"].packed, 2).numpy())
+
+
+def test_gqa_engine_generates_alike_batched_with_left_padding_and_per_row(gqa_engine, tiny_qwen, qwen_adapter):
+    assert_decodes_alike_batched_with_left_padding_and_per_row(gqa_engine, GQA, tiny_qwen, qwen_adapter)
+
+
+def test_a_scheme_group_query_attention_cannot_run_is_refused_at_compile_naming_what_differs(tiny_qwen, tmp_path):
+    from tasks.compile import compile_engine
+
+    with pytest.raises(ValueError, match=r"cannot run on GroupQueryAttention: v_granularity='token' \(the op needs 'channel'\)"
+                                         r".*sink_tokens=1 \(the op needs 0\).*pre_rope_keys=True"):
+        compile_engine(tiny_qwen, tmp_path / "e", 8, TARGETS, kv_spec=DEFAULT.to_dict(), kv_attention="gqa")
+    assert not (tmp_path / "e").exists()
