@@ -287,8 +287,11 @@ def compile_engine(
 def run_stage(cfg: ReleaseConfig) -> dict:
     """The compile stage: build (or reuse) ``engine.dir`` for the backbone; record ``engine_builds``.
 
-    With ``engine.weights`` int8/int4 the float engine is also copied with quantized weights into
-    ``engine.serving_dir()`` (reused likewise); the adapters' interface is the same for both.
+    With ``engine.kv_cache: quantized`` the engine with the ``kv`` section's quantized cache is
+    built too (``engine.kv_engine_dir()``; its scales are runtime inputs, so it is month-independent
+    like the float one). With ``engine.weights`` int8/int4 the serving engine is also copied with
+    quantized weights into ``engine.serving_dir()`` (reused likewise). Adapters take the same LoRA
+    inputs on all of them.
     """
     metrics = compile_engine(
         Path(cfg.base_model.path),
@@ -299,10 +302,21 @@ def run_stage(cfg: ReleaseConfig) -> dict:
         cfg.engine.threads,
         None,
     )
+    source = Path(cfg.engine.dir)
+    if cfg.engine.kv_cache == "quantized":
+        spec = cfg.kv.spec()
+        attention = cfg.engine.kv_attention(spec)
+        kv = compile_engine(Path(cfg.base_model.path), cfg.engine.kv_engine_dir(), cfg.engine.max_rank,
+                            cfg.engine.target_modules, cfg.engine.opset, cfg.engine.threads, None,
+                            kv_spec=spec.to_dict(), kv_attention=attention)
+        metrics |= {"kv_engine": {"dir": str(cfg.engine.kv_engine_dir()), "attention": attention, "spec": spec.name,
+                                  "engine_builds": kv["engine_builds"], "interface_hash": kv["interface_hash"]}}
+        metrics["engine_builds"] += kv["engine_builds"]
+        source = cfg.engine.kv_engine_dir()
     if cfg.engine.weights != "fp32":
         from tasks.quantize_weights import ensure_quantized_engine
 
-        metrics |= ensure_quantized_engine(Path(cfg.engine.dir), cfg.engine.serving_dir(), cfg.engine.weights)
+        metrics |= ensure_quantized_engine(source, cfg.engine.serving_dir(), cfg.engine.weights)
     # Not under the month's folder: the engine belongs to the backbone, and a new month must not
     # make this stage (or its DVC record) look changed.
     out = engine_build_file(cfg)

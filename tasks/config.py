@@ -122,10 +122,25 @@ class EngineConfig(_Section):
     backend: Literal["onnxruntime", "torch", "tensorrt"] = "onnxruntime"
     parity_tolerance: float = Field(1e-4, gt=0)
     weights: Literal["fp32", "int8", "int4"] = "fp32"
+    kv_cache: Literal["float", "quantized"] = "quantized"
+
+    def kv_engine_dir(self) -> Path:
+        """The engine with the quantized KV cache (``kv`` section's scheme), beside the float one."""
+        return Path(f"{self.dir}-kv")
 
     def serving_dir(self) -> Path:
-        """The engine the device runs: the float engine, or its weight-quantized copy beside it."""
-        return Path(self.dir) if self.weights == "fp32" else Path(f"{self.dir}-{self.weights}")
+        """The engine the device runs: the float-cache or quantized-cache engine, or its
+        weight-quantized copy beside it."""
+        source = Path(self.dir) if self.kv_cache == "float" else self.kv_engine_dir()
+        return source if self.weights == "fp32" else Path(f"{source}-{self.weights}")
+
+    def kv_attention(self, spec) -> str:
+        """How the quantized-KV engine reads its cache (``runtime.kv_model.KV_ATTENTION``): ONNX Runtime's
+        fused GroupQueryAttention when the backend is ORT and the scheme is one that op implements,
+        else standard ONNX ops (the only ones TensorRT's parser takes)."""
+        from kernels.gqa_attention import gqa_problems
+
+        return "gqa" if self.backend == "onnxruntime" and not gqa_problems(spec) else "standard"
 
     @model_validator(mode="after")
     def _weights_need_onnxruntime(self) -> "EngineConfig":
@@ -133,6 +148,9 @@ class EngineConfig(_Section):
         # reference would silently run float weights.
         if self.weights != "fp32" and self.backend != "onnxruntime":
             raise ValueError(f"weights {self.weights} needs backend onnxruntime, not {self.backend}")
+        if self.kv_cache == "quantized" and self.backend != "onnxruntime":
+            raise ValueError(f"kv_cache quantized runs on backend onnxruntime only, not {self.backend} "
+                             "(its runtime does not bind KV scales yet): set engine.kv_cache: float")
         return self
 
 
@@ -141,14 +159,21 @@ class KVConfig(_Section):
     k_bits: int = Field(4, ge=2, le=8)
     v_bits: int = Field(4, ge=2, le=8)
     k_granularity: Literal["channel", "token"] = "channel"
-    v_granularity: Literal["channel", "token"] = "token"
-    k_symmetric: bool = False
+    v_granularity: Literal["channel", "token"] = "channel"
+    k_symmetric: bool = True
     v_symmetric: bool = True
-    sink_tokens: int = Field(1, ge=0)
+    sink_tokens: int = Field(0, ge=0)
     window_tokens: int = Field(0, ge=0)
-    pre_rope_keys: bool = True
-    clip_percentile: float = Field(99.9, gt=50.0, le=100.0)
+    pre_rope_keys: bool = False
+    clip_percentile: float = Field(99.0, gt=50.0, le=100.0)
     calib_batch_size: int = Field(16, ge=1)
+
+    def spec(self):
+        """The scheme as a ``kernels.kv_quant.KVQuantSpec``."""
+        from kernels.kv_quant import KVQuantSpec
+
+        return KVQuantSpec(self.k_bits, self.v_bits, self.k_granularity, self.v_granularity, self.k_symmetric,
+                           self.v_symmetric, self.sink_tokens, self.window_tokens, self.pre_rope_keys)
 
 
 class EvalConfig(_Section):
@@ -204,6 +229,15 @@ class ReleaseConfig(_Section):
         outside = [m for m in self.lora.target_modules if m not in self.engine.target_modules]
         if outside:
             raise ValueError(f"lora.target_modules {outside} are not LoRA inputs of the engine (engine.target_modules)")
+        return self
+
+    @model_validator(mode="after")
+    def _quantized_cache_needs_scales(self) -> "ReleaseConfig":
+        if self.engine.kv_cache == "quantized" and not self.kv.enabled:
+            raise ValueError("engine.kv_cache quantized needs kv.enabled: the engine reads the release's calibrated scales")
+        if self.engine.kv_cache == "quantized" and self.kv.window_tokens:
+            raise ValueError(f"engine.kv_cache quantized: kv.window_tokens ({self.kv.window_tokens}) must be 0, "
+                             "the engine's cache has no fp16 window")
         return self
 
     @model_validator(mode="after")

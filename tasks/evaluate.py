@@ -142,26 +142,47 @@ def _score_on_engine(
     test: list[Example],
     texts: list[str],
     cfg: EvalConfig,
+    base_dir: Path,
+    kv_dir: Path | None,
 ) -> tuple[dict, dict, list[str], list[float]]:
-    """Accuracy, perplexity and decode latency of base + adapter on the compiled engine, and its
-    parity with PyTorch + merged PEFT. The last item is every timed decode step (ms)."""
+    """Accuracy, perplexity and decode latency of base + adapter on the serving engine, and its
+    parity with PyTorch + merged PEFT (a quantized-KV engine: with its own PyTorch module, the
+    release's scales on both sides). The last item is every timed decode step (ms)."""
     from runtime.adapter import load_adapter
     from runtime.engine import open_engine
     from runtime.generate import generate_text
-    from tasks.engine_parity import parity_report, prefill_logit_diff
+    from tasks.engine_parity import parity_report, prefill_logit_diff, quantized_prefill_parity
 
     engine = open_engine(engine_cfg.serving_dir(), backend=engine_cfg.backend, threads=engine_cfg.threads)
-    engine.set_adapter(load_adapter(adapter_dir, engine.interface))
+    lora = load_adapter(adapter_dir, engine.interface)
     prompts = [ex.prompt for ex in test]
+    kv_parity = {}
+    if engine.interface.kv_spec is None:
+        engine.set_adapter(lora)
+        diff = prefill_logit_diff(engine, merged_model, tokenizer, prompts)
+    else:
+        from kernels.kv_quant import KVQuantSpec
+        from runtime.hashing import backbone_hash
+        from tasks.artifacts import sha256_file
+        from tasks.calibrate import load_kv_scales, load_release_backbone
+
+        scales = load_kv_scales(kv_dir, sha256_file(adapter_dir / "adapter_model.safetensors"), backbone_hash(base_dir),
+                                expected_spec=KVQuantSpec.from_dict(engine.interface.kv_spec))
+        engine.set_adapter(lora, kv_scales=scales)
+        backbone, _, _ = load_release_backbone(base_dir, adapter_dir, Path(engine_cfg.dir))
+        kv_parity = quantized_prefill_parity(engine, backbone, scales, engine_cfg.kv_attention(scales.spec), tokenizer, prompts)
+        diff = kv_parity["max_abs_logit_diff_codes_agree"]
     on_engine = generate_text(engine, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size)
     parity = parity_report(
-        prefill_logit_diff(engine, merged_model, tokenizer, prompts),
+        diff,
         greedy_completions(merged_model, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size),
         on_engine,
         engine_cfg.parity_tolerance,
     )
     parity["backend"] = engine_cfg.backend
     parity["weights"] = engine_cfg.weights
+    parity["kv_cache"] = engine_cfg.kv_cache
+    parity |= kv_parity
     parity["interface_hash"] = engine.interface.interface_hash
     report = accuracy_report(test, on_engine)
     report["perplexity"] = engine_perplexity(engine, tokenizer, texts)
@@ -273,7 +294,7 @@ def evaluate(
     if engine is not None:
         merged = adapted.merge_and_unload().eval()
         metrics["adapter_on_engine"], metrics["engine_parity"], engine_predictions, latency_samples = _score_on_engine(
-            engine, adapter_dir, merged, tokenizer, test, texts, cfg
+            engine, Path(adapter_dir), merged, tokenizer, test, texts, cfg, Path(base_dir), kv_dir
         )
         if engine.weights != "fp32":
             from tasks.quantize_weights import accuracy_gate
@@ -287,6 +308,15 @@ def evaluate(
             base_dir, adapter_dir, kv_dir, Path(data_dir) / "calib.jsonl", test, texts, cfg.max_new_tokens,
             engine_dir=Path(engine.dir) if engine is not None else None,
         )
+        if engine is not None and engine.kv_cache == "quantized":
+            # What the device's cache costs, measured on the device's engine: the reference cache
+            # above lets a chunk read its own K/V in float, the engine's attention reads every token,
+            # its own included, back from the 4-bit cache (kernels/gqa_attention.py).
+            on_engine = metrics["adapter_on_engine"]
+            metrics["kv_cache"]["on_engine"] = {
+                "accuracy_drop": adapter_report["accuracy"] - on_engine["accuracy"],
+                "ppl_increase_pct": 100.0 * (on_engine["perplexity"] / adapter_report["perplexity"] - 1.0),
+            }
     with atomic_output_dir(Path(out_dir)) as tmp:
         write_json(tmp / "metrics.json", metrics)
         if latency_samples:

@@ -88,11 +88,14 @@ def evaluation_gates(metrics: dict, gates: GatesConfig, champion: dict | None, p
                 for n in ("kv_accuracy_drop", "kv_ppl_increase_pct")]
     else:
         kv = kv or {}
+        # A quantized-KV serving engine is measured on itself (against float PyTorch), else the reference cache.
+        where = "on the quantized-KV engine vs float PyTorch" if "on_engine" in kv else "reference cache"
+        kv = kv.get("on_engine", kv)
         out += [
             _compare("kv_accuracy_drop", kv.get("accuracy_drop"), "<=", gates.max_kv_accuracy_drop,
-                     "test accuracy lost by the quantized KV cache"),
+                     f"test accuracy lost by the quantized KV cache ({where})"),
             _compare("kv_ppl_increase_pct", kv.get("ppl_increase_pct"), "<=", gates.max_kv_ppl_increase_pct,
-                     "held-out perplexity increase from the quantized KV cache, %"),
+                     f"held-out perplexity increase from the quantized KV cache, % ({where})"),
         ]
     latency = (metrics.get("adapter_on_engine") or {}).get("decode_latency")
     out.append(_compare("p95_decode_ms", latency and latency["p95_ms"], "<=", gates.max_p95_decode_ms,
@@ -104,6 +107,13 @@ def evaluation_gates(metrics: dict, gates: GatesConfig, champion: dict | None, p
         weights_gate = metrics.get("weights_gate", {})
         out.append(Gate("engine_parity", str(weights_gate.get("passed")), "True", "==", bool(weights_gate.get("passed")),
                         f"{parity['weights']} weights: accuracy gate against float PyTorch"))
+    elif parity.get("kv_cache") == "quantized":
+        out.append(_compare("engine_parity", parity["max_abs_logit_diff"], "<=", parity_tolerance,
+                            "max abs logit difference, quantized-KV engine vs its PyTorch module, prompts whose "
+                            "stored KV bytes agree"))
+        out.append(_compare("kv_code_mismatch", parity.get("kv_code_mismatch"), "<=", parity.get("kv_code_mismatch_limit"),
+                            f"stored KV bytes coded differently from the PyTorch module ({parity.get('kv_bytes_differing')} "
+                            f"of {parity.get('kv_bytes_compared')}: float rounding at a code boundary)"))
     else:
         out.append(_compare("engine_parity", parity["max_abs_logit_diff"], "<=", parity_tolerance,
                             "max abs logit difference, engine vs PyTorch + merged PEFT"))

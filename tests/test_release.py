@@ -60,8 +60,7 @@ def parent_runs(client, month):
 def test_first_month_publishes_and_records_everything(project):
     root = project["root"]
     done = run_flow(project, "first")
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert project["seconds"]["first"] < 600  # the whole monthly flow on 2 cores
+    assert done.returncode == 0, done.stderr[-4000:]  # its wall time is bench/flow_bench.py's to measure
 
     release = root / "artifacts" / "2026-11"
     metrics = json.loads((release / "eval" / "metrics.json").read_text())
@@ -70,8 +69,12 @@ def test_first_month_publishes_and_records_everything(project):
     assert base["accuracy_new"] <= 0.60  # the base learned last month's rule book
     assert on_engine["accuracy_new"] >= 0.95 and on_engine["accuracy_regression"] >= 0.95
     assert on_engine["accuracy_new"] == metrics["adapter"]["accuracy_new"]
-    assert metrics["engine_parity"]["greedy_identical"] and metrics["engine_parity"]["max_abs_logit_diff"] <= 1e-4
+    # The device's engine keeps its KV cache in 4 bits: parity with its own PyTorch module, few codes apart.
+    parity = metrics["engine_parity"]
+    assert parity["kv_cache"] == "quantized" and parity["max_abs_logit_diff"] <= 1e-4
+    assert parity["kv_code_mismatch"] <= 1e-4 and parity["kv_bytes_compared"] > 1_000_000
     assert metrics["kv_cache"]["accuracy_drop"] <= 0.01 and metrics["kv_cache"]["compression_vs_fp16"] > 2.5
+    assert metrics["kv_cache"]["on_engine"]["accuracy_drop"] <= 0.01
     assert 0 < on_engine["decode_latency"]["p50_ms"] <= on_engine["decode_latency"]["p95_ms"]
     gates = json.loads((release / "gates" / "gates.json").read_text())
     assert gates["passed"] and gates["champion"] is None

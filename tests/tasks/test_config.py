@@ -73,3 +73,14 @@ def test_params_hash_changes_with_any_setting():
     b = parse_config({"train": {"lr": 0.001}})
     assert a.params_hash() == ReleaseConfig().params_hash()
     assert a.params_hash() != b.params_hash()
+
+
+def test_a_quantized_kv_engine_needs_onnxruntime_and_calibrated_scales():
+    assert ReleaseConfig().engine.kv_attention(ReleaseConfig().kv.spec()) == "gqa"  # the defaults run the fused op
+    with pytest.raises(ConfigError, match="kv_cache quantized runs on backend onnxruntime only, not tensorrt"):
+        parse_config({"engine": {"backend": "tensorrt"}})
+    with pytest.raises(ConfigError, match="engine.kv_cache quantized needs kv.enabled"):
+        parse_config({"kv": {"enabled": False}})
+    assert parse_config({"engine": {"backend": "tensorrt", "kv_cache": "float"}, "kv": {"enabled": False}}).engine.serving_dir() == Path("engine")
+    pre_rope = parse_config({"kv": {"pre_rope_keys": True, "k_symmetric": False}})
+    assert pre_rope.engine.kv_attention(pre_rope.kv.spec()) == "standard" and pre_rope.engine.serving_dir() == Path("engine-kv")
