@@ -17,18 +17,20 @@ import time
 import urllib.request
 
 
-def wait_healthy(api_url: str, timeout: float, server: subprocess.Popen) -> None:
+def wait_http(url: str, timeout: float, process: subprocess.Popen, what: str) -> None:
+    """Wait until ``url`` answers 200; fail early if ``process`` exits first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"prefect server exited with code {server.returncode} before it answered")
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {process.returncode} before {url} answered")
         try:
-            with urllib.request.urlopen(f"{api_url}/health", timeout=2) as response:
+            with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
                     return
         except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"prefect server at {api_url} did not answer within {timeout:.0f} s")
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{what}: {url} did not answer within {timeout:.0f} s")
 
 
 def start_server(port: int, env: dict) -> tuple[subprocess.Popen, str]:
@@ -39,7 +41,7 @@ def start_server(port: int, env: dict) -> tuple[subprocess.Popen, str]:
     )
     api_url = f"http://127.0.0.1:{port}/api"
     try:
-        wait_healthy(api_url, 120, server)
+        wait_http(f"{api_url}/health", 120, server, "prefect server")
     except BaseException:
         stop_server(server)
         raise

@@ -44,7 +44,7 @@ def reproduce(name: str, force: bool = False) -> pipeline.StageRun:
 
 @task(retries=2, retry_delay_seconds=5)
 def record(config: ReleaseConfig, runs: list[pipeline.StageRun], report: dict) -> release.Recorded:
-    return release.record_in_mlflow(config, Path.cwd(), runs, report, pipeline.git_revision(Path.cwd()), str(flow_run.id))
+    return release.record_in_mlflow(config, Path.cwd(), runs, report, str(flow_run.id))
 
 
 @task

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -53,13 +52,6 @@ def _env() -> None:
     bindir = str(Path(os.sys.executable).parent)
     if os.environ.get("PATH", "").split(os.pathsep)[0] != bindir:
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-
-
-def _git(root: Path, *args: str) -> str:
-    done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise PipelineError(f"git {' '.join(args)} failed in {root}: {done.stderr.strip()}")
-    return done.stdout.strip()
 
 
 def remote_url(root: Path, remote: str) -> str:
@@ -233,9 +225,3 @@ def _set_key(lines: list[str], section: str, key: str, value: str) -> list[str]:
     last = max((i for i in range(start + 1, end) if lines[i].strip()), default=start)
     return lines[: last + 1] + [f"  {key}: {value}"] + lines[last + 1 :]
 
-
-def git_revision(root: Path) -> str:
-    try:
-        return _git(Path(root), "rev-parse", "HEAD")
-    except (PipelineError, FileNotFoundError):
-        return "unknown"

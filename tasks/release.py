@@ -104,13 +104,13 @@ def headline_metrics(cfg: ReleaseConfig, runs: list[StageRun], report: dict) -> 
     return {k: float(v) for k, v in out.items() if v is not None}
 
 
-def record_in_mlflow(cfg: ReleaseConfig, root: Path, runs: list[StageRun], report: dict, git_revision: str,
-                     flow_run: str | None) -> Recorded:
+def record_in_mlflow(cfg: ReleaseConfig, root: Path, runs: list[StageRun], report: dict, flow_run: str | None) -> Recorded:
     """Parent run, nested stage runs, gate metrics, and a candidate model version (packaged candidates)."""
     from tasks import tracking
+    from tasks.package import git_revision
 
     client, experiment_id = tracking.client_for(cfg.publish, root)
-    parent = tracking.start_release_run(client, experiment_id, cfg, git_revision, flow_run)
+    parent = tracking.start_release_run(client, experiment_id, cfg, git_revision(root)["git_revision"], flow_run)
     for run in runs:
         metrics, artifacts = stage_outputs(cfg, run.name)
         tracking.log_stage_run(client, experiment_id, parent, run.name, run.reproduced, run.seconds, metrics, artifacts)

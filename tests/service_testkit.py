@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 
@@ -22,22 +21,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def wait_http(url: str, timeout: float, process: subprocess.Popen, what: str) -> None:
-    """Wait until ``url`` answers 200; fail early if ``process`` exits first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {process.returncode} before {url} answered")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{what}: {url} did not answer within {timeout:.0f} s")
 
 
 def start_service(cmd: list[str], cwd: Path, env: dict, log: Path) -> subprocess.Popen:

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import yaml
 
+from flows.local_server import wait_http
 from project_testkit import ENV, MODEL, copy_project, git
-from service_testkit import free_port, kill_pids, processes_in, start_service, stop_group, wait_http
+from service_testkit import free_port, kill_pids, processes_in, start_service, stop_group
 
 POOL = "adapter-release-test"
 MONTH = "2026-12"
