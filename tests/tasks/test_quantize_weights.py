@@ -215,7 +215,7 @@ def test_calibration_reads_every_projection_input_from_the_float_graph(tiny_engi
     assert np.isfinite(_prefill_and_decode(engine, np.arange(5)[None])).all()
 
 
-def test_compile_stage_builds_the_int8_serving_engine_once_beside_the_float_one(tiny_llama_dir, tmp_path):
+def test_compile_stage_builds_the_int8_serving_engine_once_beside_the_float_ones(tiny_llama_dir, tmp_path):
     import yaml
 
     from runtime.interface import read_interface
@@ -230,11 +230,14 @@ def test_compile_stage_builds_the_int8_serving_engine_once_beside_the_float_one(
     }))
     cfg = load_config(params)
     first = compile_stage.run_stage(cfg)
-    assert (first["engine_builds"], first["weights_builds"]) == (1, 1)
-    serving = tmp_path / "engine-int8"
+    # The float-cache engine (adapters bind to it), the quantized-cache engine, and its int8 copy.
+    assert (first["engine_builds"], first["kv_engine"]["engine_builds"], first["weights_builds"]) == (2, 1, 1)
+    serving = tmp_path / "engine-kv-int8"
+    assert cfg.engine.serving_dir() == serving
     assert json.loads((serving / "weights.json").read_text())["weights"] == "int8"
-    # Same LoRA contract: an adapter bound to the float engine runs on its int8 copy.
-    assert read_interface(serving).interface_hash == read_interface(tmp_path / "engine").interface_hash
+    # Same LoRA contract: an adapter bound to the float engine runs on the int8 copy of the quantized-cache one.
+    assert read_interface(serving).interface_hash == read_interface(tmp_path / "engine-kv").interface_hash
+    assert read_interface(serving).float_interface_hash == read_interface(tmp_path / "engine").interface_hash
     again = compile_stage.run_stage(cfg)
     assert (again["engine_builds"], again["weights_builds"]) == (0, 0)
 
