@@ -77,5 +77,24 @@ deploy: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.run_all
 
+# The llama.cpp peer benchmark (not in `make bench`, not in CI): llama.cpp and our engines on the same
+# backbone in one run (bench/llama_cpp_bench.py). The `peer` extra compiles llama.cpp from the
+# llama-cpp-python sdist, CPU only, once (10-20 min on 2 cores); the sdist stays in $(PEER_SRC) for
+# the GGUF converter it vendors.
+PEER_SRC := $(VENV)/llama_cpp_src
+PEER_STAMP := $(VENV)/.installed-peer
+PEER_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DGGML_BLAS=OFF -DGGML_CUDA=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+
+$(PEER_STAMP): $(STAMP)
+	$(PY) -m pip download --quiet --no-deps --no-binary :all: -c constraints.txt -d $(PEER_SRC) llama-cpp-python
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) CMAKE_ARGS="$(PEER_CMAKE_ARGS)" \
+	  $(PY) -m pip install --quiet --find-links $(PEER_SRC) -c constraints.txt -e '.[dev,peer]'
+	touch $(PEER_STAMP)
+
+.PHONY: bench-peer
+bench-peer: $(PEER_STAMP)
+	$(PY) -m bench.llama_cpp_bench
+
 clean:
 	rm -rf artifacts data models

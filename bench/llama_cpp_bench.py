@@ -1,0 +1,484 @@
+"""Peer benchmark: llama.cpp against our ONNX Runtime engines, same backbone, same run (issue 8).
+
+    make bench-peer    # installs the `peer` extra (compiles llama.cpp, 10-20 min on 2 cores, once) and runs this
+    python -m bench.llama_cpp_bench [--configs tiny,0.5b-width] [--pasts 512,2048] [--iters 400] \
+        [--out bench/results/llama_cpp_bench.json] [--llama-cpp-src SDIST_OR_DIR] [--flash-attn on|off]
+
+Not part of CI nor of ``make bench``. Per config of ``bench.weight_quant_bench.CONFIGS`` (the tiny
+default widths and the Qwen2-0.5B widths with 6 layers, both vocabulary 512):
+
+* the random-weight Hugging Face backbone and LoRA adapter of ``bench.engine_bench``, and our
+  engines fp32 / int8 / int4 (ONNX Runtime, ``MatMulNBits`` RTN block 32, adapter bound as inputs)
+  built by ``bench.weight_quant_bench.build_variants``;
+* the *same* backbone directory converted to GGUF with the converter that the llama-cpp-python
+  sdist vendors (``vendor/llama.cpp/convert_hf_to_gguf.py``, ``conversion/``, ``gguf-py/``): F32,
+  F16 and Q8_0 by the converter, Q4_0 by ``llama_model_quantize`` (llama.cpp's own quantizer, the
+  one behind ``llama-quantize``) from the F32 file, with its defaults (e.g. the output matrix at a
+  higher precision);
+* every engine of the config timed in one ``interleaved`` call per case (A B C ..., A B C ...), so
+  load from other processes hits them alike: one decoded token after a past of P (the past is
+  restored after every call: ``engine_steps`` does not extend our cache; llama.cpp gets its
+  ``n_tokens`` reset to P, and ``Llama.eval`` drops KV cells >= P before decoding), and a prefill of
+  128 tokens. Batch 1, 2 threads (``n_threads = n_threads_batch = 2``), the same token ids for both
+  engines. Median and p10 per case. Under load from other processes llama.cpp's medians grow far
+  more than ours (5-60x against 3x at a 1-min load of 4 on 2 cores): compare runs whose load
+  average stays below the thread count (the bench warns when it starts above).
+
+llama.cpp runs the backbone without the adapter (our engines carry the rank-8 LoRA on q/k/v/o as
+inputs, as served); its KV cache is F16 (its default), ours fp32; flash attention is on (what
+llama.cpp's ``auto`` picks on CPU; ``--flash-attn off`` to compare).
+
+Roofline: read bandwidth is measured before and after the timings (sums and maxima over a 512 MiB
+float32 array split over the threads, best of 10; the better of the two). Weight bytes read per
+decoded token, the same rule for both engines: every stored weight tensor except the token-embedding
+matrix, which is gathered (one row per token), not streamed. ORT: the initializers of ``model.onnx``
+except those read only by ``Gather`` (the embedding) plus the bound LoRA inputs. GGUF: the tensor
+bytes of the file except ``token_embd.weight``. Achieved GB/s = bytes per token / decode time;
+share = achieved / measured bandwidth. The KV cache read is not counted (it grows with P). A share
+above 1 means the weights sat in cache (tiny: 2-16 MiB against a 32 MiB L3) or the probe was slowed
+by other load more than the engine was.
+
+The tokenizer does not affect any measured number (both engines are fed token ids). It is needed
+only because the converter writes a vocabulary: the random backbones get the embedded tokenizer of
+``models/base/`` (trained again with ``tasks.base_model.train_tokenizer`` if absent), padded by the
+converter to the config's vocabulary with unused ``[PAD<i>]`` tokens. That tokenizer (byte-level BPE
+with single digits, trained with ``tokenizers``) is not among the converter's known BPE
+pre-tokenizers, so its hash check raises; in the converter's process ``accept_unknown_pre_tokenizer``
+maps an unknown one to ``"qwen2"`` (the closest: GPT-2 byte-level regex with single digits).
+
+Acceptance (issue 8): at 0.5B width, our int8 decode no slower than llama.cpp Q8_0, int4 no slower
+than Q4_0, and prefill no slower than llama.cpp at the same precision (int8/Q8_0, int4/Q4_0,
+fp32/F32), measured in the same run (medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from bench.engine_bench import engine_steps, interleaved
+from bench.report import write_report
+from bench.weight_quant_bench import CONFIGS, build_variants
+
+PEER_VERSION = "0.3.36"  # llama-cpp-python, pinned in pyproject.toml's `peer` extra
+SRC_ENV = "LLAMA_CPP_SRC"  # the sdist (.tar.gz) or a directory holding convert_hf_to_gguf.py
+DEFAULT_SRC_DIR = Path(sys.prefix) / "llama_cpp_src"  # where `make bench-peer` downloads the sdist
+CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")  # what the converter needs of llama.cpp
+INSTALL_HINT = ("install the peer extra: `make bench-peer`, or `.venv/bin/pip install -e '.[peer]'` "
+                "(compiles llama.cpp from source: 10-20 min on 2 cores)")
+REPO = Path(__file__).resolve().parents[1]
+
+ORT_VARIANTS = ("fp32", "int8", "int4")
+GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0")
+CONVERTER_TYPES = ("f32", "f16", "q8_0")  # q4_0: llama_model_quantize from the f32 file
+PRE_TOKENIZER = "qwen2"  # what an unknown BPE pre-tokenizer is written as (see the docstring)
+EMBEDDING_GGUF = "token_embd.weight"
+PREFILL = 128
+# (our variant, llama.cpp type, cases the acceptance covers: "decode" = every past, "prefill")
+PAIRS = (("int8", "q8_0", ("decode", "prefill")), ("int4", "q4_0", ("decode", "prefill")), ("fp32", "f32", ("prefill",)))
+ACCEPTANCE_CONFIG = "0.5b-width"
+
+
+# ---------------------------------------------------------------- pure rules (tested without llama.cpp)
+
+def gguf_streamed_bytes(tensor_bytes: dict[str, int]) -> int:
+    """Weight bytes a decoded token reads from a GGUF model: every tensor but the token embedding."""
+    return sum(n for name, n in tensor_bytes.items() if name != EMBEDDING_GGUF)
+
+
+def onnx_streamed_bytes(model) -> int:
+    """Weight bytes a decoded token reads from an ONNX model: every initializer except those read
+    only as the table of a ``Gather`` (the token embedding: one row per token). Sizes come from the
+    shapes, so a model saved with external data needs no data loaded."""
+    from onnx import TensorProto, helper
+
+    graph = model.graph
+    uses: dict[str, list[bool]] = {}  # initializer -> [is this use a Gather's table?]
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            uses.setdefault(name, []).append(node.op_type == "Gather" and i == 0)
+    total = 0
+    for init in graph.initializer:
+        if uses.get(init.name) and all(uses[init.name]):
+            continue
+        n = int(np.prod(init.dims, dtype=np.int64))
+        if init.data_type in (TensorProto.INT4, TensorProto.UINT4):
+            total += (n + 1) // 2
+        else:
+            total += n * np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type)).itemsize
+    return total
+
+
+def roofline(bytes_per_token: int, decode_ms: float, bandwidth_gb_s: float) -> dict[str, float]:
+    """Achieved weight-read rate of one decoded token and its share of the measured bandwidth."""
+    achieved = bytes_per_token / (decode_ms * 1e-3) / 1e9
+    return {"achieved_gb_s": achieved, "share": achieved / bandwidth_gb_s}
+
+
+def compare(rows: dict[str, dict[str, float]], p10: dict[str, dict[str, float]], pasts: list[int]) -> list[dict]:
+    """Ours over llama.cpp's median at the same precision; <= 1 passes. The p10 ratio (the least
+    disturbed calls of each) is reported beside it, not judged."""
+    out = []
+    for ours, peer, cases in PAIRS:
+        keys = [f"decode_{P}_ms" for P in pasts] + [f"prefill_{PREFILL}_ms"]
+        for key in keys:
+            a, b = rows.get(f"ort_{ours}", {}).get(key), rows.get(f"llama_{peer}", {}).get(key)
+            if a is None or b is None:
+                continue
+            in_acceptance = key.split("_")[0] in cases
+            out.append({"ours": f"ort_{ours}", "peer": f"llama_{peer}", "case": key, "ours_ms": a, "peer_ms": b,
+                        "ratio": a / b, "ratio_p10": p10[f"ort_{ours}"][key] / p10[f"llama_{peer}"][key],
+                        "acceptance": in_acceptance, "pass": a <= b})
+    return out
+
+
+def accept_unknown_pre_tokenizer(model_class, fallback: str = PRE_TOKENIZER) -> None:
+    """Make ``model_class.get_vocab_base_pre`` (the converter's hash table of known BPE
+    pre-tokenizers) answer ``fallback`` for an unknown tokenizer instead of raising; known ones
+    are unchanged. Applied in the converter's process only."""
+    original = model_class.get_vocab_base_pre
+    if getattr(original, "falls_back_to", None):
+        return
+
+    def get_vocab_base_pre(self, tokenizer) -> str:
+        try:
+            return original(self, tokenizer)
+        except NotImplementedError:
+            print(f"llama_cpp_bench: BPE pre-tokenizer not in the converter's list; written as {fallback!r} "
+                  "(the benchmark feeds token ids: no measured number depends on it)", file=sys.stderr)
+            return fallback
+
+    get_vocab_base_pre.falls_back_to = fallback
+    model_class.get_vocab_base_pre = get_vocab_base_pre
+
+
+# ---------------------------------------------------------------- llama.cpp: install, source, conversion
+
+def require_llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as err:
+        raise SystemExit(f"error: llama-cpp-python is not installed ({err}); {INSTALL_HINT}") from None
+    import logging
+
+    # llama.cpp's per-tensor load/quantize log off, its warnings kept: the binding maps ggml's INFO to
+    # logging.WARNING and WARN to ERROR (what Llama(verbose=False) sets too)
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+    if llama_cpp.__version__ != PEER_VERSION:
+        print(f"warning: llama-cpp-python {llama_cpp.__version__} installed, the peer extra pins {PEER_VERSION}")
+    return llama_cpp
+
+
+def converter_dir(src: str | Path | None = None) -> Path:
+    """The llama.cpp directory holding ``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py/``.
+
+    ``src`` (else ``$LLAMA_CPP_SRC``, else ``.venv/llama_cpp_src/llama_cpp_python-<version>.tar.gz``)
+    is the sdist or a directory: a llama.cpp checkout, an extracted sdist, or what this function
+    extracted. An sdist is extracted once, only the converter's parts, next to it
+    (``<sdist name>/llama.cpp/``)."""
+    src = Path(src or os.environ.get(SRC_ENV) or DEFAULT_SRC_DIR / f"llama_cpp_python-{PEER_VERSION}.tar.gz")
+    if src.is_dir():
+        for cand in (src, src / "llama.cpp", src / "vendor" / "llama.cpp"):
+            if (cand / "convert_hf_to_gguf.py").is_file():
+                return cand
+        raise SystemExit(f"error: {src}: no convert_hf_to_gguf.py (nor in llama.cpp/ or vendor/llama.cpp/)")
+    if not src.is_file():
+        raise SystemExit(
+            f"error: {src}: the llama-cpp-python sdist is missing (its vendored llama.cpp holds the GGUF converter); "
+            f"`.venv/bin/pip download --no-deps --no-binary :all: -d {src.parent} llama-cpp-python=={PEER_VERSION}` "
+            f"or `make bench-peer` fetches it, or pass --llama-cpp-src / ${SRC_ENV}")
+    out = src.parent / src.name.removesuffix(".tar.gz") / "llama.cpp"
+    if (out / "convert_hf_to_gguf.py").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".extract-"))
+    try:
+        with tarfile.open(src) as tar:
+            members = []
+            for m in tar.getmembers():
+                parts = m.name.split("/", 3)  # <sdist>/vendor/llama.cpp/<rest>
+                if len(parts) == 4 and parts[1:3] == ["vendor", "llama.cpp"] and parts[3].startswith(CONVERTER_PARTS):
+                    m.name = parts[3]
+                    members.append(m)
+            tar.extractall(tmp, members=members, filter="data")
+        if not (tmp / "convert_hf_to_gguf.py").is_file():
+            raise SystemExit(f"error: {src}: no vendor/llama.cpp/convert_hf_to_gguf.py in the archive")
+        os.replace(tmp, out)  # complete or absent: never a half-extracted converter
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def run_converter(llama_dir: str, hf_dir: str, outfile: str, outtype: str) -> None:
+    """The vendored ``convert_hf_to_gguf.main()``, with the vendored gguf-py and the pre-tokenizer
+    fallback; run in a child process (``convert_to_gguf``) so neither leaks into the benchmark."""
+    sys.path[:0] = [llama_dir, str(Path(llama_dir) / "gguf-py")]
+    import conversion.base
+
+    accept_unknown_pre_tokenizer(conversion.base.TextModel)
+    import convert_hf_to_gguf
+
+    sys.argv = ["convert_hf_to_gguf.py", hf_dir, "--outfile", outfile, "--outtype", outtype]
+    convert_hf_to_gguf.main()
+
+
+def convert_to_gguf(llama_dir: Path, hf_dir: Path, outfile: Path, outtype: str) -> Path:
+    code = "import sys; from bench.llama_cpp_bench import run_converter; run_converter(*sys.argv[1:])"
+    proc = subprocess.run([sys.executable, "-c", code, str(llama_dir), str(hf_dir), str(outfile), outtype],
+                          cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0 or not outfile.is_file():
+        raise RuntimeError(f"convert_hf_to_gguf.py --outtype {outtype} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return outfile
+
+
+def quantize_gguf(llama_cpp, src: Path, dst: Path, ftype: int, threads: int) -> Path:
+    """llama.cpp's quantizer (``llama-quantize``) with its default parameters but the type."""
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = threads
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0 or not dst.is_file():
+        raise RuntimeError(f"llama_model_quantize {src} -> {dst} failed ({rc})")
+    return dst
+
+
+def gguf_tensor_bytes(path: Path, llama_dir: Path) -> dict[str, int]:
+    if str(llama_dir / "gguf-py") not in sys.path:
+        sys.path.insert(0, str(llama_dir / "gguf-py"))  # the converter's own gguf-py, the version it wrote
+    from gguf import GGUFReader
+
+    return {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+
+
+def embedded_tokenizer_dir(work: Path) -> Path:
+    """The embedded default's tokenizer: ``models/base`` after ``make release``, else trained the
+    same way (``tasks.base_model``: same examples, same settings) into ``work``."""
+    base = REPO / "models" / "base"
+    if (base / "tokenizer.json").is_file():
+        return base
+    from tasks.base_model import train_tokenizer
+    from tasks.config import BaseModelConfig, DataConfig
+    from tasks.data import rulebook, sample_examples
+
+    b, d = BaseModelConfig(), DataConfig()
+    print(f"note: {base} has no tokenizer (run `make release` once); training the embedded one into {work}")
+    rng = random.Random(f"{d.seed}:{b.trained_through}:pretrain")
+    examples = sample_examples(rulebook(b.trained_through, d.seed, d.rules_changed_per_month), b.pretrain_examples, rng)
+    out = work / "embedded_tokenizer"
+    train_tokenizer([ex.prompt + ex.completion for ex in examples], b.vocab_size, out)
+    return out
+
+
+def gguf_source_dir(model_dir: Path, tokenizer_dir: Path, out: Path) -> Path:
+    """A Hugging Face directory for the converter: the backbone's files (links) plus the tokenizer."""
+    import json
+
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    ids = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"].values()
+    if max(ids) >= vocab:
+        raise SystemExit(f"error: {tokenizer_dir}: token ids up to {max(ids)} do not fit the backbone's vocabulary {vocab}")
+    out.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        (out / f.name).symlink_to(f.resolve())
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copy2(tokenizer_dir / name, out / name)
+    return out
+
+
+def build_ggufs(llama_cpp, llama_dir: Path, hf_dir: Path, out: Path, threads: int) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {t: convert_to_gguf(llama_dir, hf_dir, out / f"model-{t}.gguf", t) for t in CONVERTER_TYPES}
+    paths["q4_0"] = quantize_gguf(llama_cpp, paths["f32"], out / "model-q4_0.gguf", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, threads)
+    return {t: paths[t] for t in GGUF_TYPES}
+
+
+def load_llama(llama_cpp, path: Path, n_ctx: int, threads: int, flash_attn: bool):
+    """llama.cpp's defaults (weights mapped, F16 KV cache) but threads and flash attention; logits
+    of every position, as our engine returns them."""
+    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                           n_threads_batch=threads, n_gpu_layers=0, logits_all=True, flash_attn=flash_attn,
+                           verbose=False)
+
+
+def llama_steps(llm, vocab_size: int, P: int | None, prefill: int = PREFILL):
+    """``engine_steps`` for llama.cpp, on the same token ids: one token after a past of P (the
+    past is evaluated once; every call resets ``n_tokens`` to P, so ``eval`` first drops the KV
+    cells >= P), or a prefill (P=None) from an empty cache."""
+    rng = np.random.default_rng(0)
+    if P is None:
+        ids = rng.integers(0, vocab_size, (1, prefill))[0].tolist()
+
+        def prefill_step():
+            llm.n_tokens = 0
+            llm.eval(ids)
+
+        return prefill_step
+    ids = rng.integers(0, vocab_size, (1, P + 1))[0].tolist()
+    llm.reset()
+    llm.eval(ids[:P])
+
+    def decode_step():
+        llm.n_tokens = P
+        llm.eval(ids[P:])
+
+    return decode_step
+
+
+# ---------------------------------------------------------------- the measurement
+
+def read_bandwidth(mib: int = 512, threads: int = 2, repeats: int = 5) -> dict:
+    """Read rate of a ``mib`` MiB float32 array split over ``threads`` threads (numpy releases the
+    GIL in reductions): the best of ``repeats`` sums and ``repeats`` maxima, alternated."""
+    a = np.ones(mib * 2**20 // 4, dtype=np.float32)
+    parts = np.array_split(a, threads)
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeats):
+            for reduce in (np.sum, np.max):
+                t0 = time.perf_counter()
+                list(pool.map(reduce, parts))
+                best = min(best, time.perf_counter() - t0)
+    return {"gb_s": a.nbytes / best / 1e9, "mib": mib, "threads": threads, "runs": 2 * repeats}
+
+
+def bench_config(llama_cpp, llama_dir: Path, name: str, pasts: list[int], iters: int, threads: int, work: Path,
+                 flash_attn: bool) -> dict:
+    import onnx
+
+    from runtime.adapter import load_adapter
+
+    dims = CONFIGS[name]
+    t0 = time.perf_counter()
+    cfg, engines, _ = build_variants(name, dims, threads, work, list(ORT_VARIANTS))
+    root = work / name  # build_variants wrote base/ and adapter/ there
+    lora = load_adapter(root / "adapter", engines["fp32"].interface)
+    lora_bytes = sum(np.asarray(v).nbytes for v in lora.values())
+    streamed = {f"ort_{v}": onnx_streamed_bytes(onnx.load(str(e.engine_dir / "model.onnx"), load_external_data=False))
+                + lora_bytes for v, e in engines.items()}
+    t1 = time.perf_counter()
+    hf_dir = gguf_source_dir(root / "base", embedded_tokenizer_dir(work), root / "gguf_src")
+    ggufs = build_ggufs(llama_cpp, llama_dir, hf_dir, root / "gguf", threads)
+    streamed |= {f"llama_{t}": gguf_streamed_bytes(gguf_tensor_bytes(p, llama_dir)) for t, p in ggufs.items()}
+    files = {f"ort_{v}": (e.engine_dir / "model.onnx").stat().st_size for v, e in engines.items()}
+    files |= {f"llama_{t}": p.stat().st_size for t, p in ggufs.items()}
+    llms = {f"llama_{t}": load_llama(llama_cpp, p, max(pasts) + 1, threads, flash_attn) for t, p in ggufs.items()}
+    t2 = time.perf_counter()
+    print(f"[{name}] engines built in {t1 - t0:.0f} s, GGUF converted in {t2 - t1:.0f} s; timing ...", flush=True)
+
+    names = [f"ort_{v}" for v in ORT_VARIANTS] + list(llms)
+    rows: dict[str, dict] = {n: {} for n in names}
+    p10: dict[str, dict] = {n: {} for n in names}
+    cases = [(P, f"decode_{P}_ms", iters, 20) for P in pasts] + [(None, f"prefill_{PREFILL}_ms", max(10, iters // 10), 5)]
+    for P, key, n, rounds in cases:
+        steps = {f"ort_{v}": engine_steps(e, cfg, P, PREFILL) for v, e in engines.items()}
+        steps |= {k: llama_steps(llm, cfg.vocab_size, P) for k, llm in llms.items()}
+        for k, s in interleaved(steps, n, rounds).items():
+            rows[k][key], p10[k][key] = s["median"], s["p10"]
+        print(f"[{name}] {key} done (1-min load average {os.getloadavg()[0]:.2f})", flush=True)
+    for llm in llms.values():
+        llm.close()
+    return {"dims": dims, "rows": rows, "rows_p10": p10, "streamed_weight_bytes": streamed, "file_bytes": files,
+            "lora_input_bytes": lora_bytes, "comparisons": compare(rows, p10, pasts), "loadavg_1m_after": os.getloadavg()[0]}
+
+
+def print_table(results: dict, bandwidth: dict) -> None:
+    print(f"\nread bandwidth: {bandwidth['gb_s']:.1f} GB/s (the better of {bandwidth['start']['gb_s']:.1f} before and "
+          f"{bandwidth['end']['gb_s']:.1f} after the timings; {bandwidth['threads']} threads, sum and max over "
+          f"{bandwidth['mib']} MiB float32, best of {bandwidth['start']['runs']})")
+    for name, res in results.items():
+        print(f"\n== {name}: {res['dims']}  (1-min load average after: {res['loadavg_1m_after']:.2f})")
+        cols = list(next(iter(res["rows"].values())))
+        decodes = list(next(iter(res["roofline"].values())))
+        print(f"{'engine':<12}{'MiB/token':>10}" + "".join(f"{c:>20}" for c in cols)
+              + "".join(f"{'GB/s|share ' + d[7:]:>20}" for d in decodes) + "   (ms: median [p10])")
+        for k, row in res["rows"].items():
+            cells = "".join(f"{row[c]:>11.3f} [{res['rows_p10'][k][c]:>6.2f}]" for c in cols)
+            roof = "".join(f"{r['achieved_gb_s']:>13.1f} |{r['share']:>5.0%}" for r in res["roofline"][k].values())
+            print(f"{k:<12}{res['streamed_weight_bytes'][k] / 2**20:>10.1f}{cells}{roof}")
+        print("  ours / llama.cpp at the same precision (median; <= 1.00: ours no slower; p10 ratio beside):")
+        for c in res["comparisons"]:
+            tag = ("PASS" if c["pass"] else "FAIL") if c["acceptance"] and name == ACCEPTANCE_CONFIG else "info"
+            print(f"    {c['ours']:<9} vs {c['peer']:<11} {c['case']:<16} {c['ours_ms']:>8.3f} / {c['peer_ms']:>8.3f} ms"
+                  f" = {c['ratio']:.2f}x  (p10 {c['ratio_p10']:.2f}x)  {tag}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="llama.cpp vs our ONNX Runtime engines: decode, prefill, roofline share")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/llama_cpp_bench.json"))
+    ap.add_argument("--configs", default="tiny,0.5b-width")
+    ap.add_argument("--pasts", default="512,2048")
+    ap.add_argument("--iters", type=int, default=400,
+                    help="decode calls per engine and case, in 20 rounds (prefill: a tenth, in 5 rounds)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-cpp-src", default=None,
+                    help=f"llama-cpp-python sdist or llama.cpp directory (default ${SRC_ENV}, else {DEFAULT_SRC_DIR})")
+    ap.add_argument("--flash-attn", choices=("on", "off"), default="on")
+    ap.add_argument("--bandwidth-mib", type=int, default=512)
+    args = ap.parse_args(argv)
+    configs = args.configs.split(",")
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown config(s) {unknown}; known: {', '.join(CONFIGS)}")
+    llama_cpp = require_llama_cpp()
+    llama_dir = converter_dir(args.llama_cpp_src)
+    import onnxruntime
+    import torch
+
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]  # > threads: another process competed for the cores
+    if load_before > args.threads - 0.5:
+        print(f"warning: 1-min load average {load_before:.2f} on {os.cpu_count()} cores: other processes compete for "
+              "the cores; llama.cpp's threads wait at every barrier of the graph for a descheduled peer, so its "
+              "medians can grow many times (compare the p10 column, or run on a quiet machine)")
+    pasts = [int(p) for p in args.pasts.split(",")]
+    bandwidth_start = read_bandwidth(args.bandwidth_mib, args.threads)
+    results = {}
+    with tempfile.TemporaryDirectory() as work:
+        for name in configs:
+            results[name] = bench_config(llama_cpp, llama_dir, name, pasts, args.iters, args.threads, Path(work),
+                                         args.flash_attn == "on")
+    # measured again after the timings: the better of the two is the one less disturbed by other load
+    bandwidth_end = read_bandwidth(args.bandwidth_mib, args.threads)
+    bandwidth = {"gb_s": max(bandwidth_start["gb_s"], bandwidth_end["gb_s"]), "mib": args.bandwidth_mib,
+                 "threads": args.threads, "start": bandwidth_start, "end": bandwidth_end}
+    for res in results.values():
+        res["roofline"] = {k: {key[:-3]: roofline(res["streamed_weight_bytes"][k], ms, bandwidth["gb_s"])
+                               for key, ms in row.items() if key.startswith("decode_")}
+                           for k, row in res["rows"].items()}
+    print_table(results, bandwidth)
+    acceptance = [c for c in results.get(ACCEPTANCE_CONFIG, {}).get("comparisons", []) if c["acceptance"]]
+    if acceptance:
+        failed = [f"{c['ours']} vs {c['peer']} {c['case']}" for c in acceptance if not c["pass"]]
+        print(f"\nacceptance at {ACCEPTANCE_CONFIG}: " + ("all pass" if not failed else "FAIL: " + "; ".join(failed)))
+    payload = {
+        "batch": 1, "threads": args.threads, "iters": args.iters, "pasts": pasts, "prefill": PREFILL,
+        "flash_attn": args.flash_attn, "llama_cpp_kv_type": "f16", "ort_kv_type": "fp32",
+        "ort_variants": list(ORT_VARIANTS), "gguf_types": list(GGUF_TYPES), "pre_tokenizer_fallback": PRE_TOKENIZER,
+        "weight_bytes_rule": "stored weight tensors except the token embedding (gathered, not streamed); "
+                             "ORT: initializers not read only by Gather + bound LoRA inputs; GGUF: tensors but token_embd.weight",
+        "read_bandwidth": bandwidth, "converter": str(llama_dir),
+        "versions": {"llama_cpp_python": llama_cpp.__version__, "torch": torch.__version__,
+                     "onnxruntime": onnxruntime.__version__},
+        "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+        "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0], "results": results,
+    }
+    write_report(args.out, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""bench/llama_cpp_bench.py: its rules without llama.cpp (milliseconds), and, where the `peer` extra
+is installed, that the GGUF conversion is the same model as our engine (about 20 s)."""
+
+import io
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from bench import llama_cpp_bench as peer
+
+
+def _init(name, shape, dtype=np.float32):
+    return numpy_helper.from_array(np.zeros(shape, dtype=dtype), name)
+
+
+def test_onnx_weight_bytes_leave_out_only_a_table_read_by_gather():
+    # given an embedding read only by Gather, a float matmul weight, a packed 4-bit weight with its
+    # scales, and a table both gathered and multiplied (a tied embedding / LM head)
+    nodes = [
+        helper.make_node("Gather", ["embed", "ids"], ["h"]),
+        helper.make_node("MatMul", ["h", "w"], ["y"]),
+        helper.make_node("MatMulNBits", ["y", "packed", "scales"], ["z"], domain="com.microsoft", K=32, N=6, bits=4, block_size=32),
+        helper.make_node("Gather", ["tied", "ids"], ["t"]),
+        helper.make_node("MatMul", ["z", "tied"], ["logits"]),
+    ]
+    inits = [_init("embed", (10, 4)), _init("w", (4, 32)), _init("packed", (6, 1, 16), np.uint8),
+             _init("scales", (6,)), _init("tied", (6, 10))]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)], inits)
+    # when counted, then: everything but the gathered-only table, each at its stored width
+    assert peer.onnx_streamed_bytes(helper.make_model(graph)) == 4 * 32 * 4 + 6 * 16 + 6 * 4 + 6 * 10 * 4
+
+
+def test_gguf_weight_bytes_leave_out_the_token_embedding():
+    tensors = {"token_embd.weight": 1000, "output.weight": 300, "blk.0.attn_q.weight": 50, "blk.0.attn_norm.weight": 4}
+    assert peer.gguf_streamed_bytes(tensors) == 354
+
+
+def test_roofline_is_bytes_per_token_over_decode_time_against_the_measured_bandwidth():
+    r = peer.roofline(100_000_000, 10.0, 40.0)  # 100 MB in 10 ms
+    assert r["achieved_gb_s"] == pytest.approx(10.0)
+    assert r["share"] == pytest.approx(0.25)
+
+
+def test_comparisons_pair_the_same_precision_and_mark_what_the_acceptance_covers():
+    rows = {"ort_int8": {"decode_512_ms": 4.0, "prefill_128_ms": 90.0},
+            "llama_q8_0": {"decode_512_ms": 5.0, "prefill_128_ms": 80.0},
+            "ort_fp32": {"decode_512_ms": 12.0, "prefill_128_ms": 100.0},
+            "llama_f32": {"decode_512_ms": 10.0, "prefill_128_ms": 200.0}}
+    p10 = {k: {c: ms / 2 for c, ms in row.items()} for k, row in rows.items()} | {"ort_int8": {"decode_512_ms": 1.0, "prefill_128_ms": 45.0}}
+    got = {(c["ours"], c["case"]): c for c in peer.compare(rows, p10, [512])}
+    assert set(got) == {("ort_int8", "decode_512_ms"), ("ort_int8", "prefill_128_ms"),
+                        ("ort_fp32", "decode_512_ms"), ("ort_fp32", "prefill_128_ms")}  # no int4 rows: skipped
+    assert got["ort_int8", "decode_512_ms"]["ratio"] == pytest.approx(0.8) and got["ort_int8", "decode_512_ms"]["pass"]
+    assert got["ort_int8", "decode_512_ms"]["ratio_p10"] == pytest.approx(1.0 / 2.5)
+    assert not got["ort_int8", "prefill_128_ms"]["pass"] and got["ort_int8", "prefill_128_ms"]["peer"] == "llama_q8_0"
+    assert got["ort_fp32", "prefill_128_ms"]["acceptance"]
+    assert not got["ort_fp32", "decode_512_ms"]["acceptance"]  # fp32 decode is reported, not judged
+
+
+def test_an_unknown_pre_tokenizer_is_written_as_qwen2_and_known_ones_are_unchanged():
+    class Converter:  # stands in for the converter's TextModel
+        def get_vocab_base_pre(self, tokenizer):
+            if tokenizer == "known":
+                return "gpt-2"
+            raise NotImplementedError("BPE pre-tokenizer was not recognized - update get_vocab_base_pre()")
+
+    peer.accept_unknown_pre_tokenizer(Converter)
+    peer.accept_unknown_pre_tokenizer(Converter)  # idempotent: one wrapper
+    assert Converter().get_vocab_base_pre("known") == "gpt-2"
+    assert Converter().get_vocab_base_pre("ours") == "qwen2"
+
+
+def test_without_llama_cpp_the_bench_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails
+    with pytest.raises(SystemExit, match=r"make bench-peer.*pip install -e '\.\[peer\]'"):
+        peer.main(["--configs", "tiny"])
+
+
+def test_the_converter_is_extracted_once_from_the_sdist_and_nothing_else(tmp_path):
+    sdist = tmp_path / "llama_cpp_python-9.9.tar.gz"
+    files = {"convert_hf_to_gguf.py": b"# converter", "conversion/base.py": b"# base", "gguf-py/gguf/__init__.py": b"#",
+             "src/llama.cpp": b"// not needed", "convert_lora_to_gguf.py": b"# not needed"}
+    with tarfile.open(sdist, "w:gz") as tar:
+        for rel, data in files.items():
+            info = tarfile.TarInfo(f"llama_cpp_python-9.9/vendor/llama.cpp/{rel}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    out = peer.converter_dir(sdist)
+    assert out == tmp_path / "llama_cpp_python-9.9" / "llama.cpp"
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == [
+        "conversion/base.py", "convert_hf_to_gguf.py", "gguf-py/gguf/__init__.py"]
+    sdist.unlink()
+    assert peer.converter_dir(out.parent) == out  # an extracted directory is taken as it is
+    with pytest.raises(SystemExit, match="sdist is missing"):
+        peer.converter_dir(sdist)
+
+
+def test_gguf_f32_is_the_same_model_as_our_fp32_engine(tmp_path):
+    # given the tiny backbone, our fp32 engine without an adapter, and the same directory converted to
+    # F32 GGUF by llama.cpp's converter; when both run the same 24 token ids; then their logits agree
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (the `peer` extra: make bench-peer)")
+    try:
+        llama_dir = peer.converter_dir()
+    except SystemExit as err:
+        pytest.skip(f"llama-cpp-python sdist not found: {err}")
+    from bench.engine_bench import RANK, TARGETS, make_backbone_and_adapter
+    from runtime.backends.onnxruntime import OrtEngine
+    from tasks.compile import compile_engine
+
+    peer.require_llama_cpp()
+    model_dir, _ = make_backbone_and_adapter(tmp_path, peer.CONFIGS["tiny"])
+    compile_engine(model_dir, tmp_path / "engine", RANK, TARGETS, ort_threads=2)
+    engine = OrtEngine(tmp_path / "engine", threads=2)  # no adapter bound: the backbone alone
+    src = peer.gguf_source_dir(model_dir, peer.embedded_tokenizer_dir(tmp_path), tmp_path / "gguf_src")
+    gguf = peer.convert_to_gguf(llama_dir, src, tmp_path / "model-f32.gguf", "f32")
+    llm = peer.load_llama(llama_cpp, gguf, 64, 2, flash_attn=True)
+
+    ids = np.random.default_rng(1).integers(0, 512, (1, 24))
+    ours, _ = engine.forward(ids, np.arange(24)[None], np.ones((1, 24), dtype=np.int64), None)
+    llm.eval(ids[0].tolist())
+    theirs = np.array(llm.scores[:24])
+    llm.close()
+    assert np.abs(ours[0] - theirs).max() < 1e-2, np.abs(ours[0] - theirs).max()
+    assert (ours[0].argmax(-1) == theirs.argmax(-1)).all()
+    assert np.abs(ours).max() > 0.1  # the logits are not all near zero: the comparison means something
