@@ -14,7 +14,8 @@ Per run: wall seconds, exit code, outcome, and engine builds. Engine builds come
 parent run the flow records (metric ``engine_builds``) when it records one; an unchanged rerun records
 none (the release is already published), so for every run they are also read from the artifacts:
 ``artifacts/engine_build.json`` is rewritten only when the compile stage runs, and says whether it
-built (``engine_builds: 1``) or found the engine of this backbone (0). Both must agree.
+built (``engine_builds``: 2 with the default quantized-cache engine, the float one beside it) or found
+the engines of this backbone (0). Both must agree.
 
 ``--workdir`` keeps the project copy there (``bench.run_all`` reuses its releases); otherwise it is
 a temporary directory, removed at the end. Exits 1 if a run failed, after writing the JSON.
@@ -74,7 +75,7 @@ def _fingerprint(path: Path) -> tuple | None:
 
 
 def engine_builds_from_artifacts(build_file: Path, before: tuple | None) -> int:
-    """1 if the compile stage ran during the run and built the engine; 0 if it reused it or did not run."""
+    """Engines the compile stage built during the run; 0 if it reused them or did not run."""
     if _fingerprint(build_file) == before or not build_file.exists():
         return 0  # the compile stage did not run: nothing was built
     return int(json.loads(build_file.read_text()).get("engine_builds", 0))
