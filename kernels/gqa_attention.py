@@ -1,7 +1,7 @@
 """Attention over a 4-bit per-channel KV cache as ONNX Runtime's ``com.microsoft.GroupQueryAttention`` computes it.
 
 ``gqa_quantized_attention`` is a PyTorch custom op. Its eager body, built from the functions of
-``kernels.kv_quant``, is the reference; ``torch.onnx.export`` lowers it (``ONNX_TRANSLATIONS``) to
+``kernels.kv_quant``, is the reference; ``torch.onnx.export`` lowers it (``onnx_translation()``) to
 one GroupQueryAttention node with ``k_quant_type = v_quant_type = PER_CHANNEL`` and
 ``kv_cache_bit_width = 4``. That op is ORT's fused CPU kernel: it reads the packed cache
 directly instead of the dozen elementwise ops a hand-written dequantization needs, which

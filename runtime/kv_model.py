@@ -54,12 +54,17 @@ KV_ATTENTION = ("standard", "gqa")
 ROPE_TABLE = 8192
 
 
-def check_engine_spec(spec: KVQuantSpec) -> None:
-    """Refuse what the in-graph cache does not implement."""
+def check_engine_spec(spec: KVQuantSpec, attention: str = "standard") -> None:
+    """Refuse what the in-graph cache does not implement, or what ``attention`` cannot read."""
     if spec.window_tokens:
         raise ValueError(
             f"window_tokens={spec.window_tokens}: the engine's quantized cache has no fp16 window yet; use window_tokens=0"
         )
+    if attention not in KV_ATTENTION:
+        raise ValueError(f"attention={attention!r}: one of {KV_ATTENTION}")
+    problems = gqa_problems(spec) if attention == "gqa" else []
+    if problems:
+        raise ValueError(f"{spec.name} cannot run on GroupQueryAttention: " + "; ".join(problems))
 
 
 class QuantizedKVBackbone(nn.Module):
@@ -71,11 +76,7 @@ class QuantizedKVBackbone(nn.Module):
 
     def __init__(self, backbone: Backbone, spec: KVQuantSpec, attention: str = "standard"):
         super().__init__()
-        check_engine_spec(spec)
-        if attention not in KV_ATTENTION:
-            raise ValueError(f"attention={attention!r}: one of {KV_ATTENTION}")
-        if attention == "gqa" and gqa_problems(spec):
-            raise ValueError(f"{spec.name} cannot run on GroupQueryAttention: " + "; ".join(gqa_problems(spec)))
+        check_engine_spec(spec, attention)
         self.backbone, self.spec, self.attention = backbone, spec, attention
         cfg = backbone.cfg
         self.L, self.d = cfg.num_layers, cfg.head_dim

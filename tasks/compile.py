@@ -244,15 +244,10 @@ def compile_engine(
     bhash = backbone_hash(model_dir)
     if kv_spec is not None:
         from kernels.kv_quant import KVQuantSpec
-        from kernels.gqa_attention import gqa_problems
-        from runtime.kv_model import KV_ATTENTION, check_engine_spec
+        from runtime.kv_model import check_engine_spec
 
         spec = KVQuantSpec.from_dict(dict(kv_spec))
-        check_engine_spec(spec)
-        if kv_attention not in KV_ATTENTION:
-            raise ValueError(f"kv_attention={kv_attention!r}: one of {KV_ATTENTION}")
-        if kv_attention == "gqa" and gqa_problems(spec):
-            raise ValueError(f"{spec.name} cannot run on GroupQueryAttention: " + "; ".join(gqa_problems(spec)))
+        check_engine_spec(spec, kv_attention)
         kv_spec = spec.to_dict()  # validated, every field spelled out
     key = cache_key(bhash, max_rank, tuple(target_modules), opset, kv_spec, kv_attention)
     key_file = engine_dir / CACHE_KEY_FILE
