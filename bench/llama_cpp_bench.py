@@ -8,13 +8,18 @@ Not part of CI nor of ``make bench``. Per config of ``bench.weight_quant_bench.C
 default widths and the Qwen2-0.5B widths with 6 layers, both vocabulary 512):
 
 * the random-weight Hugging Face backbone and LoRA adapter of ``bench.engine_bench``, and our
-  engines fp32 / int8 / int4 (ONNX Runtime, ``MatMulNBits`` RTN block 32, adapter bound as inputs)
-  built by ``bench.weight_quant_bench.build_variants``;
+  engines fp32 / int8 / int4 (ONNX Runtime, ``MatMulNBits`` RTN at the release's block size, adapter
+  bound as inputs) and int8 / int4 with the adapter merged into the weights before quantizing
+  (``_merged``), built by ``bench.weight_quant_bench.build_variants``; beside them int8 / int4 on
+  the release's default quantized KV cache (``int8_kv4``, ``int4_kv4``: 4-bit per-channel cache read
+  by GroupQueryAttention, scales calibrated on random tokens), what a device serves by default;
 * the *same* backbone directory converted to GGUF with the converter that the llama-cpp-python
   sdist vendors (``vendor/llama.cpp/convert_hf_to_gguf.py``, ``conversion/``, ``gguf-py/``): F32,
   F16 and Q8_0 by the converter, Q4_0 by ``llama_model_quantize`` (llama.cpp's own quantizer, the
   one behind ``llama-quantize``) from the F32 file, with its defaults (e.g. the output matrix at a
-  higher precision);
+  higher precision); and the *same* PEFT adapter converted by the sdist's ``convert_lora_to_gguf.py``
+  (F32), which llama.cpp applies at run time on Q8_0 and Q4_0 (``llama_q8_0_lora``, ``llama_q4_0_lora``:
+  the base weights untouched, as our LoRA inputs);
 * every engine of the config timed in one ``interleaved`` call per case (A B C ..., A B C ...), so
   load from other processes hits them alike: one decoded token after a past of P (the past is
   restored after every call: ``engine_steps`` does not extend our cache; llama.cpp gets its
@@ -24,16 +29,19 @@ default widths and the Qwen2-0.5B widths with 6 layers, both vocabulary 512):
   more than ours (5-60x against 3x at a 1-min load of 4 on 2 cores): compare runs whose load
   average stays below the thread count (the bench warns when it starts above).
 
-llama.cpp runs the backbone without the adapter (our engines carry the rank-8 LoRA on q/k/v/o as
-inputs, as served); its KV cache is F16 (its default), ours fp32; flash attention is on (what
-llama.cpp's ``auto`` picks on CPU; ``--flash-attn off`` to compare).
+Pairs are judged like for like: ours with the rank-8 LoRA on q/k/v/o as inputs (as served) against
+llama.cpp with the same adapter applied at run time, and ours with the adapter merged against
+llama.cpp's base alone (the same compute: no adapter term on either side). Ours with the adapter
+against llama.cpp without one (the pairing of the first runs) and the ``_kv4`` rows are printed as
+information. llama.cpp's KV cache is F16 (its default), ours fp32 (4-bit in the ``_kv4`` rows);
+flash attention is on (what llama.cpp's ``auto`` picks on CPU; ``--flash-attn off`` to compare).
 
 Roofline: read bandwidth is measured before and after the timings (sums and maxima over a 512 MiB
 float32 array split over the threads, best of 10; the better of the two). Weight bytes read per
 decoded token, the same rule for both engines: every stored weight tensor except the token-embedding
 matrix, which is gathered (one row per token), not streamed. ORT: the initializers of ``model.onnx``
 except those read only by ``Gather`` (the embedding) plus the bound LoRA inputs. GGUF: the tensor
-bytes of the file except ``token_embd.weight``. Achieved GB/s = bytes per token / decode time;
+bytes of the file except ``token_embd.weight``, plus the adapter file's tensors where one is applied. Achieved GB/s = bytes per token / decode time;
 share = achieved / measured bandwidth. The KV cache read is not counted (it grows with P). A share
 above 1 means the weights sat in cache (tiny: 2-16 MiB against a 32 MiB L3) or the probe was slowed
 by other load more than the engine was.
@@ -48,7 +56,7 @@ maps an unknown one to ``"qwen2"`` (the closest: GPT-2 byte-level regex with sin
 
 Acceptance (issue 8): at 0.5B width, our int8 decode no slower than llama.cpp Q8_0, int4 no slower
 than Q4_0, and prefill no slower than llama.cpp at the same precision (int8/Q8_0, int4/Q4_0,
-fp32/F32), measured in the same run (medians).
+fp32/F32), measured in the same run (medians), in both like-for-like pairings.
 """
 
 from __future__ import annotations
@@ -72,23 +80,34 @@ import numpy as np
 from bench.engine_bench import engine_steps, interleaved
 from bench.report import write_report
 from bench.weight_quant_bench import CONFIGS, build_variants
+from tasks.quantize_weights import DEFAULT_BLOCK_SIZE
 
 PEER_VERSION = "0.3.36"  # llama-cpp-python, pinned in pyproject.toml's `peer` extra
 SRC_ENV = "LLAMA_CPP_SRC"  # the sdist (.tar.gz) or a directory holding convert_hf_to_gguf.py
 DEFAULT_SRC_DIR = Path(sys.prefix) / "llama_cpp_src"  # where `make bench-peer` downloads the sdist
-CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")  # what the converter needs of llama.cpp
+# what the converters (model, LoRA adapter) need of llama.cpp
+CONVERTER_PARTS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "gguf-py/")
+CONVERTER_SCRIPTS = tuple(p for p in CONVERTER_PARTS if p.endswith(".py"))
 INSTALL_HINT = ("install the peer extra: `make bench-peer`, or `.venv/bin/pip install -e '.[peer]'` "
                 "(compiles llama.cpp from source: 10-20 min on 2 cores)")
 REPO = Path(__file__).resolve().parents[1]
 
-ORT_VARIANTS = ("fp32", "int8", "int4")
+ORT_VARIANTS = ("fp32", "int8", "int4", "int8_merged", "int4_merged")  # _merged: the adapter folded into the weights
+KV_VARIANTS = ("int8", "int4")  # also built on the quantized-KV engine, as ort_<weights>_kv4
 GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0")
+LORA_GGUF_TYPES = ("q8_0", "q4_0")  # also loaded with the adapter applied at run time, as llama_<type>_lora
 CONVERTER_TYPES = ("f32", "f16", "q8_0")  # q4_0: llama_model_quantize from the f32 file
 PRE_TOKENIZER = "qwen2"  # what an unknown BPE pre-tokenizer is written as (see the docstring)
 EMBEDDING_GGUF = "token_embd.weight"
 PREFILL = 128
 # (our variant, llama.cpp type, cases the acceptance covers: "decode" = every past, "prefill")
-PAIRS = (("int8", "q8_0", ("decode", "prefill")), ("int4", "q4_0", ("decode", "prefill")), ("fp32", "f32", ("prefill",)))
+# Judged like for like: the adapter a runtime input on both sides, or on neither (ours merged into the
+# weights before quantizing; llama.cpp's base alone, the same compute). The rest is information.
+PAIRS = (("int8", "q8_0_lora", ("decode", "prefill")), ("int4", "q4_0_lora", ("decode", "prefill")),
+         ("int8_merged", "q8_0", ("decode", "prefill")), ("int4_merged", "q4_0", ("decode", "prefill")),
+         ("fp32", "f32", ("prefill",)),  # ours carries the adapter, llama.cpp not
+         ("int8", "q8_0", ()), ("int4", "q4_0", ()),  # the same mismatch, the pairing of the first runs
+         ("int8_kv4", "q8_0_lora", ()), ("int4_kv4", "q4_0_lora", ()))
 ACCEPTANCE_CONFIG = "0.5b-width"
 
 
@@ -183,7 +202,8 @@ def require_llama_cpp():
 
 
 def converter_dir(src: str | Path | None = None) -> Path:
-    """The llama.cpp directory holding ``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py/``.
+    """The llama.cpp directory holding ``convert_hf_to_gguf.py``, ``convert_lora_to_gguf.py``,
+    ``conversion/`` and ``gguf-py/``.
 
     ``src`` (else ``$LLAMA_CPP_SRC``, else ``.venv/llama_cpp_src/llama_cpp_python-<version>.tar.gz``)
     is the sdist or a directory: a llama.cpp checkout, an extracted sdist, or what this function
@@ -192,7 +212,7 @@ def converter_dir(src: str | Path | None = None) -> Path:
     src = Path(src or os.environ.get(SRC_ENV) or DEFAULT_SRC_DIR / f"llama_cpp_python-{PEER_VERSION}.tar.gz")
     if src.is_dir():
         for cand in (src, src / "llama.cpp", src / "vendor" / "llama.cpp"):
-            if (cand / "convert_hf_to_gguf.py").is_file():
+            if all((cand / f).is_file() for f in CONVERTER_SCRIPTS):
                 return cand
         raise SystemExit(f"error: {src}: no convert_hf_to_gguf.py (nor in llama.cpp/ or vendor/llama.cpp/)")
     if not src.is_file():
@@ -201,7 +221,7 @@ def converter_dir(src: str | Path | None = None) -> Path:
             f"`.venv/bin/pip download --no-deps --no-binary :all: -d {src.parent} llama-cpp-python=={PEER_VERSION}` "
             f"or `make bench-peer` fetches it, or pass --llama-cpp-src / ${SRC_ENV}")
     out = src.parent / src.name.removesuffix(".tar.gz") / "llama.cpp"
-    if (out / "convert_hf_to_gguf.py").is_file():
+    if all((out / f).is_file() for f in CONVERTER_SCRIPTS):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".extract-"))
@@ -214,34 +234,60 @@ def converter_dir(src: str | Path | None = None) -> Path:
                     m.name = parts[3]
                     members.append(m)
             tar.extractall(tmp, members=members, filter="data")
-        if not (tmp / "convert_hf_to_gguf.py").is_file():
-            raise SystemExit(f"error: {src}: no vendor/llama.cpp/convert_hf_to_gguf.py in the archive")
+        missing = [f for f in CONVERTER_SCRIPTS if not (tmp / f).is_file()]
+        if missing:
+            raise SystemExit(f"error: {src}: no vendor/llama.cpp/{missing[0]} in the archive")
+        shutil.rmtree(out, ignore_errors=True)  # an extraction by an older bench, without the LoRA converter
         os.replace(tmp, out)  # complete or absent: never a half-extracted converter
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-def run_converter(llama_dir: str, hf_dir: str, outfile: str, outtype: str) -> None:
-    """The vendored ``convert_hf_to_gguf.main()``, with the vendored gguf-py and the pre-tokenizer
-    fallback; run in a child process (``convert_to_gguf``) so neither leaks into the benchmark."""
+def _converter_imports(llama_dir: str) -> None:
+    """The vendored converter's modules and gguf-py first on the path, the pre-tokenizer fallback on."""
     sys.path[:0] = [llama_dir, str(Path(llama_dir) / "gguf-py")]
     import conversion.base
 
     accept_unknown_pre_tokenizer(conversion.base.TextModel)
+
+
+def run_converter(llama_dir: str, hf_dir: str, outfile: str, outtype: str) -> None:
+    """The vendored ``convert_hf_to_gguf.main()``, with the vendored gguf-py and the pre-tokenizer
+    fallback; run in a child process (``convert_to_gguf``) so neither leaks into the benchmark."""
+    _converter_imports(llama_dir)
     import convert_hf_to_gguf
 
     sys.argv = ["convert_hf_to_gguf.py", hf_dir, "--outfile", outfile, "--outtype", outtype]
     convert_hf_to_gguf.main()
 
 
-def convert_to_gguf(llama_dir: Path, hf_dir: Path, outfile: Path, outtype: str) -> Path:
-    code = "import sys; from bench.llama_cpp_bench import run_converter; run_converter(*sys.argv[1:])"
-    proc = subprocess.run([sys.executable, "-c", code, str(llama_dir), str(hf_dir), str(outfile), outtype],
-                          cwd=REPO, capture_output=True, text=True)
+def run_lora_converter(llama_dir: str, adapter_dir: str, hf_dir: str, outfile: str) -> None:
+    """The vendored ``convert_lora_to_gguf.py`` (a script: its work is under ``__main__``) on a PEFT
+    adapter, F32, the base's config from ``hf_dir``; in a child process, like ``run_converter``."""
+    import runpy
+
+    _converter_imports(llama_dir)
+    sys.argv = ["convert_lora_to_gguf.py", adapter_dir, "--base", hf_dir, "--outfile", outfile, "--outtype", "f32"]
+    runpy.run_path(str(Path(llama_dir) / "convert_lora_to_gguf.py"), run_name="__main__")
+
+
+def _run_in_child(function: str, args: list, outfile: Path, what: str) -> Path:
+    code = f"import sys; from bench.llama_cpp_bench import {function}; {function}(*sys.argv[1:])"
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0 or not outfile.is_file():
-        raise RuntimeError(f"convert_hf_to_gguf.py --outtype {outtype} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return outfile
+
+
+def convert_to_gguf(llama_dir: Path, hf_dir: Path, outfile: Path, outtype: str) -> Path:
+    return _run_in_child("run_converter", [llama_dir, hf_dir, outfile, outtype], outfile,
+                         f"convert_hf_to_gguf.py --outtype {outtype}")
+
+
+def convert_adapter_to_gguf(llama_dir: Path, adapter_dir: Path, hf_dir: Path, outfile: Path) -> Path:
+    return _run_in_child("run_lora_converter", [llama_dir, adapter_dir, hf_dir, outfile], outfile,
+                         f"convert_lora_to_gguf.py {adapter_dir}")
 
 
 def quantize_gguf(llama_cpp, src: Path, dst: Path, ftype: int, threads: int) -> Path:
@@ -306,12 +352,13 @@ def build_ggufs(llama_cpp, llama_dir: Path, hf_dir: Path, out: Path, threads: in
     return {t: paths[t] for t in GGUF_TYPES}
 
 
-def load_llama(llama_cpp, path: Path, n_ctx: int, threads: int, flash_attn: bool):
+def load_llama(llama_cpp, path: Path, n_ctx: int, threads: int, flash_attn: bool, lora: Path | None = None):
     """llama.cpp's defaults (weights mapped, F16 KV cache) but threads and flash attention; logits
-    of every position, as our engine returns them."""
+    of every position, as our engine returns them. ``lora``: a GGUF adapter applied at run time
+    (scale 1: the file carries alpha, llama.cpp applies alpha / r), the base weights untouched."""
     return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
                            n_threads_batch=threads, n_gpu_layers=0, logits_all=True, flash_attn=flash_attn,
-                           verbose=False)
+                           lora_path=str(lora) if lora else None, verbose=False)
 
 
 def llama_steps(llm, vocab_size: int, P: int | None, prefill: int = PREFILL):
@@ -355,6 +402,29 @@ def read_bandwidth(mib: int = 512, threads: int = 2, repeats: int = 5) -> dict:
     return {"gb_s": a.nbytes / best / 1e9, "mib": mib, "threads": threads, "runs": 2 * repeats}
 
 
+def quantized_kv_variants(root: Path, lora: dict, threads: int) -> dict:
+    """``KV_VARIANTS`` on the release's default KV scheme: the quantized-KV engine compiled as the
+    compile stage does, its weights quantized, the adapter and calibrated scales bound."""
+    from bench.engine_bench import RANK, TARGETS
+    from bench.kv_engine_bench import calibrate_random
+    from runtime.backends.onnxruntime import OrtEngine
+    from tasks.compile import compile_engine
+    from tasks.config import EngineConfig, KVConfig
+    from tasks.quantize_weights import quantize_engine_dir
+
+    spec = KVConfig().spec()
+    compile_engine(root / "base", root / "engine-kv", RANK, TARGETS, ort_threads=threads, kv_spec=spec.to_dict(),
+                   kv_attention=EngineConfig().kv_attention(spec))
+    scales = calibrate_random(root / "base", lora, spec)
+    engines = {}
+    for weights in KV_VARIANTS:
+        out = root / f"engine-kv-{weights}"
+        quantize_engine_dir(root / "engine-kv", out, weights, DEFAULT_BLOCK_SIZE)
+        engines[f"{weights}_kv4"] = OrtEngine(out, threads=threads)
+        engines[f"{weights}_kv4"].set_adapter(lora, kv_scales=scales)
+    return engines
+
+
 def bench_config(llama_cpp, llama_dir: Path, name: str, pasts: list[int], iters: int, threads: int, work: Path,
                  flash_attn: bool) -> dict:
     import onnx
@@ -366,20 +436,26 @@ def bench_config(llama_cpp, llama_dir: Path, name: str, pasts: list[int], iters:
     cfg, engines, _ = build_variants(name, dims, threads, work, list(ORT_VARIANTS))
     root = work / name  # build_variants wrote base/ and adapter/ there
     lora = load_adapter(root / "adapter", engines["fp32"].interface)
+    engines |= quantized_kv_variants(root, lora, threads)
     lora_bytes = sum(np.asarray(v).nbytes for v in lora.values())
     streamed = {f"ort_{v}": onnx_streamed_bytes(onnx.load(str(e.engine_dir / "model.onnx"), load_external_data=False))
-                + lora_bytes for v, e in engines.items()}
+                + (0 if v.endswith("_merged") else lora_bytes) for v, e in engines.items()}
     t1 = time.perf_counter()
     hf_dir = gguf_source_dir(root / "base", embedded_tokenizer_dir(work), root / "gguf_src")
     ggufs = build_ggufs(llama_cpp, llama_dir, hf_dir, root / "gguf", threads)
+    lora_gguf = convert_adapter_to_gguf(llama_dir, root / "adapter", hf_dir, root / "gguf" / "adapter-f32.gguf")
     streamed |= {f"llama_{t}": gguf_streamed_bytes(gguf_tensor_bytes(p, llama_dir)) for t, p in ggufs.items()}
+    lora_gguf_bytes = sum(gguf_tensor_bytes(lora_gguf, llama_dir).values())
+    streamed |= {f"llama_{t}_lora": streamed[f"llama_{t}"] + lora_gguf_bytes for t in LORA_GGUF_TYPES}
     files = {f"ort_{v}": (e.engine_dir / "model.onnx").stat().st_size for v, e in engines.items()}
-    files |= {f"llama_{t}": p.stat().st_size for t, p in ggufs.items()}
+    files |= {f"llama_{t}": p.stat().st_size for t, p in ggufs.items()} | {"llama_lora_adapter": lora_gguf.stat().st_size}
     llms = {f"llama_{t}": load_llama(llama_cpp, p, max(pasts) + 1, threads, flash_attn) for t, p in ggufs.items()}
+    llms |= {f"llama_{t}_lora": load_llama(llama_cpp, ggufs[t], max(pasts) + 1, threads, flash_attn, lora=lora_gguf)
+             for t in LORA_GGUF_TYPES}
     t2 = time.perf_counter()
     print(f"[{name}] engines built in {t1 - t0:.0f} s, GGUF converted in {t2 - t1:.0f} s; timing ...", flush=True)
 
-    names = [f"ort_{v}" for v in ORT_VARIANTS] + list(llms)
+    names = [f"ort_{v}" for v in engines] + list(llms)
     rows: dict[str, dict] = {n: {} for n in names}
     p10: dict[str, dict] = {n: {} for n in names}
     cases = [(P, f"decode_{P}_ms", iters, 20) for P in pasts] + [(None, f"prefill_{PREFILL}_ms", max(10, iters // 10), 5)]
@@ -467,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "batch": 1, "threads": args.threads, "iters": args.iters, "pasts": pasts, "prefill": PREFILL,
         "flash_attn": args.flash_attn, "llama_cpp_kv_type": "f16", "ort_kv_type": "fp32",
-        "ort_variants": list(ORT_VARIANTS), "gguf_types": list(GGUF_TYPES), "pre_tokenizer_fallback": PRE_TOKENIZER,
+        "ort_variants": list(ORT_VARIANTS) + [f"{v}_kv4" for v in KV_VARIANTS], "block_size": DEFAULT_BLOCK_SIZE,
+        "gguf_types": list(GGUF_TYPES) + [f"{t}_lora" for t in LORA_GGUF_TYPES], "pre_tokenizer_fallback": PRE_TOKENIZER,
         "weight_bytes_rule": "stored weight tensors except the token embedding (gathered, not streamed); "
                              "ORT: initializers not read only by Gather + bound LoRA inputs; GGUF: tensors but token_embd.weight",
         "read_bandwidth": bandwidth, "converter": str(llama_dir),

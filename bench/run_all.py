@@ -80,7 +80,7 @@ def plan(flow_ready: bool) -> list[Bench]:
         Bench("weight_quant_bench", "weight-only quantization: fp32 vs int8 vs int4 engines",
               ("--configs", "tiny,0.5b-width", "--variants", "fp32,int8,int4", "--pasts", "512", "--iters", "60",
                "--out", f"{RESULTS}/weight_quant_bench.json"),
-              "quick: 3 variants, past 512 only, 60 iterations; the full run (about 15 min) adds the LoRA-merged, "
+              "quick: 3 variants at block 128, past 512 only, 60 iterations; the full run (about 15 min) adds the LoRA-merged, block-32, "
               "accuracy-level-0 and norm-folded variants and past 2048", 900),
         Bench("gpu_check", "TensorRT plan, parity vs ONNX Runtime, latency (NVIDIA only)",
               ("--out", f"{RESULTS}/gpu_check.json"), "full; needs an NVIDIA GPU with TensorRT", 900),

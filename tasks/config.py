@@ -122,6 +122,7 @@ class EngineConfig(_Section):
     backend: Literal["onnxruntime", "torch", "tensorrt"] = "onnxruntime"
     parity_tolerance: float = Field(1e-4, gt=0)
     weights: Literal["fp32", "int8", "int4"] = "fp32"
+    weight_block_size: int = Field(128, ge=16, le=4096)
     kv_cache: Literal["float", "quantized"] = "quantized"
 
     def kv_engine_dir(self) -> Path:
@@ -141,6 +142,13 @@ class EngineConfig(_Section):
         from kernels.gqa_attention import gqa_problems
 
         return "gqa" if self.backend == "onnxruntime" and not gqa_problems(spec) else "standard"
+
+    @field_validator("weight_block_size")
+    @classmethod
+    def _block_is_power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"must be a power of two (MatMulNBits), got {v}")
+        return v
 
     @model_validator(mode="after")
     def _weights_need_onnxruntime(self) -> "EngineConfig":

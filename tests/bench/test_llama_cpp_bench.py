@@ -45,20 +45,26 @@ def test_roofline_is_bytes_per_token_over_decode_time_against_the_measured_bandw
     assert r["share"] == pytest.approx(0.25)
 
 
-def test_comparisons_pair_the_same_precision_and_mark_what_the_acceptance_covers():
+def test_comparisons_pair_like_for_like_and_mark_what_the_acceptance_covers():
     rows = {"ort_int8": {"decode_512_ms": 4.0, "prefill_128_ms": 90.0},
-            "llama_q8_0": {"decode_512_ms": 5.0, "prefill_128_ms": 80.0},
+            "ort_int8_merged": {"decode_512_ms": 3.0, "prefill_128_ms": 70.0},
+            "llama_q8_0": {"decode_512_ms": 3.5, "prefill_128_ms": 80.0},
+            "llama_q8_0_lora": {"decode_512_ms": 5.0, "prefill_128_ms": 80.0},
             "ort_fp32": {"decode_512_ms": 12.0, "prefill_128_ms": 100.0},
             "llama_f32": {"decode_512_ms": 10.0, "prefill_128_ms": 200.0}}
     p10 = {k: {c: ms / 2 for c, ms in row.items()} for k, row in rows.items()} | {"ort_int8": {"decode_512_ms": 1.0, "prefill_128_ms": 45.0}}
-    got = {(c["ours"], c["case"]): c for c in peer.compare(rows, p10, [512])}
-    assert set(got) == {("ort_int8", "decode_512_ms"), ("ort_int8", "prefill_128_ms"),
-                        ("ort_fp32", "decode_512_ms"), ("ort_fp32", "prefill_128_ms")}  # no int4 rows: skipped
-    assert got["ort_int8", "decode_512_ms"]["ratio"] == pytest.approx(0.8) and got["ort_int8", "decode_512_ms"]["pass"]
-    assert got["ort_int8", "decode_512_ms"]["ratio_p10"] == pytest.approx(1.0 / 2.5)
-    assert not got["ort_int8", "prefill_128_ms"]["pass"] and got["ort_int8", "prefill_128_ms"]["peer"] == "llama_q8_0"
-    assert got["ort_fp32", "prefill_128_ms"]["acceptance"]
-    assert not got["ort_fp32", "decode_512_ms"]["acceptance"]  # fp32 decode is reported, not judged
+    got = {(c["ours"], c["peer"], c["case"]): c for c in peer.compare(rows, p10, [512])}
+    assert {k[:2] for k in got} == {("ort_int8", "llama_q8_0_lora"), ("ort_int8_merged", "llama_q8_0"),
+                                    ("ort_int8", "llama_q8_0"), ("ort_fp32", "llama_f32")}  # no int4 rows: skipped
+    with_adapter = got["ort_int8", "llama_q8_0_lora", "decode_512_ms"]
+    assert with_adapter["ratio"] == pytest.approx(0.8) and with_adapter["pass"] and with_adapter["acceptance"]
+    assert with_adapter["ratio_p10"] == pytest.approx(1.0 / 2.5)
+    assert not got["ort_int8", "llama_q8_0_lora", "prefill_128_ms"]["pass"]
+    assert got["ort_int8_merged", "llama_q8_0", "decode_512_ms"]["pass"]  # 3.0 vs 3.5: neither carries an adapter
+    mismatched = got["ort_int8", "llama_q8_0", "decode_512_ms"]  # ours with the adapter, llama.cpp without
+    assert not mismatched["pass"] and not mismatched["acceptance"]
+    assert got["ort_fp32", "llama_f32", "prefill_128_ms"]["acceptance"]
+    assert not got["ort_fp32", "llama_f32", "decode_512_ms"]["acceptance"]  # fp32 decode is reported, not judged
 
 
 def test_an_unknown_pre_tokenizer_is_written_as_qwen2_and_known_ones_are_unchanged():
@@ -83,7 +89,7 @@ def test_without_llama_cpp_the_bench_says_how_to_install_it(monkeypatch):
 def test_the_converter_is_extracted_once_from_the_sdist_and_nothing_else(tmp_path):
     sdist = tmp_path / "llama_cpp_python-9.9.tar.gz"
     files = {"convert_hf_to_gguf.py": b"# converter", "conversion/base.py": b"# base", "gguf-py/gguf/__init__.py": b"#",
-             "src/llama.cpp": b"// not needed", "convert_lora_to_gguf.py": b"# not needed"}
+             "src/llama.cpp": b"// not needed", "convert_lora_to_gguf.py": b"# lora", "tools/x.py": b"# not needed"}
     with tarfile.open(sdist, "w:gz") as tar:
         for rel, data in files.items():
             info = tarfile.TarInfo(f"llama_cpp_python-9.9/vendor/llama.cpp/{rel}")
@@ -92,16 +98,17 @@ def test_the_converter_is_extracted_once_from_the_sdist_and_nothing_else(tmp_pat
     out = peer.converter_dir(sdist)
     assert out == tmp_path / "llama_cpp_python-9.9" / "llama.cpp"
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == [
-        "conversion/base.py", "convert_hf_to_gguf.py", "gguf-py/gguf/__init__.py"]
+        "conversion/base.py", "convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "gguf-py/gguf/__init__.py"]
     sdist.unlink()
     assert peer.converter_dir(out.parent) == out  # an extracted directory is taken as it is
     with pytest.raises(SystemExit, match="sdist is missing"):
         peer.converter_dir(sdist)
 
 
-def test_gguf_f32_is_the_same_model_as_our_fp32_engine(tmp_path):
-    # given the tiny backbone, our fp32 engine without an adapter, and the same directory converted to
-    # F32 GGUF by llama.cpp's converter; when both run the same 24 token ids; then their logits agree
+def test_gguf_f32_is_the_same_model_as_our_fp32_engine_with_and_without_the_adapter(tmp_path):
+    # given the tiny backbone and its random rank-8 adapter, our fp32 engine, and the same directories
+    # converted by llama.cpp's converters (F32 model, F32 LoRA); when both run the same 24 token ids,
+    # without and then with the adapter; then their logits agree both times
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (the `peer` extra: make bench-peer)")
     try:
         llama_dir = peer.converter_dir()
@@ -112,18 +119,27 @@ def test_gguf_f32_is_the_same_model_as_our_fp32_engine(tmp_path):
     from tasks.compile import compile_engine
 
     peer.require_llama_cpp()
-    model_dir, _ = make_backbone_and_adapter(tmp_path, peer.CONFIGS["tiny"])
+    from runtime.adapter import load_adapter
+
+    model_dir, adapter_dir = make_backbone_and_adapter(tmp_path, peer.CONFIGS["tiny"])
     compile_engine(model_dir, tmp_path / "engine", RANK, TARGETS, ort_threads=2)
     engine = OrtEngine(tmp_path / "engine", threads=2)  # no adapter bound: the backbone alone
     src = peer.gguf_source_dir(model_dir, peer.embedded_tokenizer_dir(tmp_path), tmp_path / "gguf_src")
     gguf = peer.convert_to_gguf(llama_dir, src, tmp_path / "model-f32.gguf", "f32")
-    llm = peer.load_llama(llama_cpp, gguf, 64, 2, flash_attn=True)
+    lora_gguf = peer.convert_adapter_to_gguf(llama_dir, adapter_dir, src, tmp_path / "adapter-f32.gguf")
 
     ids = np.random.default_rng(1).integers(0, 512, (1, 24))
-    ours, _ = engine.forward(ids, np.arange(24)[None], np.ones((1, 24), dtype=np.int64), None)
-    llm.eval(ids[0].tolist())
-    theirs = np.array(llm.scores[:24])
-    llm.close()
-    assert np.abs(ours[0] - theirs).max() < 1e-2, np.abs(ours[0] - theirs).max()
-    assert (ours[0].argmax(-1) == theirs.argmax(-1)).all()
-    assert np.abs(ours).max() > 0.1  # the logits are not all near zero: the comparison means something
+    logits = {}
+    for name, lora in (("base", None), ("adapter", lora_gguf)):
+        if lora is not None:
+            engine.set_adapter(load_adapter(adapter_dir, engine.interface))
+        ours, _ = engine.forward(ids, np.arange(24)[None], np.ones((1, 24), dtype=np.int64), None)
+        llm = peer.load_llama(llama_cpp, gguf, 64, 2, flash_attn=True, lora=lora)
+        llm.eval(ids[0].tolist())
+        theirs = np.array(llm.scores[:24])
+        llm.close()
+        assert np.abs(ours[0] - theirs).max() < 1e-2, (name, np.abs(ours[0] - theirs).max())
+        assert (ours[0].argmax(-1) == theirs.argmax(-1)).all(), name
+        assert np.abs(ours).max() > 0.1  # the logits are not all near zero: the comparison means something
+        logits[name] = ours[0]
+    assert np.abs(logits["adapter"] - logits["base"]).max() > 0.1  # the adapter changed the model on both sides

@@ -47,6 +47,12 @@ def test_every_problem_is_reported_at_once(tmp_path):
     assert "lora.r: Input should be greater than or equal to 1" in message
 
 
+def test_weight_block_size_must_be_a_power_of_two_for_matmulnbits():
+    with pytest.raises(ConfigError, match=r"engine\.weight_block_size: Value error, must be a power of two \(MatMulNBits\), got 96"):
+        parse_config({"engine": {"weight_block_size": 96}})
+    assert parse_config({"engine": {"weight_block_size": 32}}).engine.weight_block_size == 32
+
+
 def test_base_month_must_precede_release_month():
     with pytest.raises(ConfigError, match=r"trained_through \(2026-11\) must be before data\.month \(2026-11\)"):
         parse_config({"base_model": {"trained_through": "2026-11"}})

@@ -16,10 +16,12 @@ from runtime.model import rms_norm
 from tasks.data import Example
 from tasks.evaluate import accuracy_report
 from tasks.quantize_weights import (
+    DEFAULT_BLOCK_SIZE,
     WeightQuantError,
     accuracy_gate,
     calibrate_activations,
     dequantize_groups,
+    ensure_quantized_engine,
     fake_quantize,
     pack_codes,
     quantize_engine_dir,
@@ -160,6 +162,16 @@ def test_cache_key_and_record_separate_precisions(tiny_engine, tmp_path):
     # Same settings, same key: a rebuild is reproducible and a cache hit stays possible.
     quantize_engine_dir(tiny_engine, tmp_path / "again", "int8")
     assert json.loads((tmp_path / "again" / "cache_key.json").read_text())["key"] == keys["int8"]["key"]
+
+
+def test_a_different_block_size_is_a_different_build(tiny_engine, tmp_path):
+    # given an int4 copy built at the default block size; when the release asks for block 32; then the
+    # cached copy is not reused, and asking again for 32 reuses the new one
+    first = ensure_quantized_engine(tiny_engine, tmp_path / "engine-int4", "int4")
+    assert first["weights_builds"] == 1 and first["weights_record"]["block_size"] == DEFAULT_BLOCK_SIZE == 128
+    other = ensure_quantized_engine(tiny_engine, tmp_path / "engine-int4", "int4", block_size=32)
+    assert other["weights_builds"] == 1 and other["weights_record"]["block_size"] == 32
+    assert ensure_quantized_engine(tiny_engine, tmp_path / "engine-int4", "int4", block_size=32)["weights_builds"] == 0
 
 
 def test_refuses_unknown_precision_and_bad_block(tiny_engine, tmp_path):
