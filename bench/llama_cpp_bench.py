@@ -21,7 +21,8 @@ default widths and the Qwen2-0.5B widths with 6 layers, both vocabulary 512):
   (F32), which llama.cpp applies at run time on Q8_0 and Q4_0 (``llama_q8_0_lora``, ``llama_q4_0_lora``:
   the base weights untouched, as our LoRA inputs);
 * every engine of the config timed in one ``interleaved`` call per case (A B C ..., A B C ...), so
-  load from other processes hits them alike: one decoded token after a past of P (the past is
+  load from other processes hits them alike, each round of an engine after 3 untimed calls (the
+  first calls after the other engine ran are slowed by its threads, both ways: ``interleaved``): one decoded token after a past of P (the past is
   restored after every call: ``engine_steps`` does not extend our cache; llama.cpp gets its
   ``n_tokens`` reset to P, and ``Llama.eval`` drops KV cells >= P before decoding), and a prefill of
   128 tokens. Batch 1, 2 threads (``n_threads = n_threads_batch = 2``), the same token ids for both

@@ -1,8 +1,10 @@
 """PEFT LoRA directory -> the engine's LoRA inputs, checked before any inference.
 
 Every problem is collected and reported at once. The result is a dict keyed by the
-interface's input names (``lora_A.{layer}.{module}`` (r_max, in), ``lora_B...`` (out, r_max),
-``lora_scale...`` (1,)), float32 numpy arrays ready to feed any backend.
+interface's input names, one A and one B per layer and fused linear (``runtime.interface.lora_groups``):
+``lora_A.{layer}.{targets}`` (n r_max, in) stacks the targets' A matrices, ``lora_B...`` (out of the
+fused linear, n r_max) holds each target's ``scale * B`` in its own rows and rank columns, zero
+elsewhere; float32 numpy arrays ready to feed any backend.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from runtime.errors import RefusedInput
-from runtime.interface import EngineInterface
+from runtime.interface import EngineInterface, lora_group_name, lora_groups
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -94,6 +96,12 @@ def load_adapter(adapter_dir: str | Path, iface: EngineInterface, require_proven
 
     tensors = load_file(adapter_dir / ADAPTER_WEIGHTS)
     inputs = zero_lora_inputs(iface)
+    R = iface.max_rank
+    slots = {}  # module -> (group name, rank-column offset, output-row offset)
+    for targeted, fused in lora_groups(iface.target_modules):
+        for j, module in enumerate(targeted):
+            row = sum(iface.module_shapes[m][1] for m in fused[: fused.index(module)])
+            slots[module] = (lora_group_name(targeted), j * R, row)
     seen: dict[tuple[int, str], set] = {}
     for key, value in sorted(tensors.items()):
         m = _KEY.search(key)
@@ -121,12 +129,12 @@ def load_adapter(adapter_dir: str | Path, iface: EngineInterface, require_proven
             problems.append(f"tensor {key!r} has non-finite values")
             continue
         value = value.astype(np.float32)
-        name = f"lora_{kind}.{layer}.{module}"
+        group, col, row = slots[module]
+        # Ranks beyond the adapter's and rows of untargeted members stay zero: the padding is exact.
         if kind == "A":
-            inputs[name][:rank, :] = value  # rows beyond the rank stay zero: zero-padding is exact
+            inputs[f"lora_A.{layer}.{group}"][col : col + rank, :] = value
         else:
-            inputs[name][:, :rank] = value
-        inputs[f"lora_scale.{layer}.{module}"][:] = scale
+            inputs[f"lora_B.{layer}.{group}"][row : row + fan_out, col : col + rank] = value * np.float32(scale)
         seen.setdefault((layer, module), set()).add(kind)
     for (layer, module), kinds in sorted(seen.items()):
         if kinds != {"A", "B"}:

@@ -5,10 +5,12 @@ decodes 2.6-4.7x slower in ONNX Runtime than this hand-written forward (cache cl
 mask helpers and dtype juggling all end up in the graph). This file reads the Hugging
 Face weights by name from ``config.json`` + ``*.safetensors`` and nothing else.
 
-LoRA is applied *unmerged*: for every layer and every target module the graph takes
-``A (r_max, in)``, ``B (out, r_max)`` and ``scale (1,)`` as runtime inputs, so one compiled
-engine serves every monthly adapter. A lower-rank adapter is zero-padded to ``r_max``;
-a target module the adapter does not touch gets zeros (its delta is then exactly 0).
+LoRA is applied *unmerged*: for every layer and every fused linear with a target module
+(q/k/v, o, gate/up, down: ``runtime.interface.lora_groups``) the graph takes ``A (n r_max, in)``
+and ``B (out, n r_max)`` as runtime inputs, ``y + (x A^T) B^T``, so one compiled engine serves
+every monthly adapter. ``runtime.adapter`` stacks the targets' A matrices, places each ``scale * B``
+block-diagonally, and zero-pads a lower rank; a target the adapter does not touch gets zeros (its
+delta is then exactly 0).
 
 Shapes: B batch, T new tokens, P past tokens, S = P + T, H hidden, nh/nkv query/kv
 heads, d head dim, g = nh // nkv queries per kv head, r max LoRA rank.
@@ -26,6 +28,7 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from runtime.errors import RefusedInput
+from runtime.interface import lora_group_name, lora_groups
 
 
 # Every linear a LoRA may target, in the order its inputs appear in the engine interface.
@@ -155,12 +158,13 @@ class Block(nn.Module):
         self.ln1 = p(w[prefix + "input_layernorm.weight"], requires_grad=False)
         self.ln2 = p(w[prefix + "post_attention_layernorm.weight"], requires_grad=False)
 
-    def _lora(self, name: str, x: torch.Tensor, y: torch.Tensor, lora: dict[str, tuple]) -> torch.Tensor:
-        """y + scale * (x A^T) B^T, with the add folded into the second GEMM (one ONNX Gemm)."""
-        if name not in lora:
+    def _lora(self, first: str, x: torch.Tensor, y: torch.Tensor, lora: dict[str, tuple]) -> torch.Tensor:
+        """y + (x A^T) B^T for the fused linear whose first module is ``first``, the add folded into
+        the second GEMM (one ONNX Gemm)."""
+        if first not in lora:
             return y
-        a, b, s = lora[name]  # (r, in), (out, r), (1,)
-        return torch.addmm(y, (x @ a.t()) * s, b.t())  # (N, r) -> (N, out)
+        a, b = lora[first]  # (n r, in), (out, n r)
+        return torch.addmm(y, x @ a.t(), b.t())  # (N, n r) -> (N, out)
 
     def forward(self, x, B: int, T: int, cos, sin, mask, past_k, past_v, lora: dict[str, tuple]):
         """x: (N, H) with N = B * T: the linears run on 2-D activations so each one, bias or
@@ -185,15 +189,8 @@ class Block(nn.Module):
         cfg = self.cfg
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = rms_norm(x, self.ln1, cfg.rms_norm_eps)  # (N, H)
-        qkv = _linear(h, self.qkv_w, self.qkv_b)  # (N, (nh + 2 nkv) d)
-        if "q_proj" in lora or "k_proj" in lora:
-            q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
-            q = self._lora("q_proj", h, q, lora)  # (N, nh d)
-            k = self._lora("k_proj", h, k, lora)  # (N, nkv d)
-            qk = torch.cat([q, k], dim=-1)  # (N, (nh + nkv) d)
-        else:
-            qk, v = qkv.split([(nh + nkv) * d, nkv * d], dim=-1)
-        v = self._lora("v_proj", h, v, lora)  # (N, nkv d)
+        qkv = self._lora("q_proj", h, _linear(h, self.qkv_w, self.qkv_b), lora)  # (N, (nh + 2 nkv) d)
+        qk, v = qkv.split([(nh + nkv) * d, nkv * d], dim=-1)
         # RoPE on queries and keys in one pass: half the rotate/multiply ops of two passes.
         qk = qk.view(B, T, nh + nkv, d).transpose(1, 2)  # (B, nh + nkv, T, d)
         qk = qk * cos + rotate_half(qk) * sin
@@ -206,14 +203,11 @@ class Block(nn.Module):
         cfg = self.cfg
         nh, d = cfg.num_heads, cfg.head_dim
         y = y.view(B, nh, T, d).transpose(1, 2).reshape(B * T, nh * d)  # (N, nh d)
-        o = _linear(y, self.o_w, self.o_b)  # (N, H)
-        x = x + self._lora("o_proj", y, o, lora)
+        x = x + self._lora("o_proj", y, _linear(y, self.o_w, self.o_b), lora)  # (N, H)
 
         h = rms_norm(x, self.ln2, cfg.rms_norm_eps)  # (N, H)
-        gu = _linear(h, self.gate_up_w)  # (N, 2 I)
+        gu = self._lora("gate_proj", h, _linear(h, self.gate_up_w), lora)  # (N, 2 I)
         gate, up = gu.split([cfg.intermediate_size, cfg.intermediate_size], dim=-1)
-        gate = self._lora("gate_proj", h, gate, lora)
-        up = self._lora("up_proj", h, up, lora)
         m = nn.functional.silu(gate) * up  # (N, I)
         down = _linear(m, self.down_w)  # (N, H)
         return x + self._lora("down_proj", m, down, lora)
@@ -284,9 +278,10 @@ class Backbone(nn.Module):
         return x, cos, sin, mask
 
     def layer_lora(self, lora: tuple, i: int) -> dict[str, tuple]:
-        n = len(self.lora_modules)
-        group = lora[3 * n * i : 3 * n * (i + 1)]
-        return {m: tuple(group[3 * j : 3 * j + 3]) for j, m in enumerate(self.lora_modules)}
+        """{first module of a fused linear: (A, B)} of layer i."""
+        groups = lora_groups(self.lora_modules)
+        layer = lora[2 * len(groups) * i : 2 * len(groups) * (i + 1)]
+        return {fused[0]: tuple(layer[2 * j : 2 * j + 2]) for j, (_, fused) in enumerate(groups)}
 
     def head(self, x, B: int, T: int):
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)  # (N, H)
@@ -300,14 +295,18 @@ class Backbone(nn.Module):
 def merge_lora(
     weights: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], num_layers: int, modules: tuple[str, ...]
 ) -> dict[str, torch.Tensor]:
-    """W + scale * B @ A for every (layer, module): the merged-weights reference/baseline."""
+    """W + B @ A (the scale is inside B) for every layer and fused linear, cut back into the
+    modules' weights: the merged-weights reference/baseline."""
     merged = dict(weights)
     for i in range(num_layers):
-        for m in modules:
-            a, b, s = lora[f"lora_A.{i}.{m}"], lora[f"lora_B.{i}.{m}"], lora[f"lora_scale.{i}.{m}"]
-            kind = "self_attn" if m in _ATTN else "mlp"
-            key = f"model.layers.{i}.{kind}.{m}.weight"
-            merged[key] = weights[key] + s.reshape(()) * (b @ a)  # (out, in)
+        for targeted, fused in lora_groups(modules):
+            name = lora_group_name(targeted)
+            delta = lora[f"lora_B.{i}.{name}"] @ lora[f"lora_A.{i}.{name}"]  # (out of the fused linear, in)
+            row = 0
+            for m in fused:  # an untargeted member's rows are zero
+                key = f"model.layers.{i}.{'self_attn' if m in _ATTN else 'mlp'}.{m}.weight"
+                merged[key] = weights[key] + delta[row : row + weights[key].shape[0]]
+                row += weights[key].shape[0]
     return merged
 
 
@@ -318,6 +317,6 @@ def load_backbone(
     cfg = read_config(model_dir)
     weights = read_weights(model_dir)
     if merged_lora is not None:
-        modules = tuple(sorted({k.split(".")[-1] for k in merged_lora if k.startswith("lora_A.")}))
+        modules = tuple(sorted({m for k in merged_lora if k.startswith("lora_A.") for m in k.split(".")[-1].split("+")}))
         weights = merge_lora(weights, merged_lora, cfg.num_layers, modules)
     return Backbone(cfg, weights, lora_modules).eval()

@@ -36,7 +36,10 @@ def test_valid_adapter_becomes_padded_engine_inputs(iface, qwen_adapter):
     assert set(lora) == set(iface.lora_names)
     assert lora["lora_A.1.o_proj"].shape == (8, 64) and lora["lora_B.1.o_proj"].shape == (64, 8)
     assert np.abs(lora["lora_A.1.o_proj"][:4]).sum() > 0 and not lora["lora_A.1.o_proj"][4:].any()
-    assert lora["lora_scale.0.q_proj"].tolist() == [2.0]  # alpha 8 / r 4
+    raw = load_file(qwen_adapter / "adapter_model.safetensors")
+    raw_bo = next(v for k, v in raw.items() if "layers.1.self_attn.o_proj.lora_B" in k)
+    np.testing.assert_allclose(lora["lora_B.1.o_proj"][:, :4], 2.0 * raw_bo)  # alpha 8 / r 4, folded into B
+    assert lora["lora_A.0.q_proj+k_proj+v_proj"].shape == (24, 64) and lora["lora_B.0.q_proj+k_proj+v_proj"].shape == (128, 24)
 
 
 def test_rank_above_max_rank_is_refused(tiny_qwen, iface, tmp_path):

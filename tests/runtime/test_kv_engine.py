@@ -13,7 +13,7 @@ from runtime.adapter import load_adapter
 from runtime.backends.onnxruntime import OrtEngine
 from runtime.errors import RefusedInput
 from runtime.generate import greedy_generate
-from runtime.interface import QUANT_KV_INTERFACE_VERSION, read_interface
+from runtime.interface import INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSION, read_interface
 from runtime.model import load_backbone
 from tasks.calibrate import KVScales, collect_kv_stats, scales_from_stats
 from engine_testkit import TARGETS
@@ -156,7 +156,7 @@ def test_float_engine_is_unchanged_and_takes_no_scales(tiny_engine, tiny_qwen):
     written = json.loads((tiny_engine / "interface.json").read_text())
     engine = OrtEngine(tiny_engine)
 
-    assert iface.version == 1 and iface.kv_dtype == "float32" and "kv_spec" not in written
+    assert iface.version == INTERFACE_VERSION and iface.kv_dtype == "float32" and "kv_spec" not in written
     with pytest.raises(ValueError, match="float KV cache; it takes no kv_scales"):
         engine.set_adapter(None, kv_scales=calibrate(tiny_qwen, DEFAULT))
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from engine_testkit import make_adapter
+from safetensors.numpy import load_file
 
 from runtime.adapter import load_adapter
 from runtime.hashing import backbone_hash
@@ -65,9 +66,16 @@ def test_lower_rank_adapter_is_zero_padded_to_max_rank(tiny_qwen, tmp_path):
 
     logits, _ = run(load_backbone(tiny_qwen, TARGETS), ids, lora)
 
-    assert named["lora_A.0.q_proj"].shape == (8, 64) and named["lora_A.0.q_proj"][2:].abs().sum() == 0
-    assert named["lora_B.1.k_proj"].abs().sum() == 0 and named["lora_scale.1.k_proj"].item() == 0  # untouched
-    assert named["lora_scale.0.q_proj"].item() == pytest.approx(2.0)  # alpha / r
+    # One A and one B for q/k/v: rank blocks of 8 (q, k, v), output rows q 0:64, k 64:96, v 96:128.
+    a, b = named["lora_A.0.q_proj+k_proj+v_proj"], named["lora_B.0.q_proj+k_proj+v_proj"]
+    assert a.shape == (24, 64) and b.shape == (128, 24)
+    assert a[:2].abs().sum() > 0 and a[2:8].abs().sum() == 0 and a[8:16].abs().sum() == 0  # q rank 2, k untouched
+    assert a[16:18].abs().sum() > 0 and a[18:].abs().sum() == 0
+    assert b[64:96].abs().sum() == 0 and b[:, 8:16].abs().sum() == 0  # k rows and columns stay zero
+    assert b[:64, 16:].abs().sum() == 0 and b[96:, :8].abs().sum() == 0  # block-diagonal
+    raw = load_file(adapter / "adapter_model.safetensors")
+    raw_bq = next(v for k, v in raw.items() if "layers.0.self_attn.q_proj.lora_B" in k)
+    assert torch.allclose(b[:64, :2], 2.0 * torch.from_numpy(raw_bq))  # scale alpha / r folded into B
     assert (logits - hf_merged_logits(tiny_qwen, adapter, ids)).abs().max().item() <= 1e-4
 
 

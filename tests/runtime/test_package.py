@@ -85,7 +85,7 @@ def test_a_release_verifies_and_its_manifest_binds_everything(w):
                                   "kv_scales.safetensors", "provenance.json"]
     assert parse_time(m["expires_at"]) - parse_time(m["created_at"]) == dt.timedelta(days=120)
     assert len(m["pipeline"]["git_revision"]) == 40
-    assert verified.lora["lora_A.0.q_proj"].shape == (8, 64) and verified.kv_scales.k_scale.shape == (2, 2, 16)
+    assert verified.lora["lora_A.0.q_proj+k_proj+v_proj"].shape == (24, 64) and verified.kv_scales.k_scale.shape == (2, 2, 16)
 
 
 @pytest.mark.parametrize("name,reason", [

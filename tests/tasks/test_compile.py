@@ -37,12 +37,13 @@ def test_interface_records_the_contract(tiny_qwen, tiny_engine):
     assert spec["exporter"]["torch"].startswith("2.13")
     shapes = {t.name: t.shape for t in iface.inputs}
     assert shapes["past_key.1"] == ("batch", 2, "past", 16)
-    assert shapes["lora_A.1.k_proj"] == (8, 64) and shapes["lora_B.1.k_proj"] == (32, 8)
-    assert shapes["lora_scale.0.o_proj"] == (1,)
+    # q/k/v share one A (3 x rank 8) and one block-diagonal B over their 64 + 32 + 32 outputs; o_proj has its own
+    assert shapes["lora_A.1.q_proj+k_proj+v_proj"] == (24, 64) and shapes["lora_B.1.q_proj+k_proj+v_proj"] == (128, 24)
+    assert shapes["lora_A.0.o_proj"] == (8, 64) and shapes["lora_B.0.o_proj"] == (64, 8)
     assert [i.name for i in graph.graph.input] == iface.input_names
     past = next(i for i in graph.graph.input if i.name == "past_value.0").type.tensor_type.shape.dim
     assert [d.dim_param or d.dim_value for d in past] == ["batch", 2, "past", 16]
-    assert len(iface.inputs) == 3 + 2 * 2 + 2 * 4 * 3
+    assert len(iface.inputs) == 3 + 2 * 2 + 2 * 2 * 2
 
 
 def test_changed_backbone_rebuilds_the_engine(tiny_qwen, tiny_engine, tmp_path):
