@@ -99,6 +99,8 @@ def test_the_converter_is_extracted_once_from_the_sdist_and_nothing_else(tmp_pat
     assert out == tmp_path / "llama_cpp_python-9.9" / "llama.cpp"
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == [
         "conversion/base.py", "convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "gguf-py/gguf/__init__.py"]
+    (out / "convert_lora_to_gguf.py").unlink()  # as an older bench extracted it: no LoRA converter
+    assert peer.converter_dir(sdist) == out and (out / "convert_lora_to_gguf.py").read_bytes() == b"# lora"
     sdist.unlink()
     assert peer.converter_dir(out.parent) == out  # an extracted directory is taken as it is
     with pytest.raises(SystemExit, match="sdist is missing"):
