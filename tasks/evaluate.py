@@ -144,10 +144,12 @@ def _score_on_engine(
     cfg: EvalConfig,
     base_dir: Path,
     kv_dir: Path | None,
+    release_backbone=None,
 ) -> tuple[dict, dict, list[str], list[float]]:
     """Accuracy, perplexity and decode latency of base + adapter on the serving engine, and its
     parity with PyTorch + merged PEFT (a quantized-KV engine: with its own PyTorch module, the
-    release's scales on both sides). The last item is every timed decode step (ms)."""
+    release's scales on both sides; ``release_backbone`` is the adapter-merged backbone from
+    ``tasks.calibrate.load_release_backbone``). The last item is every timed decode step (ms)."""
     from runtime.adapter import load_adapter
     from runtime.engine import open_engine
     from runtime.generate import generate_text
@@ -164,13 +166,12 @@ def _score_on_engine(
         from kernels.kv_quant import KVQuantSpec
         from runtime.hashing import backbone_hash
         from tasks.artifacts import sha256_file
-        from tasks.calibrate import load_kv_scales, load_release_backbone
+        from tasks.calibrate import load_kv_scales
 
         scales = load_kv_scales(kv_dir, sha256_file(adapter_dir / "adapter_model.safetensors"), backbone_hash(base_dir),
                                 expected_spec=KVQuantSpec.from_dict(engine.interface.kv_spec))
         engine.set_adapter(lora, kv_scales=scales)
-        backbone, _, _ = load_release_backbone(base_dir, adapter_dir, Path(engine_cfg.dir))
-        kv_parity = quantized_prefill_parity(engine, backbone, scales, engine_cfg.kv_attention(scales.spec), tokenizer, prompts)
+        kv_parity = quantized_prefill_parity(engine, release_backbone, scales, engine_cfg.kv_attention(scales.spec), tokenizer, prompts)
         diff = kv_parity["max_abs_logit_diff_codes_agree"]
     on_engine = generate_text(engine, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size)
     parity = parity_report(
@@ -291,10 +292,17 @@ def evaluate(
         "adapter": adapter_report,
     }
     engine_predictions, latency_samples = None, []
+    release_backbone = None
+    if kv_dir is not None:
+        from tasks.calibrate import load_release_backbone
+
+        # One load serves the quantized-KV engine's parity module and the KV quality grid.
+        release_backbone, _, _ = load_release_backbone(Path(base_dir), Path(adapter_dir),
+                                                       Path(engine.dir) if engine is not None else None)
     if engine is not None:
         merged = adapted.merge_and_unload().eval()
         metrics["adapter_on_engine"], metrics["engine_parity"], engine_predictions, latency_samples = _score_on_engine(
-            engine, Path(adapter_dir), merged, tokenizer, test, texts, cfg, Path(base_dir), kv_dir
+            engine, Path(adapter_dir), merged, tokenizer, test, texts, cfg, Path(base_dir), kv_dir, release_backbone
         )
         if engine.weights != "fp32":
             from tasks.quantize_weights import accuracy_gate
@@ -306,7 +314,7 @@ def evaluate(
 
         metrics["kv_cache"] = release_kv_quality(
             base_dir, adapter_dir, kv_dir, Path(data_dir) / "calib.jsonl", test, texts, cfg.max_new_tokens,
-            engine_dir=Path(engine.dir) if engine is not None else None,
+            backbone=release_backbone,
         )
         if engine is not None and engine.kv_cache == "quantized":
             # What the device's cache costs, measured on the device's engine: the reference cache

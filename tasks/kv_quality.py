@@ -131,20 +131,19 @@ def release_kv_quality(
     test,
     heldout_lines: list[str],
     max_new_tokens: int,
-    engine_dir: Path | None = None,
+    backbone,
 ) -> dict:
     """Accuracy and perplexity of base + adapter with the float cache and with this release's
     quantized cache; plus the perplexity of the same spec at other widths (scales from the same
-    calibration statistics) for the plot. ``test`` is a list of ``tasks.data.Example``; ``engine_dir``
-    is the engine the adapter was bound to (its provenance names that engine's interface)."""
+    calibration statistics) for the plot. ``test`` is a list of ``tasks.data.Example``; ``backbone``
+    is the release's adapter-merged backbone (``tasks.calibrate.load_release_backbone``)."""
     from kernels.kv_quant import bytes_per_token
     from runtime.hashing import backbone_hash
     from tasks.artifacts import sha256_file
     from tasks.base_model import load_tokenizer
-    from tasks.calibrate import collect_kv_stats, jsonl_batches, load_kv_scales, load_release_backbone, scales_from_stats
+    from tasks.calibrate import collect_kv_stats, jsonl_batches, load_kv_scales, scales_from_stats
     from tasks.evaluate import accuracy_report
 
-    backbone, _, _ = load_release_backbone(Path(base_dir), Path(adapter_dir), engine_dir)
     tokenizer = load_tokenizer(Path(base_dir))
     release = load_kv_scales(Path(kv_dir), sha256_file(Path(adapter_dir) / "adapter_model.safetensors"), backbone_hash(Path(base_dir)))
     spec, scales = release.spec, release.cache_kwargs()
