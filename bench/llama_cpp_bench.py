@@ -22,12 +22,13 @@ default widths and the Qwen2-0.5B widths with 6 layers, both vocabulary 512):
   the base weights untouched, as our LoRA inputs);
 * every engine of the config timed in one ``interleaved`` call per case (A B C ..., A B C ...), so
   load from other processes hits them alike, each round of an engine after 3 untimed calls (the
-  first calls after the other engine ran are slowed by its threads, both ways: ``interleaved``): one decoded token after a past of P (the past is
-  restored after every call: ``engine_steps`` does not extend our cache; llama.cpp gets its
-  ``n_tokens`` reset to P, and ``Llama.eval`` drops KV cells >= P before decoding), and a prefill of
-  128 tokens. Batch 1, 2 threads (``n_threads = n_threads_batch = 2``), the same token ids for both
-  engines. Median and p10 per case. Under load from other processes llama.cpp's medians grow far
-  more than ours (5-60x against 3x at a 1-min load of 4 on 2 cores): compare runs whose load
+  first calls after the other engine ran are slowed by its threads, both ways: ``interleaved``):
+  one decoded token after a past of P (the past is restored after every call: ``engine_steps``
+  does not extend our cache; llama.cpp gets its ``n_tokens`` reset to P, and ``Llama.eval`` drops
+  KV cells >= P before decoding), and a prefill of 128 tokens. Batch 1, 2 threads (``n_threads =
+  n_threads_batch = 2``), the same token ids for both engines. Median and p10 per case. Under load
+  from other processes llama.cpp's medians grow far more than ours (5-60x against 3x at a 1-min
+  load of 4 on 2 cores): compare runs whose load
   average stays below the thread count (the bench warns when it starts above).
 
 Pairs are judged like for like: ours with the rank-8 LoRA on q/k/v/o as inputs (as served) against
@@ -42,10 +43,10 @@ float32 array split over the threads, best of 10; the better of the two). Weight
 decoded token, the same rule for both engines: every stored weight tensor except the token-embedding
 matrix, which is gathered (one row per token), not streamed. ORT: the initializers of ``model.onnx``
 except those read only by ``Gather`` (the embedding) plus the bound LoRA inputs. GGUF: the tensor
-bytes of the file except ``token_embd.weight``, plus the adapter file's tensors where one is applied. Achieved GB/s = bytes per token / decode time;
-share = achieved / measured bandwidth. The KV cache read is not counted (it grows with P). A share
-above 1 means the weights sat in cache (tiny: 2-16 MiB against a 32 MiB L3) or the probe was slowed
-by other load more than the engine was.
+bytes of the file except ``token_embd.weight``, plus the adapter file's tensors where one is
+applied. Achieved GB/s = bytes per token / decode time; share = achieved / measured bandwidth.
+The KV cache read is not counted (it grows with P). A share above 1 means the weights sat in cache
+(tiny: 2-16 MiB against a 32 MiB L3) or the probe was slowed by other load more than the engine was.
 
 The tokenizer does not affect any measured number (both engines are fed token ids). It is needed
 only because the converter writes a vocabulary: the random backbones get the embedded tokenizer of
@@ -215,7 +216,7 @@ def converter_dir(src: str | Path | None = None) -> Path:
         for cand in (src, src / "llama.cpp", src / "vendor" / "llama.cpp"):
             if all((cand / f).is_file() for f in CONVERTER_SCRIPTS):
                 return cand
-        raise SystemExit(f"error: {src}: no convert_hf_to_gguf.py (nor in llama.cpp/ or vendor/llama.cpp/)")
+        raise SystemExit(f"error: {src}: no {' and '.join(CONVERTER_SCRIPTS)} (nor in llama.cpp/ or vendor/llama.cpp/)")
     if not src.is_file():
         raise SystemExit(
             f"error: {src}: the llama-cpp-python sdist is missing (its vendored llama.cpp holds the GGUF converter); "
