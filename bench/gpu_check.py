@@ -7,7 +7,10 @@
 3. parity: TensorRT vs ONNX Runtime, same adapter, prefill + decode logits (max abs diff),
    greedy generations identical, and an adapter swap on the same execution context,
 4. the torch-tensorrt builder on the same forward (reported, not fatal if it fails),
-5. latency table: decode at past 128 / 512 and a 128-token prefill, ORT-CPU vs TensorRT.
+5. weight-only int8 and int4 (``tasks.quantize_weights`` format ``qdq_fp16``: symmetric blocked
+   DequantizeLinear into fp16 MatMuls): plan build, parity with ONNX Runtime running the same graph
+   (exact dequantization), greedy generations identical,
+6. latency table: decode at past 128 / 512 and a 128-token prefill, ORT-CPU vs TensorRT fp32 / int8 / int4.
 Prints a table and writes JSON; exits non-zero if a check fails.
 """
 
@@ -29,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default="tiny", choices=["tiny", "0.5b-width"])
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--tolerance", type=float, default=1e-3, help="fp32 TensorRT (TF32 off) vs ORT max abs logit diff")
+    ap.add_argument("--fp16-tolerance", type=float, default=1e-2,
+                    help="weight-only engines (fp16 GEMMs) vs ORT on the same graph: max abs logit diff / max abs logit")
     args = ap.parse_args(argv)
 
     from bench.engine_bench import CONFIGS, make_backbone_and_adapter, measure
@@ -40,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.generate import greedy_generate
     from runtime.model import read_config
     from tasks.compile import compile_engine
+    from tasks.quantize_weights import open_on_cpu, quantize_engine_dir
 
     try:
         trt = require_tensorrt()
@@ -94,6 +100,26 @@ def main(argv: list[str] | None = None) -> int:
 
         rows = {"ort_cpu_lora_inputs": measure(ort_engine, cfg, args.iters),
                 "tensorrt_lora_inputs": measure(trt_engine, cfg, args.iters)}
+        for weights in ("int8", "int4"):
+            name = f"tensorrt_{weights}_qdq_fp16"
+            try:
+                wdir = root / f"engine-{weights}-qdq_fp16"
+                quantize_engine_dir(engine_dir, wdir, weights, fmt="qdq_fp16")
+                build_plan(wdir)
+                want_engine, got_engine = open_on_cpu(wdir), TensorRTEngine(wdir)
+                for e in (want_engine, got_engine):
+                    e.set_adapter(lora)
+                pos, mask = np.broadcast_to(np.arange(24), (2, 24)), np.ones((2, 24), np.int64)
+                want, got = (e.forward(ids, pos, mask, None)[0] for e in (want_engine, got_engine))
+                rel = float(np.abs(want - got).max() / np.abs(want).max())
+                greedy = greedy_generate(want_engine, prompts, 16) == greedy_generate(got_engine, prompts, 16)
+                report["checks"][name] = {"max_abs_logit_diff_relative": rel, "greedy_identical": greedy,
+                                          "plan_bytes": (wdir / "model.plan").stat().st_size}
+                ok &= rel <= args.fp16_tolerance and greedy
+                rows[name] = measure(got_engine, cfg, args.iters)
+            except Exception:  # one format failing must not hide the others' results
+                report["checks"][name] = traceback.format_exc(limit=5)
+                ok = False
         report["latency_ms"] = rows
     print(json.dumps(report["checks"], indent=2))
     cols = list(next(iter(report["latency_ms"].values())))

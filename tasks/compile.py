@@ -312,7 +312,7 @@ def run_stage(cfg: ReleaseConfig) -> dict:
         from tasks.quantize_weights import ensure_quantized_engine
 
         metrics |= ensure_quantized_engine(source, cfg.engine.serving_dir(), cfg.engine.weights,
-                                            cfg.engine.weight_block_size)
+                                            cfg.engine.weight_block_size, cfg.engine.weights_format())
     # Not under the month's folder: the engine belongs to the backbone, and a new month must not
     # make this stage (or its DVC record) look changed.
     out = engine_build_file(cfg)

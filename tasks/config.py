@@ -129,11 +129,19 @@ class EngineConfig(_Section):
         """The engine with the quantized KV cache (``kv`` section's scheme), beside the float one."""
         return Path(f"{self.dir}-kv")
 
+    def weights_format(self) -> str:
+        """How quantized weights are written for the backend (``tasks.quantize_weights.WEIGHT_FORMATS``):
+        ONNX Runtime's MatMulNBits, or the Q/DQ form with fp16 GEMMs that TensorRT builds weight-only."""
+        return "qdq_fp16" if self.backend == "tensorrt" else "matmulnbits"
+
     def serving_dir(self) -> Path:
         """The engine the device runs: the float-cache or quantized-cache engine, or its
-        weight-quantized copy beside it."""
+        weight-quantized copy beside it (named after the format when it is TensorRT's)."""
         source = Path(self.dir) if self.kv_cache == "float" else self.kv_engine_dir()
-        return source if self.weights == "fp32" else Path(f"{source}-{self.weights}")
+        if self.weights == "fp32":
+            return source
+        fmt = self.weights_format()
+        return Path(f"{source}-{self.weights}" + ("" if fmt == "matmulnbits" else f"-{fmt}"))
 
     def kv_attention(self, spec) -> str:
         """How the quantized-KV engine reads its cache (``runtime.kv_model.KV_ATTENTION``): ONNX Runtime's
@@ -151,11 +159,10 @@ class EngineConfig(_Section):
         return v
 
     @model_validator(mode="after")
-    def _weights_need_onnxruntime(self) -> "EngineConfig":
-        # MatMulNBits is an ONNX Runtime contrib op: TensorRT cannot parse it, the eager
-        # reference would silently run float weights.
-        if self.weights != "fp32" and self.backend != "onnxruntime":
-            raise ValueError(f"weights {self.weights} needs backend onnxruntime, not {self.backend}")
+    def _weights_need_a_compiled_backend(self) -> "EngineConfig":
+        # The eager reference loads the float checkpoint: it would silently run float weights.
+        if self.weights != "fp32" and self.backend == "torch":
+            raise ValueError(f"weights {self.weights} needs backend onnxruntime or tensorrt, not torch")
         if self.kv_cache == "quantized" and self.backend != "onnxruntime":
             raise ValueError(f"kv_cache quantized runs on backend onnxruntime only, not {self.backend} "
                              "(its runtime does not bind KV scales yet): set engine.kv_cache: float")

@@ -1,4 +1,5 @@
-"""Weight-only quantization of a compiled engine: fp32 MatMul weights -> ``com.microsoft.MatMulNBits``.
+"""Weight-only quantization of a compiled engine: fp32 MatMul weights -> ``com.microsoft.MatMulNBits``
+(ONNX Runtime) or standard ``DequantizeLinear`` in front of each MatMul (TensorRT).
 
 Decode at batch 1 reads every weight once per token, so on a small CPU it is bound by memory
 bandwidth: 8-bit weights read 4x fewer bytes than fp32, 4-bit 8x fewer. The backbone is
@@ -14,7 +15,12 @@ compiled once, so its weights are quantized once, here, by rewriting the exporte
   quantizing: ``(x_hat * g) @ W == x_hat @ (diag(g) W)`` exactly in real arithmetic. The
   projection then reads the normalized activations before the scale; the scaled ones are
   still computed for the LoRA paths, which need ``x_hat * g``;
-* ``keep``: the LM head (and the embedding table, which is a Gather, never a MatMul) stay fp32.
+* ``keep``: the LM head (and the embedding table, which is a Gather, never a MatMul) stay fp32;
+* ``fmt`` (``WEIGHT_FORMATS``): the graph form of the same codes. TensorRT cannot parse the ONNX
+  Runtime contrib op; it takes weight-only quantization as a blocked ``DequantizeLinear``
+  (opset 21) of a constant signed int4/int8 weight, symmetric (TensorRT has no zero points),
+  feeding a MatMul, and its weight-only kernels want fp16 activations (W4A16 / W8A16), hence
+  ``qdq_fp16``: a Cast to fp16 around each quantized MatMul, everything else in fp32.
 
 ``reference_backbone`` is the PyTorch side of the same quantization: the same integer codes,
 dequantized, loaded into ``runtime.model.Backbone``; the engine must match it (tests).
@@ -43,6 +49,13 @@ log = logging.getLogger(__name__)
 # engine.weights -> bits per weight (None = the float export, untouched)
 WEIGHT_BITS = {"fp32": None, "int8": 8, "int4": 4}
 WEIGHTS_FILE = "weights.json"  # written next to interface.json: how the engine's weights were stored
+# How the codes are written into the graph: the contrib op ONNX Runtime runs (asymmetric by
+# default), or the standard Q/DQ form TensorRT builds (always symmetric), with fp32 or fp16 GEMMs.
+WEIGHT_FORMATS = ("matmulnbits", "qdq", "qdq_fp16")
+# ONNX Runtime fuses DequantizeLinear + MatMul into MatMulNBits at this accuracy level; 0 keeps
+# the dequantized weights and fp32 activations exact, so ORT checks a Q/DQ graph against its reference.
+QDQ_OPSET = 21  # blocked DequantizeLinear and int4 tensors
+QDQ_EXACT_ORT_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "0"}
 # MatMulNBits accuracy_level: 0 = fp32 compute (dequantize, then sgemm), 4 = int8 compute
 # (activations quantized per block to int8 on the fly; the fast path of MLAS on x86 and Arm).
 # Measured (ORT 1.32, 2 cores, 0.5B width): 8-bit at level 0 decodes 13x slower than fp32
@@ -209,8 +222,10 @@ def quantize_engine_weights(
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
     symmetric: bool = False,
     act_sq: dict | None = None,
+    fmt: str = "matmulnbits",
 ) -> dict:
-    """Rewrite every constant-weight MatMul/Gemm of ``onnx_in`` into MatMulNBits; return a summary.
+    """Rewrite every constant-weight MatMul/Gemm of ``onnx_in`` into MatMulNBits (or, with ``fmt``
+    qdq / qdq_fp16, a symmetric DequantizeLinear + MatMul); return a summary.
 
     ``keep`` names what stays fp32: "lm_head" (the projection to ``logits``); "embed" is the
     Gather table, which is never quantized here (listed so the summary says so).
@@ -225,6 +240,9 @@ def quantize_engine_weights(
         raise WeightQuantError(f"bits must be 4 or 8, got {bits}")
     if block_size < 16 or block_size & (block_size - 1):
         raise WeightQuantError(f"block_size must be a power of two >= 16 (MatMulNBits), got {block_size}")
+    if fmt not in WEIGHT_FORMATS:
+        raise WeightQuantError(f"format must be one of {list(WEIGHT_FORMATS)}, got {fmt!r}")
+    symmetric = symmetric or fmt != "matmulnbits"
     unknown = set(keep) - {"lm_head", "embed"}
     if unknown:
         raise WeightQuantError(f"keep: unknown entries {sorted(unknown)}; expected lm_head and/or embed")
@@ -271,22 +289,18 @@ def quantize_engine_weights(
         if not torch.isfinite(scale).all():
             raise WeightQuantError(f"{node.name}: non-finite quantization scales")
         base = f"{node.name}_w{bits}"
-        packed = pack_codes(q.numpy(), bits)  # (N, kb, block * bits / 8)
-        tensors = [numpy_helper.from_array(packed, base + "_q"), numpy_helper.from_array(scale.numpy(), base + "_scales")]
-        inputs = [a_name, base + "_q", base + "_scales"]
-        if not symmetric:
-            zp_packed = pack_codes(zp.numpy(), bits)  # (N, ceil(kb * bits / 8))
-            tensors.append(numpy_helper.from_array(zp_packed, base + "_zp"))
-            inputs.append(base + "_zp")
-        new_inits += tensors
-        bytes_before += w_kn.nbytes
-        bytes_after += packed.nbytes + scale.numel() * 4 + (0 if symmetric else math.ceil(zp.shape[1] * bits / 8) * N)
         has_bias = node.op_type == "Gemm" and len(node.input) > 2 and node.input[2]
         out = node.output[0] + "_nobias" if has_bias else node.output[0]
-        attrs = dict(K=K, N=N, bits=bits, block_size=block_size)
-        if accuracy_level:
-            attrs["accuracy_level"] = accuracy_level
-        new_nodes.append(helper.make_node("MatMulNBits", inputs, [out], name=base, domain="com.microsoft", **attrs))
+        if fmt == "matmulnbits":
+            nodes, tensors, n_bytes = _matmulnbits_nodes(base, a_name, out, q, scale, zp, bits, K, block_size,
+                                                         symmetric, accuracy_level)
+        else:
+            nodes, tensors, n_bytes = _qdq_nodes(base, a_name, out, q, scale, zp, bits, K, block_size,
+                                                 fmt == "qdq_fp16")
+        new_nodes += nodes
+        new_inits += tensors
+        bytes_before += w_kn.nbytes
+        bytes_after += n_bytes
         if has_bias:
             # A separate Add, not MatMulNBits' optional bias input (absent from older ORT kernels).
             new_nodes.append(helper.make_node("Add", [out, node.input[2]], [node.output[0]], name=base + "_bias"))
@@ -300,8 +314,15 @@ def quantize_engine_weights(
     graph.node.extend(new_nodes)
     graph.initializer.extend(new_inits)
     _prune(graph)
-    if not any(o.domain == "com.microsoft" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    if fmt == "matmulnbits":
+        if not any(o.domain == "com.microsoft" for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    else:
+        # Blocked DequantizeLinear needs opset 21; the ops of the float export (opset 18) keep their
+        # meaning there (19-21 only add types and Pad's wrap mode), and the checker validates it.
+        for o in model.opset_import:
+            if o.domain in ("", "ai.onnx"):
+                o.version = max(o.version, QDQ_OPSET)
     big = model.ByteSize() > 1.5e9  # protobuf caps one file at 2 GiB
     if not big:
         onnx.checker.check_model(model)
@@ -311,7 +332,8 @@ def quantize_engine_weights(
         "block_size": block_size,
         "fold_norms": fold_norms,
         "symmetric": symmetric,
-        "accuracy_level": accuracy_level,
+        "format": fmt,
+        "accuracy_level": accuracy_level if fmt == "matmulnbits" else None,
         "clip_search": act_sq is not None,
         "keep": list(keep),
         "quantized_weight_bytes_fp32": int(bytes_before),
@@ -321,6 +343,61 @@ def quantize_engine_weights(
     summary["kept_fp32"].append("embedding table (Gather)")
     log.info("quantized %d matmuls to %d bits in %.1fs", len(summary["quantized"]), bits, summary["seconds"])
     return summary
+
+
+def _matmulnbits_nodes(base: str, a_name: str, out: str, q, scale, zp, bits: int, K: int, block_size: int,
+                       symmetric: bool, accuracy_level: int):
+    """One MatMulNBits reading packed (N, kb, block) codes; returns (nodes, initializers, bytes)."""
+    from onnx import helper, numpy_helper
+
+    N = q.shape[0]
+    packed = pack_codes(q.numpy(), bits)  # (N, kb, block * bits / 8)
+    tensors = [numpy_helper.from_array(packed, base + "_q"), numpy_helper.from_array(scale.numpy(), base + "_scales")]
+    inputs = [a_name, base + "_q", base + "_scales"]
+    if not symmetric:
+        zp_packed = pack_codes(zp.numpy(), bits)  # (N, ceil(kb * bits / 8))
+        tensors.append(numpy_helper.from_array(zp_packed, base + "_zp"))
+        inputs.append(base + "_zp")
+    attrs = dict(K=K, N=N, bits=bits, block_size=block_size)
+    if accuracy_level:
+        attrs["accuracy_level"] = accuracy_level
+    node = helper.make_node("MatMulNBits", inputs, [out], name=base, domain="com.microsoft", **attrs)
+    return [node], tensors, packed.nbytes + scale.numel() * 4 + (0 if symmetric else zp_packed.nbytes)
+
+
+def _qdq_nodes(base: str, a_name: str, out: str, q, scale, zp, bits: int, K: int, block_size: int, fp16: bool):
+    """DequantizeLinear of a constant signed (K, N) int4/int8 weight, blocked along K, into a
+    MatMul: the weight-only form TensorRT's ONNX parser takes. With ``fp16`` the scales, the
+    dequantized weight and the MatMul are fp16, with a Cast on either side."""
+    import torch
+    from onnx import TensorProto, helper, numpy_helper
+
+    N = q.shape[0]
+    codes = (q.to(torch.int16) - zp.to(torch.int16)[..., None]).reshape(N, -1)[:, :K]  # symmetric: within +-(2^(bits-1)-1)
+    codes = codes.T.contiguous().numpy().astype(np.int8)  # (K, N)
+    # TensorRT refuses a zero scale; an all-zero group has codes 0, so any positive scale is exact.
+    s = np.where(scale.numpy() > 0, scale.numpy(), 1.0).T  # (kb, N)
+    s = s.astype(np.float16 if fp16 else np.float32)
+    if not (np.isfinite(s).all() and (s > 0).all()):
+        raise WeightQuantError(f"{base}: a scale is not a positive finite {s.dtype} (too small for fp16?)")
+    if bits == 4:
+        flat = codes.reshape(-1).astype(np.uint8) & 0xF
+        flat = np.concatenate([flat, np.zeros(len(flat) % 2, np.uint8)])
+        raw = (flat[0::2] | (flat[1::2] << 4)).tobytes()  # two per byte, the first in the low nibble
+        weight = helper.make_tensor(base + "_q", TensorProto.INT4, codes.shape, raw, raw=True)
+    else:
+        raw = codes.tobytes()
+        weight = numpy_helper.from_array(codes, base + "_q")
+    tensors = [weight, numpy_helper.from_array(s, base + "_scales")]
+    dq = helper.make_node("DequantizeLinear", [base + "_q", base + "_scales"], [base + "_w"], name=base + "_dq",
+                          axis=0, block_size=block_size)
+    if not fp16:
+        nodes = [dq, helper.make_node("MatMul", [a_name, base + "_w"], [out], name=base)]
+    else:
+        nodes = [helper.make_node("Cast", [a_name], [base + "_x16"], name=base + "_in16", to=TensorProto.FLOAT16), dq,
+                 helper.make_node("MatMul", [base + "_x16", base + "_w"], [base + "_y16"], name=base),
+                 helper.make_node("Cast", [base + "_y16"], [out], name=base + "_out32", to=TensorProto.FLOAT)]
+    return nodes, tensors, len(raw) + s.nbytes
 
 
 def calibrate_activations(onnx_path: str | Path, token_ids: list[list[int]], threads: int = 2) -> dict:
@@ -471,14 +548,19 @@ def reference_backbone(model_dir: str | Path, bits: int, block_size: int = DEFAU
 
 
 def weights_key_fields(weights: str, block_size: int = DEFAULT_BLOCK_SIZE, fold_norms: bool = False,
-                       keep: tuple[str, ...] = ("lm_head", "embed"), accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> dict:
+                       keep: tuple[str, ...] = ("lm_head", "embed"), accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+                       fmt: str = "matmulnbits") -> dict:
     """The part of the engine cache key (and of the interface) that says how weights are stored:
     two engines that differ in any of these must never be taken for one another. Empty for
-    fp32: a float engine keeps the key (and the cached build) it had before this option existed."""
+    fp32: a float engine keeps the key (and the cached build) it had before this option existed.
+    The accuracy level is MatMulNBits' own; a Q/DQ graph has none."""
     if weights == "fp32":
         return {}
-    return {"weights": weights, "weights_block_size": block_size, "weights_fold_norms": fold_norms,
-            "weights_keep": sorted(keep), "weights_accuracy_level": accuracy_level}
+    fields = {"weights": weights, "weights_block_size": block_size, "weights_fold_norms": fold_norms,
+              "weights_keep": sorted(keep), "weights_format": fmt}
+    if fmt == "matmulnbits":
+        fields["weights_accuracy_level"] = accuracy_level
+    return fields
 
 
 def quantized_cache_key(float_key: dict, fields: dict) -> dict:
@@ -490,8 +572,10 @@ def quantized_cache_key(float_key: dict, fields: dict) -> dict:
 
 def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_size: int = DEFAULT_BLOCK_SIZE,
                         fold_norms: bool = False, keep: tuple[str, ...] = ("lm_head", "embed"),
-                        accuracy_level: int = DEFAULT_ACCURACY_LEVEL, act_sq: dict | None = None) -> dict:
-    """A copy of a compiled engine directory whose model.onnx has ``weights`` precision.
+                        accuracy_level: int = DEFAULT_ACCURACY_LEVEL, act_sq: dict | None = None,
+                        fmt: str = "matmulnbits") -> dict:
+    """A copy of a compiled engine directory whose model.onnx has ``weights`` precision, in graph
+    form ``fmt`` (``WEIGHT_FORMATS``).
 
     Writes ``model.onnx``, ``interface.json`` (unchanged: the inputs are the same) and
     ``weights.json`` (precision + quantizer settings + summary). The ORT-optimized graph is
@@ -508,8 +592,8 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
         summary = {"bits": 32}
     else:
         summary = quantize_engine_weights(engine_dir / "model.onnx", out_dir / "model.onnx", bits, block_size,
-                                          fold_norms, keep, accuracy_level, act_sq=act_sq)
-    fields = weights_key_fields(weights, block_size, fold_norms, keep, accuracy_level)
+                                          fold_norms, keep, accuracy_level, act_sq=act_sq, fmt=fmt)
+    fields = weights_key_fields(weights, block_size, fold_norms, keep, accuracy_level, fmt)
     if act_sq is not None and bits is not None:  # the codes depend on the calibration data
         digest = hashlib.sha256()
         for name in sorted(act_sq):
@@ -524,32 +608,43 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
     return record
 
 
-def ensure_quantized_engine(float_dir: Path, out_dir: Path, weights: str, block_size: int = DEFAULT_BLOCK_SIZE) -> dict:
+def ensure_quantized_engine(float_dir: Path, out_dir: Path, weights: str, block_size: int = DEFAULT_BLOCK_SIZE,
+                            fmt: str = "matmulnbits") -> dict:
     """``quantize_engine_dir`` unless ``out_dir`` already holds the build for this float engine and
     these settings; written to a temporary sibling and renamed, like the float engine."""
     from tasks.artifacts import atomic_output_dir
 
-    fields = weights_key_fields(weights, block_size)
+    fields = weights_key_fields(weights, block_size, fmt=fmt)
     expected = quantized_cache_key(json.loads((Path(float_dir) / "cache_key.json").read_text()), fields)["key"]
     key_file = Path(out_dir) / "cache_key.json"
     if key_file.exists() and json.loads(key_file.read_text()).get("key") == expected:
         return {"weights": weights, "weights_builds": 0, "weights_dir": str(out_dir)}
     with atomic_output_dir(Path(out_dir)) as tmp:
-        record = quantize_engine_dir(Path(float_dir), tmp, weights, block_size)
+        record = quantize_engine_dir(Path(float_dir), tmp, weights, block_size, fmt=fmt)
     return {"weights": weights, "weights_builds": 1, "weights_dir": str(out_dir), "weights_record": record}
+
+
+def open_on_cpu(engine_dir: Path, threads: int = 2):
+    """An ``OrtEngine`` on any engine directory this module writes. A Q/DQ graph (TensorRT's form)
+    runs with exact fp32 dequantization (``QDQ_EXACT_ORT_CONFIG``), as TensorRT computes it,
+    not with ONNX Runtime's int8 activation rounding."""
+    from runtime.backends.onnxruntime import OrtEngine
+
+    record = Path(engine_dir) / WEIGHTS_FILE
+    qdq = record.exists() and json.loads(record.read_text()).get("format", "matmulnbits") != "matmulnbits"
+    return OrtEngine(engine_dir, threads=threads, session_config=QDQ_EXACT_ORT_CONFIG if qdq else None)
 
 
 def engine_quality(engine_dir: Path, base_dir: Path, adapter_dir: Path, data_dir: Path, max_new_tokens: int = 8,
                    batch_size: int = 64, threads: int = 2) -> dict:
     """Accuracy (all / new / regression rules) on ``test`` and perplexity on held-out text, base + adapter."""
     from runtime.adapter import load_adapter
-    from runtime.backends.onnxruntime import OrtEngine
     from runtime.generate import generate_text
     from tasks.base_model import load_tokenizer
     from tasks.data import HELDOUT_TEXT, read_jsonl, read_text_corpus
     from tasks.evaluate import accuracy_report, engine_perplexity
 
-    engine = OrtEngine(engine_dir, threads=threads)
+    engine = open_on_cpu(engine_dir, threads)
     engine.set_adapter(load_adapter(adapter_dir, engine.interface))
     tokenizer = load_tokenizer(Path(base_dir))
     test = read_jsonl(Path(data_dir) / "test.jsonl")
@@ -579,16 +674,20 @@ def output_error(reference, candidate, tokenizer, prompts: list[str]) -> dict:
     return {"kl_mean": kls / total, "top1_agreement": agree / total, "tokens": total}
 
 
-SCHEMES = {  # name -> (weights, fold_norms, keep, calibrated clip search)
-    "int8_rtn": ("int8", False, ("lm_head", "embed"), False),
-    "int8_fold": ("int8", True, ("lm_head", "embed"), False),
-    "int8_rtn_head": ("int8", False, ("embed",), False),
-    "int4_rtn": ("int4", False, ("lm_head", "embed"), False),
-    "int4_fold": ("int4", True, ("lm_head", "embed"), False),
-    "int4_clip": ("int4", False, ("lm_head", "embed"), True),
-    "int4_fold_clip": ("int4", True, ("lm_head", "embed"), True),
-    "int4_rtn_head": ("int4", False, ("embed",), False),
-    "int4_fold_head": ("int4", True, ("embed",), False),
+_HEAD_FP32, _HEAD_QUANT = ("lm_head", "embed"), ("embed",)
+SCHEMES = {  # name -> (weights, fold_norms, keep, calibrated clip search, format)
+    "int8_rtn": ("int8", False, _HEAD_FP32, False, "matmulnbits"),
+    "int8_fold": ("int8", True, _HEAD_FP32, False, "matmulnbits"),
+    "int8_rtn_head": ("int8", False, _HEAD_QUANT, False, "matmulnbits"),
+    "int4_rtn": ("int4", False, _HEAD_FP32, False, "matmulnbits"),
+    "int4_fold": ("int4", True, _HEAD_FP32, False, "matmulnbits"),
+    "int4_clip": ("int4", False, _HEAD_FP32, True, "matmulnbits"),
+    "int4_fold_clip": ("int4", True, _HEAD_FP32, True, "matmulnbits"),
+    "int4_rtn_head": ("int4", False, _HEAD_QUANT, False, "matmulnbits"),
+    "int4_fold_head": ("int4", True, _HEAD_QUANT, False, "matmulnbits"),
+    # What TensorRT runs (symmetric codes, fp16 GEMMs), scored here by ONNX Runtime on the same graph.
+    "int8_trt": ("int8", False, _HEAD_FP32, False, "qdq_fp16"),
+    "int4_trt": ("int4", False, _HEAD_FP32, False, "qdq_fp16"),
 }
 
 
@@ -601,6 +700,9 @@ def compare_schemes(engine_dir: Path, base_dir: Path, adapter_dir: Path, data_di
     from tasks.base_model import load_tokenizer
     from tasks.data import read_jsonl
 
+    unknown = set(schemes or ()) - set(SCHEMES)
+    if unknown:
+        raise WeightQuantError(f"unknown schemes {sorted(unknown)}; known: {sorted(SCHEMES)}")
     tokenizer = load_tokenizer(Path(base_dir))
     calib = [ex.prompt + ex.completion for ex in read_jsonl(Path(data_dir) / "calib.jsonl")]
     reference = OrtEngine(engine_dir, threads=threads)
@@ -608,12 +710,13 @@ def compare_schemes(engine_dir: Path, base_dir: Path, adapter_dir: Path, data_di
     results = {"fp32": {"quality": engine_quality(engine_dir, base_dir, adapter_dir, data_dir, threads=threads)}}
     act_sq = None
     for name in schemes or list(SCHEMES):
-        weights, fold, keep, calibrated = SCHEMES[name]
+        weights, fold, keep, calibrated, fmt = SCHEMES[name]
         if calibrated and act_sq is None:
             act_sq = calibrate_activations(Path(engine_dir) / "model.onnx", [tokenizer(t)["input_ids"] for t in calib], threads)
         out = Path(work_dir) / name
-        record = quantize_engine_dir(engine_dir, out, weights, block_size, fold, keep, act_sq=act_sq if calibrated else None)
-        engine = OrtEngine(out, threads=threads)
+        record = quantize_engine_dir(engine_dir, out, weights, block_size, fold, keep,
+                                     act_sq=act_sq if calibrated else None, fmt=fmt)
+        engine = open_on_cpu(out, threads)
         engine.set_adapter(load_adapter(adapter_dir, engine.interface))
         quality = engine_quality(out, base_dir, adapter_dir, data_dir, threads=threads)
         results[name] = {
@@ -666,17 +769,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fold-norms", action="store_true")
     ap.add_argument("--quantize-lm-head", action="store_true", help="also quantize the LM head (kept fp32 by default)")
     ap.add_argument("--accuracy-level", type=int, default=DEFAULT_ACCURACY_LEVEL, choices=(0, 1, 4))
+    ap.add_argument("--format", choices=WEIGHT_FORMATS, default="matmulnbits",
+                    help="matmulnbits (ONNX Runtime) or qdq / qdq_fp16 (TensorRT weight-only; symmetric)")
     ap.add_argument("--base-dir", type=Path, help="with --adapter-dir and --data-dir: measure and gate accuracy")
     ap.add_argument("--adapter-dir", type=Path)
     ap.add_argument("--data-dir", type=Path)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compare", action="store_true",
                     help="instead: every scheme in SCHEMES (out-dir holds one engine each + comparison.json)")
+    ap.add_argument("--schemes", help="with --compare: a comma-separated subset of SCHEMES")
     args = ap.parse_args(argv)
     if args.compare:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         results = compare_schemes(args.engine_dir, args.base_dir, args.adapter_dir, args.data_dir, args.out_dir,
-                                  block_size=args.block_size, threads=args.threads)
+                                  args.schemes.split(",") if args.schemes else None, args.block_size, args.threads)
         (args.out_dir / "comparison.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
         print(render_comparison(results))
         return 0
@@ -684,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
     keep = ("embed",) if args.quantize_lm_head else ("lm_head", "embed")
     try:
         record = quantize_engine_dir(args.engine_dir, args.out_dir, args.weights, args.block_size, args.fold_norms,
-                                     keep, args.accuracy_level)
+                                     keep, args.accuracy_level, fmt=args.format)
     except WeightQuantError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -51,7 +51,10 @@ class PackedCache:
 
 
 class OrtEngine:
-    def __init__(self, engine_dir: str | Path, threads: int = 2, onnx_file: str = "model.onnx", use_optimized: bool = True):
+    def __init__(self, engine_dir: str | Path, threads: int = 2, onnx_file: str = "model.onnx", use_optimized: bool = True,
+                 session_config: Mapping[str, str] | None = None):
+        """``session_config``: ORT session config entries (e.g. how Q/DQ weights are fused); the
+        saved optimized graph bakes in one set of them, so with any given it is neither read nor written."""
         self.engine_dir = engine_dir = Path(engine_dir)
         self.interface = read_interface(engine_dir)
         opts = ort.SessionOptions()
@@ -59,9 +62,11 @@ class OrtEngine:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        for key, value in (session_config or {}).items():
+            opts.add_session_config_entry(key, value)
         optimized = engine_dir / OPTIMIZED_ONNX
         source = engine_dir / onnx_file
-        if use_optimized and onnx_file == "model.onnx":
+        if use_optimized and onnx_file == "model.onnx" and not session_config:
             if optimized.exists():
                 source = optimized
             else:

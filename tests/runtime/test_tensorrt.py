@@ -42,21 +42,36 @@ def test_tensorrt_engine_refuses_clearly_without_gpu(tiny_engine):
         TensorRTEngine(tiny_engine)
 
 
-@needs_gpu
-def test_tensorrt_plan_matches_onnx_runtime(tiny_engine, qwen_adapter):
+def _plan_and_onnx_runtime_logits(engine_dir, adapter_dir):
+    """Build the plan of ``engine_dir``, then prefill logits of TensorRT and of ONNX Runtime on the same graph."""
     from runtime.adapter import load_adapter
-    from runtime.backends.onnxruntime import OrtEngine
     from runtime.backends.tensorrt import TensorRTEngine, build_plan
+    from tasks.quantize_weights import open_on_cpu
 
-    build_plan(tiny_engine, max_batch=4, max_seq=64, max_past=128, opt=(1, 1, 32))
-    ort_engine, trt_engine = OrtEngine(tiny_engine), TensorRTEngine(tiny_engine)
-    lora = load_adapter(qwen_adapter, ort_engine.interface)
+    build_plan(engine_dir, max_batch=4, max_seq=64, max_past=128, opt=(1, 1, 32))
+    ort_engine, trt_engine = open_on_cpu(engine_dir), TensorRTEngine(engine_dir)
+    lora = load_adapter(adapter_dir, ort_engine.interface)
     ort_engine.set_adapter(lora)
     trt_engine.set_adapter(lora)
     ids = np.random.default_rng(0).integers(0, 96, (2, 9))
     pos, mask = np.broadcast_to(np.arange(9), (2, 9)), np.ones((2, 9), np.int64)
+    return ort_engine.forward(ids, pos, mask, None)[0], trt_engine.forward(ids, pos, mask, None)[0]
 
-    want, _ = ort_engine.forward(ids, pos, mask, None)
-    got, _ = trt_engine.forward(ids, pos, mask, None)
+
+@needs_gpu
+def test_tensorrt_plan_matches_onnx_runtime(tiny_engine, qwen_adapter):
+    want, got = _plan_and_onnx_runtime_logits(tiny_engine, qwen_adapter)
 
     assert np.abs(got - want).max() <= 1e-3
+
+
+@needs_gpu
+def test_tensorrt_weight_only_int4_plan_matches_onnx_runtime_on_the_same_graph(tiny_engine, qwen_adapter, tmp_path):
+    from tasks.quantize_weights import quantize_engine_dir
+
+    # Given the int4 weights in TensorRT's weight-only form (symmetric blocked DequantizeLinear, fp16 GEMMs)
+    quantize_engine_dir(tiny_engine, tmp_path / "int4", "int4", 32, fmt="qdq_fp16")
+    want, got = _plan_and_onnx_runtime_logits(tmp_path / "int4", qwen_adapter)
+
+    # Then both compute the same codes in fp16: equal within fp16 rounding
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()

@@ -23,6 +23,7 @@ from tasks.quantize_weights import (
     dequantize_groups,
     ensure_quantized_engine,
     fake_quantize,
+    open_on_cpu,
     pack_codes,
     quantize_engine_dir,
     quantize_groups,
@@ -118,6 +119,63 @@ def test_quantized_engine_matches_pytorch_reference_of_same_quantization(tiny_qw
     assert record["folded_norms"] == (2 * n_layers + ("lm_head" not in keep) if fold else 0)
 
 
+@pytest.mark.parametrize("bits,fold", [(8, False), (4, False), (4, True)], ids=["int8", "int4", "int4-fold"])
+def test_tensorrt_qdq_engine_matches_pytorch_reference_of_same_symmetric_quantization(
+        tiny_qwen, tiny_engine, adapter, tmp_path, bits, fold):
+    # Given the float engine written in TensorRT's weight-only form with fp32 GEMMs
+    record = quantize_engine_dir(tiny_engine, tmp_path / "q", f"int{bits}", 32, fold, fmt="qdq")
+    engine = open_on_cpu(tmp_path / "q")
+    lora = load_adapter(adapter, engine.interface)
+    engine.set_adapter(lora)
+    ids = np.random.default_rng(0).integers(0, 96, (2, 9))
+    # When ONNX Runtime runs it (exact dequantization, as TensorRT computes it)
+    got = _prefill_and_decode(engine, ids)
+    # Then it matches PyTorch with the symmetric codes dequantized: the same numbers TensorRT is given
+    ref = reference_backbone(tiny_qwen, bits, 32, fold, lora_modules=TARGETS, symmetric=True)
+    assert np.abs(got - _reference_logits(ref, ids, lora, engine.interface.lora_names)).max() < 1e-4
+    assert record["symmetric"] is True and record["format"] == "qdq" and record["accuracy_level"] is None
+
+
+def test_tensorrt_qdq_graph_holds_only_what_its_onnx_parser_takes(tiny_engine, adapter, tmp_path):
+    from onnx import TensorProto, numpy_helper
+
+    # Given the int4 weights in the fp16-GEMM form (TensorRT's W4A16 weight-only kernels)
+    record = quantize_engine_dir(tiny_engine, tmp_path / "q", "int4", 32, fmt="qdq_fp16")
+    model = onnx.load(str(tmp_path / "q" / "model.onnx"))
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    dqs = [n for n in graph.node if n.op_type == "DequantizeLinear"]
+    # Then: standard ops at opset 21, one DequantizeLinear per projection (2 layers x qkv, o, gate_up, down)
+    assert {n.domain for n in graph.node} == {""} and max(o.version for o in model.opset_import if o.domain == "") == 21
+    assert len(dqs) == len(record["quantized"]) == 8
+    for dq in dqs:
+        weight, scale = (inits[name] for name in dq.input)
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in dq.attribute}
+        # a constant signed int4 weight (K, N), no zero point, positive fp16 scales blocked along K
+        assert len(dq.input) == 2 and weight.data_type == TensorProto.INT4 and scale.data_type == TensorProto.FLOAT16
+        assert attrs == {"axis": 0, "block_size": 32} and list(scale.dims) == [weight.dims[0] // 32, weight.dims[1]]
+        assert (numpy_helper.to_array(scale) > 0).all()
+        codes = numpy_helper.to_array(weight).astype(np.int8)
+        assert codes.min() >= -7 and codes.max() <= 7 and codes.min() < 0 < codes.max()
+    # each MatMul reading a dequantized weight runs in fp16 between two Casts; the LoRA inputs are untouched
+    consumers = {i: n for n in graph.node for i in n.input}
+    for dq in dqs:
+        matmul = consumers[dq.output[0]]
+        assert matmul.op_type == "MatMul" and consumers[matmul.output[0]].op_type == "Cast"
+    assert not any(i.startswith("lora_") for dq in dqs for i in dq.input)
+    # and its logits stay within fp16 rounding of the same codes with fp32 GEMMs
+    quantize_engine_dir(tiny_engine, tmp_path / "q32", "int4", 32, fmt="qdq")
+    lora = load_adapter(adapter, open_on_cpu(tmp_path / "q").interface)
+    ids = np.random.default_rng(2).integers(0, 96, (2, 9))
+    got = {}
+    for name in ("q", "q32"):
+        engine = open_on_cpu(tmp_path / name)
+        engine.set_adapter(lora)
+        got[name] = _prefill_and_decode(engine, ids)
+    diff = np.abs(got["q"] - got["q32"]).max()
+    assert 0 < diff < 1e-2 * np.abs(got["q32"]).max()
+
+
 def test_lora_stays_a_float_input_of_the_quantized_graph(tiny_engine, adapter, tmp_path):
     quantize_engine_dir(tiny_engine, tmp_path / "q", "int4", fold_norms=True)
     graph = onnx.load(str(tmp_path / "q" / "model.onnx")).graph
@@ -172,6 +230,9 @@ def test_a_different_block_size_is_a_different_build(tiny_engine, tmp_path):
     other = ensure_quantized_engine(tiny_engine, tmp_path / "engine-int4", "int4", block_size=32)
     assert other["weights_builds"] == 1 and other["weights_record"]["block_size"] == 32
     assert ensure_quantized_engine(tiny_engine, tmp_path / "engine-int4", "int4", block_size=32)["weights_builds"] == 0
+    # and TensorRT's form of the same codes is another build again
+    trt = ensure_quantized_engine(tiny_engine, tmp_path / "engine-int4", "int4", block_size=32, fmt="qdq_fp16")
+    assert trt["weights_builds"] == 1 and trt["weights_record"]["format"] == "qdq_fp16"
 
 
 def test_refuses_unknown_precision_and_bad_block(tiny_engine, tmp_path):
@@ -179,6 +240,8 @@ def test_refuses_unknown_precision_and_bad_block(tiny_engine, tmp_path):
         quantize_engine_dir(tiny_engine, tmp_path / "a", "int3")
     with pytest.raises(WeightQuantError, match="block_size"):
         quantize_engine_dir(tiny_engine, tmp_path / "b", "int4", block_size=24)
+    with pytest.raises(WeightQuantError, match="format must be one of"):
+        quantize_engine_dir(tiny_engine, tmp_path / "c", "int4", fmt="gguf")
 
 
 def _report(hits_new: int, hits_reg: int) -> dict:
@@ -257,5 +320,28 @@ def test_compile_stage_builds_the_int8_serving_engine_once_beside_the_float_ones
 def test_quantized_weights_are_refused_on_a_backend_that_cannot_run_them():
     from tasks.config import ConfigError, parse_config
 
-    with pytest.raises(ConfigError, match=r"engine: Value error, weights int4 needs backend onnxruntime, not tensorrt"):
-        parse_config({"engine": {"weights": "int4", "backend": "tensorrt"}})
+    with pytest.raises(ConfigError, match=r"engine: Value error, weights int4 needs backend onnxruntime or tensorrt, not torch"):
+        parse_config({"engine": {"weights": "int4", "backend": "torch", "kv_cache": "float"}})
+
+
+def test_tensorrt_release_gets_the_qdq_serving_engine_from_the_compile_stage(tiny_llama_dir, tmp_path):
+    import yaml
+
+    from tasks import compile as compile_stage
+    from tasks.config import load_config
+
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({
+        "base_model": {"source": "local", "path": str(tiny_llama_dir)},
+        "train": {"output_dir": str(tmp_path / "artifacts")},
+        "engine": {"dir": str(tmp_path / "engine"), "weights": "int4", "backend": "tensorrt", "kv_cache": "float",
+                   "threads": 1},
+        "kv": {"enabled": False},
+    }))
+    cfg = load_config(params)
+    metrics = compile_stage.run_stage(cfg)
+    serving = tmp_path / "engine-int4-qdq_fp16"
+    assert cfg.engine.serving_dir() == serving and metrics["weights_builds"] == 1
+    record = json.loads((serving / "weights.json").read_text())
+    assert (record["format"], record["symmetric"], record["block_size"]) == ("qdq_fp16", True, 128)
+    assert not any(n.op_type == "MatMulNBits" for n in onnx.load(str(serving / "model.onnx")).graph.node)
