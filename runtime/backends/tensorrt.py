@@ -7,6 +7,9 @@ on the exported program of the same forward. Both need the optional extra
 (``pip install .[tensorrt]``); ``tensorrt``, ``torch_tensorrt`` and CUDA are imported lazily,
 so importing this module on a CPU machine costs nothing and fails nowhere.
 
+The plan is built on first use where it runs (``ensure_plan``; a plan belongs to one GPU and
+TensorRT version) and rebuilt when ``plan_key.json`` shows another graph, TensorRT or GPU.
+
 Execution: ``execute_async_v3`` on a CUDA stream with device buffers owned by torch. LoRA
 inputs are copied to the GPU once per adapter and their addresses bound once; a step sets
 the input shapes, the ids/positions/mask/cache addresses, and reads the logits back.
@@ -17,6 +20,8 @@ An fp16 engine needs an fp16 export, which ``tasks.compile`` does not produce ye
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from pathlib import Path
 from typing import Mapping
@@ -27,6 +32,7 @@ from runtime.engine import check_lora_inputs
 from runtime.interface import EngineInterface, read_interface
 
 PLAN_FILE = "model.plan"
+PLAN_KEY_FILE = "plan_key.json"  # which graph, TensorRT version and GPU the plan was built for
 TIMING_CACHE_FILE = "timing.cache"
 TORCH_TRT_PLAN_FILE = "model.torch_trt.plan"
 
@@ -106,8 +112,53 @@ def build_plan(
         raise RuntimeError("TensorRT build failed; see the logger output above")
     _atomic_write(engine_dir / PLAN_FILE, bytes(plan))
     _atomic_write(cache_path, bytes(config.get_timing_cache().serialize()))
+    record = plan_key(engine_dir, trt.__version__, _device_name()) | {
+        "profile": {"max_batch": max_batch, "max_seq": max_seq, "max_past": max_past, "opt": list(opt)}}
+    _atomic_write(engine_dir / PLAN_KEY_FILE, json.dumps(record, indent=2, sort_keys=True).encode())
     print(f"tensorrt: built {engine_dir / PLAN_FILE} in {time.perf_counter() - t0:.1f}s")
     return engine_dir / PLAN_FILE
+
+
+def plan_key(engine_dir: str | Path, tensorrt_version: str, device: str) -> dict:
+    """What a plan is valid for: the graph it was parsed from (the engine's cache key, which covers
+    backbone, interface, KV scheme and weight format; else the hash of model.onnx), the TensorRT
+    version and the GPU. A plan from another of any of these must be rebuilt, never run."""
+    engine_dir = Path(engine_dir)
+    key_file = engine_dir / "cache_key.json"
+    if key_file.exists():
+        graph = json.loads(key_file.read_text())["key"]
+    else:
+        digest = hashlib.sha256()
+        with open(engine_dir / "model.onnx", "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+        graph = digest.hexdigest()
+    return {"graph": graph, "tensorrt": tensorrt_version, "device": device}
+
+
+def plan_is_current(engine_dir: str | Path, tensorrt_version: str, device: str) -> bool:
+    engine_dir = Path(engine_dir)
+    record = engine_dir / PLAN_KEY_FILE
+    if not (engine_dir / PLAN_FILE).exists() or not record.exists():
+        return False
+    stored = json.loads(record.read_text())
+    return all(stored.get(k) == v for k, v in plan_key(engine_dir, tensorrt_version, device).items())
+
+
+def ensure_plan(engine_dir: str | Path, **build_options) -> bool:
+    """Build ``model.plan`` unless the one there was built from this graph, TensorRT and GPU; True if built.
+    The compile stage writes the ONNX anywhere; the plan is built where it runs (it is GPU-specific)."""
+    trt = require_tensorrt()
+    if plan_is_current(engine_dir, trt.__version__, _device_name()):
+        return False
+    build_plan(engine_dir, **build_options)
+    return True
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name()
 
 
 def build_plan_torch_tensorrt(
@@ -186,6 +237,8 @@ class TensorRTEngine:
         self.interface = read_interface(engine_dir)
         if self.interface.quantized_kv:
             raise ValueError(f"{engine_dir}: quantized KV cache; only the onnxruntime backend runs it so far")
+        if plan_file == PLAN_FILE:
+            ensure_plan(engine_dir)  # first use on this GPU, or the graph / TensorRT changed since
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
         self._engine = self._runtime.deserialize_cuda_engine((engine_dir / plan_file).read_bytes())

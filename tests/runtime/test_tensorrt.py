@@ -75,3 +75,22 @@ def test_tensorrt_weight_only_int4_plan_matches_onnx_runtime_on_the_same_graph(t
 
     # Then both compute the same codes in fp16: equal within fp16 rounding
     assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+
+
+def test_a_plan_is_stale_once_its_graph_tensorrt_or_gpu_changes(tmp_path):
+    import json
+
+    from runtime.backends.tensorrt import PLAN_FILE, PLAN_KEY_FILE, plan_is_current, plan_key
+
+    # Given an engine directory whose plan was built for its cache key on one TensorRT and GPU
+    (tmp_path / "cache_key.json").write_text(json.dumps({"key": "abc"}))
+    assert not plan_is_current(tmp_path, "11.0", "H200")  # no plan yet
+    (tmp_path / PLAN_FILE).write_bytes(b"plan")
+    assert not plan_is_current(tmp_path, "11.0", "H200")  # a plan nobody recorded is not trusted
+    (tmp_path / PLAN_KEY_FILE).write_text(json.dumps(plan_key(tmp_path, "11.0", "H200") | {"profile": {"max_batch": 8}}))
+    # Then it is reused as it is, and rebuilt for another TensorRT, another GPU or another graph
+    assert plan_is_current(tmp_path, "11.0", "H200")
+    assert not plan_is_current(tmp_path, "11.1", "H200")
+    assert not plan_is_current(tmp_path, "11.0", "Orin")
+    (tmp_path / "cache_key.json").write_text(json.dumps({"key": "int4 copy"}))
+    assert not plan_is_current(tmp_path, "11.0", "H200")
