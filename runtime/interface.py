@@ -86,6 +86,14 @@ class EngineInterface:
     # Hash of the same engine with a float cache: the LoRA contract an adapter was made for is
     # identical, so an adapter bound to the float engine also runs on the quantized one.
     float_interface_hash: str | None = None
+    # How the graph stores the backbone weights, e.g. {"precision": "int4", "format": "matmulnbits",
+    # "block_size": 128}; None = fp32. Recorded, not hashed: the LoRA contract is the same, so an
+    # adapter made for the float engine binds to its weight-quantized copy.
+    weights: dict | None = None
+
+    @property
+    def weight_precision(self) -> str:
+        return self.weights["precision"] if self.weights else "fp32"
 
     @property
     def quantized_kv(self) -> bool:
@@ -107,6 +115,8 @@ class EngineInterface:
         d = asdict(self)
         if self.kv_spec is None:  # absent, not null: float engines keep the hash they had before version 2
             del d["kv_spec"], d["float_interface_hash"]
+        if self.weights is None:
+            del d["weights"]
         d["target_modules"] = list(self.target_modules)
         for key in ("inputs", "outputs"):
             d[key] = [{"name": t["name"], "dtype": t["dtype"], "shape": list(t["shape"])} for t in d[key]]
@@ -114,8 +124,10 @@ class EngineInterface:
 
     @property
     def interface_hash(self) -> str:
-        """sha256 of the canonical JSON of everything above (backbone hash included)."""
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+        """sha256 of the canonical JSON of everything above but ``weights`` (backbone hash included)."""
+        d = self.to_dict()
+        d.pop("weights", None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineInterface":

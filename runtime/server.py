@@ -1,7 +1,7 @@
 """Serve generation over HTTP from one engine, and swap releases into it without a restart.
 
     POST /v1/generate  {"prompt": str, "max_new_tokens": int}  -> {"text", "release_id", "activation", "tokens"}
-    GET  /healthz                                              -> {"status", "release_id", "activation"}
+    GET  /healthz                                              -> {"status", "release_id", "activation", "weights", ...}
     POST /v1/adapters  {"path": DIR_OR_TARBALL, "allow_rollback": false}  -> {"release_id", "activation", "swap_ms", ...}
     GET  /metrics                                              -> requests, failures, swaps, swap latency (ms)
 
@@ -167,7 +167,8 @@ class AdapterServer:
         return {"status": "ok" if release else "no_release", "release_id": release.release_id if release else None,
                 "activation": release.activation if release else 0,
                 "month": release.manifest["month"] if release else None,
-                "expires_at": release.manifest["expires_at"] if release else None}
+                "expires_at": release.manifest["expires_at"] if release else None,
+                "weights": self.engine.interface.weight_precision}
 
 
 class _Handler(BaseHTTPRequestHandler):

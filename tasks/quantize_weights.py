@@ -577,15 +577,18 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
     """A copy of a compiled engine directory whose model.onnx has ``weights`` precision, in graph
     form ``fmt`` (``WEIGHT_FORMATS``).
 
-    Writes ``model.onnx``, ``interface.json`` (unchanged: the inputs are the same) and
+    Writes ``model.onnx``, ``interface.json`` (the same inputs and hash, plus the weight precision) and
     ``weights.json`` (precision + quantizer settings + summary). The ORT-optimized graph is
     written by the first ``OrtEngine`` that opens the directory.
     """
+    import dataclasses
+
+    from runtime.interface import read_interface, write_interface
+
     if weights not in WEIGHT_BITS:
         raise WeightQuantError(f"weights must be one of {sorted(WEIGHT_BITS)}, got {weights!r}")
     engine_dir, out_dir = Path(engine_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(engine_dir / "interface.json", out_dir / "interface.json")
     bits = WEIGHT_BITS[weights]
     if bits is None:
         shutil.copy2(engine_dir / "model.onnx", out_dir / "model.onnx")
@@ -601,6 +604,10 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
         fields["weights_calibration"] = digest.hexdigest()
     record = {**summary, **fields, "weights": weights}
     (out_dir / WEIGHTS_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    iface = read_interface(engine_dir)
+    stored = None if bits is None else {"precision": weights, "format": fmt, "block_size": block_size}
+    exporter = json.loads((engine_dir / "interface.json").read_text()).get("exporter")
+    write_interface(dataclasses.replace(iface, weights=stored), out_dir / "interface.json", exporter)
     src_key = engine_dir / "cache_key.json"
     if src_key.exists():  # written last, as tasks.compile does: its presence means "complete"
         key = quantized_cache_key(json.loads(src_key.read_text()), fields)

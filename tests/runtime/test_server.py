@@ -69,7 +69,8 @@ def test_generate_health_and_metrics(w, server):
     assert status == 200 and swap["release_id"] == manifest_id(w["b"]) and swap["activation"] == 1
     out = generate(port)
     assert out["release_id"] == manifest_id(w["b"]) and out["tokens"] == 6 and isinstance(out["text"], str)
-    assert call(port, "GET", "/healthz")[1]["release_id"] == manifest_id(w["b"])
+    health = call(port, "GET", "/healthz")[1]
+    assert health["release_id"] == manifest_id(w["b"]) and health["weights"] == "fp32"
     assert call(port, "POST", "/v1/generate", {"prompt": PROMPT, "max_new_tokens": 0})[0] == 400
     metrics = call(port, "GET", "/metrics")[1]
     assert metrics["requests"] == 3 and metrics["failures"] == 2 and metrics["swaps"] == 1
