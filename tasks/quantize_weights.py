@@ -52,9 +52,9 @@ WEIGHTS_FILE = "weights.json"  # written next to interface.json: how the engine'
 # How the codes are written into the graph: the contrib op ONNX Runtime runs (asymmetric by
 # default), or the standard Q/DQ form TensorRT builds (always symmetric), with fp32 or fp16 GEMMs.
 WEIGHT_FORMATS = ("matmulnbits", "qdq", "qdq_fp16")
+QDQ_OPSET = 21  # blocked DequantizeLinear and int4 tensors
 # ONNX Runtime fuses DequantizeLinear + MatMul into MatMulNBits at this accuracy level; 0 keeps
 # the dequantized weights and fp32 activations exact, so ORT checks a Q/DQ graph against its reference.
-QDQ_OPSET = 21  # blocked DequantizeLinear and int4 tensors
 QDQ_EXACT_ORT_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "0"}
 # MatMulNBits accuracy_level: 0 = fp32 compute (dequantize, then sgemm), 4 = int8 compute
 # (activations quantized per block to int8 on the fly; the fast path of MLAS on x86 and Arm).
@@ -225,7 +225,7 @@ def quantize_engine_weights(
     fmt: str = "matmulnbits",
 ) -> dict:
     """Rewrite every constant-weight MatMul/Gemm of ``onnx_in`` into MatMulNBits (or, with ``fmt``
-    qdq / qdq_fp16, a symmetric DequantizeLinear + MatMul); return a summary.
+    qdq / qdq_fp16, a DequantizeLinear + MatMul, always symmetric); return a summary.
 
     ``keep`` names what stays fp32: "lm_head" (the projection to ``logits``); "embed" is the
     Gather table, which is never quantized here (listed so the summary says so).
@@ -302,7 +302,7 @@ def quantize_engine_weights(
         bytes_before += w_kn.nbytes
         bytes_after += n_bytes
         if has_bias:
-            # A separate Add, not MatMulNBits' optional bias input (absent from older ORT kernels).
+            # A separate Add: MatMulNBits' optional bias input is absent from older ORT kernels.
             new_nodes.append(helper.make_node("Add", [out, node.input[2]], [node.output[0]], name=base + "_bias"))
         summary["quantized"].append(f"{node.name} K={K} N={N}" + (" (norm folded)" if g is not None else ""))
 
