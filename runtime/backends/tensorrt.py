@@ -21,7 +21,6 @@ projections in fp16, the rest in fp32; an all-fp16 engine would need an fp16 exp
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ import numpy as np
 
 from runtime.engine import check_lora_inputs
 from runtime.interface import EngineInterface, read_interface
+from runtime.package import sha256_file
 
 PLAN_FILE = "model.plan"
 PLAN_KEY_FILE = "plan_key.json"  # which graph, TensorRT version and GPU the plan was built for
@@ -126,14 +126,7 @@ def plan_key(engine_dir: str | Path, tensorrt_version: str, device: str) -> dict
     version and the GPU. A plan from another of any of these must be rebuilt, never run."""
     engine_dir = Path(engine_dir)
     key_file = engine_dir / "cache_key.json"
-    if key_file.exists():
-        graph = json.loads(key_file.read_text())["key"]
-    else:
-        digest = hashlib.sha256()
-        with open(engine_dir / "model.onnx", "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
-        graph = digest.hexdigest()
+    graph = json.loads(key_file.read_text())["key"] if key_file.exists() else sha256_file(engine_dir / "model.onnx")
     return {"graph": graph, "tensorrt": tensorrt_version, "device": device}
 
 
