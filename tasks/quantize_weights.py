@@ -381,9 +381,7 @@ def _qdq_nodes(base: str, a_name: str, out: str, q, scale, zp, bits: int, K: int
     if not (np.isfinite(s).all() and (s > 0).all()):
         raise WeightQuantError(f"{base}: a scale is not a positive finite {s.dtype} (too small for fp16?)")
     if bits == 4:
-        flat = codes.reshape(-1).astype(np.uint8) & 0xF
-        flat = np.concatenate([flat, np.zeros(len(flat) % 2, np.uint8)])
-        raw = (flat[0::2] | (flat[1::2] << 4)).tobytes()  # two per byte, the first in the low nibble
+        raw = pack_codes(codes.reshape(-1).astype(np.uint8) & 0xF, 4).tobytes()  # two's complement nibbles
         weight = helper.make_tensor(base + "_q", TensorProto.INT4, codes.shape, raw, raw=True)
     else:
         raw = codes.tobytes()
@@ -636,9 +634,10 @@ def open_on_cpu(engine_dir: Path, threads: int = 2):
     runs with exact fp32 dequantization (``QDQ_EXACT_ORT_CONFIG``), as TensorRT computes it,
     not with ONNX Runtime's int8 activation rounding."""
     from runtime.backends.onnxruntime import OrtEngine
+    from runtime.interface import read_interface
 
-    record = Path(engine_dir) / WEIGHTS_FILE
-    qdq = record.exists() and json.loads(record.read_text()).get("format", "matmulnbits") != "matmulnbits"
+    stored = read_interface(engine_dir).weights  # the format is recorded in the interface
+    qdq = stored is not None and stored["format"] != "matmulnbits"
     return OrtEngine(engine_dir, threads=threads, session_config=QDQ_EXACT_ORT_CONFIG if qdq else None)
 
 
