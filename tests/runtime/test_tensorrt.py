@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 
 import numpy as np
@@ -94,3 +95,7 @@ def test_a_plan_is_stale_once_its_graph_tensorrt_or_gpu_changes(tmp_path):
     assert not plan_is_current(tmp_path, "11.0", "Orin")
     (tmp_path / "cache_key.json").write_text(json.dumps({"key": "int4 copy"}))
     assert not plan_is_current(tmp_path, "11.0", "H200")
+    # An engine directory without a cache key is identified by the bytes of its graph
+    (tmp_path / "cache_key.json").unlink()
+    (tmp_path / "model.onnx").write_bytes(b"graph")
+    assert plan_key(tmp_path, "11.0", "H200")["graph"] == hashlib.sha256(b"graph").hexdigest()
