@@ -135,9 +135,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return x @ w.t() if b is None else torch.addmm(b, x, w.t())  # (N, in) -> (N, out)
+
+
 class Block(nn.Module):
     """One decoder layer. q/k/v and gate/up are concatenated into one matmul each: fewer,
     larger GEMMs decode faster on every backend, and the split is exact."""
+
+    # Every base projection goes through this; the PyTorch reference of a quantized engine
+    # (tasks.quantize_weights.reference_backbone) swaps in one that rounds the input as the engine's kernel does.
+    linear = staticmethod(_linear)
 
     def __init__(self, cfg: BackboneConfig, w: dict[str, torch.Tensor], prefix: str, lora_modules: tuple[str, ...]):
         super().__init__()
@@ -189,7 +197,7 @@ class Block(nn.Module):
         cfg = self.cfg
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = rms_norm(x, self.ln1, cfg.rms_norm_eps)  # (N, H)
-        qkv = self._lora("q_proj", h, _linear(h, self.qkv_w, self.qkv_b), lora)  # (N, (nh + 2 nkv) d)
+        qkv = self._lora("q_proj", h, self.linear(h, self.qkv_w, self.qkv_b), lora)  # (N, (nh + 2 nkv) d)
         qk, v = qkv.split([(nh + nkv) * d, nkv * d], dim=-1)
         # RoPE on queries and keys in one pass: half the rotate/multiply ops of two passes.
         qk = qk.view(B, T, nh + nkv, d).transpose(1, 2)  # (B, nh + nkv, T, d)
@@ -203,18 +211,14 @@ class Block(nn.Module):
         cfg = self.cfg
         nh, d = cfg.num_heads, cfg.head_dim
         y = y.view(B, nh, T, d).transpose(1, 2).reshape(B * T, nh * d)  # (N, nh d)
-        x = x + self._lora("o_proj", y, _linear(y, self.o_w, self.o_b), lora)  # (N, H)
+        x = x + self._lora("o_proj", y, self.linear(y, self.o_w, self.o_b), lora)  # (N, H)
 
         h = rms_norm(x, self.ln2, cfg.rms_norm_eps)  # (N, H)
-        gu = self._lora("gate_proj", h, _linear(h, self.gate_up_w), lora)  # (N, 2 I)
+        gu = self._lora("gate_proj", h, self.linear(h, self.gate_up_w), lora)  # (N, 2 I)
         gate, up = gu.split([cfg.intermediate_size, cfg.intermediate_size], dim=-1)
         m = nn.functional.silu(gate) * up  # (N, I)
-        down = _linear(m, self.down_w)  # (N, H)
+        down = self.linear(m, self.down_w)  # (N, H)
         return x + self._lora("down_proj", m, down, lora)
-
-
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    return x @ w.t() if b is None else torch.addmm(b, x, w.t())  # (N, in) -> (N, out)
 
 
 class Backbone(nn.Module):
@@ -226,12 +230,15 @@ class Backbone(nn.Module):
     lora: flat tuple in ``runtime.interface.lora_input_names`` order; empty when built with no lora_modules.
     """
 
+    linear = staticmethod(_linear)  # the LM head's; see Block.linear
+
     def __init__(self, cfg: BackboneConfig, weights: dict[str, torch.Tensor], lora_modules: tuple[str, ...] = ()):
         super().__init__()
         unknown = [m for m in lora_modules if m not in LORA_MODULES]
         if unknown:
             raise ValueError(f"unknown LoRA target modules {unknown}; supported: {list(LORA_MODULES)}")
         self.cfg, self.lora_modules = cfg, tuple(lora_modules)
+        self.lora_groups = lora_groups(self.lora_modules)
         p = nn.Parameter
         self.embed = p(weights["model.embed_tokens.weight"], requires_grad=False)  # (V, H)
         self.blocks = nn.ModuleList(
@@ -279,13 +286,13 @@ class Backbone(nn.Module):
 
     def layer_lora(self, lora: tuple, i: int) -> dict[str, tuple]:
         """{first module of a fused linear: (A, B)} of layer i."""
-        groups = lora_groups(self.lora_modules)
+        groups = self.lora_groups
         layer = lora[2 * len(groups) * i : 2 * len(groups) * (i + 1)]
         return {fused[0]: tuple(layer[2 * j : 2 * j + 2]) for j, (_, fused) in enumerate(groups)}
 
     def head(self, x, B: int, T: int):
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)  # (N, H)
-        return (x @ self.lm_head.t()).view(B, T, -1)  # (B, T, V)
+        return self.linear(x, self.lm_head).view(B, T, -1)  # (B, T, V)
 
     def empty_past(self, batch: int) -> tuple[torch.Tensor, ...]:
         shape = (batch, self.cfg.num_kv_heads, 0, self.cfg.head_dim)

@@ -61,7 +61,8 @@ QDQ_EXACT_ORT_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "0"}
 # Measured (ORT 1.32, 2 cores, 0.5B width): 8-bit at level 0 decodes 13x slower than fp32
 # (no packed kernel: the weight is dequantized on every call); 4-bit at level 0 is 1.6x slower
 # than at level 4. Level 0 is for exact parity tests only.
-DEFAULT_ACCURACY_LEVEL = 4
+INT8_COMPUTE_LEVEL = 4
+DEFAULT_ACCURACY_LEVEL = INT8_COMPUTE_LEVEL
 # Input channels per quantization group. 128 instead of 32 (measured on 2 cores, 0.5B width, ORT 1.32,
 # one interleaved run): decode at past 512 int4 3.24 -> 2.59 ms, int8 4.33 -> 3.61 ms; prefill of 128
 # int4 107 -> 80 ms (fewer scales to read and apply). On the default month both block sizes keep test
@@ -526,20 +527,52 @@ def reference_weights(
     return out
 
 
+def int8_rounded_linear(x, w, b=None, block_size: int = DEFAULT_BLOCK_SIZE):
+    """``runtime.model._linear`` after rounding each row of ``x`` as MatMulNBits does at accuracy
+    level 4: per block of ``block_size`` input channels, symmetric int8 with scale amax / 127,
+    round half to even. Everything after the rounding is float, as in the kernel's int32 sums."""
+    import torch
+
+    from runtime.model import _linear
+
+    N, K = x.shape
+    pad = -K % block_size  # a partial last block: zeros change neither its amax nor the sums
+    blocks = torch.nn.functional.pad(x, (0, pad)).view(N, -1, block_size)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    rounded = (torch.round(blocks * inv).clamp(-127, 127) * scale).view(N, -1)[:, :K]
+    return _linear(rounded, w, b)
+
+
 def reference_backbone(model_dir: str | Path, bits: int, block_size: int = DEFAULT_BLOCK_SIZE, fold_norms: bool = False,
                        keep: tuple[str, ...] = ("lm_head", "embed"), lora_modules: tuple[str, ...] = (),
-                       symmetric: bool = False):
-    """``runtime.model.Backbone`` with the dequantized weights of the same quantization."""
+                       symmetric: bool = False, accuracy_level: int = 0):
+    """``runtime.model.Backbone`` with the dequantized weights of the same quantization; at
+    ``accuracy_level`` 4 every quantized projection also rounds its input (``int8_rounded_linear``),
+    as the engine does. The LoRA path reads the unrounded input, as in the engine."""
     import dataclasses
+    import functools
 
     from runtime.model import Backbone, read_config, read_weights
 
+    if accuracy_level == INT8_COMPUTE_LEVEL and fold_norms:
+        # The folded engine rounds the norm output before its scale; this reference applies the
+        # scale first (fake_quantize divides it back out of the weight), so it would round other values.
+        raise ValueError("reference_backbone: int8 activation rounding with folded norm scales is not modelled; "
+                         "use accuracy_level=0 (fp32 compute) for a folded engine")
     cfg = read_config(model_dir)
     w = reference_weights(read_weights(model_dir), cfg.num_layers, bits, block_size, fold_norms, keep, symmetric,
                           cfg.tie_word_embeddings)
     if "lm_head" not in keep:
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)  # the head now differs from the table
-    return Backbone(cfg, w, lora_modules).eval()
+    backbone = Backbone(cfg, w, lora_modules).eval()
+    if accuracy_level == INT8_COMPUTE_LEVEL:
+        rounded = functools.partial(int8_rounded_linear, block_size=block_size)
+        for block in backbone.blocks:
+            block.linear = rounded
+        if "lm_head" not in keep:
+            backbone.linear = rounded
+    return backbone
 
 
 # ---------------------------------------------------------------- engine directories + quality
@@ -641,18 +674,22 @@ def open_on_cpu(engine_dir: Path, threads: int = 2):
     return OrtEngine(engine_dir, threads=threads, session_config=QDQ_EXACT_ORT_CONFIG if qdq else None)
 
 
-def engine_quality(engine_dir: Path, base_dir: Path, adapter_dir: Path, data_dir: Path, max_new_tokens: int = 8,
-                   batch_size: int = 64, threads: int = 2) -> dict:
-    """Accuracy (all / new / regression rules) on ``test`` and perplexity on held-out text, base + adapter."""
+def open_with_adapter(engine_dir: Path, adapter_dir: Path, threads: int = 2):
+    """``open_on_cpu`` with the adapter's LoRA inputs bound (refuses an adapter made for another interface)."""
     from runtime.adapter import load_adapter
-    from runtime.generate import generate_text
-    from tasks.base_model import load_tokenizer
-    from tasks.data import HELDOUT_TEXT, read_jsonl, read_text_corpus
-    from tasks.evaluate import accuracy_report, engine_perplexity
 
     engine = open_on_cpu(engine_dir, threads)
     engine.set_adapter(load_adapter(adapter_dir, engine.interface))
-    tokenizer = load_tokenizer(Path(base_dir))
+    return engine
+
+
+def engine_quality(engine, tokenizer, data_dir: Path, max_new_tokens: int = 8, batch_size: int = 64) -> dict:
+    """Accuracy (all / new / regression rules) on ``test`` and perplexity on held-out text of an
+    engine with the adapter bound (``open_with_adapter``)."""
+    from runtime.generate import generate_text
+    from tasks.data import HELDOUT_TEXT, read_jsonl, read_text_corpus
+    from tasks.evaluate import accuracy_report, engine_perplexity
+
     test = read_jsonl(Path(data_dir) / "test.jsonl")
     report = accuracy_report(test, generate_text(engine, tokenizer, [ex.prompt for ex in test], max_new_tokens, batch_size))
     heldout = Path(data_dir) / HELDOUT_TEXT
@@ -701,8 +738,6 @@ def compare_schemes(engine_dir: Path, base_dir: Path, adapter_dir: Path, data_di
                     schemes: list[str] | None = None, block_size: int = DEFAULT_BLOCK_SIZE, threads: int = 2) -> dict:
     """Every scheme vs the float engine: calib-split output error (the selection criterion) and
     test accuracy + held-out perplexity of base + adapter (the acceptance measure)."""
-    from runtime.adapter import load_adapter
-    from runtime.backends.onnxruntime import OrtEngine
     from tasks.base_model import load_tokenizer
     from tasks.data import read_jsonl
 
@@ -711,9 +746,8 @@ def compare_schemes(engine_dir: Path, base_dir: Path, adapter_dir: Path, data_di
         raise WeightQuantError(f"unknown schemes {sorted(unknown)}; known: {sorted(SCHEMES)}")
     tokenizer = load_tokenizer(Path(base_dir))
     calib = [ex.prompt + ex.completion for ex in read_jsonl(Path(data_dir) / "calib.jsonl")]
-    reference = OrtEngine(engine_dir, threads=threads)
-    reference.set_adapter(load_adapter(adapter_dir, reference.interface))
-    results = {"fp32": {"quality": engine_quality(engine_dir, base_dir, adapter_dir, data_dir, threads=threads)}}
+    reference = open_with_adapter(engine_dir, adapter_dir, threads)
+    results = {"fp32": {"quality": engine_quality(reference, tokenizer, data_dir)}}
     act_sq = None
     for name in schemes or list(SCHEMES):
         weights, fold, keep, calibrated, fmt = SCHEMES[name]
@@ -722,9 +756,8 @@ def compare_schemes(engine_dir: Path, base_dir: Path, adapter_dir: Path, data_di
         out = Path(work_dir) / name
         record = quantize_engine_dir(engine_dir, out, weights, block_size, fold, keep,
                                      act_sq=act_sq if calibrated else None, fmt=fmt)
-        engine = open_on_cpu(out, threads)
-        engine.set_adapter(load_adapter(adapter_dir, engine.interface))
-        quality = engine_quality(out, base_dir, adapter_dir, data_dir, threads=threads)
+        engine = open_with_adapter(out, adapter_dir, threads)
+        quality = engine_quality(engine, tokenizer, data_dir)
         results[name] = {
             "calib_error": output_error(reference, engine, tokenizer, calib),
             "quality": quality,
@@ -802,8 +835,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = {"weights": record}
     if args.base_dir and args.adapter_dir and args.data_dir:
-        ref = engine_quality(args.engine_dir, args.base_dir, args.adapter_dir, args.data_dir, threads=args.threads)
-        got = engine_quality(args.out_dir, args.base_dir, args.adapter_dir, args.data_dir, threads=args.threads)
+        from tasks.base_model import load_tokenizer
+
+        tokenizer = load_tokenizer(args.base_dir)
+        ref, got = (engine_quality(open_with_adapter(d, args.adapter_dir, args.threads), tokenizer, args.data_dir)
+                    for d in (args.engine_dir, args.out_dir))
         result |= {"float": ref, "quantized": got}
         if args.weights != "fp32":
             result["gate"] = accuracy_gate(ref, got, args.weights)
