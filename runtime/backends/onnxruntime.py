@@ -128,9 +128,21 @@ class OrtEngine:
 
             lora = zero_lora_inputs(self.interface)
         check_lora_inputs(self.interface, lora)
-        # Copied (the engine keeps a snapshot, not the caller's arrays) and held on self: the
-        # binding refers to these buffers, they must outlive it.
-        self._lora = {n: ort.OrtValue.ortvalue_from_numpy(np.array(v, dtype=np.float32, order="C")) for n, v in lora.items()}
+        # Copied (the engine keeps a snapshot, not the caller's arrays) into one contiguous buffer
+        # in graph order, and held on self (each ORT value keeps its view, and so the buffer,
+        # alive): the binding refers to it. One buffer instead of an allocation per input because
+        # the LoRA matrices are read cold every token (the weights streamed in between evict them):
+        # measured at 0.5B width, int4, 2 threads, interleaved, it takes 1-4 points off the
+        # LoRA-as-input overhead (past 512: +7.8% vs +9.6%; past 2048: +6.4% vs +10.0%).
+        names = [n for n in self.interface.input_names if n in lora]
+        arrays = [np.asarray(lora[n], dtype=np.float32) for n in names]
+        buffer = np.empty(sum(a.size for a in arrays), dtype=np.float32)
+        self._lora, offset = {}, 0
+        for name, array in zip(names, arrays):
+            view = buffer[offset : offset + array.size].reshape(array.shape)
+            view[...] = array
+            self._lora[name] = ort.OrtValue.ortvalue_from_numpy(view)
+            offset += array.size
         for name, value in self._lora.items():
             self._binding.bind_ortvalue_input(name, value)
 
