@@ -132,8 +132,8 @@ class OrtEngine:
         # in graph order, and held on self (each ORT value keeps its view, and so the buffer,
         # alive): the binding refers to it. One buffer instead of an allocation per input because
         # the LoRA matrices are read cold every token (the weights streamed in between evict them):
-        # measured at 0.5B width, int4, 2 threads, interleaved, it takes 1-4 points off the
-        # LoRA-as-input overhead (past 512: +7.8% vs +9.6%; past 2048: +6.4% vs +10.0%).
+        # measured at 0.5B width, int4, 2 threads, eight interleaved runs, it takes 0 to 3.6 points
+        # off the LoRA-as-input overhead (e.g. past 2048: +6.4% vs +10.0%; one run: no difference).
         names = [n for n in self.interface.input_names if n in lora]
         arrays = [np.asarray(lora[n], dtype=np.float32) for n in names]
         buffer = np.empty(sum(a.size for a in arrays), dtype=np.float32)
