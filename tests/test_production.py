@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -43,13 +44,24 @@ FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 RUN_TIMEOUT_S = 240  # the run takes about 80 s on 2 busy cores; this bounds the whole test to about 5 min
 
 
-def api(url: str, payload: dict | None = None) -> dict:
+# Prefect's server answers 503 for errors it rolled back and calls retryable (SQLite "database is
+# locked" while the worker writes); its own client retries 429/503 with backoff, and so does this one.
+RETRYABLE_HTTP = (429, 503)
+
+
+def api(url: str, payload: dict | None = None, attempts: int = 5) -> dict:
     """One Prefect REST call, as the UI makes it (GET, or POST with a JSON body)."""
     data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
-                                     method="GET" if data is None else "POST")
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())
+    for attempt in range(attempts):
+        request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+                                         method="GET" if data is None else "POST")
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            if err.code not in RETRYABLE_HTTP or attempt == attempts - 1:
+                raise
+            time.sleep(2**attempt)
 
 
 def merged(base: dict, changes: dict) -> dict:
