@@ -135,7 +135,7 @@ class OrtEngine:
         # measured at 0.5B width, int4, 2 threads, eight interleaved runs, it takes 0 to 3.6 points
         # off the LoRA-as-input overhead (e.g. past 2048: +6.4% vs +10.0%; one run: no difference).
         # Aligning the buffer to a page measured 3-5 points worse than where numpy puts it (page + 16 B).
-        names = [n for n in self.interface.input_names if n in lora]
+        names = self.interface.lora_names
         arrays = [np.asarray(lora[n], dtype=np.float32) for n in names]
         buffer = np.empty(sum(a.size for a in arrays), dtype=np.float32)
         self._lora, offset = {}, 0

@@ -189,8 +189,7 @@ def test_lora_inputs_are_bound_from_one_buffer_in_graph_order(engine, qwen_adapt
     # One buffer read front to back as the layers run, instead of an allocation per input (measured
     # in runtime/backends/onnxruntime.py: fewer cold-read stalls per token)
     engine.set_adapter(load_adapter(qwen_adapter, engine.interface))
-    names = [n for n in engine.interface.input_names if n.startswith("lora_")]
-    values = [engine._lora[n] for n in names]
+    values = [engine._lora[n] for n in engine.interface.lora_names]
     ends = [v.data_ptr() + v.numpy().nbytes for v in values[:-1]]
     assert [v.data_ptr() for v in values[1:]] == ends
 
