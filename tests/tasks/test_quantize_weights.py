@@ -390,3 +390,84 @@ def test_tensorrt_release_gets_the_qdq_serving_engine_from_the_compile_stage(tin
     record = json.loads((serving / "weights.json").read_text())
     assert (record["format"], record["symmetric"], record["block_size"]) == ("qdq_fp16", True, 128)
     assert not any(n.op_type == "MatMulNBits" for n in onnx.load(str(serving / "model.onnx")).graph.node)
+
+
+def _external_copy(engine_dir, out_dir):
+    """The engine with its graph's weights in model.onnx.data, as the compile stage writes a large one."""
+    import shutil
+
+    out_dir.mkdir()
+    for name in ("interface.json", "cache_key.json"):
+        shutil.copy(engine_dir / name, out_dir / name)
+    onnx.save(onnx.load(str(engine_dir / "model.onnx")), str(out_dir / "model.onnx"), save_as_external_data=True,
+              location="model.onnx.data")
+    return out_dir
+
+
+def _locations(onnx_file) -> set[str]:
+    graph = onnx.load(str(onnx_file), load_external_data=False).graph
+    return {e.value for i in graph.initializer for e in i.external_data if e.key == "location"}
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int4"])
+def test_copy_of_a_large_engine_keeps_its_weights_in_a_data_file(tiny_engine, tmp_path, monkeypatch, weights):
+    # Given: an engine whose weights are in a data file, and a size threshold every graph exceeds
+    # (as the 0.5B shape's do at the real one), beside the inline copy of the same engine
+    from runtime.backends import onnxruntime as ort_backend
+
+    quantize_engine_dir(tiny_engine, tmp_path / "inline", weights)
+    source = _external_copy(tiny_engine, tmp_path / "source")
+    monkeypatch.setattr(ort_backend, "EXTERNAL_DATA_MIN_BYTES", 0)
+
+    # When: the copy is written from it
+    quantize_engine_dir(source, tmp_path / "large", weights)
+
+    # Then: its graph reads the weights from its own model.onnx.data and computes what the inline copy does
+    assert _locations(tmp_path / "large" / "model.onnx") == {"model.onnx.data"}
+    ids = np.random.default_rng(4).integers(0, 96, (1, 6))
+    args = (ids, np.arange(6)[None], np.ones((1, 6), np.int64), None)
+    want = OrtEngine(tmp_path / "inline").forward(*args)[0]
+    np.testing.assert_array_equal(OrtEngine(tmp_path / "large").forward(*args)[0], want)
+
+
+def test_calibration_reads_a_graph_whose_weights_are_in_a_data_file(tiny_engine, tmp_path):
+    source = _external_copy(tiny_engine, tmp_path / "source")
+    ids = [[1, 5, 9, 2], [7, 3]]
+
+    got = calibrate_activations(source / "model.onnx", ids)
+
+    want = calibrate_activations(tiny_engine / "model.onnx", ids)
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_int4_engine_with_an_int8_head_matches_the_reference_of_the_same_codes(tiny_qwen, tiny_engine, adapter, tmp_path):
+    # Given: the int4 engine with its LM head quantized at 8 bits (fp32 compute: no activation rounding)
+    record = quantize_engine_dir(tiny_engine, tmp_path / "h8", "int4", 32, keep=("embed",), accuracy_level=0, head_bits=8)
+    engine = OrtEngine(tmp_path / "h8")
+    lora = load_adapter(adapter, engine.interface)
+    engine.set_adapter(lora)
+    ids = np.random.default_rng(2).integers(0, 96, (2, 9))
+
+    # When: it runs prefill + one cached decode step
+    got = _prefill_and_decode(engine, ids)
+
+    # Then: it matches PyTorch with the same int4 body and int8 head codes, not the all-int4 reference,
+    # and its cache key tells it from the int4-head and fp32-head builds
+    ref = reference_backbone(tiny_qwen, 4, 32, keep=("embed",), lora_modules=TARGETS, head_bits=8)
+    assert np.abs(got - _reference_logits(ref, ids, lora, engine.interface.lora_names)).max() < 1e-4
+    all_int4 = reference_backbone(tiny_qwen, 4, 32, keep=("embed",), lora_modules=TARGETS)
+    assert np.abs(got - _reference_logits(all_int4, ids, lora, engine.interface.lora_names)).max() > 1e-3
+    assert record["head_bits"] == 8 and any("(lm_head, 8 bits)" in q for q in record["quantized"])
+    keys = {json.loads((tmp_path / "h8" / "cache_key.json").read_text())["key"]}
+    for name, keep, head in (("h4", ("embed",), None), ("h32", ("lm_head", "embed"), None)):
+        quantize_engine_dir(tiny_engine, tmp_path / name, "int4", 32, keep=keep, accuracy_level=0, head_bits=head)
+        keys.add(json.loads((tmp_path / name / "cache_key.json").read_text())["key"])
+    assert len(keys) == 3
+
+
+def test_the_scheme_comparison_renders_a_month_without_changed_labels():
+    from tasks.quantize_weights import render_comparison
+
+    quality = {"accuracy": 0.75, "accuracy_new": None, "accuracy_regression": None, "perplexity": 2.5}
+    table = render_comparison({"int4_rtn": {"quality": quality, "calib_error": {"kl_mean": 1e-4, "top1_agreement": 0.95}}})
+    assert "| int4_rtn | 1.00e-04 | 0.9500 | 0.7500 | n/a | n/a | 2.5000 | - |" in table
