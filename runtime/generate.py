@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from runtime.engine import Engine
+from runtime.tokenizer import encode_prompt
 
 
 def greedy_generate(
@@ -63,8 +64,9 @@ def _generate_batch(engine: Engine, prompts, max_new_tokens: int, stop: set[int]
 
 
 def generate_text(engine: Engine, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int = 8) -> list[str]:
-    """Text in, text out with a Hugging Face tokenizer; stops at its eos token. For evaluation."""
-    encoded = [tokenizer(p)["input_ids"] for p in prompts]  # same special tokens as tasks.evaluate
+    """Text in, text out with a tokenizer from ``tasks.base_model.load_tokenizer``; stops at any of its
+    ``stop_ids``, as the device does. For evaluation."""
+    encoded = [encode_prompt(tokenizer, p) for p in prompts]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    tokens = greedy_generate(engine, encoded, max_new_tokens, [tokenizer.eos_token_id], pad, batch_size)
+    tokens = greedy_generate(engine, encoded, max_new_tokens, tokenizer.stop_ids, pad, batch_size)
     return [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]

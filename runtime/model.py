@@ -5,6 +5,12 @@ decodes 2.6-4.7x slower in ONNX Runtime than this hand-written forward (cache cl
 mask helpers and dtype juggling all end up in the graph). This file reads the Hugging
 Face weights by name from ``config.json`` + ``*.safetensors`` and nothing else.
 
+Checkpoints: Qwen2/Qwen2.5 (q/k/v bias, tied or untied head) and Llama 2/3 (untied head,
+``attention_bias``, RoPE scaling ``linear`` and ``llama3``), fp32/fp16/bf16 weights in one file or
+sharded with ``model.safetensors.index.json``. ``BackboneConfig.from_hf`` refuses, naming the key,
+whatever it would compute differently from transformers (a sliding window in use, other RoPE types,
+mixture of experts, MLP bias, quantized weights, another model_type or activation).
+
 LoRA is applied *unmerged*: for every layer and every fused linear with a target module
 (q/k/v, o, gate/up, down: ``runtime.interface.lora_groups``) the graph takes ``A (n r_max, in)``
 and ``B (out, n r_max)`` as runtime inputs, ``y + (x A^T) B^T``, so one compiled engine serves
@@ -37,7 +43,85 @@ _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 class ModelFormatError(RefusedInput):
-    """A model directory this forward cannot reproduce exactly; the message says why."""
+    """A model directory this forward cannot reproduce exactly; the message names the file and key."""
+
+
+CONFIG_FILE = "config.json"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # save_pretrained(max_shard_size=...) writes it beside the shards
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+WEIGHT_DTYPES = ("F32", "F16", "BF16")  # upcast to fp32 on load, as load_base_model does in PyTorch
+# Keys by which a mixture-of-experts config announces itself; this forward has one dense MLP.
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE frequency scaling of ``rope_inv_freq``; plain RoPE has none."""
+
+    rope_type: str  # "linear" or "llama3"
+    factor: float  # linear: every frequency / factor (positions / factor); llama3: the low frequencies'
+    low_freq_factor: float = 0.0  # llama3: wavelengths above original / low_freq_factor are divided by factor
+    high_freq_factor: float = 0.0  # llama3: wavelengths below original / high_freq_factor are kept
+    original_max_position_embeddings: int = 0  # llama3: the pre-training context the bands are measured in
+
+
+def _rope_scaling(hf: dict, problems: list[str]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) as transformers 5 reads them (``RotaryEmbeddingConfigMixin``): a 4.x
+    ``rope_scaling`` dict, when present, replaces ``rope_parameters``; a ``rope_theta`` inside the
+    dict wins over the top-level one; the legacy ``type`` spells ``rope_type``."""
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params = dict(hf.get(key) or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    nested = [k for k, v in params.items() if isinstance(v, dict)]
+    if nested:
+        problems.append(f"{key}.{nested[0]}: RoPE parameters per layer type are not supported")
+        return theta, None
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial not in (None, 1.0):
+        problems.append(f"partial_rotary_factor {partial!r} is not supported (RoPE on the whole head, 1.0)")
+    type_key = "rope_type" if "rope_type" in params else "type"
+    rope_type = params.get(type_key, "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        problems.append(f"{key}.{type_key} {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE_TYPES)})")
+        return theta, None
+    if rope_type == "default":
+        return theta, None
+    needed = ("factor",) if rope_type == "linear" else _LLAMA3_KEYS
+    missing = [k for k in needed if k not in params]
+    if missing:
+        problems.append(f"{key}.{missing[0]} is missing (rope_type {rope_type!r} needs {', '.join(needed)})")
+        return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(params["factor"]))
+    # transformers' own precedence: a top-level original_max_position_embeddings (Phi-3 style) first,
+    # then the dict's, then max_position_embeddings.
+    default_max = 32768 if hf.get("model_type") == "qwen2" else 2048  # the config classes' defaults
+    original = hf.get("original_max_position_embeddings",
+                      params.get("original_max_position_embeddings", hf.get("max_position_embeddings", default_max)))
+    return theta, RopeScaling("llama3", float(params["factor"]), float(params["low_freq_factor"]),
+                              float(params["high_freq_factor"]), int(original))
+
+
+def _sliding_window_problem(hf: dict) -> str | None:
+    """Qwen2's sliding window, where transformers would apply it (Qwen2Config.__post_init__): with
+    use_sliding_window, on the layers ``layer_types`` marks (default: index >= max_window_layers).
+    A window no shorter than max_position_embeddings never drops a key, so it computes full attention."""
+    window = hf.get("sliding_window")
+    if hf.get("model_type") != "qwen2" or not hf.get("use_sliding_window") or window is None:
+        return None
+    layers = hf.get("num_hidden_layers", 0)
+    types = hf.get("layer_types") or [
+        "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention" for i in range(layers)
+    ]
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    max_pos = hf.get("max_position_embeddings", 32768)
+    if not sliding or window >= max_pos:
+        return None
+    return (f"use_sliding_window true with sliding_window {window} < max_position_embeddings {max_pos} "
+            f"on layers {sliding[0]}-{sliding[-1]}: sliding-window attention is not supported")
 
 
 @dataclass(frozen=True)
@@ -53,44 +137,51 @@ class BackboneConfig:
     rms_norm_eps: float
     rope_theta: float
     tie_word_embeddings: bool  # lm_head reuses embed_tokens (no lm_head.weight in the file)
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
+    attention_bias: bool = False  # Llama's attention_bias: q/k/v and o_proj all carry a bias
 
     @classmethod
-    def from_hf(cls, hf: dict) -> "BackboneConfig":
-        """Map a Hugging Face config.json; refuse every feature this forward does not implement."""
-        problems = []
+    def from_hf(cls, hf: dict, source: str = CONFIG_FILE) -> "BackboneConfig":
+        """Map a Hugging Face config.json; refuse, naming ``source`` and every offending key at once,
+        each feature this forward does not compute exactly as transformers does."""
         model_type = hf.get("model_type")
-        if model_type not in ("qwen2", "llama"):
-            problems.append(f"model_type {model_type!r} is not qwen2 or llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:  # the other keys mean nothing for another architecture
+            raise ModelFormatError(f"{source}: model_type {model_type!r} is not supported; "
+                                   f"expected one of {', '.join(SUPPORTED_MODEL_TYPES)}")
+        problems = [f"{k} is missing" for k in _REQUIRED_KEYS if k not in hf]
         if hf.get("hidden_act", "silu") != "silu":
-            problems.append(f"hidden_act {hf.get('hidden_act')!r} is not silu")
-        # transformers 5 nests rope settings in rope_parameters; 4.x used rope_theta + rope_scaling.
-        rope = dict(hf.get("rope_parameters") or {})
-        scaling = hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-        if rope_type != "default":
-            problems.append(f"rope scaling {rope_type!r} is not supported (only plain RoPE)")
-        if hf.get("use_sliding_window") and hf.get("sliding_window"):
-            problems.append("sliding-window attention is not supported")
+            problems.append(f"hidden_act {hf.get('hidden_act')!r} is not supported (silu)")
+        rope_theta, rope_scaling = _rope_scaling(hf, problems)
+        sliding = _sliding_window_problem(hf)
+        if sliding:
+            problems.append(sliding)
+        problems += [f"{k} {hf[k]!r}: mixture-of-experts is not supported" for k in MOE_KEYS if hf.get(k)]
         if hf.get("mlp_bias"):
-            problems.append("mlp_bias is not supported")
-        heads, kv_heads = hf.get("num_attention_heads", 0), hf.get("num_key_value_heads") or hf.get("num_attention_heads", 0)
-        if not heads or heads % kv_heads:
-            problems.append(f"{heads} attention heads do not split evenly over {kv_heads} kv heads")
+            problems.append("mlp_bias true is not supported (the MLP has no bias)")
+        if hf.get("quantization_config"):
+            method = (hf["quantization_config"] or {}).get("quant_method")
+            problems.append(f"quantization_config (quant_method {method!r}) is not supported: "
+                            "give the unquantized weights")
+        heads = hf.get("num_attention_heads", 0)
+        kv_heads = hf.get("num_key_value_heads") or heads
+        if heads and heads % kv_heads:
+            problems.append(f"num_attention_heads {heads} do not split evenly over num_key_value_heads {kv_heads}")
         if problems:
-            raise ModelFormatError("unsupported model config: " + "; ".join(problems))
-        heads = hf["num_attention_heads"]
+            raise ModelFormatError(f"{source}: " + "; ".join(problems))
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            num_kv_heads=kv_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             intermediate_size=hf["intermediate_size"],
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            rope_theta=rope_theta,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rope_scaling=rope_scaling,
+            attention_bias=model_type == "llama" and bool(hf.get("attention_bias")),
         )
 
     def module_shape(self, module: str) -> tuple[int, int]:
@@ -106,22 +197,112 @@ class BackboneConfig:
             "down_proj": (I, H),
         }[module]
 
+    def weight_names(self) -> list[str]:
+        """Every tensor the forward reads, by Hugging Face name; anything else in the files is not loaded."""
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        names += [] if self.tie_word_embeddings else ["lm_head.weight"]
+        biased = ("q_proj", "k_proj", "v_proj") if self.model_type == "qwen2" else _ATTN if self.attention_bias else ()
+        for i in range(self.num_layers):
+            layer = f"model.layers.{i}."
+            names += [layer + "input_layernorm.weight", layer + "post_attention_layernorm.weight"]
+            names += [f"{layer}{'self_attn' if m in _ATTN else 'mlp'}.{m}.weight" for m in LORA_MODULES]
+            names += [f"{layer}self_attn.{m}.bias" for m in biased]
+        return names
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    """config.json of a model directory as a dict; refused, naming the file, when absent or not JSON."""
+    file = Path(model_dir) / CONFIG_FILE
+    if not file.is_file():
+        raise ModelFormatError(f"{model_dir}: not a Hugging Face model directory (no {CONFIG_FILE})")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ModelFormatError(f"{file}: not valid JSON ({err.msg})") from None
+
 
 def read_config(model_dir: str | Path) -> BackboneConfig:
-    return BackboneConfig.from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
+    return BackboneConfig.from_hf(read_hf_config(model_dir), str(Path(model_dir) / CONFIG_FILE))
 
 
-def read_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every safetensors shard, as fp32, keyed by its Hugging Face name."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ModelFormatError(f"{model_dir}: no *.safetensors weights")
-    weights = {}
-    for file in files:
+def weight_files(model_dir: str | Path, cfg: BackboneConfig) -> dict[str, Path]:
+    """{tensor name: safetensors file holding it} for every tensor of ``cfg.weight_names``, read from
+    the shard index when there is one, else from the headers of every ``*.safetensors``. Only headers
+    are read, so this checks a checkpoint (shards present, tensors present, float dtypes) before any load."""
+    model_dir = Path(model_dir)
+    index = model_dir / WEIGHTS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        missing = sorted({shard for shard in weight_map.values() if not (model_dir / shard).is_file()})
+        if missing:
+            raise ModelFormatError(f"{index}: shard {missing[0]} listed in weight_map is missing"
+                                   + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        where = {name: model_dir / shard for name, shard in weight_map.items()}
+        source = index
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ModelFormatError(f"{model_dir}: no *.safetensors weights")
+        where = {}
+        for file in files:
+            with safe_open(file, framework="pt") as fh:
+                where.update((name, file) for name in fh.keys())
+        source = files[0] if len(files) == 1 else model_dir
+    needed = cfg.weight_names()
+    absent = [n for n in needed if n not in where]
+    if absent:
+        more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
+        raise ModelFormatError(f"{source}: tensor {absent[0]}{more} is missing, which {CONFIG_FILE} needs")
+    chosen = {n: where[n] for n in needed}
+    for file, fh, names in _open_by_file(chosen):
+        present = set(fh.keys())
+        for name in names:
+            if name not in present:  # an index that lists a tensor its shard does not hold
+                raise ModelFormatError(f"{index}: weight_map puts tensor {name} in {file.name}, which does not hold it")
+            dtype = fh.get_slice(name).get_dtype()
+            if dtype not in WEIGHT_DTYPES:
+                raise ModelFormatError(f"{file}: tensor {name} is {dtype}; expected one of {', '.join(WEIGHT_DTYPES)}")
+    return chosen
+
+
+def _open_by_file(chosen: dict[str, Path]):
+    """(file, open safetensors handle, names to read from it) for each file once."""
+    for file in sorted(set(chosen.values())):
         with safe_open(file, framework="pt") as fh:
-            for name in fh.keys():
-                weights[name] = fh.get_tensor(name).float()
+            yield file, fh, [n for n, f in chosen.items() if f == file]
+
+
+def read_weights(model_dir: str | Path, cfg: BackboneConfig | None = None) -> dict[str, torch.Tensor]:
+    """The tensors the forward reads (``BackboneConfig.weight_names``), as fp32, keyed by Hugging Face
+    name. Whatever else the files hold (another head, stale rotary buffers) is never loaded."""
+    cfg = cfg or read_config(model_dir)
+    weights = {}
+    for _, fh, names in _open_by_file(weight_files(model_dir, cfg)):
+        for name in names:
+            weights[name] = fh.get_tensor(name).float()
     return weights
+
+
+def rope_inv_freq(cfg: BackboneConfig) -> torch.Tensor:
+    """(d/2,) inverse frequencies of RoPE, op for op as transformers 5 computes them
+    (modeling_rope_utils: default, ``_compute_linear_scaling_rope_parameters``,
+    ``_compute_llama3_parameters``), so every angle is the same float32 number."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    if s.rope_type == "linear":  # positions / factor, folded into the frequencies
+        return inv_freq / s.factor
+    # llama3 (Llama 3.1): keep short wavelengths, divide long ones by factor, interpolate in between.
+    original = s.original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = original / s.low_freq_factor, original / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (original / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -245,12 +426,12 @@ class Backbone(nn.Module):
             Block(cfg, weights, f"model.layers.{i}.", self.lora_modules) for i in range(cfg.num_layers)
         )
         self.norm = p(weights["model.norm.weight"], requires_grad=False)
-        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
+        if cfg.tie_word_embeddings:
             self.lm_head = self.embed
         else:
             self.lm_head = p(weights["lm_head.weight"], requires_grad=False)  # (V, H)
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (d/2,)
+        # The one inv_freq of this backbone: the exported graph, the KV-cache paths and calibration all read it.
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)  # (d/2,)
 
     def forward(self, input_ids, position_ids, attention_mask, past_kv: tuple, lora: tuple = ()):
         x, cos, sin, mask = self.prepare(input_ids, position_ids, attention_mask, past_kv[0].shape[2])
@@ -322,7 +503,7 @@ def load_backbone(
 ) -> Backbone:
     """Backbone from a Hugging Face directory, optionally with a LoRA merged into its weights."""
     cfg = read_config(model_dir)
-    weights = read_weights(model_dir)
+    weights = read_weights(model_dir, cfg)
     if merged_lora is not None:
         modules = tuple(sorted({m for k in merged_lora if k.startswith("lora_A.") for m in k.split(".")[-1].split("+")}))
         weights = merge_lora(weights, merged_lora, cfg.num_layers, modules)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from runtime.tokenizer import encode_prompt
 from tasks.config import StageError
 from tasks.data import Example
 
@@ -38,8 +39,10 @@ class TrainSettings:
 
 
 def encode_example(tokenizer, ex: Example, max_seq_len: int) -> tuple[list[int], int]:
-    """Token ids of prompt+completion+eos, and where the completion starts."""
-    prompt_ids = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
+    """Token ids of prompt+completion+eos, and where the completion starts. The prompt carries the
+    tokenizer's special tokens (a Llama BOS), as evaluation and the device encode it
+    (``runtime.tokenizer.encode_prompt``); the completion none but the eos it must learn to stop with."""
+    prompt_ids = encode_prompt(tokenizer, ex.prompt)
     completion_ids = tokenizer(ex.completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return (prompt_ids + completion_ids)[:max_seq_len], len(prompt_ids)
 

@@ -28,3 +28,51 @@ def tiny_llama_dir(tmp_path_factory):
         )
     ).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_bos_dir(tmp_path_factory):
+    """A Llama 3-style checkpoint as users have them: a tokenizer whose post-processor adds BOS,
+    an untied head, llama3 RoPE scaling (the tiny head dim spans all three frequency bands), and
+    two eos ids in generation_config.json (``</s>`` and ``<|eot_id|>``)."""
+    import json
+    import random
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from tasks.data import rulebook, sample_examples
+
+    path = tmp_path_factory.mktemp("llama_bos")
+    examples = sample_examples(rulebook("2026-10", 1234, 2), 64, random.Random(0))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>", "<|eot_id|>"]
+    tok.train_from_iterator(
+        [ex.prompt + ex.completion for ex in examples],
+        trainer=trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False),
+    )
+    bos, eos, eot = (tok.token_to_id(t) for t in specials)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", bos)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    # Written as Llama checkpoints ship them; transformers 5, like the device, follows the post-processor.
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(config | {"add_bos_token": True, "add_eos_token": False}))
+    torch.manual_seed(0)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            bos_token_id=bos, eos_token_id=[eos, eot], pad_token_id=eos,
+        )
+    ).save_pretrained(path)
+    GenerationConfig(bos_token_id=bos, eos_token_id=[eos, eot], pad_token_id=eos).save_pretrained(path)
+    return path
