@@ -69,12 +69,14 @@ def _open_interface(engine_dir):
     return read_interface(engine_dir) if engine_dir is not None else None
 
 
-def _tokenizer_sha(settings) -> str | None:
+def _tokenizer_checks(settings) -> dict:
+    """What a release is checked against on this device's tokenizer: its file hash and stop ids."""
     if settings.get("tokenizer") is None:
-        return None
+        return {}
     from runtime.tokenizer import DeviceTokenizer
 
-    return DeviceTokenizer(settings["tokenizer"]).sha256
+    tokenizer = DeviceTokenizer(settings["tokenizer"])
+    return {"tokenizer_sha256": tokenizer.sha256, "stop_token_ids": tokenizer.stop_ids}
 
 
 def cmd_verify(args, settings) -> int:
@@ -88,7 +90,7 @@ def cmd_verify(args, settings) -> int:
     verified = verify_path(
         args.package, load_trusted_keys(settings["trusted_keys"]), iface=_open_interface(settings["engine"]),
         active_release=args.active_release, allow_rollback=args.allow_rollback,
-        max_bytes=settings["max_package_bytes"], tokenizer_sha256=_tokenizer_sha(settings),
+        max_bytes=settings["max_package_bytes"], **_tokenizer_checks(settings),
     )
     print(json.dumps(verified.summary(), indent=2, sort_keys=True))
     return 0
@@ -101,7 +103,7 @@ def cmd_pull(args, settings) -> int:
     verified = pull(
         args.registry, args.to, load_trusted_keys(settings["trusted_keys"]), month=args.release, alias=args.alias,
         rev=args.rev, iface=_open_interface(settings["engine"]), allow_rollback=args.allow_rollback,
-        max_bytes=settings["max_package_bytes"], tokenizer_sha256=_tokenizer_sha(settings),
+        max_bytes=settings["max_package_bytes"], **_tokenizer_checks(settings),
     )
     print(json.dumps(verified.summary() | {"installed": str(verified.path)}, indent=2, sort_keys=True))
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -26,13 +27,11 @@ def backbone_hash(model_dir: str | Path) -> str:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weights found")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(file, framework="pt") as fh:
-            for name in fh.keys():
-                tensors[name] = fh.get_tensor(name)
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(file, framework="pt")) for file in files]
+        owner = {name: fh for fh in handles for name in fh.keys()}
+        for name in sorted(owner):  # one tensor in memory at a time: a 0.5B checkpoint is 1 GB
+            t = owner[name].get_tensor(name).contiguous()
+            digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+            digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

@@ -436,6 +436,7 @@ def verify_release(
     now: dt.datetime | None = None,
     max_bytes: int = DEFAULT_MAX_PACKAGE_BYTES,
     tokenizer_sha256: str | None = None,
+    stop_token_ids: tuple[int, ...] | None = None,
 ) -> VerifiedRelease:
     """Verify the release directory ``path`` (tarballs: use ``package_dir`` first) and return it
     with its engine inputs; raise the ``PackageError`` subclass of the first failed check.
@@ -533,6 +534,13 @@ def verify_release(
     if tokenizer_sha256 is not None and manifest.get("tokenizer_sha256") not in (None, tokenizer_sha256):
         raise TokenizerMismatch(f"{path}: release was trained with tokenizer {manifest['tokenizer_sha256'][:12]}, "
                                 f"the device has {tokenizer_sha256[:12]}")
+    # The stop ids come from tokenizer_config.json and generation_config.json beside tokenizer.json:
+    # a device whose copies differ would end answers elsewhere than the evaluated engine did.
+    expected_stops = manifest.get("stop_token_ids")
+    if stop_token_ids is not None and expected_stops is not None and list(stop_token_ids) != expected_stops:
+        raise TokenizerMismatch(f"{path}: release was evaluated stopping at token ids {expected_stops}, the device's "
+                                f"tokenizer stops at {list(stop_token_ids)} (its tokenizer_config.json or "
+                                "generation_config.json differ from the base model's)")
 
     acfg = json.loads((path / ADAPTER_CONFIG).read_text())
     targets = acfg.get("target_modules")

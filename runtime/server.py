@@ -103,7 +103,6 @@ class AdapterServer:
         if not hasattr(engine, "fork"):
             raise ValueError(f"{type(engine).__name__} cannot be shared between requests; serve runs the onnxruntime backend")
         self.engine, self.tokenizer, self.trusted_keys, self.max_bytes = engine, tokenizer, trusted_keys, max_bytes
-        self.tokenizer_sha256 = tokenizer.sha256
         self.metrics = ServerMetrics()
         self._active: ActiveRelease | None = None
         self._swap_lock = threading.Lock()
@@ -121,7 +120,8 @@ class AdapterServer:
                 verified = verify_release(
                     d, self.trusted_keys, self.engine.interface,
                     active_release=current.release_id if current else None, allow_rollback=allow_rollback,
-                    max_bytes=self.max_bytes, tokenizer_sha256=self.tokenizer_sha256,
+                    max_bytes=self.max_bytes, tokenizer_sha256=self.tokenizer.sha256,
+                    stop_token_ids=self.tokenizer.stop_ids,
                 )
             handle = self.engine.fork()
             bind_release(handle, verified)  # the arrays are copied into ORT values: the files may go
@@ -156,7 +156,7 @@ class AdapterServer:
         if not ids:
             raise ValueError("prompt encodes to no tokens")
         handle = release.handle.fork()
-        tokens = greedy_generate(handle, [ids], max_new_tokens, [self.tokenizer.eos_id], self.tokenizer.pad_id)[0]
+        tokens = greedy_generate(handle, [ids], max_new_tokens, self.tokenizer.stop_ids, self.tokenizer.pad_id)[0]
         with self.metrics.lock:
             self.metrics.by_release[release.release_id] = self.metrics.by_release.get(release.release_id, 0) + 1
         return {"text": self.tokenizer.decode(tokens), "release_id": release.release_id,

@@ -13,12 +13,11 @@ import random
 import sys
 from pathlib import Path
 
-from tasks.artifacts import atomic_output_dir, write_json
+from tasks.artifacts import atomic_output_dir, sha256_file, write_json
 from tasks.cli import stage_main
-from tasks.config import BaseModelConfig, DataConfig, ReleaseConfig, StageError, TrainConfig
+from tasks.config import BASE_MODEL_STAGE_DIR, BaseModelConfig, DataConfig, ReleaseConfig, StageError, TrainConfig
 from tasks.data import Example, rulebook, sample_examples
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 EOS_TOKEN = "<|endoftext|>"
 CARD = "base_model_card.json"
 
@@ -28,34 +27,56 @@ class BaseModelError(StageError, ValueError):
 
 
 def check_base_model_dir(path: Path) -> dict:
-    """Validate a Hugging Face directory before loading anything heavy; return its config."""
+    """Refuse, before anything heavy is loaded, a directory the engine cannot reproduce or the device
+    cannot serve: a config key it does not compute (``runtime.model.BackboneConfig.from_hf``), weights
+    that are pickled only, a missing shard or tensor, a tokenizer without tokenizer.json or eos. Reads
+    JSON and safetensors headers only; returns config.json."""
+    from runtime.model import CONFIG_FILE, BackboneConfig, ModelFormatError, read_hf_config, weight_files
+    from runtime.tokenizer import TOKENIZER_FILE, DeviceTokenizer, TokenizerError
+
     path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.exists():
-        raise BaseModelError(f"{path}: not a Hugging Face model directory (no config.json)")
     try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise BaseModelError(f"{config_file}: not valid JSON ({err.msg})") from None
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise BaseModelError(
-            f"{config_file}: model_type {model_type!r} is not supported; "
-            f"expected one of {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    if not any(path.glob("*.safetensors")):
-        raise BaseModelError(f"{path}: no *.safetensors weights (pickled .bin checkpoints are not loaded)")
-    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
-        raise BaseModelError(f"{path}: no tokenizer files (tokenizer.json or tokenizer_config.json)")
+        config = read_hf_config(path)
+        cfg = BackboneConfig.from_hf(config, str(path / CONFIG_FILE))
+        pickled = sorted(path.glob("*.bin"))
+        if pickled and not any(path.glob("*.safetensors")):
+            raise BaseModelError(f"{pickled[0]}: pickled weights are not loaded (unpickling can run code); "
+                                 "save the model with save_pretrained, which writes safetensors")
+        weight_files(path, cfg)
+        if not (path / TOKENIZER_FILE).is_file():
+            raise BaseModelError(f"{path / TOKENIZER_FILE}: missing; the device tokenizes with it "
+                                 "(save the fast tokenizer with save_pretrained)")
+        DeviceTokenizer(path)
+    except (ModelFormatError, TokenizerError) as err:
+        raise BaseModelError(str(err)) from None
     return config
 
 
+_PROBE = "inspect board=PCB-0042 offset_um=37 verdict: PASS"  # letters, digits, spaces, punctuation
+
+
 def load_tokenizer(path: Path):
+    """The transformers tokenizer of a model directory, with ``stop_ids`` set as the device's
+    (``runtime.tokenizer.DeviceTokenizer``). Refused when it encodes a prompt or names eos otherwise
+    than the device's tokenizer would: training and evaluation must see the device's token ids."""
     from transformers import AutoTokenizer
 
+    from runtime.tokenizer import DeviceTokenizer, TokenizerError, encode_prompt
+
+    try:
+        device = DeviceTokenizer(path)
+    except TokenizerError as err:
+        raise BaseModelError(str(err)) from None
     tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.eos_token_id is None:
-        raise BaseModelError(f"{path}: tokenizer has no eos token; generation could never stop")
+    ours, theirs = encode_prompt(tokenizer, _PROBE), device.encode(_PROBE)
+    if ours != theirs:
+        raise BaseModelError(f"{path}: transformers encodes {_PROBE!r} as {ours[:4]}..., tokenizer.json as "
+                             f"{theirs[:4]}...; align add_bos_token/add_eos_token in tokenizer_config.json "
+                             "with the post_processor of tokenizer.json")
+    if tokenizer.eos_token_id != device.eos_id:
+        raise BaseModelError(f"{path}: transformers' eos token id {tokenizer.eos_token_id} is not "
+                             f"{device.eos_id}, eos_token of tokenizer_config.json")
+    tokenizer.stop_ids = device.stop_ids
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -157,15 +178,39 @@ def build_base_model(
     return Path(out_dir)
 
 
+def record_local_model(path: Path, out_dir: Path) -> Path:
+    """Check a user's checkpoint and write its card, the base_model stage's whole output with source local.
+
+    The card holds the sha256 of every file of the checkpoint (tokenizer and generation config
+    included): the stages that read the model depend on the card, so DVC re-runs them exactly
+    when the checkpoint changed, without the checkpoint ever being a DVC output. It is only read.
+    """
+    from runtime.hashing import backbone_hash
+
+    path = Path(path)
+    config = check_base_model_dir(path)
+    files = sorted(f for f in path.rglob("*") if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts))
+    with atomic_output_dir(Path(out_dir)) as tmp:
+        write_json(tmp / CARD, {
+            "source": "local",
+            "path": str(path.resolve()),
+            "model_type": config.get("model_type"),
+            "backbone_hash": backbone_hash(path),
+            "files": {str(f.relative_to(path)): sha256_file(f) for f in files},
+        })
+    return Path(out_dir)
+
+
 def prepare_base_model(cfg: ReleaseConfig) -> Path:
-    """The base-model stage: check the user's directory, or build the embedded default.
+    """The base-model stage: record the user's checkpoint, or build the embedded default.
 
     The embedded base is built once and reused while every setting it was built from is
     unchanged (recorded as ``build_hash`` in its card); the monthly adapters depend on it.
+    Returns the directory the other stages read the model from.
     """
     path = Path(cfg.base_model.path)
     if cfg.base_model.source == "local":
-        check_base_model_dir(path)
+        record_local_model(path, Path(BASE_MODEL_STAGE_DIR))
         return path
     card = path / CARD
     if card.exists() and json.loads(card.read_text()).get("build_hash") == cfg.base_build_hash():

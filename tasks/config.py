@@ -19,6 +19,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 MONTH_PATTERN = re.compile(r"^\d{4}-(0[1-9]|1[0-2])$")
 DEFAULT_PARAMS = Path("params.yaml")
+# The base_model stage's output (dvc.yaml names it too): the embedded default is built here; with
+# ``source: local`` it holds only the card that records the user's checkpoint, which is never an output.
+BASE_MODEL_STAGE_DIR = "models/base"
 
 
 class StageError(Exception):
@@ -74,6 +77,15 @@ class BaseModelConfig(_Section):
     pretrain_lr: float = Field(1e-3, gt=0, le=1.0)
     prompt_loss_weight: float = Field(0.2, ge=0.0)
     seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _path_fits_source(self) -> "BaseModelConfig":
+        # DVC removes a stage's outputs before it runs it: a user's model must never be one.
+        stage_dir = Path(BASE_MODEL_STAGE_DIR).resolve()
+        if self.source == "embedded" and Path(self.path).resolve() != stage_dir:
+            raise ValueError(f"path: the embedded default is built at {BASE_MODEL_STAGE_DIR} (the base_model stage's "
+                             f"output), not {self.path!r}; to use your own model set source: local")
+        return self
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "BaseModelConfig":
@@ -202,6 +214,7 @@ class GatesConfig(_Section):
     """Thresholds a candidate must pass before it is packaged and published."""
 
     min_accuracy_new: float = Field(0.95, ge=0.0, le=1.01)
+    min_accuracy: float = Field(0.95, ge=0.0, le=1.01)  # overall accuracy: the gate when rows carry no `changed`
     champion_tolerance: float = Field(0.02, ge=0.0, le=1.0)
     min_accuracy_regression: float = Field(0.95, ge=0.0, le=1.01)
     max_kv_accuracy_drop: float = Field(0.01, ge=0.0, le=1.0)
@@ -253,6 +266,28 @@ class ReleaseConfig(_Section):
         if self.engine.kv_cache == "quantized" and self.kv.window_tokens:
             raise ValueError(f"engine.kv_cache quantized: kv.window_tokens ({self.kv.window_tokens}) must be 0, "
                              "the engine's cache has no fp16 window")
+        return self
+
+    @model_validator(mode="after")
+    def _user_inputs_are_not_outputs(self) -> "ReleaseConfig":
+        # DVC deletes a stage's outputs before running it and the stages replace their folders whole:
+        # a user's model or data inside (or around) one of them would be lost.
+        outputs = {"the base_model stage's output": BASE_MODEL_STAGE_DIR, "data.dir": self.data.dir,
+                   "train.output_dir": self.train.output_dir, "engine.dir": self.engine.dir,
+                   "the quantized-KV engine": str(self.engine.kv_engine_dir()),
+                   "the serving engine": str(self.engine.serving_dir()),
+                   "publish.registry_dir": self.publish.registry_dir}
+        inputs = {"data.jsonl_dir": self.data.jsonl_dir, "data.heldout_text": self.data.heldout_text,
+                  "base_model.path": self.base_model.path if self.base_model.source == "local" else None}
+        for key, value in inputs.items():
+            if value is None:
+                continue
+            path = Path(value).resolve()
+            for name, out in outputs.items():
+                out_path = Path(out).resolve()
+                if path == out_path or out_path in path.parents or path in out_path.parents:
+                    raise ValueError(f"{key}: {value!r} overlaps {name} ({out}), which the pipeline rewrites; "
+                                     "keep your files in a folder of their own")
         return self
 
     @model_validator(mode="after")

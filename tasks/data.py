@@ -10,8 +10,9 @@ trained on an earlier month, gets the changed rules wrong while the unchanged on
 regression set.
 
 Users can bring their own month instead: a folder with the same four JSONL splits, each
-row ``{"prompt": ..., "completion": ...}`` (optional ``rule`` and ``changed`` fields
-enable the per-rule and new/regression tables).
+row ``{"prompt": ..., "completion": ...}``. An optional ``rule`` field enables the per-rule
+table; an optional ``changed`` field (on every row or on none) splits accuracy into the rules
+changed this month and the regression set, which the gates then read instead of overall accuracy.
 """
 
 from __future__ import annotations
@@ -223,19 +224,40 @@ def _parse_row(path: Path, lineno: int, line: str) -> Example:
     return Example(row["prompt"], row["completion"], rule, changed)
 
 
-def read_jsonl(path: Path) -> list[Example]:
-    """Read and validate one split; any problem names the file and line."""
+def _read_rows(path: Path) -> list[tuple[int, Example]]:
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: split file not found")
-    examples = []
     with open(path) as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if line.strip():
-                examples.append(_parse_row(path, lineno, line))
-    if not examples:
+        rows = [(lineno, _parse_row(path, lineno, line)) for lineno, line in enumerate(fh, start=1) if line.strip()]
+    if not rows:
         raise DataError(f"{path}: split is empty")
-    return examples
+    return rows
+
+
+def read_jsonl(path: Path) -> list[Example]:
+    """Read and validate one split; any problem names the file and line."""
+    return [ex for _, ex in _read_rows(path)]
+
+
+def check_month(src_dir: Path) -> None:
+    """Validate every split of a user's month, and that rows are labelled all or none.
+
+    ``changed`` decides what the gates read (accuracy on changed and unchanged rules, or overall
+    accuracy): a month where only some rows say whether their rule changed has no meaning for either.
+    """
+    first: tuple[Path, int, bool] | None = None
+    for split in SPLITS:
+        path = Path(src_dir) / f"{split}.jsonl"
+        for lineno, ex in _read_rows(path):
+            labelled = ex.changed is not None
+            if first is None:
+                first = (path, lineno, labelled)
+            elif labelled != first[2]:
+                has = "has a 'changed' field" if labelled else "has no 'changed' field"
+                other = "has one" if first[2] else "has none"
+                raise DataError(f"{path}:{lineno}: row {has} but {first[0]}:{first[1]} {other}: "
+                                "label every row with 'changed' or none")
 
 
 def read_text_corpus(path: Path) -> list[str]:
@@ -252,8 +274,7 @@ def read_text_corpus(path: Path) -> list[str]:
 def import_month(src_dir: Path, out_dir: Path, heldout_text: Path | None = None) -> Path:
     """Validate a user's month folder and copy it into place; nothing is copied on error."""
     src_dir = Path(src_dir)
-    for split in SPLITS:
-        read_jsonl(src_dir / f"{split}.jsonl")
+    check_month(src_dir)
     if heldout_text is not None:
         read_text_corpus(heldout_text)
     with atomic_output_dir(out_dir) as tmp:

@@ -14,6 +14,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from runtime.tokenizer import encode_prompt, until_stop
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.base_model import load_base_model
 from tasks.cli import stage_main
@@ -22,24 +23,27 @@ from tasks.data import HELDOUT_TEXT, Example, read_jsonl, read_text_corpus
 
 
 def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[str]:
-    """Greedy-decode each prompt (left-padded batches) and return the text before eos."""
+    """Greedy-decode each prompt (left-padded batches) and return the text before the first of the
+    tokenizer's ``stop_ids``: the prompt ids and the stop rule of ``runtime.generate.generate_text``."""
     import torch
     from tqdm import tqdm
 
     tokenizer.padding_side = "left"
     outputs: list[str] = []
     for start in tqdm(range(0, len(prompts), batch_size), desc="greedy decode", unit="batch", leave=False):
-        batch = tokenizer(prompts[start : start + batch_size], return_tensors="pt", padding=True)
+        rows = [encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
+        batch = tokenizer.pad({"input_ids": rows}, return_tensors="pt")
         with torch.no_grad():
             generated = model.generate(
                 **batch,
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
-                eos_token_id=tokenizer.eos_token_id,
+                eos_token_id=list(tokenizer.stop_ids),
                 pad_token_id=tokenizer.pad_token_id,
             )
-        new_tokens = generated[:, batch["input_ids"].shape[1] :]
-        outputs.extend(tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
+        # A stop id need not be a special token, so cut at it rather than rely on skip_special_tokens.
+        for row in generated[:, batch["input_ids"].shape[1] :].tolist():
+            outputs.append(tokenizer.decode(until_stop(row, tokenizer.stop_ids), skip_special_tokens=True))
     return outputs
 
 
@@ -65,6 +69,12 @@ def accuracy_report(examples: list[Example], predictions: list[str]) -> dict:
     }
 
 
+def document_ids(tokenizer, text: str) -> list[int]:
+    """A held-out text as the model sees a training example: special tokens (a BOS) first, eos last.
+    A BOS at position 0 is context only: perplexity scores positions 1.., as the training loss does."""
+    return encode_prompt(tokenizer, text) + [tokenizer.eos_token_id]
+
+
 def perplexity(model, tokenizer, texts: list[str], batch_size: int) -> float:
     """exp of the mean next-token loss over every token of every text (eos appended)."""
     import torch
@@ -72,7 +82,8 @@ def perplexity(model, tokenizer, texts: list[str], batch_size: int) -> float:
     tokenizer.padding_side = "right"
     total_nll, total_tokens = 0.0, 0
     for start in range(0, len(texts), batch_size):
-        batch = tokenizer([t + tokenizer.eos_token for t in texts[start : start + batch_size]], return_tensors="pt", padding=True)
+        batch = tokenizer.pad({"input_ids": [document_ids(tokenizer, t) for t in texts[start : start + batch_size]]},
+                              return_tensors="pt")
         with torch.no_grad():
             logits = model(**batch).logits[:, :-1]  # (B, T-1, V)
         targets = batch["input_ids"][:, 1:]
@@ -89,7 +100,7 @@ def engine_perplexity(engine, tokenizer, texts: list[str]) -> float:
 
     total_nll, total_tokens = 0.0, 0
     for text in texts:
-        ids = np.asarray([tokenizer(text + tokenizer.eos_token)["input_ids"]], dtype=np.int64)  # (1, T)
+        ids = np.asarray([document_ids(tokenizer, text)], dtype=np.int64)  # (1, T)
         T = ids.shape[1]
         logits, _ = engine.forward(ids, np.arange(T)[None], np.ones((1, T), np.int64), None)  # (1, T, V)
         logits = logits[0, :-1].astype(np.float64)

@@ -64,24 +64,48 @@ def current_champion(registry_dir: Path) -> dict | None:
     return {"month": month, **entry}
 
 
+def scored_metrics(metrics: dict) -> dict:
+    """The candidate's numbers the gates read from ``metrics.json``: on the engine when it was measured
+    there, else in PyTorch."""
+    return metrics.get("adapter_on_engine") or metrics.get("adapter", {})
+
+
+def accuracy_measure(scored: dict) -> str:
+    """What the accuracy gates read: ``changed_rules`` (new and regression sets) when the test rows say
+    whether their rule changed, else ``overall`` (the data's rows carry no ``changed`` field)."""
+    labelled = scored.get("accuracy_new") is not None or scored.get("accuracy_regression") is not None
+    return "changed_rules" if labelled else "overall"
+
+
+def _accuracy_gates(scored: dict, where: str, gates: GatesConfig, champion: dict | None) -> list[Gate]:
+    if accuracy_measure(scored) == "changed_rules":
+        value, key = scored.get("accuracy_new"), "accuracy_new"
+        out = [
+            _compare("accuracy_new", value, ">=", gates.min_accuracy_new, f"accuracy on the changed rules {where}"),
+            _compare("accuracy_regression", scored.get("accuracy_regression"), ">=", gates.min_accuracy_regression,
+                     f"accuracy on the unchanged rules {where}"),
+        ]
+    else:
+        value, key = scored.get("accuracy"), "accuracy"
+        out = [_compare("accuracy", value, ">=", gates.min_accuracy,
+                        f"overall test accuracy {where} (the rows carry no 'changed' field)")]
+    name = f"{key}_vs_champion"
+    if champion is None:
+        out.append(_not_applicable(name, "no champion from an earlier month to compare with"))
+    elif champion.get(key) is None:
+        out.append(_not_applicable(name, f"champion {champion['month']} recorded no {key} to compare with"))
+    else:
+        out.append(_compare(name, value, ">=", champion[key] - gates.champion_tolerance,
+                            f"not below champion {champion['month']} ({champion[key]:.3f}) minus {gates.champion_tolerance}"))
+    return out
+
+
 def evaluation_gates(metrics: dict, gates: GatesConfig, champion: dict | None, parity_tolerance: float,
                      kv_enabled: bool) -> list[Gate]:
     """Gates on the evaluate stage's metrics. Accuracy is read on the engine when it was measured there."""
-    scored = metrics.get("adapter_on_engine") or metrics["adapter"]
+    scored = scored_metrics(metrics)
     where = "on the engine" if "adapter_on_engine" in metrics else "in PyTorch"
-    acc_new = scored.get("accuracy_new")
-    out = [
-        _compare("accuracy_new", acc_new, ">=", gates.min_accuracy_new, f"accuracy on the changed rules {where}"),
-        _compare("accuracy_regression", scored.get("accuracy_regression"), ">=", gates.min_accuracy_regression,
-                 f"accuracy on the unchanged rules {where}"),
-    ]
-    if champion is None or champion.get("accuracy_new") is None:
-        out.append(_not_applicable("accuracy_new_vs_champion", "no champion from an earlier month to compare with"))
-    else:
-        floor = champion["accuracy_new"] - gates.champion_tolerance
-        out.append(_compare("accuracy_new_vs_champion", acc_new, ">=", floor,
-                            f"not below champion {champion['month']} ({champion['accuracy_new']:.3f}) "
-                            f"minus {gates.champion_tolerance}"))
+    out = _accuracy_gates(scored, where, gates, champion)
     kv = metrics.get("kv_cache")
     if not kv_enabled:
         out += [_not_applicable(n, "KV quantization disabled (kv.enabled: false)")
@@ -169,7 +193,7 @@ def run_stage(cfg: ReleaseConfig) -> Path:
     gates = evaluation_gates(metrics, cfg.gates, champion, cfg.engine.parity_tolerance, cfg.kv.enabled)
     out = cfg.release_dir() / "gates" / GATES_FILE
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(out, gate_report(gates) | {"champion": champion})
+    write_json(out, gate_report(gates) | {"champion": champion, "accuracy_measure": accuracy_measure(scored_metrics(metrics))})
     return out
 
 

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import torch
 
+from runtime.tokenizer import encode_prompt, until_stop
+
+
 def fill_cache(backbone, present: tuple, positions: torch.Tensor, spec, scales: dict | None):
     """A QuantizedKVCache holding ``present`` (the float K/V of a prefix); None spec = float cache."""
     from kernels.kv_quant import QuantizedKVCache
@@ -52,13 +55,12 @@ def greedy_through_cache(backbone, tokenizer, prompts: list[str], spec, scales: 
     """
     from kernels.kv_quant import QuantizedKVCache
 
-    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    encoded = [encode_prompt(tokenizer, p) for p in prompts]  # the ids training and the device see
     by_len: dict[int, list[int]] = {}
     for i, ids in enumerate(encoded):
         by_len.setdefault(len(ids), []).append(i)
     out = [""] * len(prompts)
     L = backbone.cfg.num_layers
-    eos = tokenizer.eos_token_id
     with torch.no_grad():
         for T, rows in sorted(by_len.items()):
             ids = torch.tensor([encoded[i] for i in rows])  # (B, T)
@@ -81,8 +83,7 @@ def greedy_through_cache(backbone, tokenizer, prompts: list[str], spec, scales: 
                 start += n
             gen = torch.cat(generated, 1).tolist()
             for r, toks in zip(rows, gen):
-                toks = toks[: toks.index(eos)] if eos in toks else toks
-                out[r] = tokenizer.decode(toks, skip_special_tokens=True)
+                out[r] = tokenizer.decode(until_stop(toks, tokenizer.stop_ids), skip_special_tokens=True)
     return out
 
 

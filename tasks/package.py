@@ -30,6 +30,7 @@ from pathlib import Path
 
 from tasks.artifacts import atomic_output_dir, sha256_file, write_json
 from tasks.cli import stage_main
+from runtime.tokenizer import DeviceTokenizer
 from tasks.config import ReleaseConfig, StageError
 
 SIGNING_KEY_ENV = "RELEASE_SIGNING_KEY"
@@ -136,7 +137,7 @@ def resolve_signing_key(setting: str | Path):
 # ---------------------------------------------------------------- the package
 
 def build_manifest(release_dir: Path, month: str, created: dt.datetime, expiry_days: int, iface, metrics: dict,
-                   gates: dict, key_id: str, tokenizer_sha256: str | None, pipeline: dict) -> dict:
+                   gates: dict, key_id: str, tokenizer, pipeline: dict) -> dict:
     from runtime.package import FORMAT, FORMAT_VERSION, format_time, make_release_id
 
     provenance = json.loads((release_dir / "provenance.json").read_text())
@@ -163,7 +164,8 @@ def build_manifest(release_dir: Path, month: str, created: dt.datetime, expiry_d
         "adapter": {"r": acfg.get("r"), "lora_alpha": acfg.get("lora_alpha"),
                     "target_modules": sorted([targets] if isinstance(targets, str) else targets)},
         "kv_format": json.loads(kv_json.read_text())["spec"] if kv_json.exists() else None,
-        "tokenizer_sha256": tokenizer_sha256,
+        "tokenizer_sha256": tokenizer.sha256,
+        "stop_token_ids": list(tokenizer.stop_ids),
         "metrics": metrics,
         "gates": gates,
         "files": files,
@@ -196,14 +198,14 @@ def load_and_query(release_dir: Path, pub_path: Path, engine_dir: Path, backend:
     from runtime.engine import open_engine
     from runtime.generate import greedy_generate
     from runtime.package import bind_release, load_trusted_keys, verify_release
-    from runtime.tokenizer import DeviceTokenizer
 
     start = time.perf_counter()
     engine = open_engine(engine_dir, backend, threads=threads)
     tok = DeviceTokenizer(tokenizer_dir)
-    verified = verify_release(release_dir, load_trusted_keys([pub_path]), engine.interface, tokenizer_sha256=tok.sha256)
+    verified = verify_release(release_dir, load_trusted_keys([pub_path]), engine.interface, tokenizer_sha256=tok.sha256,
+                              stop_token_ids=tok.stop_ids)
     bind_release(engine, verified)
-    ids = greedy_generate(engine, [tok.encode(prompt)], max_new_tokens, [tok.eos_id], tok.pad_id)[0]
+    ids = greedy_generate(engine, [tok.encode(prompt)], max_new_tokens, tok.stop_ids, tok.pad_id)[0]
     return {"ok": True, "prompt": prompt, "output": tok.decode(ids), "release_id": verified.release_id,
             "backend": backend, "seconds": round(time.perf_counter() - start, 3)}
 
@@ -239,7 +241,7 @@ def build_release(
     iface = read_interface(engine_dir)
     _check_inputs(adapter_dir, Path(kv_dir) if kv_dir is not None else None, iface)
     private, pub_path = resolve_signing_key(signing_key)
-    tokenizer_file = base_dir / "tokenizer.json"
+    tokenizer = DeviceTokenizer(base_dir)  # what the device will tokenize and stop with
     created = (now or dt.datetime.now(dt.timezone.utc)).replace(microsecond=0)
 
     with atomic_output_dir(Path(out_dir)) as tmp:
@@ -250,9 +252,7 @@ def build_release(
         for name in KV_FILES if kv_dir is not None else ():
             shutil.copyfile(Path(kv_dir) / name, release / name)
         manifest = build_manifest(release, month, created, expiry_days, iface, metrics, gates,
-                                  key_id(private.public_key()),
-                                  sha256_file(tokenizer_file) if tokenizer_file.exists() else None,
-                                  git_revision(repo_dir))
+                                  key_id(private.public_key()), tokenizer, git_revision(repo_dir))
         data = manifest_bytes(manifest)
         (release / MANIFEST).write_bytes(data)
         (release / SIGNATURE).write_bytes(sign(private, data))

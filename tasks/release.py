@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.artifacts import sha256_file
+from tasks.base_model import CARD
 from tasks.compile import engine_build_file
-from tasks.config import ReleaseConfig
-from tasks.gates import GATES_FILE, gate_report, package_gates, render_gate_table
+from tasks.config import BASE_MODEL_STAGE_DIR, ReleaseConfig
+from tasks.gates import GATES_FILE, accuracy_measure, gate_report, package_gates, render_gate_table, scored_metrics
 from tasks.pipeline import StageRun, push_outputs
 
 GATES_STAGE, PACKAGE_STAGE = "gates", "package"
@@ -41,7 +42,8 @@ def full_gate_report(cfg: ReleaseConfig) -> dict:
     from tasks.gates import Gate
 
     gates = [Gate(**g) for g in evaluation["gates"]] + package_gates(json.loads(check.read_text()), cfg.gates)
-    return gate_report(gates) | {"champion": evaluation.get("champion"), "packaged": True}
+    carried = {key: evaluation.get(key) for key in ("champion", "accuracy_measure")}
+    return gate_report(gates) | carried | {"packaged": True}
 
 
 def engine_builds(cfg: ReleaseConfig, runs: list[StageRun]) -> int:
@@ -60,7 +62,7 @@ def stage_outputs(cfg: ReleaseConfig, stage: str) -> tuple[dict[str, float], lis
 
     rel = cfg.release_dir()
     files = {
-        "base_model": ([Path(cfg.base_model.path) / "base_model_card.json"], []),
+        "base_model": ([Path(BASE_MODEL_STAGE_DIR) / CARD], []),
         "compile": ([engine_build_file(cfg)], []),
         "finetune": ([rel / "finetune" / "train_metrics.json"], [rel / "finetune" / "loss.png", rel / "finetune" / "loss.csv"]),
         "calibrate": ([], [rel / "kv" / "kv_scales.json"]),
@@ -79,11 +81,12 @@ def headline_metrics(cfg: ReleaseConfig, runs: list[StageRun], report: dict) -> 
     """The numbers a reviewer compares month to month, on the parent run."""
     rel = cfg.release_dir()
     metrics = _read(rel / "eval" / "metrics.json")
-    scored = metrics.get("adapter_on_engine") or metrics.get("adapter", {})
+    scored = scored_metrics(metrics)
     kv = metrics.get("kv_cache", {})
     latency = scored.get("decode_latency", {})
     check = _read(rel / "package" / "check.json")
     out = {
+        "accuracy": scored.get("accuracy"),
         "accuracy_new": scored.get("accuracy_new"),
         "accuracy_regression": scored.get("accuracy_regression"),
         "perplexity": scored.get("perplexity"),
@@ -136,6 +139,8 @@ def record_in_mlflow(cfg: ReleaseConfig, root: Path, runs: list[StageRun], repor
         })
         client.set_tag(parent, "model_version", version)
     client.set_tag(parent, "gates_passed", str(report["passed"]))
+    if "accuracy_measure" in report:  # which accuracy the gates read: changed_rules or overall
+        client.set_tag(parent, "accuracy_measure", report["accuracy_measure"])
     return Recorded(parent, experiment_id, version, client.tracking_uri)
 
 
@@ -152,10 +157,12 @@ def registry_entry(cfg: ReleaseConfig, recorded: Recorded | None) -> dict:
     release = package_dir(cfg)
     manifest = _read(release / "manifest.json")
     headline = _read(cfg.release_dir() / "eval" / "metrics.json")
-    scored = headline.get("adapter_on_engine") or headline.get("adapter", {})
+    scored = scored_metrics(headline)
     return {
         "release_id": manifest.get("release_id", cfg.data.month),
         "adapter_sha256": sha256_file(release / "adapter_model.safetensors"),
+        "accuracy_measure": accuracy_measure(scored),
+        "accuracy": scored.get("accuracy"),
         "accuracy_new": scored.get("accuracy_new"),
         "accuracy_regression": scored.get("accuracy_regression"),
         "mlflow_run_id": recorded.run_id if recorded else None,
@@ -200,7 +207,12 @@ def summary_markdown(cfg: ReleaseConfig, runs: list[StageRun], report: dict, rec
                      outcome: str) -> str:
     """The run summary Prefect shows as an artifact: outcome, gates, metrics, where things are."""
     lines = [f"# Monthly release {cfg.data.month}: {outcome}", ""]
-    lines += ["## Gates", "", render_gate_table(report)]
+    lines += ["## Gates", ""]
+    if report.get("accuracy_measure") == "overall":
+        lines += ["Accuracy is gated overall: the month's rows carry no `changed` field.", ""]
+    elif report.get("accuracy_measure") == "changed_rules":
+        lines += ["Accuracy is gated on the rules changed this month and on the unchanged ones (regression).", ""]
+    lines += [render_gate_table(report)]
     metrics = headline_metrics(cfg, runs, report)
     lines += ["## Metrics", "", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {v:.6g} |" for k, v in sorted(metrics.items())]

@@ -95,3 +95,21 @@ def kill_pids(pids: list[int]) -> None:
             os.killpg(os.getpgid(pid), signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def kill_group_when(proc: subprocess.Popen, marker: str, delay: float) -> str:
+    """SIGKILL the process group of ``proc`` (started with ``start_new_session`` and text stdout on a pipe)
+    ``delay`` s after ``marker`` appears in its output; return the output read until then."""
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if marker in line:
+            time.sleep(delay)
+            break
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=60)
+    assert any(marker in line for line in seen), "".join(seen)[-3000:]
+    return "".join(seen)

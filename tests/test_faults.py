@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from project_testkit import ENV, MODEL, copy_project, git
-from service_testkit import free_port
+from service_testkit import free_port, kill_group_when
 
 SMALL = {
     "base_model": {"pretrain_steps": 60, "pretrain_examples": 600},
@@ -85,17 +85,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def kill_when(project, month: str, marker: str, delay: float) -> str:
     """Start a release, SIGKILL its whole process group ``delay`` s after ``marker`` appears in its output."""
-    proc = start_flow(project, month)
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if marker in line:
-            time.sleep(delay)
-            break
-    _kill_group(proc)
-    proc.wait(timeout=60)
-    assert any(marker in line for line in seen), "".join(seen)[-3000:]
-    return "".join(seen)
+    return kill_group_when(start_flow(project, month), marker, delay)
 
 
 def registry_state(root: Path) -> dict:

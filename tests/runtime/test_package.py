@@ -21,7 +21,7 @@ from runtime.generate import greedy_generate
 from runtime.interface import read_interface
 from runtime.package import (
     EXIT_CODES, BackboneMismatch, ChecksumMismatch, ExpiredRelease, InterfaceMismatch, KVScalesRefused,
-    RollbackRefused, SignatureRefused, SizeLimitExceeded, UnlistedFile, UnsafePath, bind_release,
+    RollbackRefused, SignatureRefused, SizeLimitExceeded, TokenizerMismatch, UnlistedFile, UnsafePath, bind_release,
     load_trusted_keys, parse_time, verify_path, verify_release,
 )
 from runtime.signing import generate_key
@@ -86,6 +86,21 @@ def test_a_release_verifies_and_its_manifest_binds_everything(w):
     assert parse_time(m["expires_at"]) - parse_time(m["created_at"]) == dt.timedelta(days=120)
     assert len(m["pipeline"]["git_revision"]) == 40
     assert verified.lora["lora_A.0.q_proj+k_proj+v_proj"].shape == (24, 64) and verified.kv_scales.k_scale.shape == (2, 2, 16)
+
+
+def test_a_device_tokenizer_that_stops_or_tokenizes_otherwise_is_refused(w, tmp_path):
+    import shutil
+
+    tok = DeviceTokenizer(w["tokenizer"])
+    assert json.loads((w["b"] / "manifest.json").read_text())["stop_token_ids"] == list(tok.stop_ids)
+    other = shutil.copytree(w["tokenizer"], tmp_path / "tokenizer")
+    (other / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_id, 3]}))
+    stops = DeviceTokenizer(other).stop_ids
+    with pytest.raises(TokenizerMismatch, match=r"evaluated stopping at token ids \[\d+\], the device's tokenizer stops at"):
+        verify(w, w["b"], tokenizer_sha256=tok.sha256, stop_token_ids=stops)
+    with pytest.raises(TokenizerMismatch, match="release was trained with tokenizer"):
+        verify(w, w["b"], tokenizer_sha256="0" * 64, stop_token_ids=tok.stop_ids)
+    assert verify(w, w["b"], tokenizer_sha256=tok.sha256, stop_token_ids=tok.stop_ids).manifest["month"] == "2026-11"
 
 
 @pytest.mark.parametrize("name,reason", [

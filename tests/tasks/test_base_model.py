@@ -10,12 +10,16 @@ from tasks.base_model import BaseModelError, check_base_model_dir, load_base_mod
 from tasks.config import parse_config
 
 
+@pytest.fixture(autouse=True)
+def in_tmp_project(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the embedded default is built at models/base of the project
+
+
 def tiny_release_config(tmp_path: Path, **base_overrides):
     return parse_config(
         {
             "data": {"dir": str(tmp_path / "data")},
             "base_model": {
-                "path": str(tmp_path / "base"),
                 "hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
                 "intermediate_size": 64, "pretrain_examples": 32, "pretrain_steps": 3, "pretrain_batch_size": 4,
                 **base_overrides,

@@ -90,3 +90,26 @@ def test_a_quantized_kv_engine_needs_onnxruntime_and_calibrated_scales():
     assert parse_config({"engine": {"backend": "tensorrt", "kv_cache": "float"}, "kv": {"enabled": False}}).engine.serving_dir() == Path("engine")
     pre_rope = parse_config({"kv": {"pre_rope_keys": True, "k_symmetric": False}})
     assert pre_rope.engine.kv_attention(pre_rope.kv.spec()) == "standard" and pre_rope.engine.serving_dir() == Path("engine-kv")
+
+
+def test_a_users_model_or_data_inside_a_pipeline_output_is_refused():
+    with pytest.raises(ConfigError, match=r"base_model.path: 'models/base' overlaps the base_model stage's output"):
+        parse_config({"base_model": {"source": "local", "path": "models/base"}})
+    with pytest.raises(ConfigError, match=r"data.jsonl_dir: 'data/2026-11' overlaps data.dir"):
+        parse_config({"data": {"jsonl_dir": "data/2026-11"}})
+    with pytest.raises(ConfigError, match=r"data.heldout_text: 'artifacts/text.txt' overlaps train.output_dir"):
+        parse_config({"data": {"heldout_text": "artifacts/text.txt"}})
+    with pytest.raises(ConfigError, match=r"base_model.path: '.' overlaps"):  # the project itself holds outputs
+        parse_config({"base_model": {"source": "local", "path": "."}})
+    ok = parse_config({"base_model": {"source": "local", "path": "/srv/models/qwen2"}, "data": {"jsonl_dir": "/srv/month"}})
+    assert ok.base_model.path == "/srv/models/qwen2"
+
+
+def test_the_embedded_default_is_built_only_where_the_base_model_stage_writes():
+    with pytest.raises(ConfigError, match=r"base_model: Value error, path: the embedded default is built at models/base"):
+        parse_config({"base_model": {"path": "elsewhere"}})
+
+
+def test_the_own_model_example_params_file_is_valid():
+    cfg = load_config(REPO / "examples" / "own-model.yaml")
+    assert cfg.base_model.source == "local" and cfg.data.jsonl_dir is not None and cfg.gates.min_accuracy == 0.95

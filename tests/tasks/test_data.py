@@ -117,3 +117,21 @@ def test_cli_exits_nonzero_and_names_the_bad_key(tmp_path):
     )
     assert result.returncode == 2
     assert "data.month: Value error, must be a month written YYYY-MM, got 'november'" in result.stderr
+
+
+def test_rows_that_mix_labelled_and_unlabelled_are_refused_naming_the_file_and_line(tmp_path):
+    src = tmp_path / "mine"
+    src.mkdir()
+    unlabelled = json.dumps({"prompt": "is it ok?", "completion": " yes"})
+    labelled = json.dumps({"prompt": "is it ok?", "completion": " yes", "changed": True})
+    for split in ("train", "val", "calib", "test"):
+        (src / f"{split}.jsonl").write_text(unlabelled + "\n")
+    (src / "calib.jsonl").write_text(unlabelled + "\n\n" + labelled + "\n")
+    out = tmp_path / "data" / "2026-12"
+    with pytest.raises(DataError, match=r"calib\.jsonl:3: row has a 'changed' field but .*train\.jsonl:1 has none"):
+        import_month(src, out)
+    assert not out.exists()
+
+    (src / "calib.jsonl").write_text(unlabelled + "\n")
+    import_month(src, out)  # unlabelled throughout: accepted, the gates read overall accuracy
+    assert read_jsonl(out / "calib.jsonl")[0].changed is None

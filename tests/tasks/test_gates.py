@@ -105,3 +105,41 @@ def test_the_kv_gates_read_the_serving_engines_own_cost_when_it_quantizes_its_ca
     gates = by_name(evaluation_gates(metrics, GatesConfig(), None, 1e-4, kv_enabled=True))
     assert gates["kv_ppl_increase_pct"].value == 1.7 and not gates["kv_ppl_increase_pct"].passed
     assert "on the quantized-KV engine" in gates["kv_ppl_increase_pct"].detail
+
+
+def unlabelled_metrics(accuracy: float = 0.97) -> dict:
+    metrics = good_metrics(accuracy=accuracy, accuracy_new=None, accuracy_regression=None)
+    metrics["adapter"] = {"accuracy": accuracy, "accuracy_new": None, "accuracy_regression": None}
+    return metrics
+
+
+def test_data_without_changed_labels_is_gated_on_overall_accuracy():
+    gates = by_name(evaluation_gates(unlabelled_metrics(0.97), GatesConfig(min_accuracy=0.9), None, 1e-4, kv_enabled=True))
+    assert "accuracy_new" not in gates and "accuracy_regression" not in gates
+    assert gates["accuracy"].passed and gates["accuracy"].value == 0.97 and gates["accuracy"].threshold == 0.9
+    assert "no 'changed' field" in gates["accuracy"].detail
+    assert gates["accuracy_vs_champion"].op == "n/a"
+    assert all(g.passed for g in gates.values())
+    failing = by_name(evaluation_gates(unlabelled_metrics(0.97), GatesConfig(min_accuracy=0.98), None, 1e-4, kv_enabled=True))
+    assert not failing["accuracy"].passed
+
+
+def test_unlabelled_data_is_compared_with_the_champion_on_overall_accuracy():
+    champion = {"month": "2026-10", "accuracy": 1.0, "accuracy_new": None}
+    gates = by_name(evaluation_gates(unlabelled_metrics(0.97), GatesConfig(champion_tolerance=0.02), champion, 1e-4,
+                                     kv_enabled=True))
+    assert not gates["accuracy_vs_champion"].passed
+    assert gates["accuracy_vs_champion"].threshold == pytest.approx(0.98)
+    older = by_name(evaluation_gates(unlabelled_metrics(0.97), GatesConfig(), {"month": "2026-09", "accuracy_new": 1.0},
+                                     1e-4, kv_enabled=True))
+    assert older["accuracy_vs_champion"].op == "n/a" and "recorded no accuracy" in older["accuracy_vs_champion"].detail
+
+
+def test_the_gates_file_says_which_accuracy_measure_was_used(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = ReleaseConfig()
+    (cfg.release_dir() / "eval").mkdir(parents=True)
+    (cfg.release_dir() / "eval" / "metrics.json").write_text(json.dumps(unlabelled_metrics()))
+    assert json.loads(run_stage(cfg).read_text())["accuracy_measure"] == "overall"
+    (cfg.release_dir() / "eval" / "metrics.json").write_text(json.dumps(good_metrics()))
+    assert json.loads(run_stage(cfg).read_text())["accuracy_measure"] == "changed_rules"

@@ -1,0 +1,238 @@
+"""A user's own model and data through the real flow (DVC + Prefect, as `make release` runs it).
+
+The user brings a local Llama whose tokenizer adds BOS and a month of unlabelled rows (no `rule`,
+no `changed`) in folders outside the project. Three runs, as the user would live them: one killed
+with SIGKILL during fine-tuning, one refused by a gate, one that publishes (reusing the refused
+run's fine-tune). After each, the model,
+the data and the held-out text are byte for byte (and mtime for mtime) what they were. The published
+adapter then loads with PEFT on the user's base, and its greedy answers are the device server's.
+"""
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from project_testkit import ENV, copy_project
+from service_testkit import free_port, kill_group_when, start_service, stop_group
+from tasks.data import SPLITS, rulebook, sample_examples
+
+MONTH = "2026-11"
+MAX_NEW_TOKENS = 12  # this tokenizer spells a verdict in up to 10 tokens
+SMALL = {
+    "data": {"month": MONTH},
+    "train": {"steps": 150, "batch_size": 16, "max_seq_len": 160},
+    "eval": {"latency_prompts": 2, "latency_steps": 4, "max_new_tokens": MAX_NEW_TOKENS},
+    # A random tiny model: the flow, not its quality, is under test; the gate run raises min_accuracy.
+    "gates": {"min_accuracy": 0.0, "champion_tolerance": 1.0, "max_kv_accuracy_drop": 1.0,
+              "max_kv_ppl_increase_pct": 1000.0, "max_p95_decode_ms": 1000.0, "max_package_pct_of_base": 100.0},
+}
+SPLIT_ROWS = {"train": 96, "val": 16, "calib": 16, "test": 24}
+
+
+def snapshot(folder: Path) -> dict[str, tuple[str, int, int]]:
+    """Every entry below ``folder``: sha256 (or 'dir'/'link'), mode and mtime, so a rewrite, a move,
+    a deletion or a replacement by a link all show."""
+    out = {}
+    for path in sorted([folder, *folder.rglob("*")]):
+        st = path.lstat()
+        kind = ("link" if path.is_symlink() else "dir" if path.is_dir()
+                else hashlib.sha256(path.read_bytes()).hexdigest())
+        out[str(path.relative_to(folder))] = (kind, st.st_mode, st.st_mtime_ns)
+    return out
+
+
+def pretrained_llama(source: Path, out: Path) -> Path:
+    """The BOS-adding tiny Llama, pre-trained on last month's rule book as a user's base would be:
+    a random head answers noise whose near-ties no two implementations break alike."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tasks.base_model import load_tokenizer
+    from tasks.training import TrainSettings, train_completions
+
+    shutil.copytree(source, out)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    examples = sample_examples(rulebook("2026-10", 1234, 2), 1200, random.Random("pretrain"))
+    settings = TrainSettings(steps=300, batch_size=32, lr=3e-3, weight_decay=0.01, warmup_steps=30, max_seq_len=160,
+                             seed=0, prompt_loss_weight=0.2)
+    train_completions(model, load_tokenizer(out), examples, settings, desc="pre-train the user's llama")
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def user(tmp_path_factory, tiny_llama_bos_dir):
+    """The user's folders, outside the project: their model, their month, their held-out text."""
+    home = tmp_path_factory.mktemp("user")
+    model = pretrained_llama(tiny_llama_bos_dir, home / "my-llama")
+    month = home / "my-month"
+    month.mkdir()
+    book = rulebook(MONTH, 1234, 2)
+    for split, n in SPLIT_ROWS.items():
+        rows = sample_examples(book, n, random.Random(f"user:{split}"))
+        lines = [json.dumps({"prompt": ex.prompt, "completion": ex.completion}) + "\n" for ex in rows]
+        (month / f"{split}.jsonl").write_text("".join(lines))
+    text = home / "heldout.txt"
+    documents = sample_examples(book, 16, random.Random("text"))
+    text.write_text("".join(ex.prompt + ex.completion + "\n" for ex in documents))
+    folders = {"model": model, "month": month, "text": home}
+    return folders | {"before": {name: snapshot(path) for name, path in folders.items()}}
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, user):
+    root = copy_project(tmp_path_factory.mktemp("own-model"))
+    return {"root": root, "env": ENV | {"PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-home"))}}
+
+
+def params_file(project, user, name: str, train: dict | None = None, **gates) -> Path:
+    raw = yaml.safe_load((project["root"] / "params.yaml").read_text())
+    for section, values in SMALL.items():
+        raw[section].update(values)
+    raw["train"].update(train or {})
+    raw["gates"].update(gates)
+    raw["base_model"].update({"source": "local", "path": str(user["model"])})
+    raw["data"].update({"jsonl_dir": str(user["month"]), "heldout_text": str(user["text"] / "heldout.txt")})
+    path = project["root"].parent / f"params-{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def flow_command(params: Path) -> list[str]:
+    return [sys.executable, "-m", "flows.monthly_release", "--params", str(params)]
+
+
+def assert_user_files_untouched(user) -> None:
+    for name in ("model", "month", "text"):
+        assert snapshot(user[name]) == user["before"][name], f"the user's {name} folder changed"
+
+
+def test_a_run_killed_during_fine_tuning_leaves_the_users_files_as_they_were(project, user):
+    params = params_file(project, user, "killed", train={"steps": 2000})  # long enough to be killed in
+    proc = subprocess.Popen(flow_command(params), cwd=project["root"], env=project["env"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    kill_group_when(proc, "Running stage 'finetune'", 3.0)
+    assert proc.returncode is not None
+    assert_user_files_untouched(user)
+
+
+def test_a_run_refused_by_a_gate_names_it_and_leaves_the_users_files_as_they_were(project, user):
+    done = subprocess.run(flow_command(params_file(project, user, "refused", min_accuracy=1.01)), cwd=project["root"],
+                          env=project["env"], capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 2, done.stderr[-4000:]
+    assert f"release {MONTH} not published: accuracy = " in done.stderr and "needs >= 1.01" in done.stderr
+    assert "overall test accuracy on the engine (the rows carry no 'changed' field)" in done.stderr
+    assert_user_files_untouched(user)
+    # With source local the base_model stage's output is a card of the user's checkpoint, not the checkpoint.
+    stage_dir = project["root"] / "models" / "base"
+    card = json.loads((stage_dir / "base_model_card.json").read_text())
+    assert sorted(p.name for p in stage_dir.iterdir()) == ["base_model_card.json"]
+    assert card["source"] == "local" and card["path"] == str(user["model"].resolve())
+    assert card["files"]["config.json"] == hashlib.sha256((user["model"] / "config.json").read_bytes()).hexdigest()
+
+
+def test_a_published_release_of_the_users_model_answers_on_the_device_as_peft_does(project, user):
+    root = project["root"]
+    done = subprocess.run(flow_command(params_file(project, user, "published")), cwd=root, env=project["env"],
+                          capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert_user_files_untouched(user)
+    gates = json.loads((root / "artifacts" / MONTH / "gates" / "gates.json").read_text())
+    assert gates["passed"] and gates["accuracy_measure"] == "overall"
+    assert json.loads((root / "registry" / "channels.json").read_text()) == {"champion": MONTH}
+    release = root / "artifacts" / MONTH / "package" / "release"
+
+    prompts = [json.loads(line)["prompt"] for line in (user["month"] / "test.jsonl").read_text().splitlines()]
+    peft_answers = peft_greedy(user["model"], release, prompts)
+    device_answers = device_greedy(project, user, release, prompts)
+    assert sum(bool(a.strip()) for a in peft_answers) >= len(prompts) // 2  # verdicts, not only eos or blanks
+    assert device_answers == peft_answers
+
+
+def peft_greedy(model_dir: Path, release: Path, prompts: list[str]) -> list[str]:
+    """The user's own stack: transformers + PEFT on their base, the released adapter, greedy decoding."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, release).eval()
+    stop = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    answers = []
+    with torch.no_grad():
+        for prompt in prompts:
+            batch = tokenizer(prompt, return_tensors="pt")
+            assert batch["input_ids"][0, 0].item() == tokenizer.bos_token_id  # the tokenizer adds BOS
+            out = model.generate(**batch, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=stop,
+                                 pad_token_id=tokenizer.pad_token_id)
+            answers.append(tokenizer.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True))
+    return answers
+
+
+def device_greedy(project, user, release: Path, prompts: list[str]) -> list[str]:
+    """The device: `python -m runtime serve` on the compiled serving engine with the release, over HTTP."""
+    from tasks.config import load_config
+
+    root = project["root"]
+    cfg = load_config(project["root"].parent / "params-published.yaml")
+    port = free_port()
+    server = start_service([sys.executable, "-m", "runtime", "serve", "--engine", str(root / cfg.engine.serving_dir()),
+                            "--tokenizer", str(user["model"]), "--package", str(release),
+                            "--trusted-key", str(root / "keys" / "release_signing.pub"), "--port", str(port)],
+                           root, project["env"], root.parent / "device.log")
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/healthz", server)
+        answers = []
+        for prompt in prompts:
+            body = json.dumps({"prompt": prompt, "max_new_tokens": MAX_NEW_TOKENS}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/generate", method="POST", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=30) as response:
+                answers.append(json.loads(response.read())["text"])
+        return answers
+    finally:
+        stop_group(server)
+
+
+def wait_ready(url: str, server: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert server.poll() is None, "the device server exited"
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise AssertionError(f"{url} not ready after {timeout} s")
+
+
+def test_dvc_repro_of_the_base_model_stage_keeps_a_local_model(tmp_path, tiny_llama_dir):
+    """The report's reproduction: `dvc repro base_model` with base_model.path at a copy of a model."""
+    root = copy_project(tmp_path / "project")
+    model = shutil.copytree(tiny_llama_dir, tmp_path / "model")
+    before = snapshot(model)
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    raw["base_model"].update({"source": "local", "path": str(model)})
+    (root / "params.yaml").write_text(yaml.safe_dump(raw))
+    for _ in range(2):  # the second run re-hashes the checkpoint: the stage always runs
+        env = ENV | {"PATH": f"{Path(sys.executable).parent}:{ENV['PATH']}"}  # the stage runs `python -m ...`
+        done = subprocess.run([sys.executable, "-m", "dvc", "repro", "base_model"], cwd=root, capture_output=True,
+                              text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "Running stage 'base_model'" in done.stdout
+        assert snapshot(model) == before
+    card = json.loads((root / "models" / "base" / "base_model_card.json").read_text())
+    assert set(card["files"]) == {p.name for p in model.iterdir()}
+    assert not os.path.islink(model)
