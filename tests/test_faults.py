@@ -22,6 +22,8 @@ import yaml
 from project_testkit import ENV, MODEL, copy_project, git
 from service_testkit import free_port, kill_group_when
 
+pytestmark = pytest.mark.slow  # the real monthly flow, end to end: minutes per test
+
 SMALL = {
     "base_model": {"pretrain_steps": 60, "pretrain_examples": 600},
     "data": {"train_size": 320, "val_size": 40, "calib_size": 32, "test_size": 80, "heldout_lines": 40},

@@ -26,6 +26,8 @@ from project_testkit import ENV, copy_project
 from service_testkit import free_port, kill_group_when, start_service, stop_group
 from tasks.data import SPLITS, rulebook, sample_examples
 
+pytestmark = pytest.mark.slow  # the real monthly flow, end to end: minutes per test
+
 MONTH = "2026-11"
 MAX_NEW_TOKENS = 12  # this tokenizer spells a verdict in up to 10 tokens
 SMALL = {

@@ -20,11 +20,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
 import yaml
 
 from flows.local_server import wait_http
 from project_testkit import ENV, MODEL, copy_project, git
 from service_testkit import free_port, kill_pids, processes_in, start_service, stop_group
+
+pytestmark = pytest.mark.slow  # the real monthly flow, end to end: minutes per test
 
 POOL = "adapter-release-test"
 MONTH = "2026-12"

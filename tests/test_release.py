@@ -21,6 +21,8 @@ import yaml
 from project_testkit import ENV, MODEL, REPO, copy_project, git
 from service_testkit import free_port
 
+pytestmark = pytest.mark.slow  # the real monthly flow, end to end: minutes per test
+
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
