@@ -50,7 +50,7 @@ from runtime.model import Backbone
 # schemes that op supports.
 KV_ATTENTION = ("standard", "gqa")
 
-# Positions the pre-RoPE key table covers: tasks.compile's MAX_PAST + MAX_SEQ (4 MiB at d = 64).
+# Positions the pre-RoPE key table covers: runtime.tracing's MAX_PAST + MAX_SEQ (4 MiB at d = 64).
 ROPE_TABLE = 8192
 
 

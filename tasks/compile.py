@@ -27,10 +27,6 @@ log = logging.getLogger(__name__)
 ENGINE_ONNX = "model.onnx"
 CACHE_KEY_FILE = "cache_key.json"
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-# Sizes used to trace: deliberately not 0 or 1, which torch.export would specialize to constants.
-TRACE_BATCH, TRACE_SEQ, TRACE_PAST, TRACE_SINK = 2, 3, 5, 2
-# Upper bounds of the dynamic axes (also the TensorRT optimization-profile maxima).
-MAX_BATCH, MAX_SEQ, MAX_PAST = 64, 4096, 4096
 
 
 class CompileError(StageError, RuntimeError):
@@ -76,60 +72,6 @@ def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...]
         key["kv_attention"] = kv_attention
     key["key"] = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     return key
-
-
-def _example_inputs(model, iface, batch: int, seq: int, past: int):
-    import torch
-
-    cfg = model.cfg
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq))  # (B, T)
-    pos = (torch.arange(seq) + past).expand(batch, seq).contiguous()  # (B, T)
-    shapes = {t.name: t.shape for t in iface.inputs}
-    lora = [torch.randn(*shapes[n]) * 0.05 for n in iface.lora_names]
-    if iface.quantized_kv:
-        cache, static = _quantized_example_inputs(iface, batch, past)
-        mask = torch.ones(batch, TRACE_SINK + past + seq, dtype=torch.long)  # (B, sink + P + T)
-        return ids, pos, mask, cache, static, lora
-    mask = torch.ones(batch, past + seq, dtype=torch.long)  # (B, S)
-    kv = [torch.randn(batch, cfg.num_kv_heads, past, cfg.head_dim) for _ in range(2 * cfg.num_layers)]
-    return ids, pos, mask, kv, lora
-
-
-def _quantized_example_inputs(iface, batch: int, past: int):
-    """Random packed cache, fp16 scales and sink, static scales; shapes from the interface."""
-    import torch
-
-    from runtime.interface import quantized_kv_tensors
-
-    cache_specs, static_specs, _ = quantized_kv_tensors(iface.num_layers, iface.num_kv_heads, iface.head_dim, iface.kv_spec)
-    sizes = {"batch": batch, "past": past, "sink": TRACE_SINK}
-    cache = []
-    for t in cache_specs:
-        shape = [sizes.get(a, a) for a in t.shape]
-        if t.dtype == "uint8":
-            cache.append(torch.randint(0, 256, shape, dtype=torch.uint8))
-        elif t.dtype == "int64":
-            cache.append(torch.arange(past).expand(batch, past).contiguous())
-        else:
-            cache.append((torch.rand(shape) * 0.1 + 0.01).to(torch.float16))
-    static = [torch.rand(*t.shape) * 0.1 + 0.01 for t in static_specs]
-    return cache, static
-
-
-def _dynamic_shapes(iface, args, Dim):
-    batch = Dim("batch", min=1, max=MAX_BATCH)
-    seq = Dim("seq", min=1, max=MAX_SEQ)
-    past = Dim("past", min=0, max=MAX_PAST)  # 0 = prefill with an empty cache
-    head = ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: Dim.DYNAMIC})  # total = past + seq: derived
-    if not iface.quantized_kv:
-        return head + ([{0: batch, 2: past} for _ in args[3]], [None for _ in args[4]])
-    sink = Dim("sink", min=0, max=MAX_PAST)  # up to sink_tokens; traced at 2 so it is not specialized
-    from runtime.interface import quantized_kv_tensors
-
-    cache_specs, _, _ = quantized_kv_tensors(iface.num_layers, iface.num_kv_heads, iface.head_dim, iface.kv_spec)
-    cache = [{0: batch, 1: past} if t.name == "past_positions" else {0: batch, 2: sink if t.name.startswith("sink_") else past}
-             for t in cache_specs]
-    return head + (cache, [None for _ in args[4]], [None for _ in args[5]])
 
 
 def _name_dynamic_axes(onnx_path: Path, iface) -> None:
@@ -183,6 +125,7 @@ def export_backbone(
     from runtime.hashing import backbone_hash
     from runtime.interface import build_interface
     from runtime.model import load_backbone
+    from runtime.tracing import TRACE_BATCH, TRACE_PAST, TRACE_SEQ, example_inputs, export_dynamic_shapes
 
     merged = None if merged_lora is None else {k: torch.from_numpy(v) for k, v in merged_lora.items()}
     model = load_backbone(model_dir, tuple(target_modules), merged_lora=merged)
@@ -193,9 +136,9 @@ def export_backbone(
         from runtime.kv_model import QuantizedKVBackbone
 
         model = QuantizedKVBackbone(model, KVQuantSpec.from_dict(kv_spec), kv_attention).eval()
-    args = _example_inputs(model.backbone if kv_spec else model, iface, TRACE_BATCH, TRACE_SEQ, TRACE_PAST)
+    args = example_inputs(model.backbone if kv_spec else model, iface, TRACE_BATCH, TRACE_SEQ, TRACE_PAST)
     # LoRA (and static KV-scale) inputs have fixed shapes: (r_max, in), (out, r_max), (1,), (nkv, d).
-    dynamic_shapes = _dynamic_shapes(iface, args, torch.export.Dim)
+    dynamic_shapes = export_dynamic_shapes(iface, args, torch.export.Dim)
     t0 = time.perf_counter()
     with torch.no_grad(), warnings.catch_warnings():
         # The exporter cannot rename axes of nested inputs; _name_dynamic_axes does it below.

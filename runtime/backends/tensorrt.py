@@ -184,7 +184,7 @@ def export_flat_program(model_dir, iface: EngineInterface, device: str = "cpu"):
     import torch
 
     from runtime.model import load_backbone
-    from tasks.compile import MAX_BATCH, MAX_PAST, MAX_SEQ, TRACE_BATCH, TRACE_PAST, TRACE_SEQ, _example_inputs
+    from runtime.tracing import MAX_BATCH, MAX_PAST, MAX_SEQ, TRACE_BATCH, TRACE_PAST, TRACE_SEQ, example_inputs
 
     model = load_backbone(model_dir, iface.target_modules).to(device)
     n_kv = 2 * iface.num_layers
@@ -198,7 +198,7 @@ def export_flat_program(model_dir, iface: EngineInterface, device: str = "cpu"):
             logits, present = self.inner(flat[0], flat[1], flat[2], flat[3 : 3 + n_kv], flat[3 + n_kv :])
             return (logits, *present)
 
-    ids, pos, mask, kv, lora = _example_inputs(model, iface, TRACE_BATCH, TRACE_SEQ, TRACE_PAST)
+    ids, pos, mask, kv, lora = example_inputs(model, iface, TRACE_BATCH, TRACE_SEQ, TRACE_PAST)
     example = tuple(t.to(device) for t in (ids, pos, mask, *kv, *lora))
     Dim = torch.export.Dim
     batch, seq, past = Dim("batch", min=1, max=MAX_BATCH), Dim("seq", min=1, max=MAX_SEQ), Dim("past", min=0, max=MAX_PAST)
