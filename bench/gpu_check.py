@@ -7,7 +7,7 @@
 3. parity: TensorRT vs ONNX Runtime, same adapter, prefill + decode logits (max abs diff),
    greedy generations identical, and an adapter swap on the same execution context,
 4. the torch-tensorrt builder on the same forward (reported, not fatal if it fails),
-5. weight-only int8 and int4 (``tasks.quantize_weights`` format ``qdq_fp16``: symmetric blocked
+5. weight-only int8 and int4 (``tasks.weight_graph`` format ``qdq_fp16``: symmetric blocked
    DequantizeLinear into fp16 MatMuls): plan build, parity with ONNX Runtime running the same graph
    (exact dequantization), greedy generations identical,
 6. latency table: decode at past 128 / 512 and a 128-token prefill, ORT-CPU vs TensorRT fp32 / int8 / int4.
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.generate import greedy_generate
     from runtime.model import read_config
     from tasks.compile import compile_engine
-    from tasks.quantize_weights import open_on_cpu, quantize_engine_dir
+    from tasks.weight_engines import open_on_cpu, quantize_engine_dir
 
     try:
         trt = require_tensorrt()

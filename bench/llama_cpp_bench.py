@@ -82,7 +82,7 @@ import numpy as np
 from bench.engine_bench import engine_steps, interleaved
 from bench.report import write_report
 from bench.weight_quant_bench import CONFIGS, build_variants
-from tasks.quantize_weights import DEFAULT_BLOCK_SIZE
+from tasks.weight_graph import DEFAULT_BLOCK_SIZE
 
 PEER_VERSION = "0.3.36"  # llama-cpp-python, pinned in pyproject.toml's `peer` extra
 SRC_ENV = "LLAMA_CPP_SRC"  # the sdist (.tar.gz) or a directory holding convert_hf_to_gguf.py
@@ -412,7 +412,7 @@ def quantized_kv_variants(root: Path, lora: dict, threads: int) -> dict:
     from runtime.backends.onnxruntime import OrtEngine
     from tasks.compile import compile_engine
     from tasks.config import EngineConfig, KVConfig
-    from tasks.quantize_weights import quantize_engine_dir
+    from tasks.weight_engines import quantize_engine_dir
 
     spec = KVConfig().spec()
     compile_engine(root / "base", root / "engine-kv", RANK, TARGETS, ort_threads=threads, kv_spec=spec.to_dict(),

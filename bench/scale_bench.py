@@ -28,9 +28,9 @@ Not in CI. Steps, all in one run:
    ``bench.llama_cpp_bench``). Without it the llama.cpp rows are skipped and the bench says so.
 5. **The LM head** (151,936 x 896 = 136M parameters, the largest single read per token): each
    head precision's decode time and its output error against the fp32 serving engine on the calib
-   split (mean KL and top-1 agreement, ``tasks.quantize_weights.output_error``) and held-out
+   split (mean KL and top-1 agreement, ``bench.weight_quant_quality.output_error``) and held-out
    perplexity. With random weights the output error is a weak proxy for a trained model's; the
-   embedded default's month measures it on a trained model (``--compare`` of tasks.quantize_weights).
+   embedded default's month measures it on a trained model (``bench.weight_quant_quality``).
 
 Targets (issue 16): the whole flow within 60 minutes on 2 cores, peak RSS at most 12 GB, the package
 at most 0.5% of the bf16 checkpoint, int4 decode no slower than llama.cpp Q4_0 on the same shape.
@@ -234,7 +234,7 @@ def serving_dirs(project: Path, cfg) -> dict:
     """The release's serving engines: the flow's fp32 (``engine-kv``) and int4 ones, int8 built here as the
     compile stage builds it, and int4 with each other LM head precision; {name: directory}, and the
     served head's bits."""
-    from tasks.quantize_weights import WEIGHTS_FILE, ensure_quantized_engine, quantize_engine_dir
+    from tasks.weight_engines import WEIGHTS_FILE, ensure_quantized_engine, quantize_engine_dir
 
     float_dir = project / cfg.engine.kv_engine_dir()
     dirs = {"fp32": float_dir, "int4": project / cfg.engine.serving_dir()}
@@ -258,7 +258,7 @@ def open_serving(engine_dir: Path, project: Path, cfg, threads: int):
     from runtime.hashing import backbone_hash
     from tasks.artifacts import sha256_file
     from tasks.calibrate import load_kv_scales
-    from tasks.quantize_weights import open_on_cpu
+    from tasks.weight_engines import open_on_cpu
 
     adapter_dir = project / cfg.train.output_dir / MONTH / "finetune" / "adapter"
     engine = open_on_cpu(engine_dir, threads)
@@ -272,10 +272,10 @@ def open_serving(engine_dir: Path, project: Path, cfg, threads: int):
 def head_quality(dirs: dict, served_head: int | None, project: Path, cfg, threads: int) -> dict:
     """Held-out perplexity of every engine and its output error on the calib split against the fp32 engine
     and, for the int4 engines, against the int4 one whose LM head is fp32: the error of the head alone."""
+    from bench.weight_quant_quality import output_error
     from tasks.base_model import load_tokenizer
     from tasks.data import HELDOUT_TEXT, read_jsonl, read_text_corpus
     from tasks.evaluate import engine_perplexity
-    from tasks.quantize_weights import output_error
 
     data = project / cfg.data.dir / MONTH
     tokenizer = load_tokenizer(Path(cfg.base_model.path))

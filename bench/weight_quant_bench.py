@@ -26,7 +26,7 @@ import torch
 
 from bench.engine_bench import RANK, TARGETS, engine_steps, interleaved, make_backbone_and_adapter
 from bench.report import write_report
-from tasks.quantize_weights import DEFAULT_BLOCK_SIZE
+from tasks.weight_graph import DEFAULT_BLOCK_SIZE
 
 CONFIGS = {
     "tiny": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024,
@@ -58,7 +58,7 @@ def build_variants(name: str, dims: dict, threads: int, work: Path, variants: li
     from runtime.interface import write_interface
     from runtime.model import read_config
     from tasks.compile import compile_engine, export_backbone
-    from tasks.quantize_weights import quantize_engine_dir
+    from tasks.weight_engines import quantize_engine_dir
 
     root = work / name
     model_dir, adapter_dir = make_backbone_and_adapter(root, dims)

@@ -316,7 +316,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def float_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     return x @ w.t() if b is None else torch.addmm(b, x, w.t())  # (N, in) -> (N, out)
 
 
@@ -325,8 +325,8 @@ class Block(nn.Module):
     larger GEMMs decode faster on every backend, and the split is exact."""
 
     # Every base projection goes through this; the PyTorch reference of a quantized engine
-    # (tasks.quantize_weights.reference_backbone) swaps in one that rounds the input as the engine's kernel does.
-    linear = staticmethod(_linear)
+    # (tasks.weight_reference.reference_backbone) swaps in one that rounds the input as the engine's kernel does.
+    linear = staticmethod(float_linear)
 
     def __init__(self, cfg: BackboneConfig, w: dict[str, torch.Tensor], prefix: str, lora_modules: tuple[str, ...]):
         super().__init__()
@@ -411,7 +411,7 @@ class Backbone(nn.Module):
     lora: flat tuple in ``runtime.interface.lora_input_names`` order; empty when built with no lora_modules.
     """
 
-    linear = staticmethod(_linear)  # the LM head's; see Block.linear
+    linear = staticmethod(float_linear)  # the LM head's; see Block.linear
 
     def __init__(self, cfg: BackboneConfig, weights: dict[str, torch.Tensor], lora_modules: tuple[str, ...] = ()):
         super().__init__()

@@ -261,7 +261,7 @@ def run_stage(cfg: ReleaseConfig) -> dict:
         metrics["engine_builds"] += kv["engine_builds"]
         source = cfg.engine.kv_engine_dir()
     if cfg.engine.weights != "fp32":
-        from tasks.quantize_weights import ensure_quantized_engine
+        from tasks.weight_engines import ensure_quantized_engine
 
         metrics |= ensure_quantized_engine(source, cfg.engine.serving_dir(), cfg.engine.weights,
                                             cfg.engine.weight_block_size, cfg.engine.weights_format())

@@ -142,7 +142,7 @@ class EngineConfig(_Section):
         return Path(f"{self.dir}-kv")
 
     def weights_format(self) -> str:
-        """How quantized weights are written for the backend (``tasks.quantize_weights.WEIGHT_FORMATS``):
+        """How quantized weights are written for the backend (``tasks.weight_graph.WEIGHT_FORMATS``):
         ONNX Runtime's MatMulNBits, or the Q/DQ form with fp16 GEMMs that TensorRT builds weight-only."""
         return "qdq_fp16" if self.backend == "tensorrt" else "matmulnbits"
 
@@ -210,6 +210,17 @@ class EvalConfig(_Section):
     latency_steps: int = Field(16, ge=1)
 
 
+class WeightAccuracyDrop(_Section):
+    """Accuracy a weight-quantized engine may lose against float PyTorch, per precision (absolute, each of
+    overall, new and regression rules; issue 8 acceptance)."""
+
+    int8: float = Field(0.005, ge=0.0, le=1.0)
+    int4: float = Field(0.02, ge=0.0, le=1.0)
+
+    def limit(self, weights: str) -> float:
+        return {"int8": self.int8, "int4": self.int4}[weights]
+
+
 class GatesConfig(_Section):
     """Thresholds a candidate must pass before it is packaged and published."""
 
@@ -219,6 +230,7 @@ class GatesConfig(_Section):
     min_accuracy_regression: float = Field(0.95, ge=0.0, le=1.01)
     max_kv_accuracy_drop: float = Field(0.01, ge=0.0, le=1.0)
     max_kv_ppl_increase_pct: float = Field(1.0, ge=0.0)
+    max_weight_accuracy_drop: WeightAccuracyDrop = WeightAccuracyDrop()
     max_p95_decode_ms: float = Field(50.0, gt=0.0)
     max_package_pct_of_base: float = Field(2.0, gt=0.0)
 

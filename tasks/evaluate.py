@@ -18,7 +18,7 @@ from runtime.tokenizer import encode_prompt, until_stop
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.base_model import load_base_model
 from tasks.cli import stage_main
-from tasks.config import EngineConfig, EvalConfig, ReleaseConfig
+from tasks.config import EngineConfig, EvalConfig, ReleaseConfig, WeightAccuracyDrop
 from tasks.data import HELDOUT_TEXT, Example, read_jsonl, read_text_corpus
 
 
@@ -272,6 +272,8 @@ def evaluate(
     month: str,
     engine: EngineConfig | None = None,
     kv_dir: Path | None = None,
+    *,
+    max_weight_accuracy_drop: WeightAccuracyDrop,
 ) -> Path:
     """Score the base model and base + adapter (PyTorch, and on the compiled engine when given,
     with its decode latency; and through this release's quantized KV cache when ``kv_dir`` is given).
@@ -316,10 +318,11 @@ def evaluate(
             engine, Path(adapter_dir), merged, tokenizer, test, texts, cfg, Path(base_dir), kv_dir, release_backbone
         )
         if engine.weights != "fp32":
-            from tasks.quantize_weights import accuracy_gate
+            from tasks.gates import weights_accuracy_gate
 
             # Quantized weights cannot match float logits to 1e-4; what must hold is accuracy.
-            metrics["weights_gate"] = accuracy_gate(adapter_report, metrics["adapter_on_engine"], engine.weights)
+            metrics["weights_gate"] = weights_accuracy_gate(adapter_report, metrics["adapter_on_engine"], engine.weights,
+                                                            max_weight_accuracy_drop)
     if kv_dir is not None:
         from tasks.kv_quality import release_kv_quality
 
@@ -366,6 +369,7 @@ def run_stage(cfg: ReleaseConfig) -> Path:
         month=cfg.data.month,
         engine=cfg.engine,
         kv_dir=cfg.release_dir() / "kv" if cfg.kv.enabled else None,
+        max_weight_accuracy_drop=cfg.gates.max_weight_accuracy_drop,
     )
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tasks.artifacts import write_json
 from tasks.cli import stage_main
-from tasks.config import GatesConfig, ReleaseConfig, StageError
+from tasks.config import GatesConfig, ReleaseConfig, StageError, WeightAccuracyDrop
 
 GATES_FILE = "gates.json"
 CHANNELS_FILE = "channels.json"  # alias -> month, in the release registry
@@ -98,6 +98,27 @@ def _accuracy_gates(scored: dict, where: str, gates: GatesConfig, champion: dict
         out.append(_compare(name, value, ">=", champion[key] - gates.champion_tolerance,
                             f"not below champion {champion['month']} ({champion[key]:.3f}) minus {gates.champion_tolerance}"))
     return out
+
+
+def weights_accuracy_gate(float_report: dict, quant_report: dict, weights: str, max_drop: WeightAccuracyDrop) -> dict:
+    """Pass/fail of a weight-quantized engine against the float model: accuracy overall, on new and
+    on regression rules may each drop at most ``max_drop.limit(weights)`` (fraction, 0.005 = 0.5 points).
+    The evaluate stage records it as ``weights_gate``; ``evaluation_gates`` reads its verdict."""
+    limit = max_drop.limit(weights)
+    drops = {}
+    for key in ("accuracy", "accuracy_new", "accuracy_regression"):
+        if float_report.get(key) is not None and quant_report.get(key) is not None:
+            drops[key] = float_report[key] - quant_report[key]
+    failures = [f"{k} dropped {d * 100:.2f} points (limit {limit * 100:.2f})" for k, d in drops.items() if d > limit + 1e-12]
+    return {
+        "weights": weights,
+        "max_drop": limit,
+        "drops": drops,
+        "perplexity_ratio": quant_report["perplexity"] / float_report["perplexity"]
+        if float_report.get("perplexity") and quant_report.get("perplexity") else None,
+        "passed": not failures,
+        "failures": failures,
+    }
 
 
 def evaluation_gates(metrics: dict, gates: GatesConfig, champion: dict | None, parity_tolerance: float,

@@ -38,6 +38,11 @@ def test_out_of_range_value_is_an_error_naming_the_key(tmp_path):
         load_config(write_params(tmp_path, {"lora": {"dropout": 1.5}}))
 
 
+def test_a_weights_accuracy_drop_out_of_range_is_an_error_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"gates\.max_weight_accuracy_drop\.int8: Input should be less than or equal to 1"):
+        load_config(write_params(tmp_path, {"gates": {"max_weight_accuracy_drop": {"int8": 1.5}}}))
+
+
 def test_every_problem_is_reported_at_once(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(write_params(tmp_path, {"data": {"month": "2026-13"}, "lora": {"r": 0}}))

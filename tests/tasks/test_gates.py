@@ -2,9 +2,11 @@ import json
 
 import pytest
 
-from tasks.config import GatesConfig, ReleaseConfig
+from tasks.config import GatesConfig, ReleaseConfig, parse_config
+from tasks.data import Example
+from tasks.evaluate import accuracy_report
 from tasks.gates import (current_champion, evaluation_gates, failed_reason, gate_report, package_gates,
-                         render_gate_table, run_stage)
+                         render_gate_table, run_stage, weights_accuracy_gate)
 
 
 def good_metrics(**engine_overrides) -> dict:
@@ -143,3 +145,27 @@ def test_the_gates_file_says_which_accuracy_measure_was_used(tmp_path, monkeypat
     assert json.loads(run_stage(cfg).read_text())["accuracy_measure"] == "overall"
     (cfg.release_dir() / "eval" / "metrics.json").write_text(json.dumps(good_metrics()))
     assert json.loads(run_stage(cfg).read_text())["accuracy_measure"] == "changed_rules"
+
+
+def _report(hits_new: int, hits_reg: int) -> dict:
+    examples = [Example("p", "a", "crack", True)] * 100 + [Example("p", "a", "void", False)] * 100
+    preds = ["a"] * hits_new + ["b"] * (100 - hits_new) + ["a"] * hits_reg + ["b"] * (100 - hits_reg)
+    return accuracy_report(examples, preds) | {"perplexity": 2.0}
+
+
+def test_weights_gate_fails_when_a_precision_breaks_accuracy():
+    fp32, limits = _report(100, 100), GatesConfig().max_weight_accuracy_drop
+    # int8 losing 1 point on new rules breaks its 0.5-point budget
+    gate = weights_accuracy_gate(fp32, _report(99, 100), "int8", limits)
+    assert not gate["passed"] and "accuracy_new dropped 1.00 points" in gate["failures"][0]
+    # the same loss is within int4's 2 points; 3 points on regression rules are not
+    assert weights_accuracy_gate(fp32, _report(99, 100), "int4", limits)["passed"]
+    assert not weights_accuracy_gate(fp32, _report(100, 97), "int4", limits)["passed"]
+
+
+def test_weights_gate_takes_its_limit_from_the_gates_config():
+    # A tighter int4 limit in params.yaml fails the 1-point loss the default int4 limit allows.
+    limits = parse_config({"gates": {"max_weight_accuracy_drop": {"int4": 0.005}}}).gates.max_weight_accuracy_drop
+    gate = weights_accuracy_gate(_report(100, 100), _report(99, 100), "int4", limits)
+    assert not gate["passed"] and gate["max_drop"] == 0.005
+    assert limits.int8 == GatesConfig().max_weight_accuracy_drop.int8 == 0.005  # the other precision keeps its default

@@ -1,0 +1,175 @@
+"""Weight-quantized engine directories: a copy of a compiled engine whose graph stores int8/int4
+weights (``tasks/weight_graph.py``), its record and its cache key, and the compile stage's serving
+copy, built once per float engine and settings.
+
+    python -m tasks.weight_engines --engine-dir engine --out-dir engine-int4 --weights int4 [--fold-norms]
+
+measures nothing; ``python -m bench.weight_quant_quality`` scores a copy (or every scheme) against the
+float engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tasks.weight_graph import (
+    DEFAULT_ACCURACY_LEVEL,
+    DEFAULT_BLOCK_SIZE,
+    WEIGHT_FORMATS,
+    WeightQuantError,
+    quantize_engine_weights,
+)
+
+# engine.weights -> bits per weight (None = the float export, untouched)
+WEIGHT_BITS = {"fp32": None, "int8": 8, "int4": 4}
+WEIGHTS_FILE = "weights.json"  # written next to interface.json: how the engine's weights were stored
+# ONNX Runtime fuses DequantizeLinear + MatMul into MatMulNBits at this accuracy level; 0 keeps
+# the dequantized weights and fp32 activations exact, so ORT checks a Q/DQ graph against its reference.
+QDQ_EXACT_ORT_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "0"}
+# The LM head of a serving engine (the compile stage's int8/int4 copy): int8 whatever the body's bits.
+# At Qwen2-0.5B's shape it is 136M of the 494M parameters (vocabulary 151,936 x 896) and the largest
+# read per token: kept fp32 it is 544 of the int4 engine's 736 MB per token. Measured there
+# (bench.scale_bench: random weights, the release's adapter and 4-bit KV cache, past 512, 2 cores under
+# other load, one interleaved loop; median / p10 ms): int4 body with an fp32 head 83.4 / 39.8, int8 head
+# 53.6 / 27.4, int4 head 59.2 / 25.3; the head's own output error on the calib split (KL against the
+# fp32 head) 1.2e-5 nats at int8, 1.9e-3 at int4 (150x), for at most a p10 8% faster. llama.cpp's Q4_0
+# keeps this tensor at Q8_0 too (its Q6_K needs rows of a multiple of 256 columns; 896 is not).
+SERVING_HEAD_BITS = 8
+SERVING_KEEP = ("embed",)  # the embedding table is a Gather (one row per token), never quantized
+
+
+def weights_key_fields(weights: str, block_size: int = DEFAULT_BLOCK_SIZE, fold_norms: bool = False,
+                       keep: tuple[str, ...] = ("lm_head", "embed"), accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+                       fmt: str = "matmulnbits", head_bits: int | None = None) -> dict:
+    """The part of the engine cache key (and of the interface) that says how weights are stored:
+    two engines that differ in any of these must never be taken for one another. Empty for
+    fp32: a float engine keeps the key (and the cached build) it had before this option existed.
+    The accuracy level is MatMulNBits' own; a Q/DQ graph has none."""
+    if weights == "fp32":
+        return {}
+    fields = {"weights": weights, "weights_block_size": block_size, "weights_fold_norms": fold_norms,
+              "weights_keep": sorted(keep), "weights_format": fmt}
+    if fmt == "matmulnbits":
+        fields["weights_accuracy_level"] = accuracy_level
+    if "lm_head" not in keep and head_bits not in (None, WEIGHT_BITS[weights]):  # absent with the body's bits, as before
+        fields["weights_head_bits"] = head_bits
+    return fields
+
+
+def quantized_cache_key(float_key: dict, fields: dict) -> dict:
+    """``tasks.compile.cache_key`` of the float engine + the weight fields, re-hashed."""
+    key = {k: v for k, v in float_key.items() if k != "key"} | fields
+    key["key"] = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return key
+
+
+def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_size: int = DEFAULT_BLOCK_SIZE,
+                        fold_norms: bool = False, keep: tuple[str, ...] = ("lm_head", "embed"),
+                        accuracy_level: int = DEFAULT_ACCURACY_LEVEL, act_sq: dict | None = None,
+                        fmt: str = "matmulnbits", head_bits: int | None = None) -> dict:
+    """A copy of a compiled engine directory whose model.onnx has ``weights`` precision, in graph
+    form ``fmt`` (``WEIGHT_FORMATS``).
+
+    Writes ``model.onnx``, ``interface.json`` (the same inputs and hash, plus the weight precision) and
+    ``weights.json`` (precision + quantizer settings + summary). The ORT-optimized graph is
+    written by the first ``OrtEngine`` that opens the directory.
+    """
+    import dataclasses
+
+    from runtime.interface import read_interface, write_interface
+
+    if weights not in WEIGHT_BITS:
+        raise WeightQuantError(f"weights must be one of {sorted(WEIGHT_BITS)}, got {weights!r}")
+    engine_dir, out_dir = Path(engine_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bits = WEIGHT_BITS[weights]
+    if bits is None:
+        for f in [engine_dir / "model.onnx", *engine_dir.glob("model.onnx*.data")]:  # the graph and its external data
+            shutil.copy2(f, out_dir / f.name)
+        summary = {"bits": 32}
+    else:
+        summary = quantize_engine_weights(engine_dir / "model.onnx", out_dir / "model.onnx", bits, block_size,
+                                          fold_norms, keep, accuracy_level, act_sq=act_sq, fmt=fmt, head_bits=head_bits)
+    fields = weights_key_fields(weights, block_size, fold_norms, keep, accuracy_level, fmt, head_bits)
+    if act_sq is not None and bits is not None:  # the codes depend on the calibration data
+        digest = hashlib.sha256()
+        for name in sorted(act_sq):
+            digest.update(name.encode() + np.asarray(act_sq[name], np.float64).tobytes())
+        fields["weights_calibration"] = digest.hexdigest()
+    record = {**summary, **fields, "weights": weights}
+    (out_dir / WEIGHTS_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    iface = read_interface(engine_dir)
+    stored = None if bits is None else {"precision": weights, "format": fmt, "block_size": block_size}
+    exporter = json.loads((engine_dir / "interface.json").read_text()).get("exporter")
+    write_interface(dataclasses.replace(iface, weights=stored), out_dir / "interface.json", exporter)
+    src_key = engine_dir / "cache_key.json"
+    if src_key.exists():  # written last, as tasks.compile does: its presence means "complete"
+        key = quantized_cache_key(json.loads(src_key.read_text()), fields)
+        (out_dir / "cache_key.json").write_text(json.dumps(key, indent=2, sort_keys=True) + "\n")
+    return record
+
+
+def ensure_quantized_engine(float_dir: Path, out_dir: Path, weights: str, block_size: int = DEFAULT_BLOCK_SIZE,
+                            fmt: str = "matmulnbits") -> dict:
+    """``quantize_engine_dir`` unless ``out_dir`` already holds the build for this float engine and
+    these settings; written to a temporary sibling and renamed, like the float engine. The LM head
+    is quantized too, at ``SERVING_HEAD_BITS``."""
+    from tasks.artifacts import atomic_output_dir
+
+    keep, head_bits = SERVING_KEEP, SERVING_HEAD_BITS
+    fields = weights_key_fields(weights, block_size, keep=keep, fmt=fmt, head_bits=head_bits)
+    expected = quantized_cache_key(json.loads((Path(float_dir) / "cache_key.json").read_text()), fields)["key"]
+    key_file = Path(out_dir) / "cache_key.json"
+    if key_file.exists() and json.loads(key_file.read_text()).get("key") == expected:
+        return {"weights": weights, "weights_builds": 0, "weights_dir": str(out_dir)}
+    with atomic_output_dir(Path(out_dir)) as tmp:
+        record = quantize_engine_dir(Path(float_dir), tmp, weights, block_size, keep=keep, fmt=fmt, head_bits=head_bits)
+    return {"weights": weights, "weights_builds": 1, "weights_dir": str(out_dir), "weights_record": record}
+
+
+def open_on_cpu(engine_dir: Path, threads: int = 2):
+    """An ``OrtEngine`` on any engine directory this module writes. A Q/DQ graph (TensorRT's form)
+    runs with exact fp32 dequantization (``QDQ_EXACT_ORT_CONFIG``), as TensorRT computes it,
+    not with ONNX Runtime's int8 activation rounding."""
+    from runtime.backends.onnxruntime import OrtEngine
+    from runtime.interface import read_interface
+
+    stored = read_interface(engine_dir).weights  # the format is recorded in the interface
+    qdq = stored is not None and stored["format"] != "matmulnbits"
+    return OrtEngine(engine_dir, threads=threads, session_config=QDQ_EXACT_ORT_CONFIG if qdq else None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Quantize a compiled engine's weights (MatMulNBits or TensorRT's Q/DQ form).")
+    ap.add_argument("--engine-dir", type=Path, required=True, help="a compiled float engine (tasks.compile)")
+    ap.add_argument("--out-dir", type=Path, required=True)
+    ap.add_argument("--weights", choices=sorted(WEIGHT_BITS), default="int8")
+    ap.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    ap.add_argument("--fold-norms", action="store_true")
+    ap.add_argument("--quantize-lm-head", action="store_true", help="also quantize the LM head (kept fp32 by default)")
+    ap.add_argument("--accuracy-level", type=int, default=DEFAULT_ACCURACY_LEVEL, choices=(0, 1, 4))
+    ap.add_argument("--format", choices=WEIGHT_FORMATS, default="matmulnbits",
+                    help="matmulnbits (ONNX Runtime) or qdq / qdq_fp16 (TensorRT weight-only; symmetric)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    keep = ("embed",) if args.quantize_lm_head else ("lm_head", "embed")
+    try:
+        record = quantize_engine_dir(args.engine_dir, args.out_dir, args.weights, args.block_size, args.fold_norms,
+                                     keep, args.accuracy_level, fmt=args.format)
+    except WeightQuantError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps({"weights": record}, indent=2, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Weight-quantized engine directories (tasks/weight_engines.py): records, cache keys, the compile stage's copy."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from engine_testkit import tiny_engine, tiny_qwen  # noqa: F401  (fixtures)
+from weight_testkit import external_copy
+
+from runtime.backends.onnxruntime import OrtEngine
+from tasks.weight_engines import ensure_quantized_engine, quantize_engine_dir
+from tasks.weight_graph import DEFAULT_BLOCK_SIZE, WeightQuantError
+
+
+def test_cache_key_and_record_separate_precisions(tiny_engine, tmp_path):
+    keys = {}
+    for name, weights, fold in (("fp32", "fp32", False), ("int8", "int8", False), ("int4", "int4", False), ("int4f", "int4", True)):
+        quantize_engine_dir(tiny_engine, tmp_path / name, weights, fold_norms=fold)
+        keys[name] = json.loads((tmp_path / name / "cache_key.json").read_text())
+        assert json.loads((tmp_path / name / "weights.json").read_text())["weights"] == weights
+    float_key = json.loads((tiny_engine / "cache_key.json").read_text())
+
+    # A float copy keeps the float key (cached float builds stay valid); each precision gets its own.
+    assert keys["fp32"]["key"] == float_key["key"]
+    assert len({k["key"] for k in keys.values()}) == 4
+    assert keys["int4f"]["weights_fold_norms"] is True and keys["int8"]["backbone_hash"] == float_key["backbone_hash"]
+    # Same settings, same key: a rebuild is reproducible and a cache hit stays possible.
+    quantize_engine_dir(tiny_engine, tmp_path / "again", "int8")
+    assert json.loads((tmp_path / "again" / "cache_key.json").read_text())["key"] == keys["int8"]["key"]
+
+
+def test_a_different_block_size_is_a_different_build(tiny_engine, tmp_path):
+    # given an int4 copy built at the default block size; when the release asks for block 32; then the
+    # cached copy is not reused, and asking again for 32 reuses the new one
+    first = ensure_quantized_engine(tiny_engine, tmp_path / "engine-int4", "int4")
+    assert first["weights_builds"] == 1 and first["weights_record"]["block_size"] == DEFAULT_BLOCK_SIZE == 128
+    other = ensure_quantized_engine(tiny_engine, tmp_path / "engine-int4", "int4", block_size=32)
+    assert other["weights_builds"] == 1 and other["weights_record"]["block_size"] == 32
+    assert ensure_quantized_engine(tiny_engine, tmp_path / "engine-int4", "int4", block_size=32)["weights_builds"] == 0
+    # and TensorRT's form of the same codes is another build again
+    trt = ensure_quantized_engine(tiny_engine, tmp_path / "engine-int4", "int4", block_size=32, fmt="qdq_fp16")
+    assert trt["weights_builds"] == 1 and trt["weights_record"]["format"] == "qdq_fp16"
+
+
+def test_refuses_unknown_precision_and_bad_block(tiny_engine, tmp_path):
+    with pytest.raises(WeightQuantError, match="weights must be one of"):
+        quantize_engine_dir(tiny_engine, tmp_path / "a", "int3")
+    with pytest.raises(WeightQuantError, match="block_size"):
+        quantize_engine_dir(tiny_engine, tmp_path / "b", "int4", block_size=24)
+    with pytest.raises(WeightQuantError, match="format must be one of"):
+        quantize_engine_dir(tiny_engine, tmp_path / "c", "int4", fmt="gguf")
+
+
+def test_compile_stage_builds_the_int8_serving_engine_once_beside_the_float_ones(tiny_llama_dir, tmp_path):
+    import yaml
+
+    from runtime.interface import read_interface
+    from tasks import compile as compile_stage
+    from tasks.config import load_config
+
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({
+        "base_model": {"source": "local", "path": str(tiny_llama_dir)},
+        "train": {"output_dir": str(tmp_path / "artifacts")},
+        "engine": {"dir": str(tmp_path / "engine"), "weights": "int8", "threads": 1},
+    }))
+    cfg = load_config(params)
+    first = compile_stage.run_stage(cfg)
+    # The float-cache engine (adapters bind to it), the quantized-cache engine, and its int8 copy.
+    assert (first["engine_builds"], first["kv_engine"]["engine_builds"], first["weights_builds"]) == (2, 1, 1)
+    serving = tmp_path / "engine-kv-int8"
+    assert cfg.engine.serving_dir() == serving
+    assert json.loads((serving / "weights.json").read_text())["weights"] == "int8"
+    # Same LoRA contract: an qwen_adapter bound to the float engine runs on the int8 copy of the quantized-cache one.
+    assert read_interface(serving).interface_hash == read_interface(tmp_path / "engine-kv").interface_hash
+    assert read_interface(serving).float_interface_hash == read_interface(tmp_path / "engine").interface_hash
+    # and the interface records what the device runs, outside the hash
+    assert read_interface(serving).weights == {"precision": "int8", "format": "matmulnbits", "block_size": 128}
+    assert read_interface(serving).weight_precision == "int8" and read_interface(tmp_path / "engine-kv").weights is None
+    again = compile_stage.run_stage(cfg)
+    assert (again["engine_builds"], again["weights_builds"]) == (0, 0)
+
+
+def test_quantized_weights_are_refused_on_a_backend_that_cannot_run_them():
+    from tasks.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=r"engine: Value error, weights int4 needs backend onnxruntime or tensorrt, not torch"):
+        parse_config({"engine": {"weights": "int4", "backend": "torch", "kv_cache": "float"}})
+
+
+def test_tensorrt_release_gets_the_qdq_serving_engine_from_the_compile_stage(tiny_llama_dir, tmp_path):
+    import yaml
+
+    from tasks import compile as compile_stage
+    from tasks.config import load_config
+
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({
+        "base_model": {"source": "local", "path": str(tiny_llama_dir)},
+        "train": {"output_dir": str(tmp_path / "artifacts")},
+        "engine": {"dir": str(tmp_path / "engine"), "weights": "int4", "backend": "tensorrt", "kv_cache": "float",
+                   "threads": 1},
+        "kv": {"enabled": False},
+    }))
+    cfg = load_config(params)
+    metrics = compile_stage.run_stage(cfg)
+    serving = tmp_path / "engine-int4-qdq_fp16"
+    assert cfg.engine.serving_dir() == serving and metrics["weights_builds"] == 1
+    record = json.loads((serving / "weights.json").read_text())
+    assert (record["format"], record["symmetric"], record["block_size"]) == ("qdq_fp16", True, 128)
+    assert not any(n.op_type == "MatMulNBits" for n in onnx.load(str(serving / "model.onnx")).graph.node)
+
+
+def _locations(onnx_file) -> set[str]:
+    graph = onnx.load(str(onnx_file), load_external_data=False).graph
+    return {e.value for i in graph.initializer for e in i.external_data if e.key == "location"}
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int4"])
+def test_copy_of_a_large_engine_keeps_its_weights_in_a_data_file(tiny_engine, tmp_path, monkeypatch, weights):
+    # Given: an engine whose weights are in a data file, and a size threshold every graph exceeds
+    # (as the 0.5B shape's do at the real one), beside the inline copy of the same engine
+    from runtime.backends import onnxruntime as ort_backend
+
+    quantize_engine_dir(tiny_engine, tmp_path / "inline", weights)
+    source = external_copy(tiny_engine, tmp_path / "source")
+    monkeypatch.setattr(ort_backend, "EXTERNAL_DATA_MIN_BYTES", 0)
+
+    # When: the copy is written from it
+    quantize_engine_dir(source, tmp_path / "large", weights)
+
+    # Then: its graph reads the weights from its own model.onnx.data and computes what the inline copy does
+    assert _locations(tmp_path / "large" / "model.onnx") == {"model.onnx.data"}
+    ids = np.random.default_rng(4).integers(0, 96, (1, 6))
+    args = (ids, np.arange(6)[None], np.ones((1, 6), np.int64), None)
+    want = OrtEngine(tmp_path / "inline").forward(*args)[0]
+    np.testing.assert_array_equal(OrtEngine(tmp_path / "large").forward(*args)[0], want)
