@@ -42,13 +42,12 @@ PASTS = (512, 2048)
 
 def calibrate_random(model_dir: Path, lora: dict, spec):
     from runtime.model import load_backbone
-    from tasks.calibrate import KVScales, collect_kv_stats, scales_from_stats
+    from tasks.calibrate import collect_kv_stats, kv_scales_from_stats
 
     model = load_backbone(model_dir, merged_lora={k: torch.from_numpy(v) for k, v in lora.items()})
     ids = torch.from_numpy(np.random.default_rng(1).integers(0, model.cfg.vocab_size, (4, 128)))
     stats = collect_kv_stats(model, [(ids, torch.ones_like(ids))], spec.pre_rope_keys, 99.9, progress=False)
-    s = scales_from_stats(stats, spec)
-    return KVScales(spec, s["k_scale"], s["k_zero"], s["v_scale"], s["v_zero"], record={})
+    return kv_scales_from_stats(stats, spec, record={})
 
 
 def cache_bytes_per_token(engine, cache, past: int) -> float:

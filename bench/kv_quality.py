@@ -388,11 +388,10 @@ def text_case(cache_dir: Path, quick: bool, steps: int, context_len: int) -> dic
 def default_case(base: Path, adapter: Path, data: Path, out_dir: Path, quick: bool, context_len: int,
                  engine: Path | None = None) -> dict:
     """The default month: calibration through the real stage, perplexity and task accuracy through the cache."""
-    from runtime.hashing import backbone_hash
-    from tasks.artifacts import sha256_file
+    from runtime.contract import ADAPTER_WEIGHTS, read_kv_scales
+    from runtime.hashing import backbone_hash, sha256_file
     from tasks.base_model import load_tokenizer
-    from tasks.calibrate import (calibrate_kv_scales, collect_kv_stats, jsonl_batches, load_kv_scales,
-                                 load_release_backbone)
+    from tasks.calibrate import cache_kwargs, calibrate_kv_scales, collect_kv_stats, jsonl_batches, load_release_backbone
     from tasks.data import read_jsonl
     from tasks.evaluate import accuracy_report
 
@@ -403,8 +402,8 @@ def default_case(base: Path, adapter: Path, data: Path, out_dir: Path, quick: bo
     # The stage itself, and its loader, for the chosen configuration.
     stage_dir = calibrate_kv_scales(base, adapter, data / "calib.jsonl", out_dir / "default_kv", configs["K4/V4 chosen"],
                                     engine_dir=engine).parent
-    chosen = load_kv_scales(stage_dir, sha256_file(adapter / "adapter_model.safetensors"), backbone_hash(base),
-                            expected_spec=configs["K4/V4 chosen"])
+    chosen = read_kv_scales(stage_dir, sha256_file(adapter / ADAPTER_WEIGHTS), backbone_hash(base),
+                            spec=configs["K4/V4 chosen"].to_dict())
     batches, rows = jsonl_batches(tokenizer, data / "calib.jsonl", 16, 96)
     stats = {pre: collect_kv_stats(backbone, batches, pre, CLIP, progress=False) for pre in (True, False)}
     scales_for = _scales_for(stats)
@@ -423,7 +422,7 @@ def default_case(base: Path, adapter: Path, data: Path, out_dir: Path, quick: bo
     test = read_jsonl(data / "test.jsonl")[: 64 if quick else None]
     for name in TASK_CONFIGS:
         spec = configs[name]
-        scales = chosen.cache_kwargs() if name == "K4/V4 chosen" else scales_for(spec)
+        scales = cache_kwargs(chosen) if name == "K4/V4 chosen" else scales_for(spec)
         preds = greedy_through_cache(backbone, tokenizer, [ex.prompt for ex in test], spec, scales)
         rep = accuracy_report(test, preds)
         out["results"][name]["task_accuracy"] = rep["accuracy"]

@@ -253,18 +253,15 @@ def serving_dirs(project: Path, cfg) -> dict:
 
 def open_serving(engine_dir: Path, project: Path, cfg, threads: int):
     """An engine with the release's adapter and KV scales bound, as the device serves it."""
-    from kernels.kv_quant import KVQuantSpec
     from runtime.adapter import load_adapter
-    from runtime.hashing import backbone_hash
-    from tasks.artifacts import sha256_file
-    from tasks.calibrate import load_kv_scales
+    from runtime.contract import ADAPTER_WEIGHTS, read_kv_scales
+    from runtime.hashing import backbone_hash, sha256_file
     from tasks.weight_engines import open_on_cpu
 
     adapter_dir = project / cfg.train.output_dir / MONTH / "finetune" / "adapter"
     engine = open_on_cpu(engine_dir, threads)
-    scales = load_kv_scales(project / cfg.train.output_dir / MONTH / "kv", sha256_file(adapter_dir / "adapter_model.safetensors"),
-                            backbone_hash(Path(cfg.base_model.path)),
-                            expected_spec=KVQuantSpec.from_dict(engine.interface.kv_spec))
+    scales = read_kv_scales(project / cfg.train.output_dir / MONTH / "kv", sha256_file(adapter_dir / ADAPTER_WEIGHTS),
+                            backbone_hash(Path(cfg.base_model.path)), spec=engine.interface.kv_spec)
     engine.set_adapter(load_adapter(adapter_dir, engine.interface), kv_scales=scales)
     return engine
 

@@ -80,7 +80,8 @@ def _tokenizer_checks(settings) -> dict:
 
 
 def cmd_verify(args, settings) -> int:
-    from runtime.package import load_trusted_keys, release_order, verify_path
+    from runtime.contract import release_order
+    from runtime.package import load_trusted_keys, verify_path
 
     if args.active_release is not None:
         try:
@@ -113,12 +114,12 @@ def cmd_serve(args, settings) -> int:
     from runtime.engine import open_engine
     from runtime.package import load_trusted_keys
     from runtime.server import AdapterServer, serve
-    from runtime.tokenizer import DeviceTokenizer
+    from runtime.tokenizer import TOKENIZER_FILE, DeviceTokenizer
 
     if settings["engine"] is None:
         raise DeviceConfigError("serve needs --engine (or engine in the device config)")
     if settings["tokenizer"] is None:
-        default = Path(settings["engine"]) / "tokenizer.json"
+        default = Path(settings["engine"]) / TOKENIZER_FILE
         if not default.exists():
             raise DeviceConfigError("serve needs --tokenizer: the base model's directory (with tokenizer.json); "
                                     f"the engine {settings['engine']} does not hold one")

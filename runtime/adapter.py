@@ -10,26 +10,17 @@ elsewhere; float32 numpy arrays ready to feed any backend.
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import load_file
 
-from runtime.errors import RefusedInput
+from runtime.contract import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PROVENANCE, AdapterError, read_adapter_config
 from runtime.interface import EngineInterface, lora_group_name, lora_groups
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-PROVENANCE = "provenance.json"
 
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (an adapter name may sit before .weight)
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
-
-
-class AdapterError(RefusedInput):
-    """An adapter the engine must not run; the message lists every problem found."""
 
 
 def zero_lora_inputs(iface: EngineInterface) -> dict[str, np.ndarray]:
@@ -72,27 +63,14 @@ def load_adapter(adapter_dir: str | Path, iface: EngineInterface, require_proven
     if require_provenance:
         problems += check_provenance(adapter_dir, iface)
 
-    cfg = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-    if cfg.get("peft_type", "LORA") != "LORA":
-        problems.append(f"peft_type {cfg.get('peft_type')!r} is not LORA")
-    if cfg.get("use_dora"):
-        problems.append("DoRA adapters are not supported by the engine")
-    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        problems.append("per-module rank_pattern/alpha_pattern is not supported")
-    if cfg.get("bias", "none") != "none":
-        problems.append(f"bias={cfg.get('bias')!r}: the engine has no inputs for trained biases")
-    if cfg.get("modules_to_save"):
-        problems.append(f"modules_to_save {cfg['modules_to_save']} would change base weights")
-    r = int(cfg.get("r", 0))
-    if r > iface.max_rank:
-        problems.append(f"rank {r} exceeds the engine's max rank {iface.max_rank}")
-    targets = cfg.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else list(targets)
-    outside = sorted(set(targets) - set(iface.target_modules))
+    cfg = read_adapter_config(adapter_dir)
+    problems += list(cfg.unsupported)
+    if cfg.r > iface.max_rank:
+        problems.append(f"rank {cfg.r} exceeds the engine's max rank {iface.max_rank}")
+    outside = sorted(set(cfg.target_modules) - set(iface.target_modules))
     if outside:
         problems.append(f"target modules {outside} are not LoRA inputs of the engine {list(iface.target_modules)}")
-    alpha = float(cfg.get("lora_alpha", r))
-    scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / max(r, 1)
+    scale = cfg.scale
 
     tensors = load_file(adapter_dir / ADAPTER_WEIGHTS)
     inputs = zero_lora_inputs(iface)

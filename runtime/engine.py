@@ -12,6 +12,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
+from runtime.contract import KV_SCALE_KINDS, KVScales
 from runtime.interface import EngineInterface
 
 Cache = Any  # backend-specific list of 2 * num_layers K/V buffers, layout from the interface
@@ -50,25 +51,24 @@ def check_lora_inputs(iface: EngineInterface, lora: Mapping[str, np.ndarray]) ->
         raise ValueError("LoRA inputs do not match the engine interface: " + "; ".join(problems))
 
 
-def kv_scale_inputs(iface: EngineInterface, kv_scales) -> dict[str, np.ndarray]:
+def kv_scale_inputs(iface: EngineInterface, kv_scales: KVScales) -> dict[str, np.ndarray]:
     """The static KV-scale inputs (``k_scale.{i}`` ... (nkv, d) float32) of a quantized-KV engine,
-    from a calibration (``tasks.calibrate.KVScales``: ``spec``, ``k_scale``/``k_zero``/``v_scale``/
-    ``v_zero`` (L, nkv, d), ``record``). Refuses another spec or backbone, missing, mis-shaped,
-    non-finite or non-positive scales, every problem at once; nothing is defaulted."""
+    from a release's scales (``runtime.contract.read_kv_scales``). Refuses another spec or backbone,
+    missing, mis-shaped, non-finite or non-positive scales, every problem at once; nothing is defaulted."""
     from runtime.errors import RefusedInput
 
-    spec = kv_scales.spec.to_dict() if hasattr(kv_scales.spec, "to_dict") else dict(kv_scales.spec)
     problems = []
-    if spec != iface.kv_spec:
-        problems.append(f"scales were calibrated for KV spec {spec}, the engine implements {iface.kv_spec}")
-    base = (getattr(kv_scales, "record", None) or {}).get("base_model_hash")
+    if kv_scales.spec != iface.kv_spec:
+        problems.append(f"scales were calibrated for KV spec {kv_scales.spec}, the engine implements {iface.kv_spec}")
+    base = kv_scales.record.get("base_model_hash")
     if base is not None and base != iface.backbone_hash:
         problems.append(f"scales were calibrated on backbone {base[:12]}, the engine runs {iface.backbone_hash[:12]}")
-    wanted = [t for t in iface.inputs if t.name.split(".")[0] in ("k_scale", "k_zero", "v_scale", "v_zero")]
+    stacked_by_kind = kv_scales.stacked()
+    wanted = [t for t in iface.inputs if t.name.split(".")[0] in KV_SCALE_KINDS]
     inputs = {}
     for t in wanted:
         field, layer = t.name.split(".")
-        stacked = getattr(kv_scales, field, None)
+        stacked = stacked_by_kind.get(field)
         if stacked is None:
             problems.append(f"{field} is missing")
             continue

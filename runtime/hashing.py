@@ -1,4 +1,8 @@
-"""Content hash of a backbone, the identity every adapter and engine is bound to."""
+"""Content hashes: of a backbone (the identity every adapter and engine is bound to) and of a file.
+
+Torch-free at import (torch is imported by ``backbone_hash`` only), so the device and the
+pipeline hash release files with the same function.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,13 @@ import hashlib
 import json
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
+
+def sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def backbone_hash(model_dir: str | Path) -> str:
@@ -17,6 +26,9 @@ def backbone_hash(model_dir: str | Path) -> str:
     Hashing tensors rather than files makes the identity independent of how the
     safetensors file was laid out or sharded, and of metadata such as timestamps.
     """
+    import torch
+    from safetensors import safe_open
+
     model_dir = Path(model_dir)
     digest = hashlib.sha256()
     config = json.loads((model_dir / "config.json").read_text())

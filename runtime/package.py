@@ -1,12 +1,9 @@
-"""Release packages on the device side: the format, safe unpacking, and verification.
+"""Release packages on the device side: safe packing and unpacking, and verification.
 
-A release is a flat directory (or a ``.tar.gz`` of its files) holding only data:
-
-  adapter_config.json, adapter_model.safetensors   the PEFT files, unchanged (PeftModel loads them)
-  provenance.json                                  backbone hash, params hash, library versions
-  kv_scales.safetensors, kv_scales.json            the release's KV-cache scales (when calibrated)
-  manifest.json                                    sorted keys: identity, bindings, metrics, gates, files
-  manifest.sig                                     raw 64-byte Ed25519 signature of manifest.json
+A release is a flat directory (or a ``.tar.gz`` of its files) holding only data; its files and
+their formats are ``runtime/contract.py``'s (the PEFT files unchanged, provenance, KV scales when
+calibrated, ``manifest.json`` with sorted keys, ``manifest.sig`` the raw 64-byte Ed25519
+signature of manifest.json).
 
 ``verify_release`` runs every check before anything reaches an engine, and each failure is
 its own ``PackageError`` subclass with a ``reason`` and a process exit code (``EXIT_CODES``).
@@ -19,17 +16,15 @@ trusted before this) -> manifest fields -> size limits -> sha256 of every file -
 rollback -> backbone and interface hashes against the local engine -> tokenizer -> adapter
 rank, modules, shapes, finite values (``runtime.adapter.load_adapter``) -> KV-scale sanity.
 
-Release ordering, for rollback protection: ``release_id`` is ``<month>+<created UTC
-YYYYMMDDTHHMMSSZ>`` and releases compare by (month, created_at): a later month always wins,
-and within a month the later build. A candidate that sorts before the active release is
-refused unless rollback is explicitly allowed; the same release again is accepted.
+Rollback protection: a candidate whose release id sorts before the active release's
+(``runtime.contract.release_order``) is refused unless rollback is explicitly allowed; the same
+release again is accepted.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import hashlib
 import io
 import json
 import os
@@ -44,25 +39,39 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PROVENANCE, AdapterError, load_adapter
+from runtime.adapter import load_adapter
+from runtime.contract import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    FORMAT,
+    FORMAT_VERSION,
+    KV_SCALES_FILES,
+    MANIFEST,
+    MONTH,
+    PROVENANCE,
+    RELEASE_ID,
+    SIGNATURE,
+    STAMP_FORMAT,
+    TIME_FORMAT,
+    AdapterError,
+    KVScales,
+    KVScalesError,
+    format_time,
+    parse_time,
+    read_adapter_config,
+    read_kv_scales,
+    release_order,
+)
 from runtime.errors import RefusedInput
+from runtime.hashing import sha256_file
 from runtime.interface import EngineInterface
 
-MANIFEST = "manifest.json"
-SIGNATURE = "manifest.sig"
-KV_SCALES_FILE = "kv_scales.safetensors"
-KV_SCALES_JSON = "kv_scales.json"
-FORMAT = "adapter-release"
-FORMAT_VERSION = 1
 DATA_SUFFIXES = (".json", ".safetensors")  # data formats only: no pickle, no code, no native libraries
 # A LoRA release of a 0.5B backbone at r=8 is ~4.3 MB and of the tiny default ~0.2 MB; a
 # package hundreds of times larger is a mistake or an attack, refused before it is hashed.
 DEFAULT_MAX_PACKAGE_BYTES = 256 << 20
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_FILES = 16
-TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
-STAMP_FORMAT = "%Y%m%dT%H%M%SZ"
-_RELEASE_ID = re.compile(r"^(\d{4}-(?:0[1-9]|1[0-2]))(?:\+(\d{8}T\d{6}Z))?$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -134,40 +143,7 @@ class TokenizerMismatch(PackageError):
 EXIT_CODES = {cls.reason: cls.exit_code for cls in PackageError.__subclasses__()}
 
 
-# ---------------------------------------------------------------- format helpers (shared with the writer)
-
-def manifest_bytes(manifest: dict) -> bytes:
-    """The canonical bytes that are signed: sorted keys, 2-space indent, trailing newline."""
-    return (json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
-
-
-def format_time(t: dt.datetime) -> str:
-    return t.astimezone(dt.timezone.utc).strftime(TIME_FORMAT)
-
-
-def parse_time(text: str) -> dt.datetime:
-    return dt.datetime.strptime(text, TIME_FORMAT).replace(tzinfo=dt.timezone.utc)
-
-
-def make_release_id(month: str, created: dt.datetime) -> str:
-    return f"{month}+{created.astimezone(dt.timezone.utc).strftime(STAMP_FORMAT)}"
-
-
-def release_order(release_id: str) -> tuple[str, str]:
-    """(month, created stamp) of a release id; a bare month ``YYYY-MM`` sorts before all its builds."""
-    m = _RELEASE_ID.match(str(release_id))
-    if m is None:
-        raise ValueError(f"release id {release_id!r} is not YYYY-MM or YYYY-MM+YYYYMMDDTHHMMSSZ")
-    return m.group(1), m.group(2) or ""
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
+# ---------------------------------------------------------------- packing
 
 def write_tarball(release_dir: Path, out: Path) -> Path:
     """A reproducible ``.tar.gz`` of the release's files at the archive root (sorted names, no
@@ -250,77 +226,6 @@ def package_dir(path: str | Path, max_bytes: int = DEFAULT_MAX_PACKAGE_BYTES) ->
         yield extract_tarball(path, Path(tmp) / "release", max_bytes)
 
 
-# ---------------------------------------------------------------- KV scales, without torch
-
-@dataclass(frozen=True)
-class ReleaseKVScales:
-    """A release's KV scales as numpy: (L, nkv, d) float32, zeros None when symmetric. Has the
-    fields ``runtime.engine.kv_scale_inputs`` reads (``spec`` dict, ``record``)."""
-
-    spec: dict
-    k_scale: np.ndarray
-    k_zero: np.ndarray | None
-    v_scale: np.ndarray
-    v_zero: np.ndarray | None
-    record: dict
-
-
-def read_kv_scales(release_dir: Path, manifest: dict, iface: EngineInterface | None) -> ReleaseKVScales:
-    """Read and check the release's KV scales; raise KVScalesRefused naming the file and tensor."""
-    from safetensors import safe_open
-
-    file, record_file = Path(release_dir) / KV_SCALES_FILE, Path(release_dir) / KV_SCALES_JSON
-    try:
-        record = json.loads(record_file.read_text())
-        with safe_open(str(file), framework="np") as fh:
-            meta = fh.metadata() or {}
-            tensors = {name: fh.get_tensor(name) for name in fh.keys()}
-    except (OSError, ValueError, json.JSONDecodeError) as err:
-        raise KVScalesRefused(f"{file}: cannot read KV scales ({err})") from None
-    problems = []
-    spec = record.get("spec")
-    if spec != manifest.get("kv_format"):
-        problems.append(f"{record_file.name} spec {spec} differs from the manifest's kv_format")
-    adapter_sha = manifest["files"][ADAPTER_WEIGHTS]["sha256"]
-    if record.get("adapter_sha256") != adapter_sha:
-        problems.append(f"scales were calibrated for adapter {str(record.get('adapter_sha256'))[:12]}, "
-                        f"this release's adapter is {adapter_sha[:12]}")
-    if record.get("base_model_hash") != manifest["base_model_hash"]:
-        problems.append(f"scales were calibrated on backbone {str(record.get('base_model_hash'))[:12]}")
-    for key in ("base_model_hash", "adapter_sha256"):
-        if key in meta and meta[key] != record.get(key):
-            problems.append(f"{file.name} metadata {key} disagrees with {record_file.name}")
-    if not isinstance(spec, dict):
-        raise KVScalesRefused(f"{file}: " + "; ".join(problems + ["no spec recorded"]))
-    layers = sorted({int(n.split(".")[1]) for n in tensors if re.match(r"^layer\.\d+\.\w+$", n)})
-    L = iface.num_layers if iface is not None else len(layers)
-    if layers != list(range(L)) or len(layers) != len({n.split(".")[1] for n in tensors}):
-        problems.append(f"scales for layers {layers}, expected 0..{L - 1}")
-    for name, t in sorted(tensors.items()):
-        if t.dtype != np.float32:
-            problems.append(f"{name} is {t.dtype}, expected float32")
-        elif not np.isfinite(t).all():
-            problems.append(f"{name} has {int((~np.isfinite(t)).sum())} non-finite values")
-        elif name.endswith("scale") and not (t > 0).all():
-            problems.append(f"{name} has {int((t <= 0).sum())} zero or negative scales")
-        elif iface is not None and tuple(t.shape) != (iface.num_kv_heads, iface.head_dim):
-            problems.append(f"{name} has shape {tuple(t.shape)}, the engine has ({iface.num_kv_heads}, {iface.head_dim})")
-    if problems:
-        raise KVScalesRefused(f"{file}: " + "; ".join(problems))
-
-    def stack(kind: str, needed: bool):
-        names = [f"layer.{i}.{kind}" for i in range(L)]
-        if not needed:
-            return None
-        missing = [n for n in names if n not in tensors]
-        if missing:
-            raise KVScalesRefused(f"{file}: missing {missing}")
-        return np.stack([tensors[n] for n in names])  # (L, nkv, d)
-
-    return ReleaseKVScales(spec, stack("k_scale", True), stack("k_zero", not spec.get("k_symmetric", True)),
-                           stack("v_scale", True), stack("v_zero", not spec.get("v_symmetric", True)), record)
-
-
 # ---------------------------------------------------------------- verification
 
 @dataclass
@@ -332,7 +237,7 @@ class VerifiedRelease:
     manifest: dict
     key_id: str
     lora: dict[str, np.ndarray] | None = None
-    kv_scales: ReleaseKVScales | None = None
+    kv_scales: KVScales | None = None
     checks: list[str] = field(default_factory=list)
 
     @property
@@ -373,8 +278,8 @@ def _check_manifest_fields(m: dict, where: Path) -> None:
 
     need("format", str, lambda v: v == FORMAT, f"must be {FORMAT!r}")
     need("format_version", int, lambda v: v == FORMAT_VERSION, f"this runtime reads version {FORMAT_VERSION}")
-    need("month", str, lambda v: re.match(r"^\d{4}-(0[1-9]|1[0-2])$", v) is not None, "must be YYYY-MM")
-    need("release_id", str, lambda v: _RELEASE_ID.match(v) is not None, "must be YYYY-MM+YYYYMMDDTHHMMSSZ")
+    need("month", str, lambda v: MONTH.match(v) is not None, "must be YYYY-MM")
+    need("release_id", str, lambda v: RELEASE_ID.match(v) is not None, "must be YYYY-MM+YYYYMMDDTHHMMSSZ")
     for key in ("created_at", "expires_at"):
         need(key, str, lambda v: _parses(v), f"must be a UTC time {TIME_FORMAT}")
     need("base_model_hash", str, lambda v: _HEX64.match(v) is not None, "must be a sha256 hex digest")
@@ -398,7 +303,7 @@ def _check_manifest_fields(m: dict, where: Path) -> None:
             elif not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and _HEX64.match(entry["sha256"])
                       and isinstance(entry.get("bytes"), int) and entry["bytes"] >= 0):
                 problems.append(f"files.{name}: needs sha256 (hex) and bytes (int)")
-        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) + ((KV_SCALES_FILE, KV_SCALES_JSON) if m["kv_format"] else ()):
+        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) + (KV_SCALES_FILES if m["kv_format"] else ()):
             if name not in m["files"]:
                 problems.append(f"files: {name} is required but not listed")
     if problems:
@@ -542,19 +447,23 @@ def verify_release(
                                 f"tokenizer stops at {list(stop_token_ids)} (its tokenizer_config.json or "
                                 "generation_config.json differ from the base model's)")
 
-    acfg = json.loads((path / ADAPTER_CONFIG).read_text())
-    targets = acfg.get("target_modules")
-    targets = sorted([targets] if isinstance(targets, str) else (targets or []))
-    if acfg.get("r") != manifest["adapter"]["r"] or targets != sorted(manifest["adapter"]["target_modules"]):
-        raise MalformedPackage(f"{path / ADAPTER_CONFIG}: r={acfg.get('r')} modules={targets} disagree with the manifest")
     try:
+        acfg = read_adapter_config(path)
+        if acfg.r != manifest["adapter"]["r"] or list(acfg.target_modules) != sorted(manifest["adapter"]["target_modules"]):
+            raise MalformedPackage(f"{path / ADAPTER_CONFIG}: r={acfg.r} modules={list(acfg.target_modules)} disagree "
+                                   "with the manifest")
         verified.lora = load_adapter(path, iface, require_provenance=PROVENANCE in listed)
     except AdapterError as err:
         raise AdapterRefused(str(err)) from None
-    checks.append(f"adapter: r={acfg.get('r')} on {targets}, within max rank {iface.max_rank}")
+    checks.append(f"adapter: r={acfg.r} on {list(acfg.target_modules)}, within max rank {iface.max_rank}")
 
     if manifest["kv_format"] is not None:
-        verified.kv_scales = read_kv_scales(path, manifest, iface)
+        try:
+            verified.kv_scales = read_kv_scales(path, manifest["files"][ADAPTER_WEIGHTS]["sha256"],
+                                                manifest["base_model_hash"], spec=manifest["kv_format"],
+                                                num_layers=iface.num_layers, channels=(iface.num_kv_heads, iface.head_dim))
+        except KVScalesError as err:
+            raise KVScalesRefused(str(err)) from None
         checks.append("kv scales: finite, positive, calibrated for this adapter and backbone")
     if iface.kv_spec is not None:
         if manifest["kv_format"] != iface.kv_spec:

@@ -26,11 +26,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from runtime.contract import MANIFEST, MONTH, REGISTRY_CHANNELS, registry_release_path, release_order, release_tag
 from runtime.errors import RefusedInput
-from runtime.package import MANIFEST, VerifiedRelease, release_order, verify_release
+from runtime.package import VerifiedRelease, verify_release
 
-CHANNELS = "channels.json"
-MONTH = re.compile(r"^\d{4}-(0[1-9]|1[0-2])$")
 ALIAS = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 
 
@@ -38,14 +37,6 @@ class PullError(RefusedInput):
     """The registry could not give the release asked for (unknown alias or month, dvc failure)."""
 
     reason, exit_code = "pull", 30
-
-
-def release_path(month: str) -> str:
-    return f"releases/{month}"
-
-
-def release_tag(month: str) -> str:
-    return f"release/{month}"
 
 
 def dvc_command() -> list[str]:
@@ -70,16 +61,16 @@ def resolve_alias(registry: str, alias: str, rev: str | None = None) -> str:
     if not ALIAS.match(alias):
         raise PullError(f"alias {alias!r} is not a channel name")
     with tempfile.TemporaryDirectory(prefix="channels-") as tmp:
-        out = Path(tmp) / CHANNELS
-        dvc_get(registry, CHANNELS, out, rev)
+        out = Path(tmp) / REGISTRY_CHANNELS
+        dvc_get(registry, REGISTRY_CHANNELS, out, rev)
         try:
             channels = json.loads(out.read_text())
         except json.JSONDecodeError as err:
-            raise PullError(f"{registry}: {CHANNELS} is not valid JSON ({err.msg})") from None
+            raise PullError(f"{registry}: {REGISTRY_CHANNELS} is not valid JSON ({err.msg})") from None
     month = channels.get(alias) if isinstance(channels, dict) else None
     if not isinstance(month, str) or not MONTH.match(month):
         names = sorted(channels) if isinstance(channels, dict) else []
-        raise PullError(f"{registry}: {CHANNELS} has no alias {alias!r} naming a month (aliases: {', '.join(names) or 'none'})")
+        raise PullError(f"{registry}: {REGISTRY_CHANNELS} has no alias {alias!r} naming a month (aliases: {', '.join(names) or 'none'})")
     return month
 
 
@@ -123,11 +114,11 @@ def pull(
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.pull-", dir=target.parent))
     try:
         fetched = staging / "release"
-        dvc_get(registry, release_path(month), fetched, release_tag(month))
+        dvc_get(registry, registry_release_path(month), fetched, release_tag(month))
         verified = verify_release(fetched, trusted_keys, iface, active_release=installed_release_id(target),
                                   allow_rollback=allow_rollback, **verify_options)
         if verified.manifest["month"] != month:
-            raise PullError(f"{registry}: {release_path(month)} holds a release of month {verified.manifest['month']}")
+            raise PullError(f"{registry}: {registry_release_path(month)} holds a release of month {verified.manifest['month']}")
         old = staging / "previous"
         if target.exists():
             os.replace(target, old)

@@ -31,15 +31,14 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from runtime.contract import MANIFEST, release_order
 from runtime.generate import greedy_generate
 from runtime.package import (
     DEFAULT_MAX_PACKAGE_BYTES,
-    MANIFEST,
     PackageError,
     RollbackRefused,
     bind_release,
     package_dir,
-    release_order,
     verify_release,
 )
 

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 from runtime.errors import RefusedInput
+from runtime.hashing import sha256_file
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -91,8 +92,6 @@ class DeviceTokenizer:
 
     @property
     def sha256(self) -> str:
-        from runtime.package import sha256_file
-
         return sha256_file(self.file)
 
     def encode(self, text: str) -> list[int]:

@@ -15,9 +15,6 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-# The device checks files with this very function; the pipeline must hash them the same way.
-from runtime.package import sha256_file  # noqa: F401
-
 
 @contextlib.contextmanager
 def atomic_output_dir(final: Path) -> Iterator[Path]:

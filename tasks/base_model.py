@@ -13,7 +13,8 @@ import random
 import sys
 from pathlib import Path
 
-from tasks.artifacts import atomic_output_dir, sha256_file, write_json
+from runtime.hashing import sha256_file
+from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
 from tasks.config import BASE_MODEL_STAGE_DIR, BaseModelConfig, DataConfig, ReleaseConfig, StageError, TrainConfig
 from tasks.data import Example, rulebook, sample_examples

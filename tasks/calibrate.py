@@ -3,7 +3,7 @@
 The adapter changes K and V (it targets k_proj and v_proj), so scales belong to a release:
 a new adapter gets new scales. The stage runs base + adapter over the ``calib`` split,
 collects per-channel ranges of keys (before RoPE when ``spec.pre_rope_keys``) and values, and
-writes into ``out_dir``:
+writes into ``out_dir`` (format: ``runtime.contract.write_kv_scales``):
 
   kv_scales.safetensors  ``layer.{i}.k_scale`` (nkv, d), ``layer.{i}.k_zero`` (asymmetric keys only),
                          ``layer.{i}.v_scale``, ``layer.{i}.v_zero`` (per-channel values; written
@@ -12,59 +12,30 @@ writes into ``out_dir``:
   kv_scales.json         how they were computed: split, rows, tokens, clipping, spec,
                          base_model_hash, adapter_sha256, interface, key outlier ratios.
 
-``load_kv_scales`` refuses, with a distinct ``KVScalesError.reason``, a file that is missing,
-malformed, non-finite, zero or made for another adapter, backbone, interface or spec. There
-is no fallback to 1.0: an uncalibrated cache would silently clip every key.
+``runtime.contract.read_kv_scales`` refuses, with a distinct ``KVScalesError.reason``, a file that
+is missing, malformed, non-finite, zero or made for another adapter, backbone, interface or spec.
+There is no fallback to 1.0: an uncalibrated cache would silently clip every key.
 
     python -m tasks.calibrate --params params.yaml   (settings from the ``kv`` section)
 """
 
 from __future__ import annotations
 
-import json
 import math
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.errors import RefusedInput
-from tasks.artifacts import atomic_output_dir, sha256_file, write_json
+from runtime.contract import ADAPTER_WEIGHTS, KV_SCALES_FILE, KV_SCALES_FORMAT_VERSION, KVScales, write_kv_scales
+from runtime.hashing import sha256_file
+from tasks.artifacts import atomic_output_dir
 from tasks.cli import stage_main
 from tasks.config import ReleaseConfig
 
-SCALES_FILE = "kv_scales.safetensors"
-SCALES_JSON = "kv_scales.json"
-FORMAT_VERSION = 1
 # Static scales are set on calib text and read on other text: a percentile range spends the 16
 # levels on the bulk rather than on a few extreme values. Measured for the default scheme (static
 # per-channel K after RoPE and V, read by the GQA engine, stdlib text, bench/kv_quality.py):
 # perplexity +0.71% at the 99.9th percentile, +0.15% at 99.5, -0.08% at 99.0, -0.17% at 98.
 DEFAULT_CLIP_PERCENTILE = 99.0
-
-
-class KVScalesError(RefusedInput):
-    """A KV-scale file that must not be used. ``reason`` is one of: missing, malformed,
-    non_finite, zero, adapter_mismatch, base_mismatch, interface_mismatch, spec_mismatch."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class KVScales:
-    """Loaded, checked scales: tensors (L, nkv, d) float32; zeros are None when symmetric."""
-
-    spec: "KVQuantSpec"  # noqa: F821
-    k_scale: "torch.Tensor"  # noqa: F821
-    k_zero: "torch.Tensor | None"  # noqa: F821
-    v_scale: "torch.Tensor"  # noqa: F821
-    v_zero: "torch.Tensor | None"  # noqa: F821
-    record: dict
-
-    def cache_kwargs(self) -> dict:
-        """Keyword arguments of ``kernels.QuantizedKVCache`` for these scales."""
-        return dict(k_scale=self.k_scale, k_zero=self.k_zero, v_scale=self.v_scale, v_zero=self.v_zero)
 
 
 # ---------------------------------------------------------------- statistics
@@ -142,6 +113,19 @@ def scales_from_stats(stats: dict, spec) -> dict:
     return out
 
 
+def kv_scales_from_stats(stats: dict, spec, record: dict) -> KVScales:
+    """The release's scales for ``spec`` (a ``KVQuantSpec``) from ``collect_kv_stats`` output."""
+    s = {kind: (None if t is None else t.float().numpy()) for kind, t in scales_from_stats(stats, spec).items()}
+    return KVScales(spec.to_dict(), s["k_scale"], s["k_zero"], s["v_scale"], s["v_zero"], record)
+
+
+def cache_kwargs(scales: KVScales) -> dict:
+    """Keyword arguments of ``kernels.QuantizedKVCache`` for these scales (torch views of the arrays)."""
+    import torch
+
+    return {kind: torch.from_numpy(a) for kind, a in scales.stacked().items()}  # an absent zero point stays None
+
+
 # ---------------------------------------------------------------- the stage
 
 def load_release_backbone(base_dir: Path, adapter_dir: Path, engine_dir: Path | None = None):
@@ -154,7 +138,8 @@ def load_release_backbone(base_dir: Path, adapter_dir: Path, engine_dir: Path | 
     """
     import torch
 
-    from runtime.adapter import ADAPTER_CONFIG, load_adapter
+    from runtime.adapter import load_adapter
+    from runtime.contract import read_adapter_config
     from runtime.hashing import backbone_hash
     from runtime.interface import build_interface, read_interface
     from runtime.model import load_backbone, read_config
@@ -163,11 +148,9 @@ def load_release_backbone(base_dir: Path, adapter_dir: Path, engine_dir: Path | 
         iface = read_interface(engine_dir)
         interface_hash = iface.interface_hash
     else:
-        acfg = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())
-        targets = acfg.get("target_modules") or []
-        targets = tuple(sorted([targets] if isinstance(targets, str) else targets))
-        rank = int(acfg.get("r", 1))
-        iface = build_interface(read_config(base_dir), backbone_hash(base_dir), max_rank=rank, target_modules=targets)
+        acfg = read_adapter_config(adapter_dir)
+        iface = build_interface(read_config(base_dir), backbone_hash(base_dir), max_rank=acfg.r,
+                                target_modules=acfg.target_modules)
         interface_hash = ""
     lora = {k: torch.from_numpy(v) for k, v in load_adapter(adapter_dir, iface).items()}
     return load_backbone(base_dir, merged_lora=lora), iface.backbone_hash, interface_hash
@@ -187,23 +170,12 @@ def jsonl_batches(tokenizer, calib_jsonl: Path, batch_size: int, max_seq_len: in
     return batches, len(rows)
 
 
-def write_kv_scales(out_dir: Path, scales: dict, record: dict) -> Path:
-    """Write kv_scales.safetensors + kv_scales.json atomically into ``out_dir``; refuse bad scales."""
-    from safetensors.torch import save_file
-
-    problems = _check_tensors({k: v for k, v in scales.items() if v is not None})
-    if problems:
-        raise KVScalesError(problems[0][0], "refusing to write KV scales: " + "; ".join(p for _, p in problems))
-    tensors = {}
-    for name, t in scales.items():
-        if t is not None:
-            for i in range(t.shape[0]):
-                tensors[f"layer.{i}.{name}"] = t[i].contiguous().float()
-    meta = {k: (v if isinstance(v, str) else json.dumps(v, sort_keys=True)) for k, v in _identity(record).items()}
+def save_kv_scales(out_dir: Path, scales: KVScales) -> Path:
+    """Write ``scales`` as the all-or-nothing folder ``out_dir``; bad scales are refused before it
+    exists (``runtime.contract.KVScalesError``). Returns the .safetensors path."""
     with atomic_output_dir(Path(out_dir)) as tmp:
-        save_file(tensors, str(tmp / SCALES_FILE), metadata=meta)
-        write_json(tmp / SCALES_JSON, record)
-    return Path(out_dir) / SCALES_FILE
+        write_kv_scales(tmp, scales)
+    return Path(out_dir) / KV_SCALES_FILE
 
 
 def calibrate_kv_scales(
@@ -226,7 +198,7 @@ def calibrate_kv_scales(
 
     spec = spec or KVQuantSpec()
     torch.set_num_threads(threads)
-    adapter_file = Path(adapter_dir) / "adapter_model.safetensors"
+    adapter_file = Path(adapter_dir) / ADAPTER_WEIGHTS
     if not adapter_file.exists():
         raise FileNotFoundError(f"{adapter_file} is missing: scales are calibrated for an adapter")
     backbone, base_hash, interface = load_release_backbone(Path(base_dir), Path(adapter_dir), engine_dir)
@@ -234,7 +206,7 @@ def calibrate_kv_scales(
     batches, rows = jsonl_batches(tokenizer, Path(calib_jsonl), batch_size, max_seq_len)
     stats = collect_kv_stats(backbone, batches, spec.pre_rope_keys, clip_percentile)
     record = {
-        "format_version": FORMAT_VERSION,
+        "format_version": KV_SCALES_FORMAT_VERSION,
         "split": "calib",
         "calib_path": str(calib_jsonl),
         "rows": rows,
@@ -248,106 +220,7 @@ def calibrate_kv_scales(
         "key_outlier_ratio": key_outlier_ratio(stats["k_channel_amax"]),
         "torch": torch.__version__,
     }
-    return write_kv_scales(Path(out_dir), scales_from_stats(stats, spec), record)
-
-
-# ---------------------------------------------------------------- loading, with refusals
-
-def _identity(record: dict) -> dict:
-    keys = ("format_version", "base_model_hash", "adapter_sha256", "interface", "spec")
-    return {k: record.get(k) for k in keys}
-
-
-def _check_tensors(tensors: dict) -> list[tuple[str, str]]:
-    import torch
-
-    problems = []
-    for name, t in sorted(tensors.items()):
-        if not torch.isfinite(t).all():
-            problems.append(("non_finite", f"{name} has {int((~torch.isfinite(t)).sum())} non-finite values"))
-        elif name.endswith("scale") and not (t > 0).all():
-            problems.append(("zero", f"{name} has {int((t <= 0).sum())} zero or negative scales"))
-    return problems
-
-
-def load_kv_scales(
-    path: Path,
-    expected_adapter_sha256: str,
-    expected_base_hash: str,
-    expected_interface: str | None = None,
-    expected_spec=None,
-    num_layers: int | None = None,
-) -> KVScales:
-    """Read and check a calibration; raise ``KVScalesError`` (with ``reason``) instead of guessing.
-
-    ``path`` is the output directory or the .safetensors file. ``expected_interface=None`` skips
-    the interface check (until the engine provides one); ``expected_spec`` None accepts the
-    recorded spec.
-    """
-    import torch
-    from safetensors import safe_open
-
-    from kernels.kv_quant import KVQuantSpec
-
-    path = Path(path)
-    file = path / SCALES_FILE if path.is_dir() or not path.suffix else path
-    record_file = file.with_name(SCALES_JSON)
-    for f in (file, record_file):
-        if not f.exists():
-            raise KVScalesError("missing", f"{f} is missing: calibrate this release (python -m tasks.calibrate); "
-                                "KV scales are never defaulted to 1.0")
-    try:
-        record = json.loads(record_file.read_text())
-        with safe_open(str(file), framework="pt") as fh:
-            meta = fh.metadata() or {}
-            tensors = {name: fh.get_tensor(name).float() for name in fh.keys()}
-        spec = KVQuantSpec.from_dict(record["spec"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, OSError) as err:
-        raise KVScalesError("malformed", f"{file}: cannot read KV scales ({err})") from None
-    written = {k: (v if isinstance(v, str) else json.dumps(v, sort_keys=True)) for k, v in _identity(record).items()}
-    if meta != written:
-        raise KVScalesError("malformed", f"{file}: safetensors metadata disagrees with {record_file.name}")
-
-    if record["adapter_sha256"] != expected_adapter_sha256:
-        raise KVScalesError("adapter_mismatch", f"{file}: scales were calibrated for adapter {record['adapter_sha256'][:12]}, "
-                            f"not for this adapter {expected_adapter_sha256[:12]}; recalibrate")
-    if record["base_model_hash"] != expected_base_hash:
-        raise KVScalesError("base_mismatch", f"{file}: scales were calibrated on backbone {record['base_model_hash'][:12]}, "
-                            f"not {expected_base_hash[:12]}")
-    if expected_interface is not None and record.get("interface", "") != expected_interface:
-        raise KVScalesError("interface_mismatch", f"{file}: scales record engine interface {record.get('interface')!r}, "
-                            f"the engine has {expected_interface!r}")
-    if expected_spec is not None and spec != expected_spec:
-        raise KVScalesError("spec_mismatch", f"{file}: scales were made for {spec.name}, not {expected_spec.name}")
-
-    problems = _check_tensors(tensors)
-    if problems:
-        raise KVScalesError(problems[0][0], f"{file}: " + "; ".join(p for _, p in problems))
-    layers = sorted({int(n.split(".")[1]) for n in tensors})
-    L = num_layers if num_layers is not None else len(layers)
-    if layers != list(range(L)):
-        raise KVScalesError("malformed", f"{file}: scales for layers {layers}, expected 0..{L - 1}")
-
-    def stack(name: str, needed: bool):
-        names = [f"layer.{i}.{name}" for i in range(L)]
-        present = [n in tensors for n in names]
-        if not needed:
-            return None
-        if not all(present):
-            raise KVScalesError("malformed", f"{file}: missing {[n for n, p in zip(names, present) if not p]}")
-        return torch.stack([tensors[n] for n in names])  # (L, nkv, d)
-
-    out = KVScales(
-        spec=spec,
-        k_scale=stack("k_scale", True),
-        k_zero=stack("k_zero", not spec.k_symmetric),
-        v_scale=stack("v_scale", True),
-        v_zero=stack("v_zero", not spec.v_symmetric),
-        record=record,
-    )
-    if out.k_scale.shape != out.v_scale.shape:
-        raise KVScalesError("malformed", f"{file}: k_scale {tuple(out.k_scale.shape)} and v_scale {tuple(out.v_scale.shape)} differ")
-    return out
+    return save_kv_scales(Path(out_dir), kv_scales_from_stats(stats, spec, record))
 
 
 # ---------------------------------------------------------------- CLI

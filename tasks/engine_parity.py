@@ -51,12 +51,13 @@ def quantized_prefill_parity(engine, backbone, kv_scales, attention: str, tokeni
     of a 4-bit cache, so the arithmetic is compared where the codes agree and the codes are counted)."""
     import torch
 
+    from kernels.kv_quant import KVQuantSpec
     from runtime.engine import kv_scale_inputs
     from runtime.interface import quantized_kv_tensors
     from runtime.kv_model import QuantizedKVBackbone
 
     iface = engine.interface
-    module = QuantizedKVBackbone(backbone, kv_scales.spec, attention).eval()
+    module = QuantizedKVBackbone(backbone, KVQuantSpec.from_dict(kv_scales.spec), attention).eval()
     cache_specs, static_specs, out_specs = quantized_kv_tensors(iface.num_layers, iface.num_kv_heads, iface.head_dim,
                                                                 iface.kv_spec)
     empty = [torch.zeros([{"batch": 1, "past": 0, "sink": 0}.get(a, a) for a in t.shape], dtype=getattr(torch, t.dtype))

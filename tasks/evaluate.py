@@ -175,14 +175,14 @@ def _score_on_engine(
         diff = prefill_logit_diff(engine, merged_model, tokenizer, prompts)
     else:
         from kernels.kv_quant import KVQuantSpec
-        from runtime.hashing import backbone_hash
-        from tasks.artifacts import sha256_file
-        from tasks.calibrate import load_kv_scales
+        from runtime.contract import ADAPTER_WEIGHTS, read_kv_scales
+        from runtime.hashing import backbone_hash, sha256_file
 
-        scales = load_kv_scales(kv_dir, sha256_file(adapter_dir / "adapter_model.safetensors"), backbone_hash(base_dir),
-                                expected_spec=KVQuantSpec.from_dict(engine.interface.kv_spec))
+        scales = read_kv_scales(kv_dir, sha256_file(adapter_dir / ADAPTER_WEIGHTS), backbone_hash(base_dir),
+                                spec=engine.interface.kv_spec)
         engine.set_adapter(lora, kv_scales=scales)
-        kv_parity = quantized_prefill_parity(engine, release_backbone, scales, engine_cfg.kv_attention(scales.spec), tokenizer, prompts)
+        attention = engine_cfg.kv_attention(KVQuantSpec.from_dict(scales.spec))
+        kv_parity = quantized_prefill_parity(engine, release_backbone, scales, attention, tokenizer, prompts)
         diff = kv_parity["max_abs_logit_diff_codes_agree"]
     on_engine = generate_text(engine, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size)
     parity = parity_report(

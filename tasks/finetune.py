@@ -11,6 +11,7 @@ import platform
 import sys
 from pathlib import Path
 
+from runtime.contract import PROVENANCE
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.base_model import load_base_model
 from tasks.cli import stage_main
@@ -18,7 +19,6 @@ from tasks.config import ConfigError, LoraSection, ReleaseConfig, TrainConfig
 from tasks.data import read_jsonl
 
 ADAPTER_DIR = "adapter"
-PROVENANCE = "provenance.json"
 
 
 def library_versions() -> dict[str, str]:

@@ -15,13 +15,12 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from runtime.contract import REGISTRY_CHANNELS, REGISTRY_INDEX
 from tasks.artifacts import write_json
 from tasks.cli import stage_main
 from tasks.config import GatesConfig, ReleaseConfig, StageError, WeightAccuracyDrop
 
 GATES_FILE = "gates.json"
-CHANNELS_FILE = "channels.json"  # alias -> month, in the release registry
-INDEX_FILE = "releases/index.json"  # month -> release id and headline metrics, in the release registry
 
 
 class GateFailed(StageError):
@@ -51,8 +50,8 @@ def _not_applicable(name: str, why: str) -> Gate:
 
 def current_champion(registry_dir: Path) -> dict | None:
     """The published champion's month and headline metrics, read from the release registry; None if none."""
-    channels = Path(registry_dir) / CHANNELS_FILE
-    index = Path(registry_dir) / INDEX_FILE
+    channels = Path(registry_dir) / REGISTRY_CHANNELS
+    index = Path(registry_dir) / REGISTRY_INDEX
     if not channels.exists() or not index.exists():
         return None
     month = json.loads(channels.read_text()).get("champion")

@@ -138,16 +138,16 @@ def release_kv_quality(
     quantized cache; plus the perplexity of the same spec at other widths (scales from the same
     calibration statistics) for the plot. ``test`` is a list of ``tasks.data.Example``; ``backbone``
     is the release's adapter-merged backbone (``tasks.calibrate.load_release_backbone``)."""
-    from kernels.kv_quant import bytes_per_token
-    from runtime.hashing import backbone_hash
-    from tasks.artifacts import sha256_file
+    from kernels.kv_quant import KVQuantSpec, bytes_per_token
+    from runtime.contract import ADAPTER_WEIGHTS, read_kv_scales
+    from runtime.hashing import backbone_hash, sha256_file
     from tasks.base_model import load_tokenizer
-    from tasks.calibrate import collect_kv_stats, jsonl_batches, load_kv_scales, scales_from_stats
+    from tasks.calibrate import cache_kwargs, collect_kv_stats, jsonl_batches, scales_from_stats
     from tasks.evaluate import accuracy_report
 
     tokenizer = load_tokenizer(Path(base_dir))
-    release = load_kv_scales(Path(kv_dir), sha256_file(Path(adapter_dir) / "adapter_model.safetensors"), backbone_hash(Path(base_dir)))
-    spec, scales = release.spec, release.cache_kwargs()
+    release = read_kv_scales(Path(kv_dir), sha256_file(Path(adapter_dir) / ADAPTER_WEIGHTS), backbone_hash(Path(base_dir)))
+    spec, scales = KVQuantSpec.from_dict(release.spec), cache_kwargs(release)
     prompts = [ex.prompt for ex in test]
     float_acc = accuracy_report(test, greedy_through_cache(backbone, tokenizer, prompts, None, None, max_new_tokens))
     quant_acc = accuracy_report(test, greedy_through_cache(backbone, tokenizer, prompts, spec, scales, max_new_tokens))

@@ -3,7 +3,7 @@
 Only a candidate whose gates passed is packaged (``gates/gates.json`` missing or failed:
 refused, exit 2). The stage writes ``artifacts/<month>/package/``:
 
-  release/          the release directory (format: ``runtime/package.py``): the PEFT files
+  release/          the release directory (format: ``runtime/contract.py``): the PEFT files
                     unchanged, provenance, KV scales, ``manifest.json`` (sorted keys) and
                     ``manifest.sig`` (Ed25519 over the manifest bytes)
   release.tar.gz    the same files, reproducible archive
@@ -28,7 +28,18 @@ import sys
 import time
 from pathlib import Path
 
-from tasks.artifacts import atomic_output_dir, sha256_file, write_json
+from runtime.contract import (
+    ADAPTER_FILES,
+    ADAPTER_WEIGHTS,
+    KV_SCALES_FILES,
+    KV_SCALES_JSON,
+    PROVENANCE,
+    KVScalesError,
+    read_adapter_config,
+    read_kv_scales,
+)
+from runtime.hashing import sha256_file
+from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
 from runtime.tokenizer import DeviceTokenizer
 from tasks.config import ReleaseConfig, StageError
@@ -37,9 +48,6 @@ SIGNING_KEY_ENV = "RELEASE_SIGNING_KEY"
 RELEASE_DIR = "release"
 TARBALL = "release.tar.gz"
 CHECK_FILE = "check.json"
-# Copied byte for byte: PEFT's files must stay loadable by PeftModel.from_pretrained.
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "provenance.json")
-KV_FILES = ("kv_scales.safetensors", "kv_scales.json")
 FALLBACK_PROMPT = "inspect board=PCB-1000 line=L1 part=R1 temp_c=240 defect=bridge bridge_um=10 verdict:"
 
 
@@ -138,12 +146,11 @@ def resolve_signing_key(setting: str | Path):
 
 def build_manifest(release_dir: Path, month: str, created: dt.datetime, expiry_days: int, iface, metrics: dict,
                    gates: dict, key_id: str, tokenizer, pipeline: dict) -> dict:
-    from runtime.package import FORMAT, FORMAT_VERSION, format_time, make_release_id
+    from runtime.contract import FORMAT, FORMAT_VERSION, format_time, make_release_id
 
-    provenance = json.loads((release_dir / "provenance.json").read_text())
-    acfg = json.loads((release_dir / "adapter_config.json").read_text())
-    targets = acfg.get("target_modules") or []
-    kv_json = release_dir / "kv_scales.json"
+    provenance = json.loads((release_dir / PROVENANCE).read_text())
+    acfg = read_adapter_config(release_dir)
+    kv_json = release_dir / KV_SCALES_JSON
     files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(release_dir.iterdir())}
     return {
         "format": FORMAT,
@@ -161,8 +168,7 @@ def build_manifest(release_dir: Path, month: str, created: dt.datetime, expiry_d
             "max_rank": iface.max_rank,
             "target_modules": list(iface.target_modules),
         },
-        "adapter": {"r": acfg.get("r"), "lora_alpha": acfg.get("lora_alpha"),
-                    "target_modules": sorted([targets] if isinstance(targets, str) else targets)},
+        "adapter": {"r": acfg.r, "lora_alpha": acfg.lora_alpha, "target_modules": list(acfg.target_modules)},
         "kv_format": json.loads(kv_json.read_text())["spec"] if kv_json.exists() else None,
         "tokenizer_sha256": tokenizer.sha256,
         "stop_token_ids": list(tokenizer.stop_ids),
@@ -177,19 +183,21 @@ def build_manifest(release_dir: Path, month: str, created: dt.datetime, expiry_d
 def _check_inputs(adapter_dir: Path, kv_dir: Path | None, iface) -> None:
     problems = [f"{adapter_dir / n} is missing" for n in ADAPTER_FILES if not (adapter_dir / n).exists()]
     if kv_dir is not None:
-        problems += [f"{kv_dir / n} is missing (run python -m tasks.calibrate)" for n in KV_FILES if not (kv_dir / n).exists()]
+        problems += [f"{kv_dir / n} is missing (run python -m tasks.calibrate)" for n in KV_SCALES_FILES
+                     if not (kv_dir / n).exists()]
     if problems:
         raise PackageRefused("; ".join(problems))
-    prov = json.loads((adapter_dir / "provenance.json").read_text())
+    prov = json.loads((adapter_dir / PROVENANCE).read_text())
     if prov.get("base_model_hash") != iface.backbone_hash:
         raise PackageRefused(f"{adapter_dir}: adapter is for backbone {str(prov.get('base_model_hash'))[:12]}, the "
                              f"engine runs {iface.backbone_hash[:12]}; recompile or fine-tune again")
     if kv_dir is not None:
-        record = json.loads((kv_dir / "kv_scales.json").read_text())
-        if record.get("adapter_sha256") != sha256_file(adapter_dir / "adapter_model.safetensors"):
-            raise PackageRefused(f"{kv_dir}: KV scales were calibrated for another adapter; run python -m tasks.calibrate")
-        if record.get("base_model_hash") != iface.backbone_hash:
-            raise PackageRefused(f"{kv_dir}: KV scales were calibrated on another backbone")
+        try:
+            read_kv_scales(kv_dir, sha256_file(adapter_dir / ADAPTER_WEIGHTS), iface.backbone_hash)
+        except KVScalesError as err:
+            why = {"adapter_mismatch": "KV scales were calibrated for another adapter",
+                   "base_mismatch": "KV scales were calibrated on another backbone"}.get(err.reason, "KV scales are unusable")
+            raise PackageRefused(f"{kv_dir}: {why}; run python -m tasks.calibrate ({err})") from None
 
 
 def load_and_query(release_dir: Path, pub_path: Path, engine_dir: Path, backend: str, threads: int,
@@ -230,7 +238,8 @@ def build_release(
 ) -> Path:
     """Package, sign, archive and check one release into ``out_dir`` (replaced as a whole); return it."""
     from runtime.interface import read_interface
-    from runtime.package import MANIFEST, SIGNATURE, manifest_bytes, verify_release, load_trusted_keys, write_tarball
+    from runtime.contract import MANIFEST, SIGNATURE, manifest_bytes
+    from runtime.package import load_trusted_keys, verify_release, write_tarball
     from runtime.signing import key_id, sign
 
     adapter_dir, base_dir, engine_dir = Path(adapter_dir), Path(base_dir), Path(engine_dir)
@@ -247,9 +256,9 @@ def build_release(
     with atomic_output_dir(Path(out_dir)) as tmp:
         release = tmp / RELEASE_DIR
         release.mkdir()
-        for name in ADAPTER_FILES:
+        for name in ADAPTER_FILES:  # byte for byte: PEFT's files must stay loadable by PeftModel.from_pretrained
             shutil.copyfile(adapter_dir / name, release / name)
-        for name in KV_FILES if kv_dir is not None else ():
+        for name in KV_SCALES_FILES if kv_dir is not None else ():
             shutil.copyfile(Path(kv_dir) / name, release / name)
         manifest = build_manifest(release, month, created, expiry_days, iface, metrics, gates,
                                   key_id(private.public_key()), tokenizer, git_revision(repo_dir))

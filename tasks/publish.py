@@ -1,6 +1,6 @@
 """The release registry: a git + DVC repository that devices pull published releases from.
 
-Layout (the device side, ``runtime/pull.py``, reads exactly this):
+Layout (names: ``runtime/contract.py``; the device side, ``runtime/pull.py``, reads exactly this):
 
 - ``releases/<month>/`` the release directory, tracked by DVC as ``releases/<month>.dvc``; its
   files live in the DVC remote;
@@ -28,9 +28,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.contract import REGISTRY_CHANNELS, REGISTRY_INDEX, REGISTRY_RELEASES, registry_release_path, release_tag
 from tasks.artifacts import write_json
 from tasks.config import StageError
-from tasks.gates import CHANNELS_FILE, INDEX_FILE
 from tasks.pipeline import DVC_ENV, REMOTE_NAME, remote_url
 
 GIT_IDENTITY = {"user.name": "adapter-release", "user.email": "adapter-release@localhost"}
@@ -75,10 +75,6 @@ def fault_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def tag_name(month: str) -> str:
-    return f"release/{month}"
-
-
 def ensure_registry(registry_dir: Path, remote_dir: str) -> Path:
     """Create the registry (git, DVC, remote, empty channels and index) if it does not exist.
 
@@ -95,7 +91,7 @@ def ensure_registry(registry_dir: Path, remote_dir: str) -> Path:
         _dvc(registry, "init", "-q")
         _dvc(registry, "config", "core.analytics", "false")
     _dvc(registry, "remote", "add", "-d", "-f", REMOTE_NAME, remote)
-    for path, empty in ((registry / CHANNELS_FILE, {}), (registry / INDEX_FILE, {})):
+    for path, empty in ((registry / REGISTRY_CHANNELS, {}), (registry / REGISTRY_INDEX, {})):
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json(path, empty)
@@ -127,16 +123,16 @@ def registry_lock(registry_dir: Path, timeout: float = 600.0) -> Iterator[None]:
 
 def push_release(registry_dir: Path, month: str) -> None:
     """Push the month's files to the remote again (idempotent): repairs a run killed after its commit."""
-    _dvc(Path(registry_dir).resolve(), "push", "-q", f"releases/{month}.dvc")
+    _dvc(Path(registry_dir).resolve(), "push", "-q", f"{registry_release_path(month)}.dvc")
 
 
 def read_index(registry: Path) -> dict:
-    path = Path(registry) / INDEX_FILE
+    path = Path(registry) / REGISTRY_INDEX
     return json.loads(path.read_text()) if path.exists() else {}
 
 
 def read_channels(registry: Path) -> dict:
-    path = Path(registry) / CHANNELS_FILE
+    path = Path(registry) / REGISTRY_CHANNELS
     return json.loads(path.read_text()) if path.exists() else {}
 
 
@@ -144,7 +140,7 @@ def _head(registry: Path) -> str:
     return _git(registry, "rev-parse", "HEAD")
 
 
-def _tag_exists(registry: Path, tag: str) -> bool:
+def tag_exists(registry: Path, tag: str) -> bool:
     return bool(_git(registry, "tag", "--list", tag))
 
 
@@ -164,9 +160,9 @@ def publish_release(registry_dir: Path, package_dir: Path, month: str, entry: di
 
 def _publish_locked(registry: Path, package_dir: Path, month: str, entry: dict, champion: bool, force: bool,
                     lineage: Path | None) -> Published:
-    tag = tag_name(month)
+    tag = release_tag(month)
     previous = _head(registry)
-    previous_tag = _git(registry, "rev-list", "-n", "1", tag) if _tag_exists(registry, tag) else None
+    previous_tag = _git(registry, "rev-list", "-n", "1", tag) if tag_exists(registry, tag) else None
     existing = read_index(registry).get(month)
     if existing is not None and previous_tag is not None:
         if existing.get("adapter_sha256") == entry["adapter_sha256"] and not force:
@@ -176,24 +172,24 @@ def _publish_locked(registry: Path, package_dir: Path, month: str, entry: dict, 
                 f"{month} is already published as {existing['release_id']} with another adapter "
                 f"(sha256 {existing['adapter_sha256'][:12]}); set publish.force: true to replace it"
             )
-    target = registry / "releases" / month
+    target = registry / registry_release_path(month)
     try:
         if target.exists():
             shutil.rmtree(target)
         shutil.copytree(package_dir, target)
-        _dvc(registry, "add", "-q", f"releases/{month}")
+        _dvc(registry, "add", "-q", registry_release_path(month))
         if lineage is not None:
-            shutil.copyfile(lineage, registry / "releases" / f"{month}.dvc.lock")
+            shutil.copyfile(lineage, registry / f"{registry_release_path(month)}.dvc.lock")
         index = read_index(registry)
         index[month] = entry
-        write_json(registry / INDEX_FILE, index)
+        write_json(registry / REGISTRY_INDEX, index)
         if champion:
-            write_json(registry / CHANNELS_FILE, read_channels(registry) | {"champion": month})
-        _git(registry, "add", "-A", "releases", CHANNELS_FILE)
+            write_json(registry / REGISTRY_CHANNELS, read_channels(registry) | {"champion": month})
+        _git(registry, "add", "-A", REGISTRY_RELEASES, REGISTRY_CHANNELS)
         _git(registry, "commit", "-q", "-m", f"release {entry['release_id']} ({month})" + (", champion" if champion else ""))
         _git(registry, "tag", "-f", tag)
         fault_point("registry-committed")
-        _dvc(registry, "push", "-q", f"releases/{month}.dvc")
+        _dvc(registry, "push", "-q", f"{registry_release_path(month)}.dvc")
     except BaseException:
         rollback(registry, previous, month, previous_tag)
         raise
@@ -206,14 +202,14 @@ def rollback(registry_dir: Path, previous_head: str, month: str, previous_tag: s
     Objects already pushed to the remote stay: they are content-addressed and nothing names them.
     """
     registry = Path(registry_dir).resolve()
-    tag = tag_name(month)
+    tag = release_tag(month)
     _git(registry, "reset", "-q", "--hard", previous_head)
     if previous_tag is not None:
         _git(registry, "tag", "-f", tag, previous_tag)
-    elif _tag_exists(registry, tag):
+    elif tag_exists(registry, tag):
         _git(registry, "tag", "-d", tag)
-    target = registry / "releases" / month
-    if (registry / "releases" / f"{month}.dvc").exists():
-        _dvc(registry, "checkout", "-q", "--force", f"releases/{month}.dvc")
+    target = registry / registry_release_path(month)
+    if (registry / f"{registry_release_path(month)}.dvc").exists():
+        _dvc(registry, "checkout", "-q", "--force", f"{registry_release_path(month)}.dvc")
     elif target.exists():
         shutil.rmtree(target)

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.artifacts import sha256_file
+from runtime.hashing import sha256_file
 from tasks.base_model import CARD
 from tasks.compile import engine_build_file
 from tasks.config import BASE_MODEL_STAGE_DIR, ReleaseConfig
@@ -172,12 +172,13 @@ def registry_entry(cfg: ReleaseConfig, recorded: Recorded | None) -> dict:
 
 def already_published(cfg: ReleaseConfig) -> dict | None:
     """The registry's entry for this month if it holds this very package (same adapter bytes)."""
-    from tasks.publish import read_index, tag_name, _tag_exists
+    from runtime.contract import release_tag
+    from tasks.publish import read_index, tag_exists
 
     registry = Path(cfg.publish.registry_dir)
     entry = read_index(registry).get(cfg.data.month)
     adapter = package_dir(cfg) / "adapter_model.safetensors"
-    if entry is None or not adapter.exists() or not _tag_exists(registry.resolve(), tag_name(cfg.data.month)):
+    if entry is None or not adapter.exists() or not tag_exists(registry.resolve(), release_tag(cfg.data.month)):
         return None
     return entry if entry.get("adapter_sha256") == sha256_file(adapter) else None
 

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 from bench.hotswap_bench import build_tiny_world
-from runtime.package import MANIFEST, SIGNATURE, manifest_bytes, sha256_file
+from runtime.contract import MANIFEST, REGISTRY_CHANNELS, SIGNATURE, manifest_bytes, registry_release_path, release_tag
+from runtime.hashing import sha256_file
 from runtime.signing import key_id, load_private_key, sign
 
 DVC = str(Path(sys.executable).parent / "dvc")
@@ -72,13 +73,13 @@ def make_registry(root: Path, releases: dict[str, Path], channels: dict[str, str
     run(["git", "add", "-A"], registry)
     run(["git", "commit", "-q", "-m", "registry"], registry)
     for month, release in sorted(releases.items()):
-        shutil.copytree(release, registry / "releases" / month)
-        run([DVC, "add", "-q", f"releases/{month}"], registry)
-        run(["git", "add", f"releases/{month}.dvc", "releases/.gitignore"], registry)
+        shutil.copytree(release, registry / registry_release_path(month))
+        run([DVC, "add", "-q", registry_release_path(month)], registry)
+        run(["git", "add", f"{registry_release_path(month)}.dvc", "releases/.gitignore"], registry)
         run(["git", "commit", "-q", "-m", f"release {month}"], registry)
-        run(["git", "tag", f"release/{month}"], registry)
+        run(["git", "tag", release_tag(month)], registry)
         run([DVC, "push", "-q"], registry)
-    (registry / "channels.json").write_text(json.dumps(channels, indent=2, sort_keys=True) + "\n")
-    run(["git", "add", "channels.json"], registry)
+    (registry / REGISTRY_CHANNELS).write_text(json.dumps(channels, indent=2, sort_keys=True) + "\n")
+    run(["git", "add", REGISTRY_CHANNELS], registry)
     run(["git", "commit", "-q", "-m", "channels"], registry)
     return registry

@@ -29,6 +29,7 @@ from typing import Any, Mapping
 import numpy as np
 import onnxruntime as ort
 
+from runtime.contract import ENGINE_ONNX
 from runtime.engine import check_lora_inputs, kv_scale_inputs
 from runtime.errors import RefusedInput
 from runtime.interface import read_interface
@@ -66,7 +67,7 @@ class PackedCache:
 
 
 class OrtEngine:
-    def __init__(self, engine_dir: str | Path, threads: int = 2, onnx_file: str = "model.onnx", use_optimized: bool = True,
+    def __init__(self, engine_dir: str | Path, threads: int = 2, onnx_file: str = ENGINE_ONNX, use_optimized: bool = True,
                  session_config: Mapping[str, str] | None = None):
         """``session_config``: ORT session config entries (e.g. how Q/DQ weights are fused); the
         saved optimized graph bakes in one set of them, so with any given it is neither read nor written."""
@@ -82,7 +83,7 @@ class OrtEngine:
         optimized = engine_dir / OPTIMIZED_ONNX
         source = engine_dir / onnx_file
         staging = None
-        if use_optimized and onnx_file == "model.onnx" and not session_config:
+        if use_optimized and onnx_file == ENGINE_ONNX and not session_config:
             if optimized.exists():
                 source = optimized
             else:
@@ -122,12 +123,12 @@ class OrtEngine:
 
     def set_adapter(self, lora: Mapping[str, np.ndarray] | None, kv_scales=None) -> None:
         """Bind an adapter's LoRA inputs (None = base model) and, on a quantized-KV engine, the
-        release's KV scales (``tasks.calibrate.load_kv_scales`` output); both are checked first."""
+        release's KV scales (``runtime.contract.read_kv_scales`` output); both are checked first."""
         static = None
         if self.kv_spec is not None:
             if kv_scales is None:
                 raise RefusedInput("this engine has a quantized KV cache: set_adapter needs the release's kv_scales "
-                                   "(tasks.calibrate.load_kv_scales); they are never defaulted to 1.0")
+                                   "(runtime.contract.read_kv_scales); they are never defaulted to 1.0")
             static = kv_scale_inputs(self.interface, kv_scales)
         elif kv_scales is not None:
             raise ValueError("this engine has a float KV cache; it takes no kv_scales")

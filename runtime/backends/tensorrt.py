@@ -28,9 +28,10 @@ from typing import Mapping
 
 import numpy as np
 
+from runtime.contract import CACHE_KEY_FILE, ENGINE_ONNX
 from runtime.engine import check_lora_inputs
+from runtime.hashing import sha256_file
 from runtime.interface import EngineInterface, read_interface
-from runtime.package import sha256_file
 
 PLAN_FILE = "model.plan"
 PLAN_KEY_FILE = "plan_key.json"  # which graph, TensorRT version and GPU the plan was built for
@@ -91,7 +92,7 @@ def build_plan(
     flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
     network = builder.create_network(0 if flag is None else 1 << int(flag))
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(engine_dir / "model.onnx")):  # resolves external data beside it
+    if not parser.parse_from_file(str(engine_dir / ENGINE_ONNX)):  # resolves external data beside it
         errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
         raise RuntimeError("TensorRT could not parse model.onnx:\n  " + "\n  ".join(errors))
 
@@ -125,8 +126,8 @@ def plan_key(engine_dir: str | Path, tensorrt_version: str, device: str) -> dict
     backbone, interface, KV scheme and weight format; else the hash of model.onnx), the TensorRT
     version and the GPU. A plan from another of any of these must be rebuilt, never run."""
     engine_dir = Path(engine_dir)
-    key_file = engine_dir / "cache_key.json"
-    graph = json.loads(key_file.read_text())["key"] if key_file.exists() else sha256_file(engine_dir / "model.onnx")
+    key_file = engine_dir / CACHE_KEY_FILE
+    graph = json.loads(key_file.read_text())["key"] if key_file.exists() else sha256_file(engine_dir / ENGINE_ONNX)
     return {"graph": graph, "tensorrt": tensorrt_version, "device": device}
 
 

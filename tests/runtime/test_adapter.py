@@ -9,7 +9,8 @@ import pytest
 from engine_testkit import make_adapter, make_model
 from safetensors.numpy import load_file, save_file
 
-from runtime.adapter import AdapterError, load_adapter
+from runtime.adapter import load_adapter
+from runtime.contract import AdapterError
 from runtime.hashing import backbone_hash
 from runtime.interface import build_interface
 from runtime.model import read_config

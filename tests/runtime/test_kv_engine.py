@@ -15,7 +15,8 @@ from runtime.errors import RefusedInput
 from runtime.generate import greedy_generate
 from runtime.interface import INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSION, read_interface
 from runtime.model import load_backbone
-from tasks.calibrate import KVScales, collect_kv_stats, scales_from_stats
+from runtime.contract import KVScales
+from tasks.calibrate import cache_kwargs, collect_kv_stats, kv_scales_from_stats
 from engine_testkit import TARGETS
 
 DEFAULT = KVQuantSpec()  # K4 per-channel asymmetric pre-RoPE, V4 per-token symmetric, 1 fp16 sink token
@@ -29,8 +30,7 @@ def calibrate(model_dir, spec: KVQuantSpec, lora: dict | None = None) -> KVScale
     model = load_backbone(model_dir, merged_lora=None if lora is None else {k: torch.from_numpy(v) for k, v in lora.items()})
     ids = torch.from_numpy(np.random.default_rng(11).integers(0, 96, (4, 24)))
     stats = collect_kv_stats(model, [(ids, torch.ones_like(ids))], spec.pre_rope_keys, 99.0, progress=False)
-    s = scales_from_stats(stats, spec)
-    return KVScales(spec, s["k_scale"], s["k_zero"], s["v_scale"], s["v_zero"], record={})
+    return kv_scales_from_stats(stats, spec, record={})
 
 
 def reference_run(model_dir, iface, lora: dict, spec: KVQuantSpec, scales: KVScales, ids: np.ndarray, split: int):
@@ -38,7 +38,7 @@ def reference_run(model_dir, iface, lora: dict, spec: KVQuantSpec, scales: KVSca
     model = load_backbone(model_dir, iface.target_modules)
     lora_t = tuple(torch.from_numpy(lora[n]) for n in iface.lora_names)
     L = model.cfg.num_layers
-    cache = QuantizedKVCache(spec, L, model.cfg.head_dim, inv_freq=model.inv_freq, **scales.cache_kwargs())
+    cache = QuantizedKVCache(spec, L, model.cfg.head_dim, inv_freq=model.inv_freq, **cache_kwargs(scales))
     B, T = ids.shape
     pos = torch.arange(T).expand(B, T)
     mask = torch.ones(B, T, dtype=torch.long)
@@ -138,16 +138,16 @@ def test_quantized_engine_refuses_to_run_without_scales(quant_engine):
 def test_scales_of_the_wrong_shape_spec_or_values_are_refused_all_at_once(quant_engine, tiny_qwen):
     spec, engine = quant_engine
     good = calibrate(tiny_qwen, spec)
-    bad_shape = KVScales(spec, good.k_scale[:, :, :8], good.k_zero, good.v_scale, good.v_zero, {})
+    bad_shape = KVScales(spec.to_dict(), good.k_scale[:, :, :8], good.k_zero, good.v_scale, good.v_zero, {})
     with pytest.raises(RefusedInput, match=r"k_scale has shape \(2, 2, 8\), the engine needs \(2, \*\(2, 16\)\)"):
         engine.set_adapter(None, kv_scales=bad_shape)
-    zero = good.k_scale.clone()
+    zero = good.k_scale.copy()
     zero[1, 0, 3] = 0.0
-    other_spec = KVQuantSpec(**(spec.to_dict() | {"k_bits": 2}))
+    other_spec = spec.to_dict() | {"k_bits": 2}
     with pytest.raises(RefusedInput, match="calibrated for KV spec.*k_scale.1 has zero or negative scales"):
         engine.set_adapter(None, kv_scales=KVScales(other_spec, zero, good.k_zero, good.v_scale, good.v_zero, {}))
     with pytest.raises(RefusedInput, match="calibrated on backbone 000000000000"):
-        engine.set_adapter(None, kv_scales=KVScales(spec, good.k_scale, good.k_zero, good.v_scale, good.v_zero,
+        engine.set_adapter(None, kv_scales=KVScales(spec.to_dict(), good.k_scale, good.k_zero, good.v_scale, good.v_zero,
                                                     {"base_model_hash": "0" * 64}))
 
 
@@ -196,7 +196,7 @@ def eager_gqa_run(model_dir, iface, lora: dict, scales: KVScales, ids: np.ndarra
     from runtime.kv_model import QuantizedKVBackbone
 
     module = QuantizedKVBackbone(load_backbone(model_dir, iface.target_modules), GQA, "gqa")
-    static = [t for i in range(iface.num_layers) for t in (scales.k_scale[i], scales.v_scale[i])]
+    static = [torch.from_numpy(t[i]) for i in range(iface.num_layers) for t in (scales.k_scale, scales.v_scale)]
     bounds = [(0, split)] + [(t, t + 1) for t in range(split, ids.shape[1])]
     with torch.inference_mode():
         logits, packed = module.run_gqa_chunks(torch.from_numpy(ids), bounds, static,

@@ -17,12 +17,13 @@ from release_testkit import copy_release, resign, world
 from safetensors.numpy import load_file, save_file
 
 from runtime.backends.onnxruntime import OrtEngine
+from runtime.contract import parse_time
 from runtime.generate import greedy_generate
 from runtime.interface import read_interface
 from runtime.package import (
     EXIT_CODES, BackboneMismatch, ChecksumMismatch, ExpiredRelease, InterfaceMismatch, KVScalesRefused,
     RollbackRefused, SignatureRefused, SizeLimitExceeded, TokenizerMismatch, UnlistedFile, UnsafePath, bind_release,
-    load_trusted_keys, parse_time, verify_path, verify_release,
+    load_trusted_keys, verify_path, verify_release,
 )
 from runtime.signing import generate_key
 from runtime.tokenizer import DeviceTokenizer

@@ -17,7 +17,8 @@ import pytest
 from release_testkit import copy_release, resign, world
 
 from runtime.backends.onnxruntime import OrtEngine
-from runtime.package import load_trusted_keys, parse_time
+from runtime.contract import parse_time
+from runtime.package import load_trusted_keys
 from runtime.server import AdapterServer, Watcher, make_server
 from runtime.signing import generate_key
 from runtime.tokenizer import DeviceTokenizer

@@ -4,6 +4,7 @@ import json
 import random
 import shutil
 
+import numpy as np
 import pytest
 import yaml
 import torch
@@ -11,9 +12,10 @@ from safetensors.torch import load_file, save_file
 
 from engine_testkit import make_adapter
 from kernels.kv_quant import KVQuantSpec, QuantizedKVCache
-from runtime.hashing import backbone_hash
-from tasks.artifacts import sha256_file
-from tasks.calibrate import SCALES_FILE, SCALES_JSON, KVScalesError, calibrate_kv_scales, load_kv_scales, main
+from runtime.contract import (ADAPTER_WEIGHTS, KV_SCALES_FILE, KV_SCALES_JSON, AdapterError, KVScales, KVScalesError,
+                              read_kv_scales)
+from runtime.hashing import backbone_hash, sha256_file
+from tasks.calibrate import cache_kwargs, calibrate_kv_scales, main, save_kv_scales
 from tasks.data import rulebook, sample_examples, write_jsonl
 
 
@@ -27,12 +29,12 @@ def release(tiny_llama_dir, tmp_path_factory):
     write_jsonl(calib, sample_examples(rulebook("2026-11", 1234, 2), 24, random.Random(0)))
     out = calibrate_kv_scales(tiny_llama_dir, adapter, calib, root / "kv", KVQuantSpec(), batch_size=8)
     return dict(base=tiny_llama_dir, adapter=adapter, other=other, calib=calib, out=out, root=root,
-                sha=sha256_file(adapter / "adapter_model.safetensors"), base_hash=backbone_hash(tiny_llama_dir))
+                sha=sha256_file(adapter / ADAPTER_WEIGHTS), base_hash=backbone_hash(tiny_llama_dir))
 
 
 def _load(r, path=None, **kw):
-    args = dict(expected_adapter_sha256=r["sha"], expected_base_hash=r["base_hash"])
-    return load_kv_scales(path or r["out"].parent, **(args | kw))
+    args = dict(adapter_sha256=r["sha"], base_model_hash=r["base_hash"])
+    return read_kv_scales(path or r["out"].parent, **(args | kw))
 
 
 def _copy(r, tmp_path):
@@ -43,8 +45,8 @@ def _copy(r, tmp_path):
 
 def test_calibration_writes_scales_and_how_they_were_computed(release):
     out = release["out"]
-    assert out.name == SCALES_FILE and (out.parent / SCALES_JSON).exists()
-    record = json.loads((out.parent / SCALES_JSON).read_text())
+    assert out.name == KV_SCALES_FILE and (out.parent / KV_SCALES_JSON).exists()
+    record = json.loads((out.parent / KV_SCALES_JSON).read_text())
     assert record["split"] == "calib" and record["rows"] == 24 and record["tokens"] > 24 * 10
     assert record["clip_percentile"] == 99.0  # DEFAULT_CLIP_PERCENTILE
     assert record["spec"] == KVQuantSpec().to_dict()
@@ -61,7 +63,7 @@ def test_calibration_writes_scales_and_how_they_were_computed(release):
 def test_loaded_scales_drive_the_reference_cache(release):
     scales = _load(release)
     assert scales.k_scale.shape == (2, 2, 8) and scales.k_zero is not None and scales.v_zero is None
-    cache = QuantizedKVCache(scales.spec, 2, 8, torch.ones(4), **scales.cache_kwargs())
+    cache = QuantizedKVCache(KVQuantSpec.from_dict(scales.spec), 2, 8, torch.ones(4), **cache_kwargs(scales))
     cache.append(0, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.arange(5)[None])
     assert cache.get(0)[0].shape == (1, 2, 5, 8)
 
@@ -71,7 +73,7 @@ def test_a_new_adapter_gets_new_scales(release, tmp_path):
     a, b = load_file(str(release["out"])), load_file(str(out))
     assert not torch.equal(a["layer.1.k_scale"], b["layer.1.k_scale"])
     with pytest.raises(KVScalesError) as err:  # the first adapter's scales do not serve the second
-        _load(release, expected_adapter_sha256=sha256_file(release["other"] / "adapter_model.safetensors"))
+        _load(release, adapter_sha256=sha256_file(release["other"] / ADAPTER_WEIGHTS))
     assert err.value.reason == "adapter_mismatch"
 
 
@@ -81,7 +83,7 @@ def test_clipping_narrows_the_range(release, tmp_path):
     clipped, full = load_file(str(out)), load_file(str(release["out"]))
     assert (clipped["layer.0.k_scale"] <= full["layer.0.k_scale"] + 1e-6).all()
     assert (clipped["layer.0.k_scale"] < full["layer.0.k_scale"]).any()
-    assert json.loads((out.parent / SCALES_JSON).read_text())["clip_percentile"] == 95.0
+    assert json.loads((out.parent / KV_SCALES_JSON).read_text())["clip_percentile"] == 95.0
 
 
 def test_refuses_a_missing_file(release, tmp_path):
@@ -89,7 +91,7 @@ def test_refuses_a_missing_file(release, tmp_path):
         _load(release, tmp_path / "nowhere")
     assert err.value.reason == "missing"
     dst = _copy(release, tmp_path)
-    (dst / SCALES_JSON).unlink()
+    (dst / KV_SCALES_JSON).unlink()
     with pytest.raises(KVScalesError) as err:
         _load(release, dst)
     assert err.value.reason == "missing"
@@ -99,11 +101,11 @@ def _tamper(release, tmp_path, name, value):
     from safetensors import safe_open
 
     dst = _copy(release, tmp_path)
-    with safe_open(str(dst / SCALES_FILE), framework="pt") as fh:
+    with safe_open(str(dst / KV_SCALES_FILE), framework="pt") as fh:
         meta = fh.metadata()
-    tensors = load_file(str(dst / SCALES_FILE))
+    tensors = load_file(str(dst / KV_SCALES_FILE))
     tensors[name][0, 3] = value
-    save_file(tensors, str(dst / SCALES_FILE), metadata=meta)
+    save_file(tensors, str(dst / KV_SCALES_FILE), metadata=meta)
     return dst
 
 
@@ -125,24 +127,24 @@ def test_refuses_a_non_finite_zero_point(release, tmp_path):
 
 def test_refuses_another_backbone_interface_or_spec(release):
     with pytest.raises(KVScalesError) as err:
-        _load(release, expected_base_hash="0" * 64)
+        _load(release, base_model_hash="0" * 64)
     assert err.value.reason == "base_mismatch"
     with pytest.raises(KVScalesError) as err:
-        _load(release, expected_interface="abc123")
+        _load(release, interface="abc123")
     assert err.value.reason == "interface_mismatch"
     with pytest.raises(KVScalesError) as err:
-        _load(release, expected_spec=KVQuantSpec(k_bits=3))
+        _load(release, spec=KVQuantSpec(k_bits=3).to_dict())
     assert err.value.reason == "spec_mismatch"
-    assert _load(release, expected_interface="", expected_spec=KVQuantSpec()).spec == KVQuantSpec()
+    assert _load(release, interface="", spec=KVQuantSpec().to_dict()).spec == KVQuantSpec().to_dict()
 
 
 def test_refuses_a_record_that_disagrees_with_the_tensors(release, tmp_path):
     dst = _copy(release, tmp_path)
-    record = json.loads((dst / SCALES_JSON).read_text())
+    record = json.loads((dst / KV_SCALES_JSON).read_text())
     record["adapter_sha256"] = "f" * 64  # someone edited the JSON to make old scales look current
-    (dst / SCALES_JSON).write_text(json.dumps(record))
+    (dst / KV_SCALES_JSON).write_text(json.dumps(record))
     with pytest.raises(KVScalesError) as err:
-        _load(release, dst, expected_adapter_sha256="f" * 64)
+        _load(release, dst, adapter_sha256="f" * 64)
     assert err.value.reason == "malformed"
 
 
@@ -150,29 +152,26 @@ def test_refuses_missing_layer_tensors(release, tmp_path):
     from safetensors import safe_open
 
     dst = _copy(release, tmp_path)
-    with safe_open(str(dst / SCALES_FILE), framework="pt") as fh:
+    with safe_open(str(dst / KV_SCALES_FILE), framework="pt") as fh:
         meta = fh.metadata()
-    tensors = load_file(str(dst / SCALES_FILE))
+    tensors = load_file(str(dst / KV_SCALES_FILE))
     del tensors["layer.1.k_zero"]
-    save_file(tensors, str(dst / SCALES_FILE), metadata=meta)
+    save_file(tensors, str(dst / KV_SCALES_FILE), metadata=meta)
     with pytest.raises(KVScalesError, match="layer.1.k_zero") as err:
         _load(release, dst)
     assert err.value.reason == "malformed"
 
 
 def test_never_writes_bad_scales(tmp_path):
-    from tasks.calibrate import write_kv_scales
-
-    bad = {"k_scale": torch.zeros(2, 2, 8), "k_zero": None, "v_scale": torch.ones(2, 2, 8), "v_zero": None}
+    spec = KVQuantSpec().to_dict()
+    bad = KVScales(spec, np.zeros((2, 2, 8), np.float32), None, np.ones((2, 2, 8), np.float32), None, {"spec": spec})
     with pytest.raises(KVScalesError) as err:
-        write_kv_scales(tmp_path / "kv", bad, {"spec": KVQuantSpec().to_dict()})
+        save_kv_scales(tmp_path / "kv", bad)
     assert err.value.reason == "zero"
     assert not (tmp_path / "kv").exists()
 
 
 def test_refuses_an_adapter_made_for_another_backbone(release, tmp_path):
-    from runtime.adapter import AdapterError
-
     wrong = make_adapter(release["base"], tmp_path / "wrong", base_hash="0" * 64)
     with pytest.raises(AdapterError, match="backbone"):
         calibrate_kv_scales(release["base"], wrong, release["calib"], tmp_path / "kv")
@@ -193,7 +192,7 @@ def test_cli_reads_the_kv_section_of_params(release, tmp_path):
         "kv": {"k_bits": 3, "v_bits": 5},
     }))
     assert main(["--params", str(params)]) == 0
-    record = json.loads((tmp_path / "artifacts" / "2026-11" / "kv" / SCALES_JSON).read_text())
+    record = json.loads((tmp_path / "artifacts" / "2026-11" / "kv" / KV_SCALES_JSON).read_text())
     assert (record["spec"]["k_bits"], record["spec"]["v_bits"]) == (3, 5)
     assert record["interface"] == ""  # no engine compiled in this test: nothing to bind to
 
@@ -219,11 +218,9 @@ def test_calibration_binds_scales_to_the_compiled_engine_interface(release, tmp_
     (bound / "provenance.json").write_text(json.dumps(provenance | {"engine_interface_hash": iface_hash}))
 
     out = calibrate_kv_scales(release["base"], bound, release["calib"], tmp_path / "kv", engine_dir=engine_dir)
-    assert json.loads((out.parent / SCALES_JSON).read_text())["interface"] == iface_hash
+    assert json.loads((out.parent / KV_SCALES_JSON).read_text())["interface"] == iface_hash
 
     (bound / "provenance.json").write_text(json.dumps(provenance | {"engine_interface_hash": "f" * 64}))
-    from runtime.adapter import AdapterError
-
     with pytest.raises(AdapterError, match="adapter records engine interface ffffffffffff"):
         calibrate_kv_scales(release["base"], bound, release["calib"], tmp_path / "kv2", engine_dir=engine_dir)
     assert not (tmp_path / "kv2").exists()
