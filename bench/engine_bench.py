@@ -44,6 +44,7 @@ def make_backbone_and_adapter(root: Path, dims: dict) -> tuple[Path, Path]:
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from runtime.contract import PROVENANCE
     from runtime.hashing import backbone_hash
 
     torch.manual_seed(0)
@@ -52,7 +53,7 @@ def make_backbone_and_adapter(root: Path, dims: dict) -> tuple[Path, Path]:
     peft_model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS),
                                                   init_lora_weights=False))
     peft_model.save_pretrained(root / "adapter")
-    (root / "adapter" / "provenance.json").write_text(json.dumps({"base_model_hash": backbone_hash(root / "base")}))
+    (root / "adapter" / PROVENANCE).write_text(json.dumps({"base_model_hash": backbone_hash(root / "base")}))
     return root / "base", root / "adapter"
 
 

@@ -75,6 +75,7 @@ def make_tiny_adapter(base: Path, out: Path, engine_dir: Path | None = None, r: 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from runtime.contract import PROVENANCE
     from runtime.hashing import backbone_hash
     from runtime.interface import read_interface
 
@@ -90,7 +91,7 @@ def make_tiny_adapter(base: Path, out: Path, engine_dir: Path | None = None, r: 
     prov = {"base_model_hash": backbone_hash(base), "base_model_path": str(base), "params_hash": f"bench-{seed}"}
     if engine_dir is not None:
         prov["engine_interface_hash"] = read_interface(engine_dir).interface_hash
-    (Path(out) / "provenance.json").write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
+    (Path(out) / PROVENANCE).write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
     return Path(out)
 
 
