@@ -214,7 +214,7 @@ def extract_tarball(tar_path: Path, dest: Path, max_bytes: int = DEFAULT_MAX_PAC
 
 
 @contextlib.contextmanager
-def package_dir(path: str | Path, max_bytes: int = DEFAULT_MAX_PACKAGE_BYTES) -> Iterator[Path]:
+def unpacked_release(path: str | Path, max_bytes: int = DEFAULT_MAX_PACKAGE_BYTES) -> Iterator[Path]:
     """A release directory as given, or a tarball unpacked into a temporary one (removed after)."""
     path = Path(path)
     if path.is_dir():
@@ -343,7 +343,7 @@ def verify_release(
     tokenizer_sha256: str | None = None,
     stop_token_ids: tuple[int, ...] | None = None,
 ) -> VerifiedRelease:
-    """Verify the release directory ``path`` (tarballs: use ``package_dir`` first) and return it
+    """Verify the release directory ``path`` (tarballs: use ``unpacked_release`` first) and return it
     with its engine inputs; raise the ``PackageError`` subclass of the first failed check.
 
     ``trusted_keys``: ``load_trusted_keys`` output. ``iface``: the local engine's interface; None
@@ -481,7 +481,7 @@ def verify_release(
 
 def verify_path(path: str | Path, trusted_keys: dict, **kwargs) -> VerifiedRelease:
     """``verify_release`` of a directory or a tarball (unpacked to a temporary directory)."""
-    with package_dir(path, kwargs.get("max_bytes", DEFAULT_MAX_PACKAGE_BYTES)) as d:
+    with unpacked_release(path, kwargs.get("max_bytes", DEFAULT_MAX_PACKAGE_BYTES)) as d:
         return verify_release(d, trusted_keys, **kwargs)
 
 

@@ -38,7 +38,7 @@ from runtime.package import (
     PackageError,
     RollbackRefused,
     bind_release,
-    package_dir,
+    unpacked_release,
     verify_release,
 )
 
@@ -115,7 +115,7 @@ class AdapterServer:
         start = time.perf_counter()
         current = self._active
         try:
-            with package_dir(path, self.max_bytes) as d:
+            with unpacked_release(path, self.max_bytes) as d:
                 verified = verify_release(
                     d, self.trusted_keys, self.engine.interface,
                     active_release=current.release_id if current else None, allow_rollback=allow_rollback,

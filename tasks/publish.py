@@ -144,9 +144,9 @@ def tag_exists(registry: Path, tag: str) -> bool:
     return bool(_git(registry, "tag", "--list", tag))
 
 
-def publish_release(registry_dir: Path, package_dir: Path, month: str, entry: dict, champion: bool,
+def publish_release(registry_dir: Path, release_dir: Path, month: str, entry: dict, champion: bool,
                     force: bool = False, lineage: Path | None = None) -> Published:
-    """Commit ``package_dir`` as ``releases/<month>``, tag it, push its files, and (``champion``)
+    """Commit ``release_dir`` as ``releases/<month>``, tag it, push its files, and (``champion``)
     point the champion channel at it. ``entry`` must hold ``release_id`` and ``adapter_sha256``.
     ``lineage`` (the pipeline's ``dvc.lock``) is committed beside it as ``releases/<month>.dvc.lock``:
     the exact code, parameters and data hashes that produced the release.
@@ -155,10 +155,10 @@ def publish_release(registry_dir: Path, package_dir: Path, month: str, entry: di
     month already published is refused unless ``force``.
     """
     with registry_lock(registry_dir):
-        return _publish_locked(Path(registry_dir).resolve(), Path(package_dir), month, entry, champion, force, lineage)
+        return _publish_locked(Path(registry_dir).resolve(), Path(release_dir), month, entry, champion, force, lineage)
 
 
-def _publish_locked(registry: Path, package_dir: Path, month: str, entry: dict, champion: bool, force: bool,
+def _publish_locked(registry: Path, release_dir: Path, month: str, entry: dict, champion: bool, force: bool,
                     lineage: Path | None) -> Published:
     tag = release_tag(month)
     previous = _head(registry)
@@ -176,7 +176,7 @@ def _publish_locked(registry: Path, package_dir: Path, month: str, entry: dict, 
     try:
         if target.exists():
             shutil.rmtree(target)
-        shutil.copytree(package_dir, target)
+        shutil.copytree(release_dir, target)
         _dvc(registry, "add", "-q", registry_release_path(month))
         if lineage is not None:
             shutil.copyfile(lineage, registry / f"{registry_release_path(month)}.dvc.lock")
