@@ -99,7 +99,7 @@ def make_tiny_release(root: Path, base: Path, engine_dir: Path, adapter: Path, m
                       now: dt.datetime | None = None, gates_passed: bool = True, expiry_days: int = 120) -> Path:
     """Calibrate KV scales for ``adapter``, write eval metrics and a gate report, and package it with
     ``tasks.package.build_release`` into ``root/package``; return the release directory."""
-    from kernels.kv_quant import KVQuantSpec
+    from kernels.kv_spec import PRE_ROPE_SCHEME
     from tasks.calibrate import calibrate_kv_scales
     from tasks.data import rulebook, sample_examples, write_jsonl
     from tasks.package import build_release
@@ -108,7 +108,7 @@ def make_tiny_release(root: Path, base: Path, engine_dir: Path, adapter: Path, m
     root.mkdir(parents=True, exist_ok=True)
     calib = root / "calib.jsonl"
     write_jsonl(calib, sample_examples(rulebook(month, 1234, 2), 16, random.Random(0)))
-    calibrate_kv_scales(base, adapter, calib, root / "kv", KVQuantSpec(), batch_size=8, engine_dir=engine_dir)
+    calibrate_kv_scales(base, adapter, calib, root / "kv", PRE_ROPE_SCHEME, batch_size=8, engine_dir=engine_dir)
     (root / "metrics.json").write_text(json.dumps({
         "month": month, "base": {"accuracy": 0.5, "accuracy_new": 0.1, "per_rule": {"lifted": 0.5}},
         "adapter": {"accuracy": 0.97, "accuracy_new": 0.96, "accuracy_regression": 0.98, "perplexity": 3.2}}))

@@ -6,7 +6,7 @@ batch 1, 2 threads, on the tiny default backbone with a rank-8 LoRA as inputs:
 
 Engines (``runtime/kv_model.py``):
   float32            the float-KV engine of issue 3 (the cache is fp32 ORT values)
-  K4pre/V4t sink1    standard ONNX ops, the default KVQuantSpec: per-channel asymmetric keys before
+  K4pre/V4t sink1    standard ONNX ops, kernels.kv_spec.PRE_ROPE_SCHEME: per-channel asymmetric keys before
                      RoPE, per-token symmetric values, one fp16 sink token (RoPE re-applied at every step)
   K4post/V4t sink1   standard ONNX ops, symmetric per-channel keys after RoPE: no RoPE at read
   K4c/V4c GQA op     ONNX Runtime's GroupQueryAttention reading the packed cache: static symmetric
@@ -31,11 +31,12 @@ import torch
 
 from bench.engine_bench import CONFIGS, RANK, TARGETS, engine_steps, interleaved, make_backbone_and_adapter
 from bench.report import write_report
+from kernels.kv_spec import PRE_ROPE_SCHEME, KVQuantSpec
 
 SPECS = {  # name -> (KVQuantSpec fields, how the engine reads the cache)
-    "K4pre/V4t sink1": (dict(), "standard"),  # the KVQuantSpec defaults
-    "K4post/V4t sink1": (dict(k_symmetric=True, pre_rope_keys=False), "standard"),
-    "K4c/V4c GQA op": (dict(v_granularity="channel", k_symmetric=True, sink_tokens=0, pre_rope_keys=False), "gqa"),
+    "K4pre/V4t sink1": (PRE_ROPE_SCHEME.to_dict(), "standard"),
+    "K4post/V4t sink1": (PRE_ROPE_SCHEME.to_dict() | dict(k_symmetric=True, pre_rope_keys=False), "standard"),
+    "K4c/V4c GQA op": (KVQuantSpec().to_dict(), "gqa"),  # the KVQuantSpec defaults: the scheme the release ships
 }
 PASTS = (512, 2048)
 
@@ -57,7 +58,6 @@ def cache_bytes_per_token(engine, cache, past: int) -> float:
 
 
 def run(iters: int, threads: int, work: Path) -> dict:
-    from kernels.kv_quant import KVQuantSpec
     from runtime.adapter import load_adapter
     from runtime.backends.onnxruntime import OrtEngine
     from runtime.model import read_config
@@ -70,8 +70,8 @@ def run(iters: int, threads: int, work: Path) -> dict:
     engines = {"float32": OrtEngine(work / "engine_float", threads=threads)}
     lora = load_adapter(adapter_dir, engines["float32"].interface)
     engines["float32"].set_adapter(lora)
-    for name, (overrides, attention) in SPECS.items():
-        spec = KVQuantSpec(**overrides)
+    for name, (fields, attention) in SPECS.items():
+        spec = KVQuantSpec(**fields)
         engine_dir = work / f"engine_{len(engines)}"
         compile_engine(model_dir, engine_dir, RANK, TARGETS, ort_threads=threads, kv_spec=spec.to_dict(),
                        kv_attention=attention)

@@ -91,7 +91,7 @@ def grid_point(base_dir: str, adapter_dir: str, heldout_txt: str, name: str, spe
     """Held-out suffix perplexity through one spec's cache (scales from ``stats``), and its bytes per token."""
     import torch
 
-    from kernels.kv_quant import KVQuantSpec, bytes_per_token
+    from kernels.kv_spec import KVQuantSpec, bytes_per_token
     from tasks.calibrate import scales_from_stats
     from tasks.kv_quality import heldout_sequences, suffix_perplexity
 
@@ -112,13 +112,13 @@ def grid_point(base_dir: str, adapter_dir: str, heldout_txt: str, name: str, spe
 
 
 @flow(name="kv-quality-grid", log_prints=True)
-def kv_quality_grid(base_dir: str, adapter_dir: str, calib_jsonl: str, heldout_txt: str, spec: dict | None = None,
+def kv_quality_grid(base_dir: str, adapter_dir: str, calib_jsonl: str, heldout_txt: str, spec: dict,
                     both_ropes: bool = False, clip_percentile: float = DEFAULT_CLIP_PERCENTILE, batch_size: int = 16,
                     max_seq_len: int = 96, threads_per_task: int = 1) -> dict:
     """The calibration grid, then the perplexity grid, submitted to the flow's task runner."""
-    from kernels.kv_quant import KVQuantSpec
+    from kernels.kv_spec import KVQuantSpec
 
-    release = KVQuantSpec.from_dict(spec or {})
+    release = KVQuantSpec.from_dict(spec)
     configs = grid_configs(release, both_ropes)
     stats = {pre: calibration_stats.submit(base_dir, adapter_dir, calib_jsonl, pre, clip_percentile, batch_size,
                                            max_seq_len, threads_per_task)
@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", required=True, help="base model dir (models/base)")
     ap.add_argument("--adapter", required=True, help="adapter dir (artifacts/<month>/finetune/adapter)")
     ap.add_argument("--data", required=True, help="month data dir with calib.jsonl and heldout.txt")
-    ap.add_argument("--spec", default="{}", help="the release's KV spec as JSON (KVQuantSpec fields); {} = defaults")
+    ap.add_argument("--spec", default="{}",
+                    help="the release's KV spec as JSON (KVQuantSpec fields); {} = the KVQuantSpec defaults, the shipped scheme")
     ap.add_argument("--both-ropes", action="store_true", help="also every spec with keys on the other side of RoPE")
     ap.add_argument("--address", help="a running Dask scheduler (tcp://host:8786); default: a LocalCluster")
     ap.add_argument("--workers", type=int, default=2, help="LocalCluster workers")

@@ -31,7 +31,8 @@ import math
 
 import torch
 
-from kernels.kv_quant import KVQuantSpec, dequantize, pack_bits, quantize, unpack_bits_f32
+from kernels.kv_quant import dequantize, pack_bits, quantize, unpack_bits_f32
+from kernels.kv_spec import KVQuantSpec
 
 GQA_BITS = 4
 _OFFSET = 2.0 ** (GQA_BITS - 1)  # the op's "offset by 8": symmetric zero point of kv_quant

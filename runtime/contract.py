@@ -184,7 +184,7 @@ class KVScalesError(RefusedInput):
 class KVScales:
     """A release's static KV-cache scales: (L, nkv, d) float32 arrays, zeros None when symmetric.
 
-    ``spec`` is the KV scheme as a dict (``kernels.kv_quant.KVQuantSpec.to_dict``, the manifest's
+    ``spec`` is the KV scheme as a dict (``kernels.kv_spec.KVQuantSpec.to_dict``, the manifest's
     ``kv_format``); ``record`` is kv_scales.json: how they were computed and for what."""
 
     spec: dict

@@ -13,13 +13,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kernels.kv_spec import packed_size
 from runtime.errors import RefusedInput
 
 if TYPE_CHECKING:  # the ONNX Runtime side reads interfaces without importing torch
     from runtime.model import BackboneConfig
 
 # 1: ids/positions/mask + per-layer past K/V (B, nkv, P, d) + unmerged LoRA A/B/scale inputs per module.
-# 2: version 1 with the KV cache quantized and bit-packed as ``kv_spec`` (a kernels.kv_quant.KVQuantSpec
+# 2: version 1 with the KV cache quantized and bit-packed as ``kv_spec`` (a kernels.kv_spec.KVQuantSpec
 #    dict) describes; see ``quantized_kv_tensors``.
 # 3 and 4: versions 1 and 2 with the LoRA inputs of each fused linear stacked into one A and one
 #    block-diagonal B, the scale folded into B (``lora_input_names``).
@@ -170,8 +171,7 @@ def quantized_kv_tensors(num_layers: int, num_kv_heads: int, head_dim: int, spec
         layer_out = []
         for kind, short in (("key", "k"), ("value", "v")):
             bits, gran, sym = spec[f"{short}_bits"], spec[f"{short}_granularity"], spec[f"{short}_symmetric"]
-            width = d if bits == 8 else -(-d // 8) * bits  # kernels.kv_quant.packed_size (no torch here)
-            names = [(f"{kind}", "uint8", width)]
+            names = [(f"{kind}", "uint8", packed_size(d, bits))]
             if gran == "token":
                 names += [(f"{kind}_scale", "float16", 1)] + ([] if sym else [(f"{kind}_zero", "float16", 1)])
             else:

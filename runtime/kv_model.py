@@ -36,13 +36,13 @@ import torch.nn as nn
 
 from kernels.gqa_attention import gqa_problems, gqa_quantized_attention
 from kernels.kv_quant import (
-    KVQuantSpec,
     pack_bits,
     quantize,
     quantize_per_token,
     rope_rotate,
     unpack_bits_f32,
 )
+from kernels.kv_spec import KVQuantSpec
 from runtime.model import Backbone
 
 # How the engine reads its quantized cache: "standard" = the ONNX ops below (TensorRT can parse

@@ -183,7 +183,7 @@ def calibrate_kv_scales(
     adapter_dir: Path,
     calib_jsonl: Path,
     out_dir: Path,
-    spec=None,
+    spec: "KVQuantSpec",  # noqa: F821  (the scheme to calibrate; no default: a release names its own)
     clip_percentile: float = DEFAULT_CLIP_PERCENTILE,
     batch_size: int = 16,
     max_seq_len: int = 96,
@@ -193,10 +193,8 @@ def calibrate_kv_scales(
     """Calibrate per-channel K/V scales of base + adapter on ``calib_jsonl``; return the .safetensors path."""
     import torch
 
-    from kernels.kv_quant import KVQuantSpec
     from tasks.base_model import load_tokenizer
 
-    spec = spec or KVQuantSpec()
     torch.set_num_threads(threads)
     adapter_file = Path(adapter_dir) / ADAPTER_WEIGHTS
     if not adapter_file.exists():

@@ -42,8 +42,8 @@ def exporter_version() -> dict:
 
 
 # The code that defines the exported graph: editing any of it must rebuild the engine.
-GRAPH_SOURCES = ("runtime/model.py", "runtime/kv_model.py", "runtime/interface.py", "kernels/kv_quant.py",
-                 "kernels/gqa_attention.py")
+GRAPH_SOURCES = ("runtime/model.py", "runtime/kv_model.py", "runtime/interface.py", "kernels/kv_spec.py",
+                 "kernels/kv_quant.py", "kernels/gqa_attention.py")
 
 
 def graph_source_hash() -> str:
@@ -116,7 +116,7 @@ def export_backbone(
 
     ``target_modules=()`` exports a graph without LoRA inputs; with ``merged_lora`` (engine
     LoRA inputs as numpy) the adapter is merged into the weights first (the merged baseline).
-    ``kv_spec`` (a ``kernels.kv_quant.KVQuantSpec`` dict) exports the quantized-KV engine
+    ``kv_spec`` (a ``kernels.kv_spec.KVQuantSpec`` dict) exports the quantized-KV engine
     (``runtime.kv_model``) instead of the float-KV one, its attention as ``kv_attention`` says
     (``runtime.kv_model.KV_ATTENTION``: standard ONNX ops, or ONNX Runtime's GroupQueryAttention).
     """
@@ -132,7 +132,7 @@ def export_backbone(
     iface = build_interface(model.cfg, backbone_hash(model_dir), max_rank, tuple(target_modules), kv_spec)
     if kv_spec is not None:
         from kernels.gqa_attention import onnx_translation
-        from kernels.kv_quant import KVQuantSpec
+        from kernels.kv_spec import KVQuantSpec
         from runtime.kv_model import QuantizedKVBackbone
 
         model = QuantizedKVBackbone(model, KVQuantSpec.from_dict(kv_spec), kv_attention).eval()
@@ -191,7 +191,7 @@ def compile_engine(
     model_dir, engine_dir = Path(model_dir), Path(engine_dir)
     bhash = backbone_hash(model_dir)
     if kv_spec is not None:
-        from kernels.kv_quant import KVQuantSpec
+        from kernels.kv_spec import KVQuantSpec
         from runtime.kv_model import check_engine_spec
 
         spec = KVQuantSpec.from_dict(dict(kv_spec))

@@ -11,11 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from dataclasses import fields
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kernels.kv_spec import Granularity, KVQuantSpec
 
 MONTH_PATTERN = re.compile(r"^\d{4}-(0[1-9]|1[0-2])$")
 DEFAULT_PARAMS = Path("params.yaml")
@@ -181,26 +184,28 @@ class EngineConfig(_Section):
         return self
 
 
+_KV_SCHEME = KVQuantSpec()  # the KV scheme's defaults are defined once, there
+
+
 class KVConfig(_Section):
+    """The ``kv:`` section: a ``kernels.kv_spec.KVQuantSpec`` (whose defaults these are) and its calibration."""
+
     enabled: bool = True
-    k_bits: int = Field(4, ge=2, le=8)
-    v_bits: int = Field(4, ge=2, le=8)
-    k_granularity: Literal["channel", "token"] = "channel"
-    v_granularity: Literal["channel", "token"] = "channel"
-    k_symmetric: bool = True
-    v_symmetric: bool = True
-    sink_tokens: int = Field(0, ge=0)
-    window_tokens: int = Field(0, ge=0)
-    pre_rope_keys: bool = False
+    k_bits: int = Field(_KV_SCHEME.k_bits, ge=2, le=8)
+    v_bits: int = Field(_KV_SCHEME.v_bits, ge=2, le=8)
+    k_granularity: Granularity = _KV_SCHEME.k_granularity
+    v_granularity: Granularity = _KV_SCHEME.v_granularity
+    k_symmetric: bool = _KV_SCHEME.k_symmetric
+    v_symmetric: bool = _KV_SCHEME.v_symmetric
+    sink_tokens: int = Field(_KV_SCHEME.sink_tokens, ge=0)
+    window_tokens: int = Field(_KV_SCHEME.window_tokens, ge=0)
+    pre_rope_keys: bool = _KV_SCHEME.pre_rope_keys
     clip_percentile: float = Field(99.0, gt=50.0, le=100.0)
     calib_batch_size: int = Field(16, ge=1)
 
-    def spec(self):
-        """The scheme as a ``kernels.kv_quant.KVQuantSpec``."""
-        from kernels.kv_quant import KVQuantSpec
-
-        return KVQuantSpec(self.k_bits, self.v_bits, self.k_granularity, self.v_granularity, self.k_symmetric,
-                           self.v_symmetric, self.sink_tokens, self.window_tokens, self.pre_rope_keys)
+    def spec(self) -> KVQuantSpec:
+        """The scheme as a ``KVQuantSpec``, field by field."""
+        return KVQuantSpec(**{f.name: getattr(self, f.name) for f in fields(KVQuantSpec)})
 
 
 class EvalConfig(_Section):

@@ -51,7 +51,7 @@ def quantized_prefill_parity(engine, backbone, kv_scales, attention: str, tokeni
     of a 4-bit cache, so the arithmetic is compared where the codes agree and the codes are counted)."""
     import torch
 
-    from kernels.kv_quant import KVQuantSpec
+    from kernels.kv_spec import KVQuantSpec
     from runtime.engine import kv_scale_inputs
     from runtime.interface import quantized_kv_tensors
     from runtime.kv_model import QuantizedKVBackbone

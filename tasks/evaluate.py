@@ -174,7 +174,7 @@ def _score_on_engine(
         engine.set_adapter(lora)
         diff = prefill_logit_diff(engine, merged_model, tokenizer, prompts)
     else:
-        from kernels.kv_quant import KVQuantSpec
+        from kernels.kv_spec import KVQuantSpec
         from runtime.contract import ADAPTER_WEIGHTS, read_kv_scales
         from runtime.hashing import backbone_hash, sha256_file
 

@@ -138,7 +138,7 @@ def release_kv_quality(
     quantized cache; plus the perplexity of the same spec at other widths (scales from the same
     calibration statistics) for the plot. ``test`` is a list of ``tasks.data.Example``; ``backbone``
     is the release's adapter-merged backbone (``tasks.calibrate.load_release_backbone``)."""
-    from kernels.kv_quant import KVQuantSpec, bytes_per_token
+    from kernels.kv_spec import KVQuantSpec, bytes_per_token
     from runtime.contract import ADAPTER_WEIGHTS, read_kv_scales
     from runtime.hashing import backbone_hash, sha256_file
     from tasks.base_model import load_tokenizer

@@ -5,7 +5,7 @@ import torch
 
 from bench.kv_quality import grid, inject_key_outliers, measure, two_pass_logits
 from engine_testkit import tiny_qwen  # noqa: F401  (fixture)
-from kernels.kv_quant import KVQuantSpec
+from kernels.kv_spec import KVQuantSpec
 from runtime.model import load_backbone
 from tasks.calibrate import collect_kv_stats, key_outlier_ratio, scales_from_stats
 
@@ -36,7 +36,7 @@ def test_two_pass_with_a_float_cache_equals_one_pass(backbone, ids):
 def test_the_suffix_reads_the_quantized_prefix(backbone, ids):
     # given a 2-bit cache, the suffix logits are those computed from the dequantized prefix K/V,
     # not from the float ones: the measurement cannot hide the error of reading the cache
-    spec = KVQuantSpec(2, 2, "token", "token", True, True, 0, 0, False)
+    spec = KVQuantSpec(k_bits=2, v_bits=2, k_granularity="token", v_granularity="token")
     logits, cache, past = two_pass_logits(backbone, ids, 20, spec, None)
     float_logits, _, float_past = two_pass_logits(backbone, ids, 20, None, None)
     assert len(cache) == 20
@@ -74,7 +74,7 @@ def test_decode_like_scoring_puts_the_suffix_in_the_cache_too(backbone, ids):
 
     float_two_pass, _, _ = two_pass_logits(backbone, ids, 16, None, None)
     assert torch.allclose(chunked_logits(backbone, ids, 16, None, None, chunk=4), float_two_pass, atol=1e-4)
-    spec = KVQuantSpec(4, 4, "token", "token", False, False, 0, 0, False)
+    spec = KVQuantSpec(k_granularity="token", v_granularity="token", k_symmetric=False, v_symmetric=False)
     quant_two_pass, _, _ = two_pass_logits(backbone, ids, 16, spec, None)
     quant_chunked = chunked_logits(backbone, ids, 16, spec, None, chunk=4)
     assert torch.allclose(quant_chunked[:, :4], quant_two_pass[:, :4], atol=1e-4)  # first chunk: same cache

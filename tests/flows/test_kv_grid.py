@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from engine_testkit import make_adapter
+from kernels.kv_spec import PRE_ROPE_SCHEME
 
 pytest.importorskip("prefect_dask")
 
@@ -46,7 +47,7 @@ def sequential(release: dict, both_ropes: bool) -> dict:
     """What tasks/kv_quality.release_kv_quality computes for its grid, in this process, one config after another."""
     from pathlib import Path
 
-    from kernels.kv_quant import KVQuantSpec, bytes_per_token
+    from kernels.kv_spec import bytes_per_token
     from tasks.base_model import load_tokenizer
     from tasks.calibrate import (DEFAULT_CLIP_PERCENTILE, collect_kv_stats, jsonl_batches, load_release_backbone,
                                  scales_from_stats)
@@ -61,7 +62,7 @@ def sequential(release: dict, both_ropes: bool) -> dict:
     stats = {pre: collect_kv_stats(backbone, batches, pre, DEFAULT_CLIP_PERCENTILE, progress=False) for pre in (True, False)}
     cfg, context_len = backbone.cfg, max(len(d) for d in docs)
     out = {}
-    for name, spec in grid_configs(KVQuantSpec(), both_ropes).items():
+    for name, spec in grid_configs(PRE_ROPE_SCHEME, both_ropes).items():
         scales = None if spec is None else scales_from_stats(stats[spec.pre_rope_keys], spec)
         out[name] = (suffix_perplexity(backbone, docs, spec, scales),
                      bytes_per_token(spec, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, context_len))
@@ -74,7 +75,8 @@ def test_the_kv_grid_on_a_dask_local_cluster_equals_the_sequential_computation(r
     from flows.kv_grid import dask_runner, run_grid
 
     with prefect_test_harness(server_startup_timeout=60):
-        result = run_grid(dask_runner(workers=2, processes=False), both_ropes=True, **release)
+        result = run_grid(dask_runner(workers=2, processes=False), spec=PRE_ROPE_SCHEME.to_dict(), both_ropes=True,
+                          **release)
 
     expected = sequential(release, both_ropes=True)
     got = {row["name"]: (row["perplexity"], row["bytes_per_token"]) for row in result["grid"]}

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kernels.gqa_attention import gqa_problems, gqa_quantized_attention, onnx_translation
-from kernels.kv_quant import KVQuantSpec, pack_bits, quantize
+from kernels.kv_quant import pack_bits, quantize
+from kernels.kv_spec import PRE_ROPE_SCHEME, KVQuantSpec
 
 NH, NKV, D = 4, 2, 16
 
@@ -75,9 +76,11 @@ def test_a_token_reads_its_own_value_through_the_quantizer():
 
 
 def test_only_the_scheme_the_op_implements_has_no_problems():
-    gqa = KVQuantSpec(4, 4, "channel", "channel", True, True, 0, 0, False)
+    gqa = KVQuantSpec(k_bits=4, v_bits=4, k_granularity="channel", v_granularity="channel", k_symmetric=True,
+                      v_symmetric=True, sink_tokens=0, window_tokens=0, pre_rope_keys=False)
     assert gqa_problems(gqa) == []
-    assert gqa_problems(KVQuantSpec()) == [
+    assert KVQuantSpec() == gqa  # the defaults are the scheme the release ships, which the op runs
+    assert gqa_problems(PRE_ROPE_SCHEME) == [
         "v_granularity='token' (the op needs 'channel')", "k_symmetric=False (the op needs True)",
         "sink_tokens=1 (the op needs 0)", "pre_rope_keys=True (the op needs False)"]
-    assert gqa_problems(KVQuantSpec(8, 4, "channel", "channel", True, True, 0, 0, False)) == ["k_bits=8 (the op needs 4)"]
+    assert gqa_problems(KVQuantSpec(k_bits=8)) == ["k_bits=8 (the op needs 4)"]

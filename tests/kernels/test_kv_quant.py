@@ -1,15 +1,14 @@
 """Numerics of kernels/kv_quant.py: packing, quantization error, memory accounting, the reference cache."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from kernels.kv_quant import (
-    KVQuantSpec,
     QuantizedKVCache,
-    bytes_per_token,
     dequantize,
     pack_bits,
-    packed_size,
     quantize,
     quantize_per_channel,
     quantize_per_token,
@@ -17,6 +16,7 @@ from kernels.kv_quant import (
     unpack_bits,
 )
 from kernels.kv_quant import scale_zero_from_range
+from kernels.kv_spec import PRE_ROPE_SCHEME, KVQuantSpec, bytes_per_token, packed_size
 
 
 @pytest.mark.parametrize("bits", range(2, 9))
@@ -115,17 +115,17 @@ def test_spec_refuses_every_bad_field_at_once():
 def test_bytes_per_token_counts_scales_sink_and_window():
     L, nkv, d, T = 4, 2, 64, 2048
     assert bytes_per_token(None, L, nkv, d, T) == 2048.0  # fp16: 2 tensors x 4 layers x 2 heads x 64 x 2 B
-    chosen = KVQuantSpec()  # K4 per-channel asym (fp32 scale+zero per channel), V4 per-token sym, sink 1
+    chosen = PRE_ROPE_SCHEME  # K4 per-channel asym (fp32 scale+zero per channel), V4 per-token sym, sink 1
     per_token = L * (nkv * 32 * 2 + nkv * 2)  # packed K and V, fp16 V scale (no zero point: symmetric)
     static = L * nkv * d * 2 * 4  # K scale + zero, fp32
     sink = L * 2 * nkv * d * 2
     expected = ((T - 1) * per_token + static + sink) / T
     assert chosen.bytes_per_token(L, nkv, d, T) == pytest.approx(expected)
     assert 2048.0 / chosen.bytes_per_token(L, nkv, d, T) >= 3.5  # the acceptance ratio at 2048
-    naive8 = KVQuantSpec(8, 8, "token", "token", True, True, 0, 0, False)
+    naive8 = KVQuantSpec(k_bits=8, v_bits=8, k_granularity="token", v_granularity="token")
     assert naive8.bytes_per_token(L, nkv, d, T) == L * 2 * nkv * (64 + 2)  # no zero points when symmetric
-    assert KVQuantSpec(v_symmetric=False).bytes_per_token(L, nkv, d, T) == pytest.approx(expected + L * nkv * 2 * (T - 1) / T)
-    windowed = KVQuantSpec(window_tokens=32)
+    assert replace(chosen, v_symmetric=False).bytes_per_token(L, nkv, d, T) == pytest.approx(expected + L * nkv * 2 * (T - 1) / T)
+    windowed = replace(chosen, window_tokens=32)
     assert windowed.bytes_per_token(L, nkv, d, T) > chosen.bytes_per_token(L, nkv, d, T)
 
 
@@ -144,10 +144,10 @@ def _cache(spec, L=2, nkv=2, d=16, seed=0):
 
 
 @pytest.mark.parametrize("spec", [
-    KVQuantSpec(),
-    KVQuantSpec(3, 5, window_tokens=4),
-    KVQuantSpec(2, 2, "token", "token", True, True, 0, 0, False),
-    KVQuantSpec(8, 8, "channel", "channel", True, False, 2, 3, True),
+    PRE_ROPE_SCHEME,
+    replace(PRE_ROPE_SCHEME, k_bits=3, v_bits=5, window_tokens=4),
+    KVQuantSpec(k_bits=2, v_bits=2, k_granularity="token", v_granularity="token"),
+    KVQuantSpec(k_bits=8, v_bits=8, v_symmetric=False, sink_tokens=2, window_tokens=3, pre_rope_keys=True),
 ])
 def test_cache_stores_what_bytes_per_token_says(spec):
     B, nkv, T, d = 3, 2, 20, 16
@@ -167,7 +167,7 @@ def test_cache_stores_what_bytes_per_token_says(spec):
 
 
 def test_sink_and_window_tokens_are_exact_fp16_and_the_rest_is_quantized():
-    spec = KVQuantSpec(4, 4, sink_tokens=2, window_tokens=5)
+    spec = replace(PRE_ROPE_SCHEME, sink_tokens=2, window_tokens=5)
     cache = _cache(spec)
     B, nkv, T, d = 1, 2, 16, 16
     k, v = torch.randn(B, nkv, T, d), torch.randn(B, nkv, T, d)
@@ -181,7 +181,7 @@ def test_sink_and_window_tokens_are_exact_fp16_and_the_rest_is_quantized():
 
 def test_appending_token_by_token_equals_appending_at_once():
     # decode appends one token at a time; a window lets tokens wait before they are quantized
-    spec = KVQuantSpec(3, 4, sink_tokens=1, window_tokens=3)
+    spec = replace(PRE_ROPE_SCHEME, k_bits=3, window_tokens=3)
     B, nkv, T, d = 2, 2, 12, 16
     k, v = torch.randn(B, nkv, T, d), torch.randn(B, nkv, T, d)
     pos = torch.arange(T).expand(B, T)
@@ -196,10 +196,10 @@ def test_appending_token_by_token_equals_appending_at_once():
 
 
 def test_pre_rope_keys_come_back_rotated_and_close():
-    spec = KVQuantSpec(8, 8, sink_tokens=0)
+    spec = replace(PRE_ROPE_SCHEME, k_bits=8, v_bits=8, sink_tokens=0)
     cache = _cache(spec)
     cache.static["k"] = (torch.full((2, 2, 16), 4.0 / 127), None)  # generous range: no clipping
-    cache.spec = KVQuantSpec(8, 8, k_symmetric=True, sink_tokens=0)
+    cache.spec = replace(spec, k_symmetric=True)
     B, nkv, T, d = 1, 2, 10, 16
     pre = torch.randn(B, nkv, T, d).clamp(-3.5, 3.5)
     pos = torch.arange(T)[None] + 100
@@ -211,6 +211,6 @@ def test_pre_rope_keys_come_back_rotated_and_close():
 
 def test_cache_refuses_missing_calibration():
     with pytest.raises(ValueError, match="calibrated k_scale"):
-        QuantizedKVCache(KVQuantSpec(), 2, 16, torch.ones(8))
+        QuantizedKVCache(PRE_ROPE_SCHEME, 2, 16, torch.ones(8))
     with pytest.raises(ValueError, match="inv_freq"):
-        QuantizedKVCache(KVQuantSpec(k_granularity="token"), 2, 16, None)
+        QuantizedKVCache(replace(PRE_ROPE_SCHEME, k_granularity="token"), 2, 16, None)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from kernels.kv_quant import KVQuantSpec, QuantizedKVCache
+from kernels.kv_quant import QuantizedKVCache
+from kernels.kv_spec import PRE_ROPE_SCHEME, KVQuantSpec
 from runtime.adapter import load_adapter
 from runtime.backends.onnxruntime import OrtEngine
 from runtime.errors import RefusedInput
@@ -19,10 +21,10 @@ from runtime.contract import KVScales
 from tasks.calibrate import cache_kwargs, collect_kv_stats, kv_scales_from_stats
 from engine_testkit import TARGETS
 
-DEFAULT = KVQuantSpec()  # K4 per-channel asymmetric pre-RoPE, V4 per-token symmetric, 1 fp16 sink token
 # The other corner: 8-bit symmetric post-RoPE keys (ORT GroupQueryAttention's layout), asymmetric
 # 3-bit per-token values (a zero point input, a non-byte-aligned width), no sink.
-OTHER = KVQuantSpec(k_bits=8, v_bits=3, k_symmetric=True, v_symmetric=False, sink_tokens=0, pre_rope_keys=False)
+OTHER = KVQuantSpec(k_bits=8, v_bits=3, k_granularity="channel", v_granularity="token", k_symmetric=True,
+                    v_symmetric=False, sink_tokens=0, pre_rope_keys=False)
 
 
 def calibrate(model_dir, spec: KVQuantSpec, lora: dict | None = None) -> KVScales:
@@ -66,7 +68,7 @@ def engine_run(engine, ids: np.ndarray, split: int):
     return np.concatenate(out, axis=1), cache
 
 
-@pytest.fixture(scope="module", params=[DEFAULT, OTHER], ids=["K4c-pre-V4t-sink1", "K8c-post-V3ta-sink0"])
+@pytest.fixture(scope="module", params=[PRE_ROPE_SCHEME, OTHER], ids=["K4c-pre-V4t-sink1", "K8c-post-V3ta-sink0"])
 def quant_engine(request, tiny_qwen, tmp_path_factory):
     from tasks.compile import compile_engine
 
@@ -103,7 +105,7 @@ def test_quantized_engine_stores_the_reference_integers_and_matches_its_logits_w
     assert stored["past_key.0"].shape == (2, 2, 14 - spec.sink_tokens, 16 * spec.k_bits // 8)
     assert np.abs(got - want).max() <= 1e-4
     # The quantization is really there: the logits moved away from the float cache's.
-    float_like, _ = reference_run(tiny_qwen, engine.interface, lora, KVQuantSpec(8, 8, "token", "token", sink_tokens=64),
+    float_like, _ = reference_run(tiny_qwen, engine.interface, lora, replace(PRE_ROPE_SCHEME, k_bits=8, v_bits=8, k_granularity="token", sink_tokens=64),
                                   scales, ids, split=7)
     assert np.abs(got - float_like).max() > 1e-3
 
@@ -158,7 +160,7 @@ def test_float_engine_is_unchanged_and_takes_no_scales(tiny_engine, tiny_qwen):
 
     assert iface.version == INTERFACE_VERSION and iface.kv_dtype == "float32" and "kv_spec" not in written
     with pytest.raises(ValueError, match="float KV cache; it takes no kv_scales"):
-        engine.set_adapter(None, kv_scales=calibrate(tiny_qwen, DEFAULT))
+        engine.set_adapter(None, kv_scales=calibrate(tiny_qwen, PRE_ROPE_SCHEME))
 
 
 def test_quantized_interface_records_its_spec_and_the_float_contract(quant_engine, tiny_engine):
@@ -173,13 +175,12 @@ def test_window_tokens_are_refused_at_compile(tiny_qwen, tmp_path):
     from tasks.compile import compile_engine
 
     with pytest.raises(ValueError, match="window_tokens=4: the engine's quantized cache has no fp16 window"):
-        compile_engine(tiny_qwen, tmp_path / "e", 8, TARGETS, kv_spec=KVQuantSpec(window_tokens=4).to_dict())
+        compile_engine(tiny_qwen, tmp_path / "e", 8, TARGETS, kv_spec=replace(PRE_ROPE_SCHEME, window_tokens=4).to_dict())
 
 
 # ---------------------------------------------------------------- GroupQueryAttention engine
 
-GQA = KVQuantSpec(k_bits=4, v_bits=4, v_granularity="channel", k_symmetric=True, v_symmetric=True, sink_tokens=0,
-                  pre_rope_keys=False)
+GQA = KVQuantSpec()  # the defaults: the scheme the release ships, the one the op implements
 
 
 @pytest.fixture(scope="module")
@@ -237,5 +238,5 @@ def test_a_scheme_group_query_attention_cannot_run_is_refused_at_compile_naming_
 
     with pytest.raises(ValueError, match=r"cannot run on GroupQueryAttention: v_granularity='token' \(the op needs 'channel'\)"
                                          r".*sink_tokens=1 \(the op needs 0\).*pre_rope_keys=True"):
-        compile_engine(tiny_qwen, tmp_path / "e", 8, TARGETS, kv_spec=DEFAULT.to_dict(), kv_attention="gqa")
+        compile_engine(tiny_qwen, tmp_path / "e", 8, TARGETS, kv_spec=PRE_ROPE_SCHEME.to_dict(), kv_attention="gqa")
     assert not (tmp_path / "e").exists()

@@ -3,6 +3,7 @@
 import json
 import random
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine_testkit import make_adapter
-from kernels.kv_quant import KVQuantSpec, QuantizedKVCache
+from kernels.kv_quant import QuantizedKVCache
+from kernels.kv_spec import PRE_ROPE_SCHEME, KVQuantSpec
 from runtime.contract import (ADAPTER_WEIGHTS, KV_SCALES_FILE, KV_SCALES_JSON, AdapterError, KVScales, KVScalesError,
                               read_kv_scales)
 from runtime.hashing import backbone_hash, sha256_file
@@ -27,7 +29,7 @@ def release(tiny_llama_dir, tmp_path_factory):
     other = make_adapter(tiny_llama_dir, root / "other_adapter", seed=2)
     calib = root / "calib.jsonl"
     write_jsonl(calib, sample_examples(rulebook("2026-11", 1234, 2), 24, random.Random(0)))
-    out = calibrate_kv_scales(tiny_llama_dir, adapter, calib, root / "kv", KVQuantSpec(), batch_size=8)
+    out = calibrate_kv_scales(tiny_llama_dir, adapter, calib, root / "kv", PRE_ROPE_SCHEME, batch_size=8)
     return dict(base=tiny_llama_dir, adapter=adapter, other=other, calib=calib, out=out, root=root,
                 sha=sha256_file(adapter / ADAPTER_WEIGHTS), base_hash=backbone_hash(tiny_llama_dir))
 
@@ -49,7 +51,7 @@ def test_calibration_writes_scales_and_how_they_were_computed(release):
     record = json.loads((out.parent / KV_SCALES_JSON).read_text())
     assert record["split"] == "calib" and record["rows"] == 24 and record["tokens"] > 24 * 10
     assert record["clip_percentile"] == 99.0  # DEFAULT_CLIP_PERCENTILE
-    assert record["spec"] == KVQuantSpec().to_dict()
+    assert record["spec"] == PRE_ROPE_SCHEME.to_dict()
     assert record["base_model_hash"] == release["base_hash"]
     assert record["adapter_sha256"] == release["sha"]
     assert record["interface"] == ""
@@ -69,7 +71,7 @@ def test_loaded_scales_drive_the_reference_cache(release):
 
 
 def test_a_new_adapter_gets_new_scales(release, tmp_path):
-    out = calibrate_kv_scales(release["base"], release["other"], release["calib"], tmp_path / "kv", KVQuantSpec())
+    out = calibrate_kv_scales(release["base"], release["other"], release["calib"], tmp_path / "kv", PRE_ROPE_SCHEME)
     a, b = load_file(str(release["out"])), load_file(str(out))
     assert not torch.equal(a["layer.1.k_scale"], b["layer.1.k_scale"])
     with pytest.raises(KVScalesError) as err:  # the first adapter's scales do not serve the second
@@ -79,7 +81,7 @@ def test_a_new_adapter_gets_new_scales(release, tmp_path):
 
 def test_clipping_narrows_the_range(release, tmp_path):
     out = calibrate_kv_scales(release["base"], release["adapter"], release["calib"], tmp_path / "kv",
-                              KVQuantSpec(), clip_percentile=95.0)
+                              PRE_ROPE_SCHEME, clip_percentile=95.0)
     clipped, full = load_file(str(out)), load_file(str(release["out"]))
     assert (clipped["layer.0.k_scale"] <= full["layer.0.k_scale"] + 1e-6).all()
     assert (clipped["layer.0.k_scale"] < full["layer.0.k_scale"]).any()
@@ -133,9 +135,9 @@ def test_refuses_another_backbone_interface_or_spec(release):
         _load(release, interface="abc123")
     assert err.value.reason == "interface_mismatch"
     with pytest.raises(KVScalesError) as err:
-        _load(release, spec=KVQuantSpec(k_bits=3).to_dict())
+        _load(release, spec=replace(PRE_ROPE_SCHEME, k_bits=3).to_dict())
     assert err.value.reason == "spec_mismatch"
-    assert _load(release, interface="", spec=KVQuantSpec().to_dict()).spec == KVQuantSpec().to_dict()
+    assert _load(release, interface="", spec=PRE_ROPE_SCHEME.to_dict()).spec == PRE_ROPE_SCHEME.to_dict()
 
 
 def test_refuses_a_record_that_disagrees_with_the_tensors(release, tmp_path):
@@ -163,7 +165,7 @@ def test_refuses_missing_layer_tensors(release, tmp_path):
 
 
 def test_never_writes_bad_scales(tmp_path):
-    spec = KVQuantSpec().to_dict()
+    spec = PRE_ROPE_SCHEME.to_dict()
     bad = KVScales(spec, np.zeros((2, 2, 8), np.float32), None, np.ones((2, 2, 8), np.float32), None, {"spec": spec})
     with pytest.raises(KVScalesError) as err:
         save_kv_scales(tmp_path / "kv", bad)
@@ -174,7 +176,7 @@ def test_never_writes_bad_scales(tmp_path):
 def test_refuses_an_adapter_made_for_another_backbone(release, tmp_path):
     wrong = make_adapter(release["base"], tmp_path / "wrong", base_hash="0" * 64)
     with pytest.raises(AdapterError, match="backbone"):
-        calibrate_kv_scales(release["base"], wrong, release["calib"], tmp_path / "kv")
+        calibrate_kv_scales(release["base"], wrong, release["calib"], tmp_path / "kv", PRE_ROPE_SCHEME)
     assert not (tmp_path / "kv").exists()
 
 
@@ -217,10 +219,10 @@ def test_calibration_binds_scales_to_the_compiled_engine_interface(release, tmp_
     provenance = json.loads((bound / "provenance.json").read_text())
     (bound / "provenance.json").write_text(json.dumps(provenance | {"engine_interface_hash": iface_hash}))
 
-    out = calibrate_kv_scales(release["base"], bound, release["calib"], tmp_path / "kv", engine_dir=engine_dir)
+    out = calibrate_kv_scales(release["base"], bound, release["calib"], tmp_path / "kv", PRE_ROPE_SCHEME, engine_dir=engine_dir)
     assert json.loads((out.parent / KV_SCALES_JSON).read_text())["interface"] == iface_hash
 
     (bound / "provenance.json").write_text(json.dumps(provenance | {"engine_interface_hash": "f" * 64}))
     with pytest.raises(AdapterError, match="adapter records engine interface ffffffffffff"):
-        calibrate_kv_scales(release["base"], bound, release["calib"], tmp_path / "kv2", engine_dir=engine_dir)
+        calibrate_kv_scales(release["base"], bound, release["calib"], tmp_path / "kv2", PRE_ROPE_SCHEME, engine_dir=engine_dir)
     assert not (tmp_path / "kv2").exists()
