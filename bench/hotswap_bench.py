@@ -195,7 +195,8 @@ def run_load_test(world: dict, clients: int, before: float, during: float, after
                   max_new_tokens: int, threads: int) -> dict:
     from runtime.backends.onnxruntime import OrtEngine
     from runtime.package import load_trusted_keys
-    from runtime.server import AdapterServer, make_server, percentile
+    from runtime.latency import percentile
+    from runtime.server import AdapterServer, make_server
     from runtime.tokenizer import DeviceTokenizer
 
     engine = OrtEngine(world["engine"], threads=threads)

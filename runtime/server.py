@@ -33,6 +33,7 @@ from pathlib import Path
 
 from runtime.contract import MANIFEST, release_order
 from runtime.generate import greedy_generate
+from runtime.latency import percentile
 from runtime.package import (
     DEFAULT_MAX_PACKAGE_BYTES,
     PackageError,
@@ -58,15 +59,6 @@ class ActiveRelease:
     manifest: dict
     handle: object  # an engine handle with this release bound; forked per request, never rebound
     loaded_at: float
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100) of ``values``; None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), -(-len(ordered) * q // 100)))
-    return ordered[int(rank) - 1]
 
 
 @dataclass

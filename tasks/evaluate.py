@@ -14,6 +14,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from runtime.latency import percentile
 from runtime.tokenizer import encode_prompt, until_stop
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.base_model import load_base_model
@@ -138,10 +139,8 @@ def decode_latency(engine, tokenizer, prompts: list[str], steps: int) -> tuple[d
             start = time.perf_counter()
             logits, cache = engine.forward(token, np.array([[T + step]]), np.ones((1, T + step + 1), dtype=np.int64), cache)
             samples.append(1000.0 * (time.perf_counter() - start))
-    ordered = sorted(samples)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-    summary = {"p50_ms": pick(0.50), "p95_ms": pick(0.95), "max_ms": ordered[-1], "steps": len(samples),
-               "prompts": len(prompts), "batch": 1}
+    summary = {"p50_ms": percentile(samples, 50), "p95_ms": percentile(samples, 95), "max_ms": max(samples),
+               "steps": len(samples), "prompts": len(prompts), "batch": 1}
     return summary, samples
 
 
