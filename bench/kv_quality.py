@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from tasks.calibrate import DEFAULT_CLIP_PERCENTILE as CLIP  # the stage's clipping, for every config
-from tasks.kv_quality import fill_cache, greedy_through_cache, heldout_sequences, two_pass_logits
+from tasks.kv_quality import fill_cache, greedy_through_cache, heldout_sequences, next_token_nll, two_pass_logits
 
 TEXT_MODEL = dict(  # the embedded default's shape (tasks/config.py BaseModelConfig)
     hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -165,8 +165,8 @@ def gqa_engine_exact(backbone, ids: torch.Tensor, prefix_len: int, scales: dict,
         bounds = [(0, prefix_len)] + [(a, min(T, a + step)) for a in range(prefix_len, T, step)]
         with torch.no_grad():
             logits, _ = module.run_gqa_chunks(ids, bounds, static)
-        logp = torch.log_softmax(torch.cat(logits[1:], 1)[:, :-1].float(), -1)
-        ppl = math.exp(-logp.gather(-1, targets[..., None]).mean().item())
+        nll, _ = next_token_nll(torch.cat(logits[1:], 1), targets)
+        ppl = math.exp(nll.mean().item())
         row[f"perplexity{key}"], row[f"ppl_increase_pct{key}"] = ppl, 100.0 * (ppl / ref - 1.0)
     return row
 
@@ -256,15 +256,14 @@ def measure(backbone, ids: torch.Tensor, prefix_len: int, configs: dict, scales_
     for name, spec in configs.items():
         t0 = time.perf_counter()
         logits, cache, past = two_pass_logits(backbone, ids, prefix_len, spec, scales_for(spec), prefix_present)
-        logp = torch.log_softmax(logits[:, :-1].float(), -1)  # (B, Ts - 1, V)
-        nll = -logp.gather(-1, targets[..., None]).squeeze(-1)
+        nll, logp = next_token_nll(logits, targets)  # (B, Ts - 1), (B, Ts - 1, V)
         att = attention_outputs(backbone, ids, prefix_len, past)
         row = {"spec": None if spec is None else spec.to_dict(), "nll": nll.mean().item(),
                "perplexity": math.exp(nll.mean().item()), "scored_tokens": nll.numel()}
         if chunk:
-            chunked = torch.log_softmax(chunked_logits(backbone, ids, prefix_len, spec, scales_for(spec), chunk,
-                                                       prefix_present)[:, :-1].float(), -1)
-            row["perplexity_decode_like"] = math.exp(-chunked.gather(-1, targets[..., None]).mean().item())
+            chunked, _ = next_token_nll(chunked_logits(backbone, ids, prefix_len, spec, scales_for(spec), chunk,
+                                                       prefix_present), targets)
+            row["perplexity_decode_like"] = math.exp(chunked.mean().item())
         if ref is None:
             if spec is not None:
                 raise ValueError("the first config must be the float cache")

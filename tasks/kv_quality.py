@@ -96,6 +96,13 @@ def heldout_sequences(tokenizer, lines: list[str]) -> list[list[int]]:
     return [ids for ids in (tokenizer(line)["input_ids"] for line in lines) if len(ids) >= 4]
 
 
+def next_token_nll(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(negative log-likelihood (B, n - 1), log-probabilities (B, n - 1, V)) of logits (B, n, V) whose
+    position t predicts ``targets[:, t]`` (B, n - 1); the last position predicts past the window."""
+    logp = torch.log_softmax(logits[:, :-1].float(), -1)
+    return -logp.gather(-1, targets[..., None]).squeeze(-1), logp
+
+
 def suffix_perplexity(backbone, sequences: list[list[int]], spec, scales: dict | None, batch_size: int = 64) -> float:
     """Perplexity of the second half of each document, read through a cache holding its first half.
 
@@ -110,10 +117,9 @@ def suffix_perplexity(backbone, sequences: list[list[int]], spec, scales: dict |
         for start in range(0, len(rows), batch_size):
             batch = torch.tensor(rows[start : start + batch_size])  # (B, T)
             logits, _, _ = two_pass_logits(backbone, batch, prefix, spec, scales)
-            logp = torch.log_softmax(logits[:, :-1].float(), -1)  # predicts tokens prefix+1 .. T-1
-            targets = batch[:, prefix + 1 :]
-            nll -= logp.gather(-1, targets[..., None]).sum().item()
-            count += targets.numel()
+            token_nll, _ = next_token_nll(logits, batch[:, prefix + 1 :])  # tokens prefix+1 .. T-1
+            nll += token_nll.sum().item()
+            count += token_nll.numel()
     return math.exp(nll / count)
 
 
