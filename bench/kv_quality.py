@@ -207,7 +207,8 @@ def attention_outputs(backbone, ids: torch.Tensor, prefix_len: int, past: tuple)
 
     Reads Block weights by their runtime/model.py names (ln1, qkv_w, qkv_b); see the report.
     """
-    from runtime.model import rms_norm, rotate_half
+    from kernels.rope import apply_rope
+    from runtime.model import rms_norm
 
     cfg = backbone.cfg
     B, T = ids.shape
@@ -231,7 +232,7 @@ def attention_outputs(backbone, ids: torch.Tensor, prefix_len: int, past: tuple)
             h = rms_norm(x, blk.ln1, cfg.rms_norm_eps)
             qkv = h @ blk.qkv_w.t() + (blk.qkv_b if blk.qkv_b is not None else 0)
             q = qkv[:, : nh * d].view(B, Ts, nh, d).transpose(1, 2)  # (B, nh, Ts, d)
-            q = q * cos + rotate_half(q) * sin
+            q = apply_rope(q, cos, sin)
             k, v = present[2 * i], present[2 * i + 1]  # (B, nkv, S, d): past + this run's suffix
             k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
             outs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed))

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from kernels.kv_spec import CHANNEL_SCALE_BYTES, KVQuantSpec
+from kernels.rope import rope_rotate
 
 _TINY = 2.0**-14  # floor of a scale: the smallest normal fp16, so an all-zero token quantizes to 0, not 0/0
 
@@ -206,20 +207,6 @@ class UnpackDequantizePerToken(nn.Module):
 
     def forward(self, packed, scale, zero):
         return dequantize(unpack_bits(packed, self.bits, self.head_dim), scale, zero)
-
-
-# ---------------------------------------------------------------- RoPE (to move keys across it)
-
-def rope_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Apply (or undo) the rotary embedding of ``runtime/model.py``: x (B, n, T, d), positions (B, T)."""
-    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # (B, T, d/2)
-    emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)  # (B, 1, T, d)
-    cos, sin = emb.cos(), emb.sin()
-    if inverse:
-        sin = -sin
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 # ---------------------------------------------------------------- reference cache

@@ -39,10 +39,10 @@ from kernels.kv_quant import (
     pack_bits,
     quantize,
     quantize_per_token,
-    rope_rotate,
     unpack_bits_f32,
 )
 from kernels.kv_spec import KVQuantSpec
+from kernels.rope import apply_rope, rope_cos_sin, rope_rotate
 from runtime.model import Backbone
 
 # How the engine reads its quantized cache: "standard" = the ONNX ops below (TensorRT can parse
@@ -90,19 +90,15 @@ class QuantizedKVBackbone(nn.Module):
         self.key_per = None
         if spec.pre_rope_keys:
             # RoPE of the past slots by table lookup (one Gather) instead of cos/sin of P x d angles
-            # every step; the same float32 products as kernels.kv_quant.rope_rotate, so the same values.
-            # rotate_half's sign is folded into the sin table: rotate_half(x) sin = swap_halves(x) sin_signed.
-            freqs = torch.arange(ROPE_TABLE, dtype=torch.float32).unsqueeze(-1) * backbone.inv_freq  # (N, d/2)
-            emb = torch.cat([freqs, freqs], dim=-1)  # (N, d)
-            sin = emb.sin()
-            half = self.d // 2
-            sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+            # every step; the tables are kernels.rope's, so the same values as every other rotation.
+            table = rope_cos_sin(torch.arange(ROPE_TABLE)[None], backbone.inv_freq)  # each (1, 1, N, d)
+            cos, sin_signed = (t[0, 0] for t in table)  # (N, d)
             # Aligned widths read keys per byte position (channels j::per, see _parts): the tables
             # are stored in that order, so the past is never interleaved back. Channel c pairs with
             # c + d/2 in RoPE, which is index m + d/(2 per) of the same part: rotation stays in-part.
             self.key_per = aligned["key"] if aligned["key"] and self.d % (2 * aligned["key"]) == 0 else None
             perm = torch.cat([torch.arange(j, self.d, self.key_per or 1) for j in range(self.key_per or 1)])
-            self.register_buffer("rope_cos", emb.cos()[:, perm], persistent=False)
+            self.register_buffer("rope_cos", cos[:, perm], persistent=False)
             self.register_buffer("rope_sin_signed", sin_signed[:, perm], persistent=False)
 
     @staticmethod
@@ -242,14 +238,8 @@ class QuantizedKVBackbone(nn.Module):
         s, z = self._scale_zero(layer, kind, bits, gran, sym)
         x = (unpack_bits_f32(layer[kind][0], bits, self.d) - z) * s  # (B, nkv, P, d): kernels' dequantize
         if kind == "key" and past_rope is not None:
-            x = self._rope(x, *past_rope[0])
+            x = apply_rope(x, *past_rope[0])
         return x
-
-    @staticmethod
-    def _rope(x, cos, sin_signed):
-        """RoPE of kernels.kv_quant.rope_rotate, rotate_half's sign inside sin_signed: same values."""
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin_signed
 
     def _key_scores_pre_rope(self, qg, layer: dict, past_rope):
         """Pre-RoPE keys at an aligned width: dequantize and rotate per byte position, no interleave."""
@@ -259,7 +249,7 @@ class QuantizedKVBackbone(nn.Module):
         out = 0
         for j, u in enumerate(self._parts(layer[kind][0], bits, per)):  # u (B, nkv, P, d / per)
             sj, zj = (s[..., j::per], z[..., j::per]) if gran == "channel" else (s, z)
-            k = self._rope((u - zj) * sj, *past_rope[j])  # post-RoPE keys of channels j::per
+            k = apply_rope((u - zj) * sj, *past_rope[j])  # post-RoPE keys of channels j::per
             out = out + qg[..., j::per] @ k.transpose(-1, -2)
         return out
 

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
+from kernels.rope import apply_rope, rope_cos_sin
 from runtime.errors import RefusedInput
 from runtime.interface import lora_group_name, lora_groups
 
@@ -311,11 +312,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def float_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     return x @ w.t() if b is None else torch.addmm(b, x, w.t())  # (N, in) -> (N, out)
 
@@ -382,7 +378,7 @@ class Block(nn.Module):
         qk, v = qkv.split([(nh + nkv) * d, nkv * d], dim=-1)
         # RoPE on queries and keys in one pass: half the rotate/multiply ops of two passes.
         qk = qk.view(B, T, nh + nkv, d).transpose(1, 2)  # (B, nh + nkv, T, d)
-        qk = qk * cos + rotate_half(qk) * sin
+        qk = apply_rope(qk, cos, sin)
         q, k = qk.split([nh, nkv], dim=1)  # (B, nh, T, d), (B, nkv, T, d)
         v = v.view(B, T, nkv, d).transpose(1, 2)  # (B, nkv, T, d)
         return q, k, v
@@ -448,9 +444,7 @@ class Backbone(nn.Module):
         B, T = input_ids.shape
         x = nn.functional.embedding(input_ids, self.embed).reshape(B * T, -1)  # (N, H); one Gather
 
-        freqs = position_ids.to(torch.float32).unsqueeze(-1) * self.inv_freq  # (B, T, d/2)
-        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)  # (B, 1, T, d)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq)  # (B, 1, T, d), rotate_half's sign in sin
 
         # Causal by cache slot (not by position id, which skips left padding), and never
         # attend to a padded slot. A finite minimum, not -inf, so a fully padded row stays finite.

@@ -51,7 +51,7 @@ def collect_kv_stats(backbone, batches, pre_rope_keys: bool, clip_percentile: fl
     import torch
     from tqdm import tqdm
 
-    from kernels.kv_quant import rope_rotate
+    from kernels.rope import rope_rotate
 
     if not 50.0 < clip_percentile <= 100.0:
         raise ValueError(f"clip_percentile={clip_percentile} must be in (50, 100]")

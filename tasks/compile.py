@@ -43,7 +43,7 @@ def exporter_version() -> dict:
 
 # The code that defines the exported graph: editing any of it must rebuild the engine.
 GRAPH_SOURCES = ("runtime/model.py", "runtime/kv_model.py", "runtime/interface.py", "kernels/kv_spec.py",
-                 "kernels/kv_quant.py", "kernels/gqa_attention.py")
+                 "kernels/rope.py", "kernels/kv_quant.py", "kernels/gqa_attention.py")
 
 
 def graph_source_hash() -> str:

@@ -12,11 +12,11 @@ from kernels.kv_quant import (
     quantize,
     quantize_per_channel,
     quantize_per_token,
-    rope_rotate,
     unpack_bits,
 )
 from kernels.kv_quant import scale_zero_from_range
 from kernels.kv_spec import PRE_ROPE_SCHEME, KVQuantSpec, bytes_per_token, packed_size
+from kernels.rope import rope_rotate
 
 
 @pytest.mark.parametrize("bits", range(2, 9))
@@ -89,20 +89,6 @@ def test_asymmetric_beats_symmetric_on_an_off_centre_channel():
         z = torch.full_like(scale, 8.0) if sym else zero
         err = (dequantize(quantize(x, scale[:, None], z[:, None], 4), scale[:, None], z[:, None]) - x).abs().max()
         assert (err < 0.1) == expect_small
-
-
-def test_rope_rotate_inverts_exactly_and_matches_the_backbone():
-    from runtime.model import rotate_half
-
-    d = 16
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    x = torch.randn(2, 3, 7, d)
-    pos = torch.arange(7).expand(2, 7) + 5
-    y = rope_rotate(x, pos, inv_freq)
-    freqs = pos.float().unsqueeze(-1) * inv_freq
-    emb = torch.cat([freqs, freqs], -1).unsqueeze(1)
-    assert torch.allclose(y, x * emb.cos() + rotate_half(x) * emb.sin(), atol=1e-6)
-    assert torch.allclose(rope_rotate(y, pos, inv_freq, inverse=True), x, atol=1e-5)
 
 
 def test_spec_refuses_every_bad_field_at_once():
