@@ -110,7 +110,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     if bits == 8:
         return packed[..., :n]
     if 8 % bits == 0:
-        return _unpack_aligned(packed, bits, n)
+        return unpack_bits_f32(packed, bits, n).to(torch.uint8)
     p = packed.to(torch.int64)
     planes = torch.remainder(torch.div(p.unsqueeze(-1), _bit_weights(8), rounding_mode="trunc"), 2)  # (..., nbytes, 8)
     stream = planes.flatten(-2).unflatten(-1, (-1, bits))  # (..., n8, b)
@@ -136,28 +136,29 @@ def _pack_aligned(u: torch.Tensor, bits: int) -> torch.Tensor:
     return (x * _powers(per, bits, 1)).sum(-1).to(torch.uint8)  # (..., nbytes): sum of u_j 2^(j b) < 256
 
 
-def _unpack_aligned(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    return unpack_bits_f32(packed, bits, n).to(torch.uint8)
-
-
 def unpack_bits_f32(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """``unpack_bits`` as float32 (exact integers), for a dequantize that follows: no uint8 round trip.
-
-    Widths dividing 8 peel one value per step with scalar multiplies (p >> b is floor(p / 2^b)):
-    a broadcast against a (per,) vector of powers was ~10x slower in ONNX Runtime (a 2-wide inner loop).
-    """
+    """``unpack_bits`` as float32 (exact integers), for a dequantize that follows: no uint8 round trip."""
     if bits == 8:
         return packed[..., :n].to(torch.float32)
     if 8 % bits:
         return unpack_bits(packed, bits, n).to(torch.float32)
+    return torch.stack(unpack_parts_f32(packed, bits), dim=-1).flatten(-2)[..., :n]  # (..., n): low bits first
+
+
+def unpack_parts_f32(packed: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """Packed (..., nbytes) at a width dividing 8 -> 8 // bits float32 tensors (..., nbytes) of exact
+    integers: part j holds value j of every byte (values j, j + 8 // bits, ... of the row).
+
+    Peels one value per step with scalar multiplies (p >> b is floor(p / 2^b), exact below 256):
+    a broadcast against a (per,) vector of powers was ~10x slower in ONNX Runtime (a 2-wide inner loop).
+    """
     rest = packed.to(torch.float32)  # (..., nbytes)
-    values = []
+    parts = []
     for _ in range(8 // bits - 1):
         high = torch.floor(rest * 2.0**-bits)
-        values.append(rest - high * 2.0**bits)  # the lowest b bits
+        parts.append(rest - high * 2.0**bits)  # the lowest b bits
         rest = high
-    values.append(rest)
-    return torch.stack(values, dim=-1).flatten(-2)[..., :n]  # (..., n): low bits first
+    return parts + [rest]
 
 
 # ---------------------------------------------------------------- exportable modules

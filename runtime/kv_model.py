@@ -40,6 +40,7 @@ from kernels.kv_quant import (
     quantize,
     quantize_per_token,
     unpack_bits_f32,
+    unpack_parts_f32,
 )
 from kernels.kv_spec import KVQuantSpec
 from kernels.rope import apply_rope, rope_cos_sin, rope_rotate
@@ -93,7 +94,7 @@ class QuantizedKVBackbone(nn.Module):
             # every step; the tables are kernels.rope's, so the same values as every other rotation.
             table = rope_cos_sin(torch.arange(ROPE_TABLE)[None], backbone.inv_freq)  # each (1, 1, N, d)
             cos, sin_signed = (t[0, 0] for t in table)  # (N, d)
-            # Aligned widths read keys per byte position (channels j::per, see _parts): the tables
+            # Aligned widths read keys per byte position (channels j::per, ``unpack_parts_f32``): the tables
             # are stored in that order, so the past is never interleaved back. Channel c pairs with
             # c + d/2 in RoPE, which is index m + d/(2 per) of the same part: rotation stays in-part.
             self.key_per = aligned["key"] if aligned["key"] and self.d % (2 * aligned["key"]) == 0 else None
@@ -203,23 +204,11 @@ class QuantizedKVBackbone(nn.Module):
         return logits, packed
 
     # ------------------------------------------------------------ read side
-
-    def _parts(self, packed, bits: int, per: int) -> list:
-        """Packed (B, nkv, P, d / per) -> per float tensors of integers u_j; part j holds channels j::per.
-
-        Peeled with scalar ops (r >> b is floor(r / 2^b), exact below 256), never interleaved back.
-        Not folded further into the small side (sum_j w_j u_j = sum_j (w_j - 2^b w_(j-1)) (r >> j b)
-        saves two passes but multiplies bytes up to 255: measured, its ~10x larger rounding error
-        flipped a stored 4-bit value at a rounding boundary within 40 tokens, so the integers
-        no longer matched the reference).
-        """
-        rest = packed.to(torch.float32)
-        parts = []
-        for _ in range(per - 1):
-            high = torch.floor(rest * 2.0**-bits)
-            parts.append(rest - high * 2.0**bits)  # the lowest b bits
-            rest = high
-        return parts + [rest]
+    # Packed bytes are read as per-byte-position parts (``kernels.kv_quant.unpack_parts_f32``: part j
+    # holds channels j::per), never interleaved back. Not folded further into the small side
+    # (sum_j w_j u_j = sum_j (w_j - 2^b w_(j-1)) (r >> j b) saves two passes but multiplies bytes up
+    # to 255: measured, its ~10x larger rounding error flipped a stored 4-bit value at a rounding
+    # boundary within 40 tokens, so the integers no longer matched the reference).
 
     def _static(self, tensors: list, bits: int):
         scale = tensors[0][:, None, :]  # (nkv, 1, d): broadcasts over B and tokens
@@ -247,7 +236,7 @@ class QuantizedKVBackbone(nn.Module):
         per = self.key_per
         s, z = self._scale_zero(layer, kind, bits, gran, sym)
         out = 0
-        for j, u in enumerate(self._parts(layer[kind][0], bits, per)):  # u (B, nkv, P, d / per)
+        for j, u in enumerate(unpack_parts_f32(layer[kind][0], bits)):  # u (B, nkv, P, d / per)
             sj, zj = (s[..., j::per], z[..., j::per]) if gran == "channel" else (s, z)
             k = apply_rope((u - zj) * sj, *past_rope[j])  # post-RoPE keys of channels j::per
             out = out + qg[..., j::per] @ k.transpose(-1, -2)
@@ -262,7 +251,7 @@ class QuantizedKVBackbone(nn.Module):
         if per is None:
             return qg @ self._dequantized(layer, 0, past_rope).transpose(-1, -2)
         s, z = self._scale_zero(layer, kind, bits, gran, sym)
-        parts = self._parts(layer[kind][0], bits, per)
+        parts = unpack_parts_f32(layer[kind][0], bits)
         if gran == "channel":  # (q s) . u - (q s) . z
             qs = qg * s  # (B, nkv, g T, d)
             return self._dot_parts(qs, parts, per) - (qs * z).sum(-1, keepdim=True)
@@ -287,7 +276,7 @@ class QuantizedKVBackbone(nn.Module):
         s, z = self._scale_zero(layer, kind, bits, gran, sym)
         if gran == "token":
             a = a * s.transpose(-1, -2)  # (B, nkv, g T, P): fold the per-token scale into the weights
-        ys = [a @ u for u in self._parts(layer[kind][0], bits, per)]  # per x (B, nkv, g T, d / per)
+        ys = [a @ u for u in unpack_parts_f32(layer[kind][0], bits)]  # per x (B, nkv, g T, d / per)
         y = torch.stack(ys, dim=-1).flatten(-2)  # (B, nkv, g T, d): channels back in order
         if gran == "token":
             return y - (a.sum(-1, keepdim=True) * z if sym else a @ z)
