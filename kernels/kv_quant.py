@@ -57,11 +57,13 @@ def dequantize(u: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torc
     return (u.to(torch.float32) - zero) * scale
 
 
-def quantize_per_channel(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int) -> torch.Tensor:
-    """x (B, nkv, T, d) with static scale/zero (nkv, d) -> u (B, nkv, T, d). zero None = symmetric."""
+def quantize_per_channel(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                         bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (B, nkv, T, d) with static scale/zero (nkv, d) -> (u (B, nkv, T, d), scale (nkv, 1, d), zero (nkv, 1, d)),
+    scale and zero as they broadcast against x. zero None = symmetric."""
     scale = scale[:, None, :]  # (nkv, 1, d) broadcasts over B and T
     zero = torch.full_like(scale, 2.0 ** (bits - 1)) if zero is None else zero[:, None, :]
-    return quantize(x, scale, zero, bits)
+    return quantize(x, scale, zero, bits), scale, zero
 
 
 def quantize_per_token(x: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -161,55 +163,6 @@ def unpack_parts_f32(packed: torch.Tensor, bits: int) -> list[torch.Tensor]:
     return parts + [rest]
 
 
-# ---------------------------------------------------------------- exportable modules
-
-class QuantizePack(nn.Module):
-    """(x (B, nkv, T, d), scale (nkv, d), zero (nkv, d)) -> packed (B, nkv, T, d b / 8) uint8.
-
-    Static per-channel keys (or values); the engine's quantize-on-append step.
-    """
-
-    def __init__(self, bits: int):
-        super().__init__()
-        self.bits = bits
-
-    def forward(self, x, scale, zero):
-        return pack_bits(quantize_per_channel(x, scale, zero, self.bits), self.bits)
-
-
-class UnpackDequantize(nn.Module):
-    """(packed, scale (nkv, d), zero (nkv, d)) -> x (B, nkv, T, d) float32; the read step."""
-
-    def __init__(self, bits: int, head_dim: int):
-        super().__init__()
-        self.bits, self.head_dim = bits, head_dim
-
-    def forward(self, packed, scale, zero):
-        u = unpack_bits(packed, self.bits, self.head_dim)  # (B, nkv, T, d)
-        return dequantize(u, scale[:, None, :], zero[:, None, :])
-
-
-class QuantizePackPerToken(nn.Module):
-    """x (B, nkv, T, d) -> (packed, scale (B, nkv, T, 1), zero (B, nkv, T, 1)): online per-token values."""
-
-    def __init__(self, bits: int, symmetric: bool):
-        super().__init__()
-        self.bits, self.symmetric = bits, symmetric
-
-    def forward(self, x):
-        u, scale, zero = quantize_per_token(x, self.bits, self.symmetric)
-        return pack_bits(u, self.bits), scale, zero
-
-
-class UnpackDequantizePerToken(nn.Module):
-    def __init__(self, bits: int, head_dim: int):
-        super().__init__()
-        self.bits, self.head_dim = bits, head_dim
-
-    def forward(self, packed, scale, zero):
-        return dequantize(unpack_bits(packed, self.bits, self.head_dim), scale, zero)
-
-
 # ---------------------------------------------------------------- reference cache
 
 class _Quantized:
@@ -291,9 +244,7 @@ class QuantizedKVCache:
             q: _Quantized = st[kind]
             if gran == "channel":
                 scale, zero = self.static[kind]
-                s = scale[layer][:, None, :]  # (nkv, 1, d)
-                z = torch.full_like(s, 2.0 ** (bits - 1)) if zero is None else zero[layer][:, None, :]
-                u = quantize(x, s, z, bits)
+                u, s, z = quantize_per_channel(x, scale[layer], None if zero is None else zero[layer], bits)  # s, z (nkv, 1, d)
             else:
                 u, s, z = quantize_per_token(x, bits, sym)  # s, z (B, nkv, t, 1)
                 q.scales.append(s.half()), q.zeros.append(z.half())

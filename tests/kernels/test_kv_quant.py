@@ -48,7 +48,7 @@ def test_4bit_layout_is_two_per_byte_low_nibble_first():
 def test_4bit_symmetric_codes_are_offset_by_8_like_ort_gqa():
     scale = torch.tensor([[1.0, 1.0, 1.0, 1.0]])  # (nkv=1, d=4)
     x = torch.tensor([-7.0, -1.0, 0.0, 7.0]).view(1, 1, 1, 4)  # (B, nkv, T, d)
-    u = quantize_per_channel(x, scale, None, 4)
+    u, _, _ = quantize_per_channel(x, scale, None, 4)
     assert u.flatten().tolist() == [1, 7, 8, 15]  # stored nibble = int4 value + 8
 
 
@@ -63,7 +63,7 @@ def test_quantization_error_is_at_most_half_a_step_inside_the_range(bits, symmet
     x = torch.randn(4, 2, 16, 32, generator=torch.Generator().manual_seed(0)) + 0.5  # off-centre channels
     lo, hi = x.amin(dim=(0, 2)), x.amax(dim=(0, 2))  # (nkv, d)
     scale, zero = scale_zero_from_range(lo, hi, bits, symmetric)
-    u = quantize_per_channel(x, scale, None if symmetric else zero, bits)
+    u, _, _ = quantize_per_channel(x, scale, None if symmetric else zero, bits)
     z = torch.full_like(scale, 2.0 ** (bits - 1)) if symmetric else zero
     err = (dequantize(u, scale[:, None], z[:, None]) - x).abs()
     assert (err <= scale[:, None] * 0.5 + 1e-5 + (0 if symmetric else scale[:, None] * 0.5)).all()

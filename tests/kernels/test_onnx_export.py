@@ -4,7 +4,58 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.kv_quant import QuantizePack, QuantizePackPerToken, UnpackDequantize, UnpackDequantizePerToken
+from kernels.kv_quant import dequantize, pack_bits, quantize_per_channel, quantize_per_token, unpack_bits
+
+
+# The engine's quantize and read steps as modules of their own, each exported alone.
+
+
+class QuantizePack(torch.nn.Module):
+    """(x (B, nkv, T, d), scale (nkv, d), zero (nkv, d)) -> packed (B, nkv, T, d b / 8) uint8.
+
+    Static per-channel keys (or values); the engine's quantize-on-append step.
+    """
+
+    def __init__(self, bits: int):
+        super().__init__()
+        self.bits = bits
+
+    def forward(self, x, scale, zero):
+        u, _, _ = quantize_per_channel(x, scale, zero, self.bits)
+        return pack_bits(u, self.bits)
+
+
+class UnpackDequantize(torch.nn.Module):
+    """(packed, scale (nkv, d), zero (nkv, d)) -> x (B, nkv, T, d) float32; the read step."""
+
+    def __init__(self, bits: int, head_dim: int):
+        super().__init__()
+        self.bits, self.head_dim = bits, head_dim
+
+    def forward(self, packed, scale, zero):
+        u = unpack_bits(packed, self.bits, self.head_dim)  # (B, nkv, T, d)
+        return dequantize(u, scale[:, None, :], zero[:, None, :])
+
+
+class QuantizePackPerToken(torch.nn.Module):
+    """x (B, nkv, T, d) -> (packed, scale (B, nkv, T, 1), zero (B, nkv, T, 1)): online per-token values."""
+
+    def __init__(self, bits: int, symmetric: bool):
+        super().__init__()
+        self.bits, self.symmetric = bits, symmetric
+
+    def forward(self, x):
+        u, scale, zero = quantize_per_token(x, self.bits, self.symmetric)
+        return pack_bits(u, self.bits), scale, zero
+
+
+class UnpackDequantizePerToken(torch.nn.Module):
+    def __init__(self, bits: int, head_dim: int):
+        super().__init__()
+        self.bits, self.head_dim = bits, head_dim
+
+    def forward(self, packed, scale, zero):
+        return dequantize(unpack_bits(packed, self.bits, self.head_dim), scale, zero)
 
 
 def _export(module, args, names, outputs, path, dynamic):
