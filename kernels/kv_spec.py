@@ -57,7 +57,7 @@ class KVQuantSpec:
     v_bits: int = 4
     k_granularity: Granularity = "channel"  # static calibrated scales per (layer, kv head, channel)
     v_granularity: Granularity = "channel"  # the GQA op's PER_CHANNEL values; "token" = online per (token, kv head)
-    k_symmetric: bool = True  # the op's "offset by 8"; pre-RoPE key channels are off-centre, where a zero point buys a bit
+    k_symmetric: bool = True  # the op's "offset by 8"; pre-RoPE key channels are off-centre: a zero point buys a bit
     v_symmetric: bool = True  # measured per token: asymmetric V4 was no better on stdlib text (KL 0.00097
     # vs 0.00104) and worse on the default month (KL 0.0120 vs 0.0104), and its zero point costs
     # 2 bytes per token and head
@@ -80,10 +80,6 @@ class KVQuantSpec:
             raise ValueError("invalid KVQuantSpec: " + "; ".join(problems))
 
     @property
-    def needs_calibration(self) -> bool:
-        return self.k_granularity == "channel" or self.v_granularity == "channel"
-
-    @property
     def name(self) -> str:
         """Short label for tables: K4c-a/V4t-a pre s1 w0."""
         def part(kind, bits, gran, sym):
@@ -100,9 +96,6 @@ class KVQuantSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "KVQuantSpec":
         return cls(**d)
-
-    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, context_len: int) -> float:
-        return bytes_per_token(self, num_layers, num_kv_heads, head_dim, context_len)
 
 
 # K4 per-channel asymmetric keys quantized before RoPE, V4 per-token symmetric values, one fp16

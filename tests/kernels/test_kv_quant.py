@@ -106,20 +106,20 @@ def test_bytes_per_token_counts_scales_sink_and_window():
     static = L * nkv * d * 2 * 4  # K scale + zero, fp32
     sink = L * 2 * nkv * d * 2
     expected = ((T - 1) * per_token + static + sink) / T
-    assert chosen.bytes_per_token(L, nkv, d, T) == pytest.approx(expected)
-    assert 2048.0 / chosen.bytes_per_token(L, nkv, d, T) >= 3.5  # the acceptance ratio at 2048
+    assert bytes_per_token(chosen, L, nkv, d, T) == pytest.approx(expected)
+    assert 2048.0 / bytes_per_token(chosen, L, nkv, d, T) >= 3.5  # the acceptance ratio at 2048
     naive8 = KVQuantSpec(k_bits=8, v_bits=8, k_granularity="token", v_granularity="token")
-    assert naive8.bytes_per_token(L, nkv, d, T) == L * 2 * nkv * (64 + 2)  # no zero points when symmetric
-    assert replace(chosen, v_symmetric=False).bytes_per_token(L, nkv, d, T) == pytest.approx(expected + L * nkv * 2 * (T - 1) / T)
+    assert bytes_per_token(naive8, L, nkv, d, T) == L * 2 * nkv * (64 + 2)  # no zero points when symmetric
+    assert bytes_per_token(replace(chosen, v_symmetric=False), L, nkv, d, T) == pytest.approx(expected + L * nkv * 2 * (T - 1) / T)
     windowed = replace(chosen, window_tokens=32)
-    assert windowed.bytes_per_token(L, nkv, d, T) > chosen.bytes_per_token(L, nkv, d, T)
+    assert bytes_per_token(windowed, L, nkv, d, T) > bytes_per_token(chosen, L, nkv, d, T)
 
 
 def _cache(spec, L=2, nkv=2, d=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     scales = {}
-    if spec.needs_calibration:
+    if "channel" in (spec.k_granularity, spec.v_granularity):  # the scheme needs calibrated scales
         scales = dict(k_scale=torch.rand(L, nkv, d, generator=g) * 0.5 + 0.2, k_zero=torch.full((L, nkv, d), 7.0),
                       v_scale=torch.rand(L, nkv, d, generator=g) * 0.5 + 0.2, v_zero=torch.full((L, nkv, d), 7.0))
         if spec.k_symmetric:
@@ -149,7 +149,7 @@ def test_cache_stores_what_bytes_per_token_says(spec):
                                           cache.static["v"][1] if spec.v_granularity == "channel" and not spec.v_symmetric else None)
                  if s is not None)
     per_sequence = (cache.stored_bytes() - static) / B + static
-    assert per_sequence / T == pytest.approx(spec.bytes_per_token(2, nkv, d, T))
+    assert per_sequence / T == pytest.approx(bytes_per_token(spec, 2, nkv, d, T))
 
 
 def test_sink_and_window_tokens_are_exact_fp16_and_the_rest_is_quantized():
