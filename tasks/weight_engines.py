@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.contract import CACHE_KEY_FILE, ENGINE_ONNX
+from runtime.interface import INTERFACE_FILE
 from tasks.weight_graph import (
     DEFAULT_ACCURACY_LEVEL,
     DEFAULT_BLOCK_SIZE,
@@ -92,11 +94,11 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
     out_dir.mkdir(parents=True, exist_ok=True)
     bits = WEIGHT_BITS[weights]
     if bits is None:
-        for f in [engine_dir / "model.onnx", *engine_dir.glob("model.onnx*.data")]:  # the graph and its external data
+        for f in [engine_dir / ENGINE_ONNX, *engine_dir.glob(f"{ENGINE_ONNX}*.data")]:  # the graph and its external data
             shutil.copy2(f, out_dir / f.name)
         summary = {"bits": 32}
     else:
-        summary = quantize_engine_weights(engine_dir / "model.onnx", out_dir / "model.onnx", bits, block_size,
+        summary = quantize_engine_weights(engine_dir / ENGINE_ONNX, out_dir / ENGINE_ONNX, bits, block_size,
                                           fold_norms, keep, accuracy_level, act_sq=act_sq, fmt=fmt, head_bits=head_bits)
     fields = weights_key_fields(weights, block_size, fold_norms, keep, accuracy_level, fmt, head_bits)
     if act_sq is not None and bits is not None:  # the codes depend on the calibration data
@@ -108,12 +110,12 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
     (out_dir / WEIGHTS_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     iface = read_interface(engine_dir)
     stored = None if bits is None else {"precision": weights, "format": fmt, "block_size": block_size}
-    exporter = json.loads((engine_dir / "interface.json").read_text()).get("exporter")
-    write_interface(dataclasses.replace(iface, weights=stored), out_dir / "interface.json", exporter)
-    src_key = engine_dir / "cache_key.json"
+    exporter = json.loads((engine_dir / INTERFACE_FILE).read_text()).get("exporter")
+    write_interface(dataclasses.replace(iface, weights=stored), out_dir / INTERFACE_FILE, exporter)
+    src_key = engine_dir / CACHE_KEY_FILE
     if src_key.exists():  # written last, as tasks.compile does: its presence means "complete"
         key = quantized_cache_key(json.loads(src_key.read_text()), fields)
-        (out_dir / "cache_key.json").write_text(json.dumps(key, indent=2, sort_keys=True) + "\n")
+        (out_dir / CACHE_KEY_FILE).write_text(json.dumps(key, indent=2, sort_keys=True) + "\n")
     return record
 
 
@@ -126,8 +128,8 @@ def ensure_quantized_engine(float_dir: Path, out_dir: Path, weights: str, block_
 
     keep, head_bits = SERVING_KEEP, SERVING_HEAD_BITS
     fields = weights_key_fields(weights, block_size, keep=keep, fmt=fmt, head_bits=head_bits)
-    expected = quantized_cache_key(json.loads((Path(float_dir) / "cache_key.json").read_text()), fields)["key"]
-    key_file = Path(out_dir) / "cache_key.json"
+    expected = quantized_cache_key(json.loads((Path(float_dir) / CACHE_KEY_FILE).read_text()), fields)["key"]
+    key_file = Path(out_dir) / CACHE_KEY_FILE
     if key_file.exists() and json.loads(key_file.read_text()).get("key") == expected:
         return {"weights": weights, "weights_builds": 0, "weights_dir": str(out_dir)}
     with atomic_output_dir(Path(out_dir)) as tmp:
