@@ -5,7 +5,7 @@ Each output column is quantized in groups of ``block_size`` input channels (roun
 asymmetric min/max with a zero point, or symmetric with the zero point fixed at 2^(bits-1)). The
 layout is MatMulNBits': B ``(N, K/block, block*bits/8)`` uint8, scales ``(N, K/block)``, zero points
 packed the same way. ``tasks/weight_graph.py`` writes these codes into an engine's graph;
-``tasks/weight_reference.py`` loads their dequantized weights into the PyTorch backbone.
+``tests/weight_reference.py`` loads their dequantized weights into the PyTorch backbone.
 """
 
 from __future__ import annotations

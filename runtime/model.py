@@ -321,7 +321,7 @@ class Block(nn.Module):
     larger GEMMs decode faster on every backend, and the split is exact."""
 
     # Every base projection goes through this; the PyTorch reference of a quantized engine
-    # (tasks.weight_reference.reference_backbone) swaps in one that rounds the input as the engine's kernel does.
+    # (tests/weight_reference.py, reference_backbone) swaps in one that rounds the input as the engine's kernel does.
     linear = staticmethod(float_linear)
 
     def __init__(self, cfg: BackboneConfig, w: dict[str, torch.Tensor], prefix: str, lora_modules: tuple[str, ...]):

@@ -17,7 +17,7 @@ ORCHESTRATION = ("prefect", "mlflow", "dvc")
 # What each package may never import, directly or lazily.
 FORBIDDEN = {
     "runtime": ("tasks", "flows", "bench", *ORCHESTRATION),  # the device side stands alone
-    "kernels": ("tasks", "flows", "bench", *ORCHESTRATION),  # numerics only
+    "kernels": ("runtime", "tasks", "flows", "bench", *ORCHESTRATION),  # numerics only, the bottom layer
     "tasks": ("flows", "bench"),  # stages are plain functions; flows wire them, bench measures them
     "flows": ("bench",),
 }

@@ -1,4 +1,4 @@
-"""Weight-quantized engines against tasks/weight_reference.py: PyTorch with the dequantized weights of the same codes."""
+"""Weight-quantized engines against tests/weight_reference.py: PyTorch with the dequantized weights of the same codes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kernels.weight_quant import dequantize_groups, quantize_groups
 from runtime.adapter import load_adapter
 from runtime.backends.onnxruntime import OrtEngine
 from tasks.weight_engines import open_on_cpu, quantize_engine_dir
-from tasks.weight_reference import reference_backbone
+from weight_reference import reference_backbone
 
 
 def _reference_logits(model, ids, lora, names):
@@ -77,7 +77,7 @@ def test_int8_rounded_linear_is_what_matmulnbits_computes_at_accuracy_level_4(bi
     from onnx import TensorProto, helper
 
     from tasks.weight_graph import matmulnbits_nodes
-    from tasks.weight_reference import int8_rounded_linear
+    from weight_reference import int8_rounded_linear
 
     # Given one MatMulNBits node with int8 compute and the dequantized weight of its codes
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The PyTorch side of weight-only quantization: ``runtime.model.Backbone`` with the dequantized
+"""Test kit, the PyTorch side of weight-only quantization: ``runtime.model.Backbone`` with the dequantized
 weights of the same integer codes the quantized engine stores (``tasks/weight_graph.py``), and
 optionally its activations rounded as MatMulNBits rounds them at int8 compute. The engine must
 match it (tests/tasks/test_weight_reference.py).
