@@ -142,15 +142,16 @@ def existing_world() -> dict | None:
     """Two packaged releases of the pipeline, if ``make release`` ran for two months."""
     from runtime.signing import public_key_path
     from tasks.config import load_config
+    from tasks.layout import PACKAGE, RELEASE_DIR
 
     if not Path("params.yaml").exists():
         return None
     cfg = load_config("params.yaml")
-    found = sorted(Path(cfg.train.output_dir).glob("*/package/release/manifest.json"))
+    found = sorted(cfg.layout.output_dir.glob(f"*/{PACKAGE}/{RELEASE_DIR}/manifest.json"))
     pub = public_key_path(cfg.publish.signing_key)
-    if len(found) < 2 or not pub.exists() or not cfg.engine.serving_dir().exists():
+    if len(found) < 2 or not pub.exists() or not cfg.layout.serving_engine_dir.exists():
         return None
-    return {"engine": cfg.engine.serving_dir(), "tokenizer": Path(cfg.base_model.path), "trusted_key": pub,
+    return {"engine": cfg.layout.serving_engine_dir, "tokenizer": Path(cfg.base_model.path), "trusted_key": pub,
             "releases": [p.parent for p in found[-2:]], "source": "artifacts/*/package/release"}
 
 

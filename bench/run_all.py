@@ -457,8 +457,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def flow_ready(project: Path) -> bool:
     """The flow benchmark left a 2026-11 adapter and two packaged releases (kv_quality and hotswap use them)."""
-    return ((project / "artifacts" / FLOW_MONTHS[0] / "finetune" / "adapter" / "adapter_config.json").exists()
-            and len(list((project / "artifacts").glob("*/package/release/manifest.json"))) >= 2)
+    from tasks.config import parse_config
+    from tasks.layout import PACKAGE, RELEASE_DIR
+
+    layout = parse_config({"data": {"month": FLOW_MONTHS[0]}}).layout  # the flow benchmark runs the defaults
+    return ((project / layout.adapter_dir / "adapter_config.json").exists()
+            and len(list((project / layout.output_dir).glob(f"*/{PACKAGE}/{RELEASE_DIR}/manifest.json"))) >= 2)
 
 
 if __name__ == "__main__":

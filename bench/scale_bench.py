@@ -219,7 +219,7 @@ def onnx_files(engine_dir: Path) -> dict:
 
 
 def package_size(project: Path, cfg, model_dir: Path) -> dict:
-    check_file = project / cfg.train.output_dir / MONTH / "package" / "check.json"
+    check_file = project / cfg.layout.package_check_file
     if not check_file.exists():
         return {"error": f"{check_file} missing: the package stage did not finish"}
     check = json.loads(check_file.read_text())
@@ -231,13 +231,13 @@ def package_size(project: Path, cfg, model_dir: Path) -> dict:
 # ---------------------------------------------------------------- 4./5. decode and the LM head
 
 def serving_dirs(project: Path, cfg) -> dict:
-    """The release's serving engines: the flow's fp32 (``engine-kv``) and int4 ones, int8 built here as the
+    """The release's serving engines: the flow's fp32 (``engine/kv``) and int4 ones, int8 built here as the
     compile stage builds it, and int4 with each other LM head precision; {name: directory}, and the
     served head's bits."""
     from tasks.weight_engines import WEIGHTS_FILE, ensure_quantized_engine, quantize_engine_dir
 
-    float_dir = project / cfg.engine.kv_engine_dir()
-    dirs = {"fp32": float_dir, "int4": project / cfg.engine.serving_dir()}
+    float_dir = project / cfg.layout.kv_engine_dir
+    dirs = {"fp32": float_dir, "int4": project / cfg.layout.serving_engine_dir}
     ensure_quantized_engine(float_dir, Path(f"{float_dir}-int8"), "int8", cfg.engine.weight_block_size)
     dirs["int8"] = Path(f"{float_dir}-int8")
     served_head = json.loads((dirs["int4"] / WEIGHTS_FILE).read_text()).get("head_bits")  # None: fp32
@@ -258,9 +258,9 @@ def open_serving(engine_dir: Path, project: Path, cfg, threads: int):
     from runtime.hashing import backbone_hash, sha256_file
     from tasks.weight_engines import open_on_cpu
 
-    adapter_dir = project / cfg.train.output_dir / MONTH / "finetune" / "adapter"
+    adapter_dir = project / cfg.layout.adapter_dir
     engine = open_on_cpu(engine_dir, threads)
-    scales = read_kv_scales(project / cfg.train.output_dir / MONTH / "kv", sha256_file(adapter_dir / ADAPTER_WEIGHTS),
+    scales = read_kv_scales(project / cfg.layout.kv_dir, sha256_file(adapter_dir / ADAPTER_WEIGHTS),
                             backbone_hash(Path(cfg.base_model.path)), spec=engine.interface.kv_spec)
     engine.set_adapter(load_adapter(adapter_dir, engine.interface), kv_scales=scales)
     return engine
@@ -274,7 +274,7 @@ def head_quality(dirs: dict, served_head: int | None, project: Path, cfg, thread
     from tasks.data import HELDOUT_TEXT, read_jsonl, read_text_corpus
     from tasks.evaluate import engine_perplexity
 
-    data = project / cfg.data.dir / MONTH
+    data = project / cfg.layout.data_dir
     tokenizer = load_tokenizer(Path(cfg.base_model.path))
     calib = [ex.prompt + ex.completion for ex in read_jsonl(data / "calib.jsonl")]
     texts = read_text_corpus(data / HELDOUT_TEXT)
@@ -444,12 +444,14 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"shape": QWEN2_05B, "schedule": SCHEDULE, "open_gates": OPEN_GATES, "past": PAST, "threads": args.threads,
                "flow": flow, "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
                "loadavg_1m_before": load_before}
-    payload["onnx"] = {d.name: onnx_files(d) for d in sorted(project.glob(f"{cfg.engine.dir}*")) if d.is_dir()}
+    engine_dir = project / cfg.layout.engine_dir  # the float engine, its variants inside it
+    payload["onnx"] = {str(d.relative_to(project)): onnx_files(d) for d in [engine_dir, *sorted(engine_dir.iterdir())]
+                       if d.is_dir()}
     payload["package"] = package_size(project, cfg, model_dir)
     payload["decode"], payload["comparisons"] = {}, []
     if flow["returncode"] == 0:
         # The GGUF files first: the converters' child processes then run beside no open engine.
-        ggufs, payload["peer_skipped"] = peer_ggufs(model_dir, project / cfg.train.output_dir / MONTH / "finetune" / "adapter",
+        ggufs, payload["peer_skipped"] = peer_ggufs(model_dir, project / cfg.layout.adapter_dir,
                                                     work, args.threads)
         if payload["peer_skipped"]:
             print(payload["peer_skipped"], flush=True)

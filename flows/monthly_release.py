@@ -63,7 +63,7 @@ def reconcile(config: ReleaseConfig, entry: dict) -> list[str]:
 @task
 def publish_to_registry(config: ReleaseConfig, recorded: release.Recorded) -> publish.Published:
     published = publish.publish_release(
-        Path(config.publish.registry_dir), release.package_dir(config), config.data.month,
+        Path(config.publish.registry_dir), config.layout.package_release_dir, config.data.month,
         release.registry_entry(config, recorded), champion=True, force=config.publish.force,
         lineage=Path.cwd() / "dvc.lock",
     )

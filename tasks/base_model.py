@@ -16,7 +16,7 @@ from pathlib import Path
 from runtime.hashing import sha256_file
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
-from tasks.config import BASE_MODEL_STAGE_DIR, BaseModelConfig, DataConfig, ReleaseConfig, StageError, TrainConfig
+from tasks.config import BaseModelConfig, DataConfig, ReleaseConfig, StageError, TrainConfig
 from tasks.data import Example, rulebook, sample_examples
 
 EOS_TOKEN = "<|endoftext|>"
@@ -211,7 +211,7 @@ def prepare_base_model(cfg: ReleaseConfig) -> Path:
     """
     path = Path(cfg.base_model.path)
     if cfg.base_model.source == "local":
-        record_local_model(path, Path(BASE_MODEL_STAGE_DIR))
+        record_local_model(path, cfg.layout.base_model_dir)
         return path
     card = path / CARD
     if card.exists() and json.loads(card.read_text()).get("build_hash") == cfg.base_build_hash():

@@ -229,12 +229,13 @@ def run_stage(cfg: ReleaseConfig) -> Path:
 
     kv = cfg.kv
     spec = kv.spec()
-    engine_dir = Path(cfg.engine.dir)
+    layout = cfg.layout
+    engine_dir = layout.engine_dir
     return calibrate_kv_scales(
         Path(cfg.base_model.path),
-        cfg.release_dir() / "finetune" / "adapter",
-        cfg.data_dir() / "calib.jsonl",
-        cfg.release_dir() / "kv",
+        layout.adapter_dir,
+        layout.data_dir / "calib.jsonl",
+        layout.kv_dir,
         spec,
         kv.clip_percentile,
         batch_size=kv.calib_batch_size,

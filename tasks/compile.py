@@ -235,46 +235,40 @@ def run_stage(cfg: ReleaseConfig) -> dict:
     """The compile stage: build (or reuse) ``engine.dir`` for the backbone; record ``engine_builds``.
 
     With ``engine.kv_cache: quantized`` the engine with the ``kv`` section's quantized cache is
-    built too (``engine.kv_engine_dir()``; its scales are runtime inputs, so it is month-independent
+    built too (``layout.kv_engine_dir``; its scales are runtime inputs, so it is month-independent
     like the float one). With ``engine.weights`` int8/int4 the serving engine is also copied with
-    quantized weights into ``engine.serving_dir()`` (reused likewise). Adapters take the same LoRA
-    inputs on all of them.
+    quantized weights into ``layout.serving_engine_dir`` (reused likewise). Adapters take the same
+    LoRA inputs on all of them.
     """
+    layout = cfg.layout
     metrics = compile_engine(
         Path(cfg.base_model.path),
-        Path(cfg.engine.dir),
+        layout.engine_dir,
         cfg.engine.max_rank,
         cfg.engine.target_modules,
         cfg.engine.opset,
         cfg.engine.threads,
         None,
     )
-    source = Path(cfg.engine.dir)
+    source = layout.engine_dir
     if cfg.engine.kv_cache == "quantized":
         spec = cfg.kv.spec()
         attention = cfg.engine.kv_attention(spec)
-        kv = compile_engine(Path(cfg.base_model.path), cfg.engine.kv_engine_dir(), cfg.engine.max_rank,
+        kv = compile_engine(Path(cfg.base_model.path), layout.kv_engine_dir, cfg.engine.max_rank,
                             cfg.engine.target_modules, cfg.engine.opset, cfg.engine.threads, None,
                             kv_spec=spec.to_dict(), kv_attention=attention)
-        metrics |= {"kv_engine": {"dir": str(cfg.engine.kv_engine_dir()), "attention": attention, "spec": spec.name,
+        metrics |= {"kv_engine": {"dir": str(layout.kv_engine_dir), "attention": attention, "spec": spec.name,
                                   "engine_builds": kv["engine_builds"], "interface_hash": kv["interface_hash"]}}
         metrics["engine_builds"] += kv["engine_builds"]
-        source = cfg.engine.kv_engine_dir()
+        source = layout.kv_engine_dir
     if cfg.engine.weights != "fp32":
         from tasks.weight_engines import ensure_quantized_engine
 
-        metrics |= ensure_quantized_engine(source, cfg.engine.serving_dir(), cfg.engine.weights,
+        metrics |= ensure_quantized_engine(source, layout.serving_engine_dir, cfg.engine.weights,
                                             cfg.engine.weight_block_size, cfg.engine.weights_format())
-    # Not under the month's folder: the engine belongs to the backbone, and a new month must not
-    # make this stage (or its DVC record) look changed.
-    out = engine_build_file(cfg)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(out, metrics)
+    layout.engine_build_file.parent.mkdir(parents=True, exist_ok=True)
+    write_json(layout.engine_build_file, metrics)
     return metrics
-
-
-def engine_build_file(cfg: ReleaseConfig) -> Path:
-    return Path(cfg.train.output_dir) / "engine_build.json"
 
 
 def main(argv: list[str] | None = None) -> int:

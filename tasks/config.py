@@ -19,12 +19,10 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kernels.kv_spec import Granularity, KVQuantSpec
+from tasks.layout import BASE_MODEL_STAGE_DIR, ArtifactLayout
 
 MONTH_PATTERN = re.compile(r"^\d{4}-(0[1-9]|1[0-2])$")
 DEFAULT_PARAMS = Path("params.yaml")
-# The base_model stage's output (dvc.yaml names it too): the embedded default is built here; with
-# ``source: local`` it holds only the card that records the user's checkpoint, which is never an output.
-BASE_MODEL_STAGE_DIR = "models/base"
 
 
 class StageError(Exception):
@@ -140,23 +138,10 @@ class EngineConfig(_Section):
     weight_block_size: int = Field(128, ge=16, le=4096)
     kv_cache: Literal["float", "quantized"] = "quantized"
 
-    def kv_engine_dir(self) -> Path:
-        """The engine with the quantized KV cache (``kv`` section's scheme), beside the float one."""
-        return Path(f"{self.dir}-kv")
-
     def weights_format(self) -> str:
         """How quantized weights are written for the backend (``tasks.weight_graph.WEIGHT_FORMATS``):
         ONNX Runtime's MatMulNBits, or the Q/DQ form with fp16 GEMMs that TensorRT builds weight-only."""
         return "qdq_fp16" if self.backend == "tensorrt" else "matmulnbits"
-
-    def serving_dir(self) -> Path:
-        """The engine the device runs: the float-cache or quantized-cache engine, or its
-        weight-quantized copy beside it (named after the format when it is TensorRT's)."""
-        source = Path(self.dir) if self.kv_cache == "float" else self.kv_engine_dir()
-        if self.weights == "fp32":
-            return source
-        fmt = self.weights_format()
-        return Path(f"{source}-{self.weights}" + ("" if fmt == "matmulnbits" else f"-{fmt}"))
 
     def kv_attention(self, spec) -> str:
         """How the quantized-KV engine reads its cache (``runtime.kv_model.KV_ATTENTION``): ONNX Runtime's
@@ -291,8 +276,6 @@ class ReleaseConfig(_Section):
         # a user's model or data inside (or around) one of them would be lost.
         outputs = {"the base_model stage's output": BASE_MODEL_STAGE_DIR, "data.dir": self.data.dir,
                    "train.output_dir": self.train.output_dir, "engine.dir": self.engine.dir,
-                   "the quantized-KV engine": str(self.engine.kv_engine_dir()),
-                   "the serving engine": str(self.engine.serving_dir()),
                    "publish.registry_dir": self.publish.registry_dir}
         inputs = {"data.jsonl_dir": self.data.jsonl_dir, "data.heldout_text": self.data.heldout_text,
                   "base_model.path": self.base_model.path if self.base_model.source == "local" else None}
@@ -316,11 +299,10 @@ class ReleaseConfig(_Section):
             )
         return self
 
-    def release_dir(self) -> Path:
-        return Path(self.train.output_dir) / self.data.month
-
-    def data_dir(self) -> Path:
-        return Path(self.data.dir) / self.data.month
+    @property
+    def layout(self) -> ArtifactLayout:
+        """Every path the stages read and write (``tasks/layout.py``)."""
+        return ArtifactLayout.from_config(self)
 
     def base_build_hash(self) -> str:
         """Hash of everything the embedded base model is built from; unchanged = reuse it."""

@@ -294,7 +294,7 @@ def prepare_data(cfg: DataConfig, base_month: str, out_dir: Path) -> Path:
 
 
 def run_stage(cfg: ReleaseConfig) -> str:
-    out = prepare_data(cfg.data, cfg.base_model.trained_through, cfg.data_dir())
+    out = prepare_data(cfg.data, cfg.base_model.trained_through, cfg.layout.data_dir)
     return f"data for {cfg.data.month} written to {out}"
 
 

@@ -21,6 +21,7 @@ from tasks.base_model import load_base_model
 from tasks.cli import stage_main
 from tasks.config import EngineConfig, EvalConfig, ReleaseConfig, WeightAccuracyDrop
 from tasks.data import HELDOUT_TEXT, Example, read_jsonl, read_text_corpus
+from tasks.layout import METRICS_FILE, serving_engine_dir
 
 
 def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[str]:
@@ -165,7 +166,7 @@ def _score_on_engine(
     from runtime.generate import generate_text
     from tasks.engine_parity import parity_report, prefill_logit_diff, quantized_prefill_parity
 
-    engine = open_engine(engine_cfg.serving_dir(), backend=engine_cfg.backend, threads=engine_cfg.threads)
+    engine = open_engine(serving_engine_dir(engine_cfg), backend=engine_cfg.backend, threads=engine_cfg.threads)
     lora = load_adapter(adapter_dir, engine.interface)
     prompts = [ex.prompt for ex in test]
     kv_parity = {}
@@ -339,7 +340,7 @@ def evaluate(
                 "ppl_increase_pct": 100.0 * (on_engine["perplexity"] / adapter_report["perplexity"] - 1.0),
             }
     with atomic_output_dir(Path(out_dir)) as tmp:
-        write_json(tmp / "metrics.json", metrics)
+        write_json(tmp / METRICS_FILE, metrics)
         if latency_samples:
             _write_csv(tmp / "latency.csv", ["step", "decode_ms"], enumerate(latency_samples))
         if kv_dir is not None:
@@ -352,7 +353,7 @@ def evaluate(
                 if engine_predictions is not None:
                     row["adapter_on_engine"] = engine_predictions[i]
                 fh.write(json.dumps(row, sort_keys=True) + "\n")
-    return Path(out_dir) / "metrics.json"
+    return Path(out_dir) / METRICS_FILE
 
 
 def run_stage(cfg: ReleaseConfig) -> Path:
@@ -361,13 +362,13 @@ def run_stage(cfg: ReleaseConfig) -> Path:
     torch.set_num_threads(cfg.train.threads)
     return evaluate(
         base_dir=Path(cfg.base_model.path),
-        adapter_dir=cfg.release_dir() / "finetune" / "adapter",
-        data_dir=cfg.data_dir(),
-        out_dir=cfg.release_dir() / "eval",
+        adapter_dir=cfg.layout.adapter_dir,
+        data_dir=cfg.layout.data_dir,
+        out_dir=cfg.layout.eval_dir,
         cfg=cfg.eval,
         month=cfg.data.month,
         engine=cfg.engine,
-        kv_dir=cfg.release_dir() / "kv" if cfg.kv.enabled else None,
+        kv_dir=cfg.layout.kv_dir if cfg.kv.enabled else None,
         max_weight_accuracy_drop=cfg.gates.max_weight_accuracy_drop,
     )
 

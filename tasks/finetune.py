@@ -17,8 +17,7 @@ from tasks.base_model import load_base_model
 from tasks.cli import stage_main
 from tasks.config import ConfigError, LoraSection, ReleaseConfig, TrainConfig
 from tasks.data import read_jsonl
-
-ADAPTER_DIR = "adapter"
+from tasks.layout import ADAPTER_DIR
 
 
 def library_versions() -> dict[str, str]:
@@ -129,12 +128,12 @@ def finetune(
 def run_stage(cfg: ReleaseConfig) -> Path:
     return finetune(
         base_dir=Path(cfg.base_model.path),
-        data_dir=cfg.data_dir(),
-        out_dir=cfg.release_dir() / "finetune",
+        data_dir=cfg.layout.data_dir,
+        out_dir=cfg.layout.finetune_dir,
         lora=cfg.lora,
         train=cfg.train,
         params_hash=cfg.params_hash(),
-        engine_dir=Path(cfg.engine.dir),
+        engine_dir=cfg.layout.engine_dir,
     )
 
 

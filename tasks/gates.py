@@ -20,8 +20,6 @@ from tasks.artifacts import write_json
 from tasks.cli import stage_main
 from tasks.config import GatesConfig, ReleaseConfig, StageError, WeightAccuracyDrop
 
-GATES_FILE = "gates.json"
-
 
 class GateFailed(StageError):
     """A candidate that did not pass every gate; the message lists the failed ones."""
@@ -203,7 +201,7 @@ def render_gate_table(report: dict) -> str:
 def run_stage(cfg: ReleaseConfig) -> Path:
     """The gates stage: ``gates/gates.json`` from the evaluation and the registry's champion. A failed
     gate is a verdict, not an error: the file is written either way, and packaging reads it."""
-    metrics_file = cfg.release_dir() / "eval" / "metrics.json"
+    metrics_file = cfg.layout.metrics_file
     if not metrics_file.exists():
         raise StageError(f"{metrics_file} is missing: run the evaluate stage first")
     metrics = json.loads(metrics_file.read_text())
@@ -211,7 +209,7 @@ def run_stage(cfg: ReleaseConfig) -> Path:
     if champion is not None and champion["month"] == cfg.data.month:
         champion = None  # a month is not compared with its own earlier release
     gates = evaluation_gates(metrics, cfg.gates, champion, cfg.engine.parity_tolerance, cfg.kv.enabled)
-    out = cfg.release_dir() / "gates" / GATES_FILE
+    out = cfg.layout.gates_file
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, gate_report(gates) | {"champion": champion, "accuracy_measure": accuracy_measure(scored_metrics(metrics))})
     return out

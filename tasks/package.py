@@ -43,11 +43,10 @@ from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
 from runtime.tokenizer import DeviceTokenizer
 from tasks.config import ReleaseConfig, StageError
+from tasks.layout import CHECK_FILE, RELEASE_DIR
 
 SIGNING_KEY_ENV = "RELEASE_SIGNING_KEY"
-RELEASE_DIR = "release"
 TARBALL = "release.tar.gz"
-CHECK_FILE = "check.json"
 FALLBACK_PROMPT = "inspect board=PCB-1000 line=L1 part=R1 temp_c=240 defect=bridge bridge_um=10 verdict:"
 
 
@@ -302,21 +301,21 @@ def _first_test_prompt(data_dir: Path) -> str:
 
 
 def run_stage(cfg: ReleaseConfig) -> Path:
-    release = cfg.release_dir()
+    layout = cfg.layout
     return build_release(
-        adapter_dir=release / "finetune" / "adapter",
-        kv_dir=release / "kv" if cfg.kv.enabled else None,
-        metrics_path=release / "eval" / "metrics.json",
-        gates_path=release / "gates" / "gates.json",
-        engine_dir=cfg.engine.serving_dir(),
+        adapter_dir=layout.adapter_dir,
+        kv_dir=layout.kv_dir if cfg.kv.enabled else None,
+        metrics_path=layout.metrics_file,
+        gates_path=layout.gates_file,
+        engine_dir=layout.serving_engine_dir,
         base_dir=Path(cfg.base_model.path),
-        out_dir=release / "package",
+        out_dir=layout.package_dir,
         signing_key=cfg.publish.signing_key,
         month=cfg.data.month,
         expiry_days=cfg.publish.expiry_days,
         backend=cfg.engine.backend,
         threads=cfg.engine.threads,
-        prompt=_first_test_prompt(cfg.data_dir()),
+        prompt=_first_test_prompt(layout.data_dir),
         max_new_tokens=cfg.eval.max_new_tokens,
     )
 

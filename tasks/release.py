@@ -12,9 +12,8 @@ from pathlib import Path
 
 from runtime.hashing import sha256_file
 from tasks.base_model import CARD
-from tasks.compile import engine_build_file
-from tasks.config import BASE_MODEL_STAGE_DIR, ReleaseConfig
-from tasks.gates import GATES_FILE, accuracy_measure, gate_report, package_gates, render_gate_table, scored_metrics
+from tasks.config import ReleaseConfig
+from tasks.gates import accuracy_measure, gate_report, package_gates, render_gate_table, scored_metrics
 from tasks.pipeline import StageRun, push_outputs
 
 GATES_STAGE, PACKAGE_STAGE = "gates", "package"
@@ -29,14 +28,10 @@ class Recorded:
     tracking_uri: str
 
 
-def package_dir(cfg: ReleaseConfig) -> Path:
-    return cfg.release_dir() / "package" / "release"
-
-
 def full_gate_report(cfg: ReleaseConfig) -> dict:
     """The evaluation gates (``gates/gates.json``), plus the package gates once the package exists."""
-    evaluation = json.loads((cfg.release_dir() / "gates" / GATES_FILE).read_text())
-    check = cfg.release_dir() / "package" / "check.json"
+    evaluation = json.loads(cfg.layout.gates_file.read_text())
+    check = cfg.layout.package_check_file
     if not check.exists():
         return evaluation | {"packaged": False}
     from tasks.gates import Gate
@@ -49,7 +44,7 @@ def full_gate_report(cfg: ReleaseConfig) -> dict:
 def engine_builds(cfg: ReleaseConfig, runs: list[StageRun]) -> int:
     """1 if this run compiled the engine, 0 if it reused the one built for this backbone before."""
     ran = any(r.name == "compile" and r.reproduced for r in runs)
-    return int(ran and json.loads(engine_build_file(cfg).read_text()).get("engine_builds", 0))
+    return int(ran and json.loads(cfg.layout.engine_build_file.read_text()).get("engine_builds", 0))
 
 
 def _read(path: Path) -> dict:
@@ -60,15 +55,16 @@ def stage_outputs(cfg: ReleaseConfig, stage: str) -> tuple[dict[str, float], lis
     """The metrics (numeric leaves of the stage's JSON outputs) and files to attach to a stage's MLflow run."""
     from tasks.tracking import flatten_numbers
 
-    rel = cfg.release_dir()
+    layout = cfg.layout
+    finetune, evaluation = layout.finetune_dir, layout.eval_dir
     files = {
-        "base_model": ([Path(BASE_MODEL_STAGE_DIR) / CARD], []),
-        "compile": ([engine_build_file(cfg)], []),
-        "finetune": ([rel / "finetune" / "train_metrics.json"], [rel / "finetune" / "loss.png", rel / "finetune" / "loss.csv"]),
-        "calibrate": ([], [rel / "kv" / "kv_scales.json"]),
-        "evaluate": ([rel / "eval" / "metrics.json"], [rel / "eval" / "report.md", rel / "eval" / "latency.csv", rel / "eval" / "kv_grid.csv"]),
-        "gates": ([], [rel / "gates" / GATES_FILE]),
-        "package": ([rel / "package" / "check.json"], [package_dir(cfg) / "manifest.json"]),
+        "base_model": ([layout.base_model_dir / CARD], []),
+        "compile": ([layout.engine_build_file], []),
+        "finetune": ([finetune / "train_metrics.json"], [finetune / "loss.png", finetune / "loss.csv"]),
+        "calibrate": ([], [layout.kv_dir / "kv_scales.json"]),
+        "evaluate": ([layout.metrics_file], [evaluation / "report.md", evaluation / "latency.csv", evaluation / "kv_grid.csv"]),
+        "gates": ([], [layout.gates_file]),
+        "package": ([layout.package_check_file], [layout.package_release_dir / "manifest.json"]),
     }
     json_files, artifacts = files.get(stage, ([], []))
     metrics: dict[str, float] = {}
@@ -79,12 +75,11 @@ def stage_outputs(cfg: ReleaseConfig, stage: str) -> tuple[dict[str, float], lis
 
 def headline_metrics(cfg: ReleaseConfig, runs: list[StageRun], report: dict) -> dict[str, float]:
     """The numbers a reviewer compares month to month, on the parent run."""
-    rel = cfg.release_dir()
-    metrics = _read(rel / "eval" / "metrics.json")
+    metrics = _read(cfg.layout.metrics_file)
     scored = scored_metrics(metrics)
     kv = metrics.get("kv_cache", {})
     latency = scored.get("decode_latency", {})
-    check = _read(rel / "package" / "check.json")
+    check = _read(cfg.layout.package_check_file)
     out = {
         "accuracy": scored.get("accuracy"),
         "accuracy_new": scored.get("accuracy_new"),
@@ -129,9 +124,9 @@ def record_in_mlflow(cfg: ReleaseConfig, root: Path, runs: list[StageRun], repor
     client.log_dict(parent, report, "gate_report.json")
     version = None
     if report.get("packaged"):
-        client.log_artifacts(parent, str(package_dir(cfg)), "package")
+        client.log_artifacts(parent, str(cfg.layout.package_release_dir), "package")
         source = f"{client.get_run(parent).info.artifact_uri}/package"
-        manifest = _read(package_dir(cfg) / "manifest.json")
+        manifest = _read(cfg.layout.package_release_dir / "manifest.json")
         version = tracking.register_candidate(client, cfg.publish.model_name, parent, source, {
             "month": cfg.data.month,
             "release_id": str(manifest.get("release_id")),
@@ -154,9 +149,9 @@ def finish_mlflow_run(cfg: ReleaseConfig, root: Path, recorded: Recorded, status
 
 def registry_entry(cfg: ReleaseConfig, recorded: Recorded | None) -> dict:
     """What ``releases/index.json`` says of this release (and the champion gate reads next month)."""
-    release = package_dir(cfg)
+    release = cfg.layout.package_release_dir
     manifest = _read(release / "manifest.json")
-    headline = _read(cfg.release_dir() / "eval" / "metrics.json")
+    headline = _read(cfg.layout.metrics_file)
     scored = scored_metrics(headline)
     return {
         "release_id": manifest.get("release_id", cfg.data.month),
@@ -177,7 +172,7 @@ def already_published(cfg: ReleaseConfig) -> dict | None:
 
     registry = Path(cfg.publish.registry_dir)
     entry = read_index(registry).get(cfg.data.month)
-    adapter = package_dir(cfg) / "adapter_model.safetensors"
+    adapter = cfg.layout.package_release_dir / "adapter_model.safetensors"
     if entry is None or not adapter.exists() or not tag_exists(registry.resolve(), release_tag(cfg.data.month)):
         return None
     return entry if entry.get("adapter_sha256") == sha256_file(adapter) else None
@@ -225,6 +220,6 @@ def summary_markdown(cfg: ReleaseConfig, runs: list[StageRun], report: dict, rec
                      f"browse with `mlflow ui --backend-store-uri {recorded.tracking_uri}`")
         if recorded.version:
             lines.append(f"- model `{cfg.publish.model_name}` version {recorded.version}")
-    lines.append(f"- release directory `{package_dir(cfg)}`; registry `{Path(cfg.publish.registry_dir).resolve()}` "
+    lines.append(f"- release directory `{cfg.layout.package_release_dir}`; registry `{Path(cfg.publish.registry_dir).resolve()}` "
                  f"tag `release/{cfg.data.month}`")
     return "\n".join(lines) + "\n"

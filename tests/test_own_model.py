@@ -190,7 +190,7 @@ def device_greedy(project, user, release: Path, prompts: list[str]) -> list[str]
     root = project["root"]
     cfg = load_config(project["root"].parent / "params-published.yaml")
     port = free_port()
-    server = start_service([sys.executable, "-m", "runtime", "serve", "--engine", str(root / cfg.engine.serving_dir()),
+    server = start_service([sys.executable, "-m", "runtime", "serve", "--engine", str(root / cfg.layout.serving_engine_dir),
                             "--tokenizer", str(user["model"]), "--package", str(release),
                             "--trusted-key", str(root / "keys" / "release_signing.pub"), "--port", str(port)],
                            root, project["env"], root.parent / "device.log")

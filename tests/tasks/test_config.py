@@ -92,9 +92,9 @@ def test_a_quantized_kv_engine_needs_onnxruntime_and_calibrated_scales():
         parse_config({"engine": {"backend": "tensorrt"}})
     with pytest.raises(ConfigError, match="engine.kv_cache quantized needs kv.enabled"):
         parse_config({"kv": {"enabled": False}})
-    assert parse_config({"engine": {"backend": "tensorrt", "kv_cache": "float"}, "kv": {"enabled": False}}).engine.serving_dir() == Path("engine")
+    assert parse_config({"engine": {"backend": "tensorrt", "kv_cache": "float"}, "kv": {"enabled": False}}).layout.serving_engine_dir == Path("engine")
     pre_rope = parse_config({"kv": {"pre_rope_keys": True, "k_symmetric": False}})
-    assert pre_rope.engine.kv_attention(pre_rope.kv.spec()) == "standard" and pre_rope.engine.serving_dir() == Path("engine-kv")
+    assert pre_rope.engine.kv_attention(pre_rope.kv.spec()) == "standard" and pre_rope.layout.serving_engine_dir == Path("engine/kv")
 
 
 def test_a_users_model_or_data_inside_a_pipeline_output_is_refused():

@@ -80,8 +80,8 @@ def test_the_gates_stage_writes_its_verdict_even_when_a_gate_fails(tmp_path):
     cfg = ReleaseConfig.model_validate({"train": {"output_dir": str(tmp_path / "artifacts")},
                                         "publish": {"registry_dir": str(tmp_path / "registry")},
                                         "gates": {"max_p95_decode_ms": 1.0}})
-    (cfg.release_dir() / "eval").mkdir(parents=True)
-    (cfg.release_dir() / "eval" / "metrics.json").write_text(json.dumps(good_metrics()))
+    cfg.layout.eval_dir.mkdir(parents=True)
+    cfg.layout.metrics_file.write_text(json.dumps(good_metrics()))
     report = json.loads(run_stage(cfg).read_text())
     assert report["passed"] is False and report["champion"] is None
     assert [g["name"] for g in report["gates"] if not g["passed"]] == ["p95_decode_ms"]
@@ -140,10 +140,10 @@ def test_unlabelled_data_is_compared_with_the_champion_on_overall_accuracy():
 def test_the_gates_file_says_which_accuracy_measure_was_used(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = ReleaseConfig()
-    (cfg.release_dir() / "eval").mkdir(parents=True)
-    (cfg.release_dir() / "eval" / "metrics.json").write_text(json.dumps(unlabelled_metrics()))
+    cfg.layout.eval_dir.mkdir(parents=True)
+    cfg.layout.metrics_file.write_text(json.dumps(unlabelled_metrics()))
     assert json.loads(run_stage(cfg).read_text())["accuracy_measure"] == "overall"
-    (cfg.release_dir() / "eval" / "metrics.json").write_text(json.dumps(good_metrics()))
+    cfg.layout.metrics_file.write_text(json.dumps(good_metrics()))
     assert json.loads(run_stage(cfg).read_text())["accuracy_measure"] == "changed_rules"
 
 

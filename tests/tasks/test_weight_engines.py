@@ -54,7 +54,7 @@ def test_refuses_unknown_precision_and_bad_block(tiny_engine, tmp_path):
         quantize_engine_dir(tiny_engine, tmp_path / "c", "int4", fmt="gguf")
 
 
-def test_compile_stage_builds_the_int8_serving_engine_once_beside_the_float_ones(tiny_llama_dir, tmp_path):
+def test_compile_stage_builds_the_int8_serving_engine_once_inside_the_float_ones_folder(tiny_llama_dir, tmp_path):
     import yaml
 
     from runtime.interface import read_interface
@@ -71,15 +71,15 @@ def test_compile_stage_builds_the_int8_serving_engine_once_beside_the_float_ones
     first = compile_stage.run_stage(cfg)
     # The float-cache engine (adapters bind to it), the quantized-cache engine, and its int8 copy.
     assert (first["engine_builds"], first["kv_engine"]["engine_builds"], first["weights_builds"]) == (2, 1, 1)
-    serving = tmp_path / "engine-kv-int8"
-    assert cfg.engine.serving_dir() == serving
+    serving = tmp_path / "engine" / "kv-int8"
+    assert cfg.layout.serving_engine_dir == serving
     assert json.loads((serving / "weights.json").read_text())["weights"] == "int8"
     # Same LoRA contract: an qwen_adapter bound to the float engine runs on the int8 copy of the quantized-cache one.
-    assert read_interface(serving).interface_hash == read_interface(tmp_path / "engine-kv").interface_hash
+    assert read_interface(serving).interface_hash == read_interface(tmp_path / "engine" / "kv").interface_hash
     assert read_interface(serving).float_interface_hash == read_interface(tmp_path / "engine").interface_hash
     # and the interface records what the device runs, outside the hash
     assert read_interface(serving).weights == {"precision": "int8", "format": "matmulnbits", "block_size": 128}
-    assert read_interface(serving).weight_precision == "int8" and read_interface(tmp_path / "engine-kv").weights is None
+    assert read_interface(serving).weight_precision == "int8" and read_interface(tmp_path / "engine" / "kv").weights is None
     again = compile_stage.run_stage(cfg)
     assert (again["engine_builds"], again["weights_builds"]) == (0, 0)
 
@@ -107,8 +107,8 @@ def test_tensorrt_release_gets_the_qdq_serving_engine_from_the_compile_stage(tin
     }))
     cfg = load_config(params)
     metrics = compile_stage.run_stage(cfg)
-    serving = tmp_path / "engine-int4-qdq_fp16"
-    assert cfg.engine.serving_dir() == serving and metrics["weights_builds"] == 1
+    serving = tmp_path / "engine" / "int4-qdq_fp16"
+    assert cfg.layout.serving_engine_dir == serving and metrics["weights_builds"] == 1
     record = json.loads((serving / "weights.json").read_text())
     assert (record["format"], record["symmetric"], record["block_size"]) == ("qdq_fp16", True, 128)
     assert not any(n.op_type == "MatMulNBits" for n in onnx.load(str(serving / "model.onnx")).graph.node)

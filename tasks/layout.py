@@ -1,0 +1,125 @@
+"""Where every stage of the monthly release reads and writes: one frozen layout built from the config.
+
+Stages, the flow's decisions (``tasks/release.py``) and the benchmarks take their paths from here;
+``dvc.yaml`` declares the same folders as outputs and dependencies (``tests/tasks/test_layout.py``
+holds the two together). Paths are relative to the project root, as DVC runs the stages there::
+
+    models/base/                     the base_model stage (the embedded default; a card for a local model)
+    <data.dir>/<month>/              the data stage: train/val/calib/test.jsonl, held-out text
+    <engine.dir>/                    the compile stage: the float engine of the backbone, and inside it
+        kv/                          the engine with the quantized KV cache (engine.kv_cache: quantized)
+        kv-int8/, int8-qdq_fp16/...  weight-quantized copies of the serving engine (engine.weights)
+    <train.output_dir>/engine_build.json   what the compile stage built (not per month: the engine is not)
+    <train.output_dir>/<month>/
+        finetune/adapter/            the LoRA adapter, PEFT's files
+        kv/                          its calibrated KV-cache scales
+        eval/metrics.json            evaluation on PyTorch and on the serving engine
+        gates/gates.json             the gate verdicts
+        package/release/, check.json the signed release and its check
+
+Every variant engine sits inside ``<engine.dir>`` so that one DVC output holds whichever of them the
+settings build: a DVC output must exist after its stage, and which variants exist depends on the config.
+Names of the files inside an adapter, a release or an engine belong to their formats, not to this layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tasks.config import EngineConfig, ReleaseConfig
+
+# The base_model stage's output: the embedded default is built here; with ``source: local`` it holds
+# only the card that records the user's checkpoint, which is never an output.
+BASE_MODEL_STAGE_DIR = "models/base"
+ENGINE_BUILD_FILE = "engine_build.json"
+KV_ENGINE = "kv"  # the quantized-KV engine's folder inside the float engine's
+FINETUNE, KV, EVAL, GATES, PACKAGE = "finetune", "kv", "eval", "gates", "package"  # a month's stage folders
+ADAPTER_DIR = "adapter"  # in finetune/
+METRICS_FILE = "metrics.json"  # in eval/
+GATES_FILE = "gates.json"  # in gates/
+RELEASE_DIR, CHECK_FILE = "release", "check.json"  # in package/
+
+
+def serving_engine_dir(engine: EngineConfig) -> Path:
+    """The engine the device runs: the float engine, its quantized-KV variant (``kv``), or a
+    weight-quantized copy of either (``kv-int8``, ``int8``; TensorRT's format appended: ``int8-qdq_fp16``)."""
+    variant = [KV_ENGINE] if engine.kv_cache == "quantized" else []
+    if engine.weights != "fp32":
+        variant.append(engine.weights)
+        if engine.weights_format() != "matmulnbits":
+            variant.append(engine.weights_format())
+    return Path(engine.dir, "-".join(variant)) if variant else Path(engine.dir)
+
+
+@dataclass(frozen=True)
+class ArtifactLayout:
+    data_dir: Path  # <data.dir>/<month>
+    output_dir: Path  # <train.output_dir>
+    release_dir: Path  # <train.output_dir>/<month>
+    engine_dir: Path  # <engine.dir>: the float engine
+    serving_engine_dir: Path  # the engine the device runs (engine.kv_cache, engine.weights)
+    base_model_dir: Path = Path(BASE_MODEL_STAGE_DIR)
+
+    @classmethod
+    def from_config(cls, cfg: ReleaseConfig) -> ArtifactLayout:
+        return cls(
+            data_dir=Path(cfg.data.dir) / cfg.data.month,
+            output_dir=Path(cfg.train.output_dir),
+            release_dir=Path(cfg.train.output_dir) / cfg.data.month,
+            engine_dir=Path(cfg.engine.dir),
+            serving_engine_dir=serving_engine_dir(cfg.engine),
+        )
+
+    @property
+    def kv_engine_dir(self) -> Path:
+        """The engine with the quantized KV cache; its scales are runtime inputs, so it is month-independent."""
+        return self.engine_dir / KV_ENGINE
+
+    @property
+    def engine_build_file(self) -> Path:
+        # Not under the month's folder: the engine belongs to the backbone, and a new month must not
+        # make the compile stage (or its DVC record) look changed.
+        return self.output_dir / ENGINE_BUILD_FILE
+
+    @property
+    def finetune_dir(self) -> Path:
+        return self.release_dir / FINETUNE
+
+    @property
+    def adapter_dir(self) -> Path:
+        return self.finetune_dir / ADAPTER_DIR
+
+    @property
+    def kv_dir(self) -> Path:
+        return self.release_dir / KV
+
+    @property
+    def eval_dir(self) -> Path:
+        return self.release_dir / EVAL
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.eval_dir / METRICS_FILE
+
+    @property
+    def gates_dir(self) -> Path:
+        return self.release_dir / GATES
+
+    @property
+    def gates_file(self) -> Path:
+        return self.gates_dir / GATES_FILE
+
+    @property
+    def package_dir(self) -> Path:
+        return self.release_dir / PACKAGE
+
+    @property
+    def package_release_dir(self) -> Path:
+        return self.package_dir / RELEASE_DIR
+
+    @property
+    def package_check_file(self) -> Path:
+        return self.package_dir / CHECK_FILE
