@@ -2,9 +2,10 @@
 
     python -m bench.flow_bench [--out bench/results/flow_bench.json] [--workdir DIR] [--months 2026-11,2026-12]
 
-Copies the project's git-tracked and new (not ignored) files, without ``dvc.lock``, into a fresh git
-repository, exactly as the ``project`` fixture of ``tests/test_release.py`` does (a clone of this
-checkout), then runs ``python -m flows.monthly_release --params FILE`` there as ``make release`` does:
+Copies the project's git-tracked files as the working tree has them, without ``dvc.lock``, into a fresh
+git repository, exactly as the ``project`` fixture of ``tests/test_release.py`` does (what a clone of
+this checkout holds, whatever else a release left in it), then runs
+``python -m flows.monthly_release --params FILE`` there as ``make release`` does:
 
 1. ``first``:  the first month; everything is built (base model, engine, fine-tune, ...) and published;
 2. ``rerun``:  the same month again, nothing changed: DVC reproduces nothing, nothing is published;
@@ -13,7 +14,7 @@ checkout), then runs ``python -m flows.monthly_release --params FILE`` there as 
 Per run: wall seconds, exit code, outcome, and engine builds. Engine builds come from the MLflow
 parent run the flow records (metric ``engine_builds``) when it records one; an unchanged rerun records
 none (the release is already published), so for every run they are also read from the artifacts:
-``artifacts/engine_build.json`` is rewritten only when the compile stage runs, and says whether it
+``artifacts/engine_build.json`` (``tasks.layout``) is rewritten only when the compile stage runs, and says whether it
 built (``engine_builds``: 2 with the default quantized-cache engine, the float one beside it) or found
 the engines of this backbone (0). Both must agree.
 
@@ -48,12 +49,14 @@ def git(cwd: Path, *args: str) -> str:
 
 
 def copy_project(root: Path) -> Path:
-    """A fresh, clone-like copy of the project in ``root``: tracked and new (not ignored) files, committed.
+    """A fresh, clone-like copy of the project in ``root``: the tracked files as the working tree has
+    them (uncommitted edits included), committed. Nothing untracked comes along, so an engine or data
+    that a ``make release`` in this checkout left behind cannot make the copy start warm.
 
     The end-to-end, fault and production tests build their projects with it too.
     """
     root.mkdir(parents=True, exist_ok=True)
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached"], cwd=REPO,
                             capture_output=True, check=True).stdout.decode().split("\0")
     for rel in filter(lambda r: r and r != "dvc.lock", listed):  # a clone has no lock of this machine's runs
         src = REPO / rel
@@ -100,11 +103,13 @@ def mlflow_parent_runs(root: Path, month: str) -> list:
 
 
 def run_month(root: Path, work: Path, env: dict, name: str, month: str, timeout: float) -> dict:
+    from tasks.config import parse_config
+
     raw = yaml.safe_load((root / "params.yaml").read_text())
     raw["data"]["month"] = month
     params = work / f"params-{name}.yaml"
     params.write_text(yaml.safe_dump(raw))
-    build_file = root / raw.get("train", {}).get("output_dir", "artifacts") / "engine_build.json"
+    build_file = root / parse_config(raw).layout.engine_build_file
     before_build = _fingerprint(build_file)
     known = {r["run_id"] for r in mlflow_parent_runs(root, month)} if (root / "mlflow.db").exists() else set()
     print(f"flow_bench: {name} ({month}) ...", flush=True)
