@@ -102,6 +102,7 @@ def make_tiny_release(root: Path, base: Path, engine_dir: Path, adapter: Path, m
     from kernels.kv_spec import PRE_ROPE_SCHEME
     from tasks.calibrate import calibrate_kv_scales
     from tasks.data import rulebook, sample_examples, write_jsonl
+    from tasks.layout import RELEASE_DIR
     from tasks.package import build_release
 
     root = Path(root)
@@ -117,7 +118,7 @@ def make_tiny_release(root: Path, base: Path, engine_dir: Path, adapter: Path, m
     out = build_release(adapter, root / "kv", root / "metrics.json", root / "gates.json", engine_dir, base,
                         root / "package", signing_key, month, expiry_days=expiry_days, threads=1, prompt=PROMPTS[0],
                         max_new_tokens=4, now=now)
-    return out / "release"
+    return out / RELEASE_DIR
 
 
 def build_tiny_world(root: Path) -> dict:

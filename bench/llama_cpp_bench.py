@@ -314,7 +314,9 @@ def gguf_tensor_bytes(path: Path, llama_dir: Path) -> dict[str, int]:
 def embedded_tokenizer_dir(work: Path) -> Path:
     """The embedded default's tokenizer: ``models/base`` after ``make release``, else trained the
     same way (``tasks.base_model``: same examples, same settings) into ``work``."""
-    base = REPO / "models" / "base"
+    from tasks.layout import BASE_MODEL_STAGE_DIR
+
+    base = REPO / BASE_MODEL_STAGE_DIR
     if (base / "tokenizer.json").is_file():
         return base
     from tasks.base_model import train_tokenizer

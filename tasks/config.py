@@ -62,7 +62,7 @@ class DataConfig(_Section):
 
 class BaseModelConfig(_Section):
     source: Literal["embedded", "local"] = "embedded"
-    path: str = "models/base"
+    path: str = BASE_MODEL_STAGE_DIR
     trained_through: Month = "2026-10"
     vocab_size: int = Field(512, ge=300, le=65536)
     hidden_size: int = Field(256, ge=16)
