@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from bench.report import write_report
+from runtime.contract import ENGINE_ONNX
 
 CONFIGS = {
     # The default backbone of the foundation issue.
@@ -130,7 +131,7 @@ def bench_config(name: str, dims: dict, iters: int, threads: int, work: Path) ->
     from runtime.adapter import load_adapter
     from runtime.backends.onnxruntime import OrtEngine
     from runtime.backends.torch_eager import TorchEngine
-    from runtime.interface import write_interface
+    from runtime.interface import INTERFACE_FILE, write_interface
     from runtime.model import read_config
     from tasks.compile import compile_engine, export_backbone
 
@@ -143,8 +144,8 @@ def bench_config(name: str, dims: dict, iters: int, threads: int, work: Path) ->
     lora_engine.set_adapter(lora)
     merged_dir = root / "engine_merged"
     merged_dir.mkdir()
-    iface = export_backbone(model_dir, merged_dir / "model.onnx", RANK, (), merged_lora=lora)
-    write_interface(iface, merged_dir / "interface.json")
+    iface = export_backbone(model_dir, merged_dir / ENGINE_ONNX, RANK, (), merged_lora=lora)
+    write_interface(iface, merged_dir / INTERFACE_FILE)
     merged_engine = OrtEngine(merged_dir, threads=threads)
 
     eager = TorchEngine(model_dir, lora_engine.interface, threads=threads)

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from bench.report import write_report
+from runtime.contract import MANIFEST
 
 RESULTS = Path(__file__).parent / "results" / "hotswap_bench.json"
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -266,7 +267,7 @@ def run_load_test(world: dict, clients: int, before: float, during: float, after
     return {
         "source": world["source"], "clients": clients, "max_new_tokens": max_new_tokens, "ort_threads": threads,
         "swap_every_s": swap_every, "releases": [Path(p).parent.parent.name + "/" + json.loads(
-            (Path(p) / "manifest.json").read_text())["release_id"] for p in (release_a, release_b)],
+            (Path(p) / MANIFEST).read_text())["release_id"] for p in (release_a, release_b)],
         "distinct_answers": distinct,
         "swaps": {"count": len(swaps), "accepted": len(accepted),
                   "server_ms_p50": percentile(server_ms, 50), "server_ms_p99": percentile(server_ms, 99),

@@ -83,6 +83,7 @@ from bench.engine_bench import engine_steps, interleaved
 from bench.report import write_report
 from bench.weight_quant_bench import CONFIGS, build_variants
 from tasks.weight_graph import DEFAULT_BLOCK_SIZE
+from runtime.contract import ENGINE_ONNX
 
 PEER_VERSION = "0.3.36"  # llama-cpp-python, pinned in pyproject.toml's `peer` extra
 SRC_ENV = "LLAMA_CPP_SRC"  # the sdist (.tar.gz) or a directory holding convert_hf_to_gguf.py
@@ -442,7 +443,7 @@ def bench_config(llama_cpp, llama_dir: Path, name: str, pasts: list[int], iters:
     lora = load_adapter(root / "adapter", engines["fp32"].interface)
     engines |= quantized_kv_variants(root, lora, threads)
     lora_bytes = sum(np.asarray(v).nbytes for v in lora.values())
-    streamed = {f"ort_{v}": onnx_streamed_bytes(onnx.load(str(e.engine_dir / "model.onnx"), load_external_data=False))
+    streamed = {f"ort_{v}": onnx_streamed_bytes(onnx.load(str(e.engine_dir / ENGINE_ONNX), load_external_data=False))
                 + (0 if v.endswith("_merged") else lora_bytes) for v, e in engines.items()}
     t1 = time.perf_counter()
     hf_dir = gguf_source_dir(root / "base", embedded_tokenizer_dir(work), root / "gguf_src")
@@ -451,7 +452,7 @@ def bench_config(llama_cpp, llama_dir: Path, name: str, pasts: list[int], iters:
     streamed |= {f"llama_{t}": gguf_streamed_bytes(gguf_tensor_bytes(p, llama_dir)) for t, p in ggufs.items()}
     lora_gguf_bytes = sum(gguf_tensor_bytes(lora_gguf, llama_dir).values())
     streamed |= {f"llama_{t}_lora": streamed[f"llama_{t}"] + lora_gguf_bytes for t in LORA_GGUF_TYPES}
-    files = {f"ort_{v}": (e.engine_dir / "model.onnx").stat().st_size for v, e in engines.items()}
+    files = {f"ort_{v}": (e.engine_dir / ENGINE_ONNX).stat().st_size for v, e in engines.items()}
     files |= {f"llama_{t}": p.stat().st_size for t, p in ggufs.items()} | {"llama_lora_adapter": lora_gguf.stat().st_size}
     llms = {f"llama_{t}": load_llama(llama_cpp, p, max(pasts) + 1, threads, flash_attn) for t, p in ggufs.items()}
     llms |= {f"llama_{t}_lora": load_llama(llama_cpp, ggufs[t], max(pasts) + 1, threads, flash_attn, lora=lora_gguf)

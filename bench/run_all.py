@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.report import write_report
+from runtime.contract import ADAPTER_CONFIG
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -461,7 +462,7 @@ def flow_ready(project: Path) -> bool:
     from tasks.layout import PACKAGE, RELEASE_DIR
 
     layout = parse_config({"data": {"month": FLOW_MONTHS[0]}}).layout  # the flow benchmark runs the defaults
-    return ((project / layout.adapter_dir / "adapter_config.json").exists()
+    return ((project / layout.adapter_dir / ADAPTER_CONFIG).exists()
             and len(list((project / layout.output_dir).glob(f"*/{PACKAGE}/{RELEASE_DIR}/manifest.json"))) >= 2)
 
 

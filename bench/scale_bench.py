@@ -85,6 +85,7 @@ STAGES = ("data", "base_model", "compile", "finetune", "calibrate", "evaluate", 
 # is the process's own high-water mark (KiB on Linux); RUSAGE_CHILDREN that of any process it waited for.
 STAGE_HOOK = '''\
 import atexit, json, os, resource, sys, time
+from runtime.contract import CACHE_KEY_FILE
 
 _START = time.time()
 
@@ -244,7 +245,7 @@ def serving_dirs(project: Path, cfg) -> dict:
     for head in HEAD_BITS:
         if head != served_head:
             out = Path(f"{float_dir}-int4-head{head or 32}")
-            if not (out / "cache_key.json").exists():
+            if not (out / CACHE_KEY_FILE).exists():
                 keep = ("lm_head", "embed") if head is None else ("embed",)
                 quantize_engine_dir(float_dir, out, "int4", cfg.engine.weight_block_size, keep=keep, head_bits=head)
             dirs[f"int4_head{head or 32}"] = out

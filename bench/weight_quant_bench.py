@@ -27,6 +27,7 @@ import torch
 from bench.engine_bench import RANK, TARGETS, engine_steps, interleaved, make_backbone_and_adapter
 from bench.report import write_report
 from tasks.weight_graph import DEFAULT_BLOCK_SIZE
+from runtime.contract import ENGINE_ONNX
 
 CONFIGS = {
     "tiny": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024,
@@ -55,7 +56,7 @@ VARIANTS = {
 def build_variants(name: str, dims: dict, threads: int, work: Path, variants: list[str]):
     from runtime.adapter import load_adapter
     from runtime.backends.onnxruntime import OrtEngine
-    from runtime.interface import write_interface
+    from runtime.interface import INTERFACE_FILE, write_interface
     from runtime.model import read_config
     from tasks.compile import compile_engine, export_backbone
     from tasks.weight_engines import quantize_engine_dir
@@ -68,15 +69,15 @@ def build_variants(name: str, dims: dict, threads: int, work: Path, variants: li
     lora = load_adapter(adapter_dir, iface_lora)
     merged_dir = root / "engine_merged"
     merged_dir.mkdir()
-    iface = export_backbone(model_dir, merged_dir / "model.onnx", RANK, (), merged_lora=lora)
-    write_interface(iface, merged_dir / "interface.json")
+    iface = export_backbone(model_dir, merged_dir / ENGINE_ONNX, RANK, (), merged_lora=lora)
+    write_interface(iface, merged_dir / INTERFACE_FILE)
     engines, sizes = {}, {}
     for v in variants:
         weights, fold, level, merged, block = VARIANTS[v]
         src = merged_dir if merged else root / "engine"
         out = root / f"v_{v}"
         quantize_engine_dir(src, out, weights, block, fold, ("lm_head", "embed"), level)
-        sizes[v] = (out / "model.onnx").stat().st_size
+        sizes[v] = (out / ENGINE_ONNX).stat().st_size
         engine = OrtEngine(out, threads=threads)
         if not merged:
             engine.set_adapter(lora)

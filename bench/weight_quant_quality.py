@@ -26,6 +26,7 @@ from tasks.config import WeightAccuracyDrop, load_config
 from tasks.gates import weights_accuracy_gate
 from tasks.weight_engines import WEIGHTS_FILE, open_on_cpu, quantize_engine_dir
 from tasks.weight_graph import DEFAULT_BLOCK_SIZE, WeightQuantError, calibrate_activations
+from runtime.contract import ENGINE_ONNX
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def compare_schemes(engine_dir: Path, base_dir: Path, adapter_dir: Path, data_di
     for name in schemes or list(SCHEMES):
         weights, fold, keep, calibrated, fmt = SCHEMES[name]
         if calibrated and act_sq is None:
-            act_sq = calibrate_activations(Path(engine_dir) / "model.onnx", [tokenizer(t)["input_ids"] for t in calib], threads)
+            act_sq = calibrate_activations(Path(engine_dir) / ENGINE_ONNX, [tokenizer(t)["input_ids"] for t in calib], threads)
         out = Path(work_dir) / name
         record = quantize_engine_dir(engine_dir, out, weights, block_size, fold, keep,
                                      act_sq=act_sq if calibrated else None, fmt=fmt)

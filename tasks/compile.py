@@ -18,14 +18,14 @@ import time
 import warnings
 from pathlib import Path
 
+from runtime.contract import CACHE_KEY_FILE, ENGINE_ONNX
+from runtime.interface import INTERFACE_FILE
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
 from tasks.config import ReleaseConfig, StageError
 
 log = logging.getLogger(__name__)
 
-ENGINE_ONNX = "model.onnx"
-CACHE_KEY_FILE = "cache_key.json"
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -213,7 +213,7 @@ def compile_engine(
             # the weights outlive the export until a collection; collected here, before ORT loads the graph
             # (measured on the 0.5B shape: the compile stage's peak RSS 10.5 -> 8.4 GB).
             gc.collect()
-            write_interface(iface, tmp / "interface.json", exporter=key["exporter"])
+            write_interface(iface, tmp / INTERFACE_FILE, exporter=key["exporter"])
             from runtime.backends.onnxruntime import OrtEngine
 
             OrtEngine(tmp, threads=ort_threads)  # writes the optimized model next to the graph

@@ -15,6 +15,7 @@ from tasks.base_model import CARD
 from tasks.config import ReleaseConfig
 from tasks.gates import accuracy_measure, gate_report, package_gates, render_gate_table, scored_metrics
 from tasks.pipeline import StageRun, push_outputs
+from runtime.contract import ADAPTER_WEIGHTS, KV_SCALES_JSON, MANIFEST
 
 GATES_STAGE, PACKAGE_STAGE = "gates", "package"
 SUMMARY_KEY = "monthly-release-summary"  # stable Prefect artifact key: the UI shows its history
@@ -61,10 +62,10 @@ def stage_outputs(cfg: ReleaseConfig, stage: str) -> tuple[dict[str, float], lis
         "base_model": ([layout.base_model_dir / CARD], []),
         "compile": ([layout.engine_build_file], []),
         "finetune": ([finetune / "train_metrics.json"], [finetune / "loss.png", finetune / "loss.csv"]),
-        "calibrate": ([], [layout.kv_dir / "kv_scales.json"]),
+        "calibrate": ([], [layout.kv_dir / KV_SCALES_JSON]),
         "evaluate": ([layout.metrics_file], [evaluation / "report.md", evaluation / "latency.csv", evaluation / "kv_grid.csv"]),
         "gates": ([], [layout.gates_file]),
-        "package": ([layout.package_check_file], [layout.package_release_dir / "manifest.json"]),
+        "package": ([layout.package_check_file], [layout.package_release_dir / MANIFEST]),
     }
     json_files, artifacts = files.get(stage, ([], []))
     metrics: dict[str, float] = {}
@@ -126,7 +127,7 @@ def record_in_mlflow(cfg: ReleaseConfig, root: Path, runs: list[StageRun], repor
     if report.get("packaged"):
         client.log_artifacts(parent, str(cfg.layout.package_release_dir), "package")
         source = f"{client.get_run(parent).info.artifact_uri}/package"
-        manifest = _read(cfg.layout.package_release_dir / "manifest.json")
+        manifest = _read(cfg.layout.package_release_dir / MANIFEST)
         version = tracking.register_candidate(client, cfg.publish.model_name, parent, source, {
             "month": cfg.data.month,
             "release_id": str(manifest.get("release_id")),
@@ -150,12 +151,12 @@ def finish_mlflow_run(cfg: ReleaseConfig, root: Path, recorded: Recorded, status
 def registry_entry(cfg: ReleaseConfig, recorded: Recorded | None) -> dict:
     """What ``releases/index.json`` says of this release (and the champion gate reads next month)."""
     release = cfg.layout.package_release_dir
-    manifest = _read(release / "manifest.json")
+    manifest = _read(release / MANIFEST)
     headline = _read(cfg.layout.metrics_file)
     scored = scored_metrics(headline)
     return {
         "release_id": manifest.get("release_id", cfg.data.month),
-        "adapter_sha256": sha256_file(release / "adapter_model.safetensors"),
+        "adapter_sha256": sha256_file(release / ADAPTER_WEIGHTS),
         "accuracy_measure": accuracy_measure(scored),
         "accuracy": scored.get("accuracy"),
         "accuracy_new": scored.get("accuracy_new"),
@@ -172,7 +173,7 @@ def already_published(cfg: ReleaseConfig) -> dict | None:
 
     registry = Path(cfg.publish.registry_dir)
     entry = read_index(registry).get(cfg.data.month)
-    adapter = cfg.layout.package_release_dir / "adapter_model.safetensors"
+    adapter = cfg.layout.package_release_dir / ADAPTER_WEIGHTS
     if entry is None or not adapter.exists() or not tag_exists(registry.resolve(), release_tag(cfg.data.month)):
         return None
     return entry if entry.get("adapter_sha256") == sha256_file(adapter) else None
