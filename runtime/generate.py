@@ -1,4 +1,4 @@
-"""Greedy generation on any Engine: one prefill, then one decode step per token with the cache.
+"""Generation on any Engine: one prefill, then one decode step per token with the cache.
 
 Batched prompts are left-padded: padding slots are masked out of attention and positions
 count real tokens only, so a row decodes exactly as it would alone (up to float rounding).
@@ -6,11 +6,12 @@ count real tokens only, so a row decodes exactly as it would alone (up to float 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
 from runtime.engine import Engine
+from runtime.sampling import TokenSampler, greedy
 from runtime.tokenizer import encode_prompt
 
 
@@ -23,18 +24,33 @@ def greedy_generate(
     batch_size: int = 8,
 ) -> list[list[int]]:
     """Generated token ids per prompt, the stop token excluded; batch_size=1 decodes per row."""
+    results: list[list[int]] = []
+    for start in range(0, len(prompts), batch_size):
+        rows: list[list[int]] = [[] for _ in prompts[start : start + batch_size]]
+        for step in decode_steps(engine, prompts[start : start + batch_size], max_new_tokens, stop_tokens, pad_id):
+            for row, token in zip(rows, step):
+                if token is not None:
+                    row.append(token)
+        results += rows
+    return results
+
+
+def decode_steps(
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    stop_tokens: Iterable[int] = (),
+    pad_id: int = 0,
+    sample: TokenSampler = greedy,
+) -> Iterator[list[int | None]]:
+    """One prefill, then one decode step per token: yields, per step, each row's new token, or None
+    for a row that has stopped (its stop token is never yielded). Ends when every row has stopped or
+    after ``max_new_tokens`` steps. A consumer that stops iterating stops the decode (streaming)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     stop = set(int(t) for t in stop_tokens)
-    results: list[list[int]] = []
-    for start in range(0, len(prompts), batch_size):
-        results += _generate_batch(engine, prompts[start : start + batch_size], max_new_tokens, stop, pad_id)
-    return results
-
-
-def _generate_batch(engine: Engine, prompts, max_new_tokens: int, stop: set[int], pad_id: int) -> list[list[int]]:
     B, L = len(prompts), max(len(p) for p in prompts)
     ids = np.full((B, L), pad_id, dtype=np.int64)  # (B, L), left-padded
     mask = np.zeros((B, L), dtype=np.int64)  # (B, L), 1 = real token
@@ -44,23 +60,23 @@ def _generate_batch(engine: Engine, prompts, max_new_tokens: int, stop: set[int]
     pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)  # (B, L): 0 at each row's first real token
 
     logits, cache = engine.forward(ids, pos, mask, None)  # prefill
-    out: list[list[int]] = [[] for _ in range(B)]
     done = np.zeros(B, dtype=bool)
     next_pos = pos[:, -1:] + 1  # (B, 1)
     for step in range(max_new_tokens):
-        token = logits[:, -1].argmax(-1)  # (B,)
+        token = sample(logits[:, -1])  # (B,)
+        out: list[int | None] = []
         for b in range(B):
-            if not done[b]:
-                if int(token[b]) in stop:
-                    done[b] = True
-                else:
-                    out[b].append(int(token[b]))
-        if done.all() or step == max_new_tokens - 1:
-            break
+            if not done[b] and int(token[b]) in stop:
+                done[b] = True
+            out.append(None if done[b] else int(token[b]))
+        if done.all():
+            return
+        yield out
+        if step == max_new_tokens - 1:
+            return
         mask = np.concatenate([mask, np.ones((B, 1), dtype=np.int64)], axis=1)  # (B, S + 1)
         logits, cache = engine.forward(token[:, None].astype(np.int64), next_pos, mask, cache)  # decode
         next_pos = next_pos + 1
-    return out
 
 
 def generate_text(engine: Engine, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int = 8) -> list[str]:
