@@ -7,11 +7,14 @@ Uses two packaged releases under ``artifacts/*/package/release`` when there are 
 temporary directory: a random Qwen2 with a trained tokenizer, its compiled engine, two signed
 releases (months 2026-10 and 2026-11, different adapters and KV scales).
 
-The server runs in this process (ThreadingHTTPServer on a free port); clients are threads with
-keep-alive connections. Phases: ``before`` (release A only), ``during`` (A and B swapped every
-``swap_every`` s, rollback explicitly allowed: A is older), ``after`` (no swaps). Reported: swap
-latency p50/p99 (server side: verify + bind + activate, and the activation alone; and as the
-swapping client saw it), failed requests, throughput per phase, and per response whether the
+The server runs in this process (the device's app under uvicorn on a free port, its default
+limits: 2 generations decoding, the rest queued); clients are threads with keep-alive connections
+sending greedy ``/v1/completions``. Phases: ``before`` (release A only), ``during`` (A and B
+swapped every ``swap_every`` s, rollback explicitly allowed: A is older), ``after`` (no swaps).
+Swaps are ``AdapterServer.load`` calls in this process, since a rollback is a local act the
+network never gets. Reported: swap latency p50/p99 (server side: verify + bind + activate, and the
+activation alone; and as the swapping caller saw it, the swap lock included), failed requests,
+throughput per phase, and per response whether the
 release it names is consistent with what was active when it began: its activation number is not
 older than the last swap completed before it was sent, maps to the release it names, and its
 text is exactly that release's answer to the prompt (so no step ran on another adapter).
@@ -172,10 +175,11 @@ class Client(threading.Thread):
             known = self.known[0]  # activation of the last swap completed before this request was sent
             t0 = time.perf_counter()
             try:
-                conn.request("POST", "/v1/generate", json.dumps({"prompt": prompt, "max_new_tokens": self.n}),
+                conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": self.n,
+                                                                    "temperature": 0}),
                              {"Content-Type": "application/json"})
                 resp = conn.getresponse()
-                status, body = resp.status, json.loads(resp.read())
+                status, body = resp.status, answer(json.loads(resp.read()))
             except Exception as err:  # counted as a failed request
                 status, body = 0, {"error": f"{type(err).__name__}: {err}"}
                 conn.close()
@@ -185,11 +189,18 @@ class Client(threading.Thread):
         conn.close()
 
 
+def answer(body: dict) -> dict:
+    """The release, activation and text of a /v1/completions answer; an error answer as it is."""
+    if "choices" not in body:
+        return body
+    return {"release_id": body["model"], "activation": body["activation"], "text": body["choices"][0]["text"]}
+
+
 def post(port: int, path: str, payload: dict) -> tuple[int, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     conn.request("POST", path, json.dumps(payload), {"Content-Type": "application/json"})
     resp = conn.getresponse()
-    out = resp.status, json.loads(resp.read())
+    out = resp.status, answer(json.loads(resp.read()))
     conn.close()
     return out
 
@@ -197,26 +208,26 @@ def post(port: int, path: str, payload: dict) -> tuple[int, dict]:
 def run_load_test(world: dict, clients: int, before: float, during: float, after: float, swap_every: float,
                   max_new_tokens: int, threads: int) -> dict:
     from runtime.backends.onnxruntime import OrtEngine
-    from runtime.package import load_trusted_keys
     from runtime.latency import percentile
-    from runtime.server import AdapterServer, make_server
+    from runtime.package import PackageError, load_trusted_keys
+    from runtime.http_server import BackgroundServer
+    from runtime.server import AdapterServer
     from runtime.tokenizer import DeviceTokenizer
 
     engine = OrtEngine(world["engine"], threads=threads)
     app = AdapterServer(engine, DeviceTokenizer(world["tokenizer"]), load_trusted_keys([world["trusted_key"]]))
-    server = make_server(app)
-    port = server.server_address[1]
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = BackgroundServer(app).start()
+    port = server.port
     release_a, release_b = (str(p) for p in world["releases"])
 
     # Each release's answer to every prompt, from the same server with only that release active.
     expected, activation_release = {}, {}
     for path in (release_b, release_a):  # ends on A (older), the release the load starts with
-        status, swap = post(port, "/v1/adapters", {"path": path, "allow_rollback": True})
-        assert status == 200, swap
+        swap = app.load(path, allow_rollback=True)
         activation_release[swap["activation"]] = swap["release_id"]
         for prompt in PROMPTS:
-            status, out = post(port, "/v1/generate", {"prompt": prompt, "max_new_tokens": max_new_tokens})
+            status, out = post(port, "/v1/completions", {"prompt": prompt, "max_tokens": max_new_tokens,
+                                                         "temperature": 0})
             assert status == 200, out
             expected[(swap["release_id"], prompt)] = out["text"]
     distinct = len({v for v in expected.values()})
@@ -233,7 +244,10 @@ def run_load_test(world: dict, clients: int, before: float, during: float, after
     while time.perf_counter() - t_during < during:
         path = targets[len(swaps) % 2]
         t0 = time.perf_counter()
-        status, swap = post(port, "/v1/adapters", {"path": path, "allow_rollback": True})
+        try:
+            status, swap = 200, app.load(path, allow_rollback=True)
+        except PackageError as err:
+            status, swap = 422, {"reason": err.reason, "error": str(err)}
         client_ms = (time.perf_counter() - t0) * 1e3
         if status == 200:
             activation_release[swap["activation"]] = swap["release_id"]
@@ -246,8 +260,9 @@ def run_load_test(world: dict, clients: int, before: float, during: float, after
     for w in workers:
         w.join()
     t_end = time.perf_counter()
-    metrics = app.metrics.snapshot()
-    server.shutdown()
+    metrics = {"requests_by_release": app.metrics.requests_by_release(),
+               "swaps": app.metrics.value("adapter_swaps_total")}
+    server.stop()
 
     records = [r for w in workers for r in w.records]
     ok = [r for r in records if r["status"] == 200]
@@ -296,7 +311,7 @@ def print_table(r: dict) -> None:
         ("clients / swaps accepted", f"{r['clients']} / {s['accepted']} of {s['count']}"),
         ("swap ms p50 / p99 / max (verify+bind+activate)", f"{s['server_ms_p50']:.2f} / {s['server_ms_p99']:.2f} / {s['server_ms_max']:.2f}"),
         ("activation alone ms p99", f"{s['activate_ms_p99']:.4f}"),
-        ("swap ms as the client saw it p50 / p99", f"{s['client_ms_p50']:.2f} / {s['client_ms_p99']:.2f}"),
+        ("swap ms as the swapping caller saw it p50 / p99", f"{s['client_ms_p50']:.2f} / {s['client_ms_p99']:.2f}"),
         ("requests ok / failed", f"{q['ok']} / {q['failed']}"),
         ("responses on the release active at start", f"{q['release_consistent']} of {q['ok']} ({q['raced_a_swap']} raced a swap)"),
         *((f"throughput {k} (req/s, p50 ms)", f"{v['requests_per_s']}, {v['p50_latency_ms']:.1f}") for k, v in t.items()),

@@ -215,7 +215,7 @@ def hotswap_figures(p: dict) -> list[tuple]:
         ("releases swapped", None, f"{' ↔ '.join(p['releases'])} ({p['source']})"),
         ("swap latency, server side (verify + bind + activate) p50 / p99 / max", s["server_ms_p99"],
          f"{s['server_ms_p50']:.2f} / {s['server_ms_p99']:.2f} / {s['server_ms_max']:.2f} ms"),
-        ("swap latency as the swapping client saw it p50 / p99", s["client_ms_p99"],
+        ("swap latency as the swapping caller saw it p50 / p99", s["client_ms_p99"],
          f"{s['client_ms_p50']:.2f} / {s['client_ms_p99']:.2f} ms"),
         ("swaps accepted", s["accepted"], f"{s['accepted']} of {s['count']}"),
         (f"requests failed ({p['clients']} clients)", q["failed"], f"{q['failed']} of {q['total']}"),

@@ -6,12 +6,14 @@
                            --trusted-key PUB [--engine DIR] [--rev REV] [--allow-rollback]
     python -m runtime serve --engine DIR --package DIR --trusted-key PUB [--tokenizer DIR]
                             [--port 8080] [--host 127.0.0.1] [--watch DIR]
+                            [--admin-token-file FILE --release-dir DIR ...] (python -m runtime serve --help)
 
 Trust and paths may come from a device config file instead (``--device-config FILE``, JSON;
 relative paths are relative to the file); flags add to it or override it:
 
     {"trusted_keys": ["keys/release_signing.pub"], "engine": "engine", "tokenizer": "models/base",
-     "backend": "onnxruntime", "threads": 2, "max_package_bytes": 268435456}
+     "backend": "onnxruntime", "threads": 2, "max_package_bytes": 268435456,
+     "admin_token_file": "admin.token", "release_dirs": ["releases"]}
 
 Exit codes: 0 success, 1 crash (a bug), 2 bad usage or device configuration, 30 the registry
 could not give the release, and one code per refusal of ``runtime.package.EXIT_CODES``:
@@ -29,9 +31,13 @@ import sys
 from pathlib import Path
 
 from runtime.errors import RefusedInput
-from runtime.package import DEFAULT_MAX_PACKAGE_BYTES, PackageError
+from runtime.http_app import ServeSettings
+from runtime.package import DEFAULT_MAX_PACKAGE_BYTES, EXIT_CODES, PackageError
 
 EXIT_USAGE = 2
+SERVE_EPILOG = ("exit codes: 0 stopped by SIGTERM or SIGINT after a graceful shutdown, 1 crash (a bug), 2 bad usage or "
+                "device configuration, and for a --package refused at start: "
+                + ", ".join(f"{code} {reason}" for reason, code in sorted(EXIT_CODES.items(), key=lambda kv: kv[1])))
 
 
 class DeviceConfigError(RefusedInput):
@@ -41,7 +47,7 @@ class DeviceConfigError(RefusedInput):
 def device_settings(args) -> dict:
     """Settings from ``--device-config`` (if any) overlaid with the flags given."""
     settings = {"trusted_keys": [], "engine": None, "tokenizer": None, "backend": "onnxruntime", "threads": 2,
-                "max_package_bytes": DEFAULT_MAX_PACKAGE_BYTES}
+                "max_package_bytes": DEFAULT_MAX_PACKAGE_BYTES, "admin_token_file": None, "release_dirs": []}
     if args.device_config is not None:
         path = Path(args.device_config)
         try:
@@ -51,15 +57,17 @@ def device_settings(args) -> dict:
         unknown = sorted(set(raw) - set(settings))
         if unknown:
             raise DeviceConfigError(f"{path}: unknown key(s) {unknown}; known: {sorted(settings)}")
-        for key in ("engine", "tokenizer"):
+        for key in ("engine", "tokenizer", "admin_token_file"):
             if raw.get(key) is not None:
                 raw[key] = str(path.parent / raw[key])
-        raw["trusted_keys"] = [str(path.parent / k) for k in raw.get("trusted_keys", [])]
+        for key in ("trusted_keys", "release_dirs"):
+            raw[key] = [str(path.parent / k) for k in raw.get(key, [])]
         settings |= raw
     settings["trusted_keys"] = list(settings["trusted_keys"]) + list(args.trusted_key or [])
-    for key in ("engine", "tokenizer"):
+    settings["release_dirs"] = list(settings["release_dirs"]) + list(getattr(args, "release_dir", None) or [])
+    for key in ("engine", "tokenizer", "admin_token_file"):
         if getattr(args, key, None) is not None:
-            settings[key] = args.engine if key == "engine" else args.tokenizer
+            settings[key] = getattr(args, key)
     return settings
 
 
@@ -113,9 +121,11 @@ def cmd_pull(args, settings) -> int:
 def cmd_serve(args, settings) -> int:
     from runtime.engine import open_engine
     from runtime.package import load_trusted_keys
-    from runtime.server import AdapterServer, serve
+    from runtime.http_server import configure_json_logging, serve
+    from runtime.server import AdapterServer
     from runtime.tokenizer import TOKENIZER_FILE, DeviceTokenizer
 
+    configure_json_logging()  # every line of a serving device is JSON, the first release's load included
     if settings["engine"] is None:
         raise DeviceConfigError("serve needs --engine (or engine in the device config)")
     if settings["tokenizer"] is None:
@@ -126,13 +136,31 @@ def cmd_serve(args, settings) -> int:
         settings["tokenizer"] = str(default)
     if args.package is None and args.watch is None:
         raise DeviceConfigError("serve needs --package DIR (or --watch DIR to wait for one)")
+    serve_settings = ServeSettings(
+        max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_concurrent=args.max_concurrent,
+        max_queue=args.max_queue, header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+        keep_alive_s=args.keep_alive, graceful_shutdown_s=args.graceful_shutdown,
+        admin_token=_admin_token(settings["admin_token_file"]),
+        release_dirs=tuple(Path(d).resolve() for d in settings["release_dirs"]))
     keys = load_trusted_keys(settings["trusted_keys"])
     engine = open_engine(settings["engine"], settings["backend"], threads=settings["threads"])
     app = AdapterServer(engine, DeviceTokenizer(settings["tokenizer"]), keys, settings["max_package_bytes"])
     if args.package is not None:
         app.load(args.package)
-    serve(app, args.host, args.port, Path(args.watch) if args.watch else None, args.watch_interval)
-    return 0
+    return serve(app, serve_settings, args.host, args.port, Path(args.watch) if args.watch else None, args.watch_interval)
+
+
+def _admin_token(path) -> str | None:
+    """The admin token: the file's first line; None (admin API off) without a file."""
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as err:
+        raise DeviceConfigError(f"admin token file {path}: {err.strerror}") from None
+    if len(token) < 16:
+        raise DeviceConfigError(f"admin token file {path}: the token must be at least 16 characters")
+    return token
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,12 +187,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, metavar="DIR", help="install directory (replaced only after verification)")
     p.set_defaults(run=cmd_pull)
 
-    s = sub.add_parser("serve", parents=[common], help="serve generation over HTTP and hot-swap releases")
+    d = ServeSettings()
+    s = sub.add_parser("serve", parents=[common], help="serve generation over HTTP and hot-swap releases",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter, epilog=SERVE_EPILOG,
+                       description="Serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, "
+                                   "/v1/models), /healthz, /ready, /metrics, and the admin API (/v1/adapters).")
     s.add_argument("--package", metavar="DIR_OR_TARBALL", help="release to serve at start")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 exposes the device")
+    s.add_argument("--port", type=int, default=8080, help="port to listen on; 0 picks a free one")
     s.add_argument("--watch", metavar="DIR", help="swap in newer verified releases that appear in DIR")
-    s.add_argument("--watch-interval", type=float, default=2.0, metavar="S")
+    s.add_argument("--watch-interval", type=float, default=2.0, metavar="S", help="seconds between polls of --watch")
+    s.add_argument("--admin-token-file", metavar="FILE", help="file holding the bearer token of the admin API "
+                   "(POST /v1/adapters); without it the admin API is off (404)")
+    s.add_argument("--release-dir", action="append", metavar="DIR", help="directory the admin API may load "
+                   "releases from (symlinks resolved; repeatable); any other path is refused (403)")
+    s.add_argument("--max-tokens", type=int, default=d.max_tokens, help="cap on a request's max_tokens (400 above it)")
+    s.add_argument("--max-concurrent", type=int, default=d.max_concurrent, help="generations decoding at once")
+    s.add_argument("--max-queue", type=int, default=d.max_queue, help="generations waiting for a slot; beyond, 503")
+    s.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="request body limit (413 above it)")
+    s.add_argument("--header-timeout", type=float, default=d.header_timeout_s, metavar="S",
+                   help="request line and headers must arrive within this (408, then close)")
+    s.add_argument("--body-timeout", type=float, default=d.body_timeout_s, metavar="S",
+                   help="request body must arrive within this (408)")
+    s.add_argument("--keep-alive", type=int, default=d.keep_alive_s, metavar="S", help="idle keep-alive connections close after this")
+    s.add_argument("--graceful-shutdown", type=int, default=d.graceful_shutdown_s, metavar="S",
+                   help="on SIGTERM, stop accepting and give requests in flight this long to finish")
     s.set_defaults(run=cmd_serve)
     return parser
 

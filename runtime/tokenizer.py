@@ -7,6 +7,11 @@ BOS, nothing for the embedded default); a completion is encoded without them and
 ``DeviceTokenizer.encode`` is that prompt encoding on the device, ``encode_prompt`` the same on a
 transformers tokenizer (``tasks.base_model.load_tokenizer`` refuses a directory where they differ).
 
+A chat is rendered with the tokenizer's own chat template (``chat_template`` of
+``tokenizer_config.json``, or ``chat_template.jinja`` beside it), as transformers renders it: a
+sandboxed jinja2 environment, the generation prompt added; the rendered text holds its special
+tokens already, so it is encoded without the post-processor's.
+
 Generation stops at any of ``stop_ids``: ``eos_token`` of ``tokenizer_config.json``, then every
 ``eos_token_id`` of ``generation_config.json`` (Llama 3 lists several), all beside ``tokenizer.json``.
 """
@@ -22,10 +27,15 @@ from runtime.hashing import sha256_file
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 class TokenizerError(RefusedInput):
     """A tokenizer the device cannot use; the message names the file."""
+
+
+class NoChatTemplate(TokenizerError):
+    """A chat asked of a tokenizer that has no chat template."""
 
 
 def _token_text(value) -> str | None:
@@ -64,6 +74,16 @@ def _generation_eos_ids(file: Path, vocab_size: int) -> list[int]:
     return ids
 
 
+def _chat_template(config: dict, jinja_file: Path) -> str | None:
+    """The default chat template: a string, or the entry named "default" of a list of named ones."""
+    value = config.get("chat_template")
+    if isinstance(value, list):
+        value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"), None)
+    if value is None and jinja_file.is_file():
+        value = jinja_file.read_text()
+    return value if isinstance(value, str) and value else None
+
+
 class DeviceTokenizer:
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer
@@ -89,6 +109,8 @@ class DeviceTokenizer:
         pad = _token_text(config.get("pad_token"))
         pad_id = self._tok.token_to_id(pad) if pad else None
         self.pad_id = self.eos_id if pad_id is None else pad_id
+        self.special_tokens = {key: _token_text(config.get(key)) for key in ("bos_token", "eos_token")}
+        self.chat_template = _chat_template(config, file.with_name(CHAT_TEMPLATE_FILE))
 
     @property
     def sha256(self) -> str:
@@ -97,6 +119,23 @@ class DeviceTokenizer:
     def encode(self, text: str) -> list[int]:
         """A prompt's ids, the post-processor's special tokens included (see the module docstring)."""
         return self._tok.encode(text).ids
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """A chat's ids: the chat template rendered with the generation prompt, then encoded as is."""
+        if self.chat_template is None:
+            raise NoChatTemplate(f"{self.file.parent}: the tokenizer has no chat template "
+                                 f"(chat_template in {TOKENIZER_CONFIG} or {CHAT_TEMPLATE_FILE}); use /v1/completions")
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # as transformers renders templates
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = raise_exception
+        text = env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
+                                                         **self.special_tokens)
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -198,11 +198,11 @@ def device_greedy(project, user, release: Path, prompts: list[str]) -> list[str]
         wait_ready(f"http://127.0.0.1:{port}/healthz", server)
         answers = []
         for prompt in prompts:
-            body = json.dumps({"prompt": prompt, "max_new_tokens": MAX_NEW_TOKENS}).encode()
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/generate", method="POST", data=body,
+            body = json.dumps({"prompt": prompt, "max_tokens": MAX_NEW_TOKENS, "temperature": 0}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST", data=body,
                                              headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=30) as response:
-                answers.append(json.loads(response.read())["text"])
+                answers.append(json.loads(response.read())["choices"][0]["text"])
         return answers
     finally:
         stop_group(server)

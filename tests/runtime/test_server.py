@@ -1,4 +1,8 @@
-"""The HTTP server: generation, atomic hot swap under concurrent requests, refusals that keep the old adapter."""
+"""The device server: generation, atomic hot swap under concurrent requests, refusals that keep the old adapter.
+
+The server is the real app under uvicorn (``server_testkit.running_server``); releases are swapped in
+through the admin API, except the rollbacks of the hot-swap test, which are a local act by design
+(the network never gets ``allow_rollback``), so that test rolls back with ``AdapterServer.load``."""
 
 from __future__ import annotations
 
@@ -7,24 +11,24 @@ import http.client
 import io
 import json
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tarfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
 from release_testkit import copy_release, resign, world
+from server_testkit import PROMPT, as_generation, call, complete, manifest_id, refusals, running_server, sample, scrape, summed
 
-from runtime.backends.onnxruntime import OrtEngine
 from runtime.contract import parse_time
-from runtime.package import load_trusted_keys
-from runtime.server import AdapterServer, Watcher, make_server
+from runtime.server import Watcher
 from runtime.signing import generate_key
-from runtime.tokenizer import DeviceTokenizer
 
 REPO = Path(__file__).resolve().parents[2]
-PROMPT = "inspect board=PCB-3310 line=L1 part=R12 temp_c=251 defect=void void_pct=18 verdict:"
 
 
 @pytest.fixture(scope="module")
@@ -33,49 +37,35 @@ def w(tmp_path_factory):
 
 
 @pytest.fixture()
-def server(w):
-    app = AdapterServer(OrtEngine(w["engine"], threads=1), DeviceTokenizer(w["tokenizer"]),
-                        load_trusted_keys([w["trusted_key"]]))
-    httpd = make_server(app)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield app, httpd.server_address[1]
-    httpd.shutdown()
-    httpd.server_close()
+def server(w, tmp_path):
+    with running_server(w, release_dirs=(w["root"], tmp_path)) as (app, background):
+        yield app, background.port
 
 
-def call(port: int, method: str, path: str, payload: dict | None = None) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.request(method, path, json.dumps(payload) if payload is not None else None, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    out = resp.status, json.loads(resp.read())
-    conn.close()
-    return out
-
-
-def generate(port: int, prompt: str = PROMPT) -> dict:
-    status, out = call(port, "POST", "/v1/generate", {"prompt": prompt, "max_new_tokens": 6})
-    assert status == 200, out
-    return out
-
-
-def manifest_id(release: Path) -> str:
-    return json.loads((release / "manifest.json").read_text())["release_id"]
+def completion_metrics(port: int) -> dict:
+    """The numbers the old JSON /metrics gave, from the Prometheus scrape."""
+    samples = scrape(port)
+    return {"requests": summed(samples, "adapter_requests_total", endpoint="/v1/completions"),
+            "failures": summed(samples, "adapter_requests_total", endpoint="/v1/completions")
+            - summed(samples, "adapter_requests_total", endpoint="/v1/completions", status="200"),
+            "swaps": sample(samples, "adapter_swaps_total"), "refusals": refusals(samples),
+            "swap_count": sample(samples, "adapter_swap_duration_seconds_count"),
+            "swap_seconds": sample(samples, "adapter_swap_duration_seconds_sum")}
 
 
 def test_generate_health_and_metrics(w, server):
     app, port = server
-    assert call(port, "POST", "/v1/generate", {"prompt": PROMPT})[0] == 503  # nothing loaded yet
+    assert call(port, "POST", "/v1/completions", {"prompt": PROMPT})[0] == 503  # nothing loaded yet
     status, swap = call(port, "POST", "/v1/adapters", {"path": str(w["b"])})
     assert status == 200 and swap["release_id"] == manifest_id(w["b"]) and swap["activation"] == 1
-    out = generate(port)
+    out = complete(port)
     assert out["release_id"] == manifest_id(w["b"]) and out["tokens"] == 6 and isinstance(out["text"], str)
     health = call(port, "GET", "/healthz")[1]
     assert health["release_id"] == manifest_id(w["b"]) and health["weights"] == "fp32"
-    assert call(port, "POST", "/v1/generate", {"prompt": PROMPT, "max_new_tokens": 0})[0] == 400
-    metrics = call(port, "GET", "/metrics")[1]
+    assert call(port, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 0})[0] == 400
+    metrics = completion_metrics(port)
     assert metrics["requests"] == 3 and metrics["failures"] == 2 and metrics["swaps"] == 1
-    assert metrics["swap_ms"]["count"] == 1 and metrics["swap_ms"]["p99"] > 0
+    assert metrics["swap_count"] == 1 and metrics["swap_seconds"] > 0
 
 
 def _flipped(w, tmp):
@@ -139,15 +129,15 @@ def _expired(w, tmp):
 def test_a_refused_package_gets_4xx_and_the_old_adapter_keeps_answering(w, server, tmp_path, make, reason, status):
     app, port = server
     assert call(port, "POST", "/v1/adapters", {"path": str(w["b"])})[0] == 200
-    before = generate(port)
+    before = complete(port)
 
     got, body = call(port, "POST", "/v1/adapters", {"path": str(make(w, tmp_path))})
 
     assert (got, body["reason"]) == (status, reason), body
     assert body["active_release"] == manifest_id(w["b"]) and body["exit_code"] >= 10
-    after = generate(port)
+    after = complete(port)
     assert after == before  # same release, same activation, same text
-    assert call(port, "GET", "/metrics")[1]["refusals"] == {reason: 1}
+    assert completion_metrics(port)["refusals"] == {reason: 1}
     assert not (tmp_path.parent / "escaped.json").exists()
 
 
@@ -156,7 +146,7 @@ def test_hot_swap_under_concurrent_requests_keeps_every_request_on_its_release(w
     ids = {manifest_id(w["a"]): None, manifest_id(w["b"]): None}
     for release in (w["a"], w["b"]):
         assert call(port, "POST", "/v1/adapters", {"path": str(release)})[0] == 200
-        ids[manifest_id(release)] = generate(port)["text"]
+        ids[manifest_id(release)] = complete(port)["text"]
     assert ids[manifest_id(w["a"])] != ids[manifest_id(w["b"])]  # the two adapters answer differently
 
     stop, results = threading.Event(), []
@@ -164,9 +154,10 @@ def test_hot_swap_under_concurrent_requests_keeps_every_request_on_its_release(w
     def client():
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         while not stop.is_set():
-            conn.request("POST", "/v1/generate", json.dumps({"prompt": PROMPT, "max_new_tokens": 6}))
+            conn.request("POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 6, "temperature": 0}))
             resp = conn.getresponse()
-            results.append((resp.status, json.loads(resp.read())))
+            body = json.loads(resp.read())
+            results.append((resp.status, as_generation(body) if resp.status == 200 else body))
         conn.close()
 
     threads = [threading.Thread(target=client) for _ in range(4)]
@@ -175,8 +166,8 @@ def test_hot_swap_under_concurrent_requests_keeps_every_request_on_its_release(w
     swaps = []
     for i in range(6):
         release = (w["a"], w["b"])[i % 2]
-        status, swap = call(port, "POST", "/v1/adapters", {"path": str(release), "allow_rollback": True})
-        swaps.append((status, swap["release_id"]))
+        swap = app.load(release, allow_rollback=True)  # every other swap is a rollback: a local act
+        swaps.append((200, swap["release_id"]))
         threading.Event().wait(0.15)
     stop.set()
     for t in threads:
@@ -186,7 +177,7 @@ def test_hot_swap_under_concurrent_requests_keeps_every_request_on_its_release(w
     assert len(results) >= 20 and {s for s, _ in results} == {200}
     assert {r["release_id"] for _, r in results} == set(ids)  # both releases served
     assert all(r["text"] == ids[r["release_id"]] for _, r in results)  # each ran wholly on its release
-    metrics = call(port, "GET", "/metrics")[1]
+    metrics = completion_metrics(port)
     assert metrics["failures"] == 0 and metrics["swaps"] == 8
 
 
@@ -215,7 +206,53 @@ def test_serve_command_starts_and_answers(w):
         ready = json.loads(proc.stdout.readline())
         port = int(ready["listening"].rsplit(":", 1)[1])
         assert ready["release_id"] == manifest_id(w["b"])
-        assert generate(port)["release_id"] == manifest_id(w["b"])
+        assert complete(port)["release_id"] == manifest_id(w["b"])
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_sigterm_finishes_every_request_in_flight_and_exits_0(w, tmp_path):
+    """SIGTERM with 8 clients in flight (2 decoding, 6 queued): each gets its whole answer, new connections are
+    refused, the process exits 0; the log is JSON lines with request ids."""
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "runtime", "serve", "--engine", str(w["engine"]), "--tokenizer", str(w["tokenizer"]),
+             "--package", str(w["b"]), "--trusted-key", str(w["trusted_key"]), "--port", "0", "--max-concurrent", "2",
+             "--max-tokens", "1024", "--graceful-shutdown", "60"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        port = int(json.loads(proc.stdout.readline())["listening"].rsplit(":", 1)[1])
+        results = []
+
+        def client():
+            results.append(call(port, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 1024, "temperature": 0}))
+
+        threads = [threading.Thread(target=client) for _ in range(8)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while True:  # every client admitted: decoding or queued
+            samples = scrape(port)
+            if sample(samples, "adapter_generations_in_flight") + sample(samples, "adapter_generation_queue_depth") == 8:
+                break
+            assert time.monotonic() < deadline, samples
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        still_serving = proc.poll() is None
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        for t in threads:
+            t.join()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert still_serving  # the refusal above happened while requests were still being finished
+    assert sorted(status for status, _ in results) == [200] * 8
+    assert all(body["usage"]["completion_tokens"] == 1024 for _, body in results)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    served = [line for line in lines if line["message"] == "request" and line["path"] == "/v1/completions"]
+    assert len(served) == 8 and all(line["status"] == 200 and len(line["request_id"]) == 32 for line in served)

@@ -1,0 +1,390 @@
+"""The device's HTTP API: an ASGI app (Starlette) over ``runtime.server.AdapterServer``.
+
+    POST /v1/completions        OpenAI completions: prompt (string or list), max_tokens, stop, temperature,
+                                top_p, seed, stream (server-sent events ending in ``data: [DONE]``)
+    POST /v1/chat/completions   the same for messages, when the tokenizer has a chat template (else 400)
+    GET  /v1/models             the active release: id = release id, month, owned_by
+    GET  /healthz               liveness: always 200, with the active release (or none)
+    GET  /ready                 200 once a release is active, 503 before
+    GET  /metrics               Prometheus text format (``runtime.metrics``)
+    POST /v1/adapters           admin: verify, bind and swap in a release (``Authorization: Bearer``)
+
+Every answer other than 2xx is OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``.
+Generation is CPU-bound, so each decode step runs in a worker thread (anyio) and the event loop stays
+free to answer health checks, metrics and refusals. At most ``max_concurrent`` generations run at once,
+``max_queue`` more wait; beyond that a request gets 503 with ``Retry-After`` at once. The admin API is
+off (404) unless a token is configured; paths must lie in a configured release directory (403), and a
+rollback is never accepted from the network (403): it is a local act.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from runtime.openai_api import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chunk_body,
+    completion_body,
+    model_card,
+    new_id,
+    parse_request,
+    usage,
+    usage_chunk,
+)
+from runtime.package import PackageError, RollbackRefused
+from runtime.sampling import make_sampler
+from runtime.server import AdapterServer, Generation
+from runtime.tokenizer import NoChatTemplate
+
+log = logging.getLogger(__name__)
+REQUEST_ID = "x-request-id"
+CLOSE = {"Connection": "close"}
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/adapters", "/healthz", "/ready", "/metrics")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What ``python -m runtime serve`` takes from its flags; the defaults are its defaults."""
+
+    max_body_bytes: int = 1 << 20  # a prompt of 1 MiB is far past any context this engine decodes
+    max_tokens: int = 256  # cap on max_tokens; a request above it gets 400 (not clamped: the client asked for more)
+    max_concurrent: int = 2  # generations decoding at once: one per core of the device's session threads
+    max_queue: int = 16  # generations waiting for a slot; beyond them, 503
+    retry_after_s: int = 1
+    header_timeout_s: float = 10.0  # request line + headers must arrive within this (runtime.http_server)
+    body_timeout_s: float = 10.0  # the body must arrive within this once the headers have
+    keep_alive_s: int = 5  # an idle keep-alive connection is closed after this
+    graceful_shutdown_s: int = 30  # on SIGTERM, requests in flight get this long to finish
+    admin_token: str | None = None  # None: the admin API is off
+    release_dirs: tuple[Path, ...] = field(default_factory=tuple)  # resolved; admin paths must lie inside one
+
+
+class Admission:
+    """A bounded queue in front of ``max_concurrent`` generation slots; all on the event loop's thread."""
+
+    def __init__(self, settings: ServeSettings, metrics):
+        self.capacity = settings.max_concurrent + settings.max_queue
+        self.retry_after = settings.retry_after_s
+        self.slots = anyio.CapacityLimiter(settings.max_concurrent)
+        self.metrics = metrics
+        self.admitted = 0  # running + waiting
+
+    def admit(self) -> None:
+        """Count a request in, or refuse it with 503 when every slot and queue place is taken."""
+        if self.admitted >= self.capacity:
+            raise APIError(503, f"the device is busy: {self.capacity} generations running or queued; retry later",
+                           "server_error", code="overloaded", headers={"Retry-After": str(self.retry_after)})
+        self.admitted += 1
+        self._update()
+
+    def leave(self) -> None:
+        self.admitted -= 1
+        self._update()
+
+    @asynccontextmanager
+    async def running(self):
+        """Wait in the queue for a slot; hold it while the generation decodes."""
+        async with self.slots:
+            self._update()
+            yield
+        self._update()
+
+    def _update(self) -> None:
+        self.metrics.in_flight.set(self.slots.borrowed_tokens)
+        self.metrics.queue_depth.set(self.admitted - self.slots.borrowed_tokens)
+
+
+class AdmittedStream(StreamingResponse):
+    """A streamed answer that leaves the admission count when it is done, sent or not."""
+
+    def __init__(self, content, admission: Admission, **kwargs):
+        super().__init__(content, **kwargs)
+        self.admission = admission
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.admission.leave()
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), err.status, headers=err.headers)
+
+
+def sse(data) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+class DeviceAPI:
+    def __init__(self, server: AdapterServer, settings: ServeSettings):
+        self.server, self.settings = server, settings
+        self.metrics = server.metrics
+        self.admission = Admission(settings, self.metrics)
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def read_json(self, request: Request) -> dict:
+        """The JSON object of the body, within the size limit (413) and the body timeout (408)."""
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body of {declared} bytes is over the limit of {limit}", code="body_too_large",
+                           headers=CLOSE)  # the body is never read: the connection cannot carry another request
+        body = bytearray()
+        try:
+            with anyio.fail_after(self.settings.body_timeout_s):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > limit:
+                        raise APIError(413, f"request body is over the limit of {limit} bytes", code="body_too_large",
+                                       headers=CLOSE)
+        except TimeoutError:
+            raise APIError(408, f"request body not received within {self.settings.body_timeout_s} s",
+                           code="body_timeout", headers=CLOSE) from None
+        try:
+            data = json.loads(body or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise APIError(400, f"request body is not JSON: {err}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "request body must be a JSON object", code="invalid_json")
+        return data
+
+    def pick_release(self, model: str | None):
+        """The active release, if ``model`` (when given) names it by release id or month."""
+        release = self.server.active
+        if release is None:
+            raise APIError(503, "no release loaded yet", "server_error", code="no_active_release",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        if model is not None and model not in (release.release_id, release.manifest["month"]):
+            raise APIError(404, f"model {model!r} is not served here; the active release is {release.release_id} "
+                           "(GET /v1/models)", "invalid_request_error", param="model", code="model_not_found")
+        return release
+
+    # ------------------------------------------------------------------ public endpoints
+
+    async def healthz(self, request: Request) -> Response:
+        return JSONResponse(self.server.health())
+
+    async def ready(self, request: Request) -> Response:
+        self.pick_release(None)
+        return JSONResponse(self.server.health())
+
+    async def metrics_text(self, request: Request) -> Response:
+        body, content_type = self.metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    async def models(self, request: Request) -> Response:
+        release = self.server.active
+        data = [] if release is None else [model_card(release.release_id, release.manifest["month"], int(release.loaded_at))]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def completions(self, request: Request) -> Response:
+        body = parse_request(CompletionRequest, await self.read_json(request))
+        prompts = [self.server.tokenizer.encode(p) for p in body.prompts]
+        if any(not ids for ids in prompts):
+            raise APIError(400, "a prompt encodes to no tokens", param="prompt")
+        return await self.generate(request, body, prompts, body.max_tokens, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = parse_request(ChatCompletionRequest, await self.read_json(request))
+        try:
+            ids = self.server.tokenizer.encode_chat([m.model_dump(exclude_none=True) for m in body.messages])
+        except NoChatTemplate as err:
+            raise APIError(400, str(err), param="messages", code="no_chat_template") from None
+        except Exception as err:  # jinja2's TemplateError and whatever the template raises on these messages
+            raise APIError(400, f"the chat template refused these messages: {err}", param="messages",
+                           code="chat_template_error") from None
+        limit = body.token_limit if body.token_limit is not None else self.settings.max_tokens
+        return await self.generate(request, body, [ids], limit, chat=True)
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, request: Request, body, prompts: list[list[int]], max_tokens: int, chat: bool) -> Response:
+        if max_tokens > self.settings.max_tokens:
+            raise APIError(400, f"max_tokens {max_tokens} is over this device's cap of {self.settings.max_tokens}",
+                           param="max_tokens", code="max_tokens_too_large")
+        release = self.pick_release(body.model)
+        generation = self.server.start_generation(release, prompts, max_tokens,
+                                                  make_sampler(body.temperature, body.top_p, body.seed), body.stops)
+        request.state.release_id = release.release_id
+        self.admission.admit()
+        prompt_tokens = sum(len(p) for p in prompts)
+        started = request.state.started
+        if body.stream:
+            return AdmittedStream(self.stream(generation, body, prompt_tokens, started, chat), self.admission,
+                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            reasons: list[str | None] = [None] * len(prompts)
+            async for choices in self.decode(generation, started):
+                for c in choices:
+                    reasons[c.index] = c.finish_reason or reasons[c.index]
+        finally:
+            self.admission.leave()
+        # The whole text decoded at once (cut at a stop sequence), not the sum of the streamed pieces.
+        choices = [{"index": i, "text": t.text, "finish_reason": r} for i, (t, r) in enumerate(zip(generation.texts, reasons))]
+        out = completion_body(new_id("chatcmpl" if chat else "cmpl"), release.release_id, choices,
+                              usage(prompt_tokens, generation.completion_tokens), chat)
+        return JSONResponse(out | {"activation": release.activation})
+
+    async def decode(self, generation: Generation, started: float):
+        """Each decode step's choices, the step run in a worker thread, once a slot is free."""
+        async with self.admission.running():
+            counted, first = 0, True
+            try:
+                while (choices := await anyio.to_thread.run_sync(generation.step)) is not None:
+                    if first:
+                        self.metrics.first_token_seconds.observe(time.perf_counter() - started)
+                        first = False
+                    self.metrics.tokens.inc(generation.completion_tokens - counted)
+                    counted = generation.completion_tokens
+                    yield choices
+            finally:
+                generation.close()
+
+    async def stream(self, generation: Generation, body, prompt_tokens: int, started: float, chat: bool):
+        request_id, model = new_id("chatcmpl" if chat else "cmpl"), generation.release.release_id
+        extra = {"activation": generation.release.activation}
+        if chat:  # OpenAI's first chat chunk carries the role alone
+            yield sse(chunk_body(request_id, model, 0, "", None, chat, first=True) | extra)
+        try:
+            async for choices in self.decode(generation, started):
+                for c in choices:
+                    yield sse(chunk_body(request_id, model, c.index, c.text, c.finish_reason, chat) | extra)
+        except Exception as err:  # the status line is sent: say it in the stream, as OpenAI does
+            log.exception("generation failed mid-stream")
+            yield sse(APIError(500, f"{type(err).__name__}: {err}", "server_error").body())
+        else:
+            if body.include_usage:
+                yield sse(usage_chunk(request_id, model, usage(prompt_tokens, generation.completion_tokens), chat))
+        yield sse("[DONE]")
+
+    # ------------------------------------------------------------------ admin
+
+    def authorize(self, request: Request) -> None:
+        token = self.settings.admin_token
+        if token is None:
+            raise APIError(404, "the admin API is off: start serve with --admin-token-file", "not_found_error",
+                           code="admin_api_off")
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise APIError(401, "the admin API needs Authorization: Bearer <admin token>", "authentication_error",
+                           code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"})
+
+    def allowed_path(self, path: str) -> Path:
+        resolved = Path(path).resolve()  # symlinks followed: a link in a release dir to elsewhere is elsewhere
+        if not any(resolved == d or d in resolved.parents for d in self.settings.release_dirs):
+            dirs = ", ".join(str(d) for d in self.settings.release_dirs) or "none configured (--release-dir)"
+            raise APIError(403, f"{path}: not inside a release directory of this device ({dirs})", "permission_error",
+                           param="path", code="path_not_allowed")
+        return resolved
+
+    async def adapters(self, request: Request) -> Response:
+        self.authorize(request)
+        body = await self.read_json(request)
+        unknown = sorted(set(body) - {"path", "allow_rollback"})
+        if unknown:
+            raise APIError(400, f"unknown field(s) {unknown}; known: path", param=unknown[0], code="unknown_field")
+        if body.get("allow_rollback"):
+            raise APIError(403, "allow_rollback is never accepted over the network: a rollback is a local act "
+                           "(python -m runtime pull --allow-rollback, then restart serve with --package)",
+                           "permission_error", param="allow_rollback", code="rollback_is_local")
+        path = body.get("path")
+        if not isinstance(path, str) or not path:
+            raise APIError(400, "path: the release directory or tarball to load is required", param="path")
+        resolved = self.allowed_path(path)
+        try:
+            result = await anyio.to_thread.run_sync(self.server.load, resolved)  # hashing is CPU and disk work
+        except PackageError as err:
+            status = 409 if isinstance(err, RollbackRefused) else 422
+            active = self.server.active
+            return JSONResponse(APIError(status, str(err), "release_refused", param="path", code=err.reason).body()
+                                | {"reason": err.reason, "exit_code": err.exit_code,
+                                   "active_release": active.release_id if active else None}, status)
+        return JSONResponse(result)
+
+
+class RequestLog:
+    """ASGI middleware: a request id (``X-Request-Id`` echoed, or made), one JSON log line and the
+    request metrics per request. Pure ASGI, so streamed answers pass through unbuffered."""
+
+    def __init__(self, app, metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        given = headers.get(REQUEST_ID.encode(), b"").decode("latin-1")
+        request_id = given if given and len(given) <= 128 and given.isprintable() else uuid.uuid4().hex
+        started = time.perf_counter()
+        scope.setdefault("state", {}).update(request_id=request_id, started=started)
+        status = 500
+
+        async def send_with_id(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (REQUEST_ID.encode(), request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            seconds = time.perf_counter() - started
+            endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.request_seconds.labels(endpoint).observe(seconds)
+            log.info("request", extra={"fields": {
+                "request_id": request_id, "method": scope["method"], "path": scope["path"], "status": status,
+                "duration_s": round(seconds, 6), "release_id": scope["state"].get("release_id")}})
+
+
+async def api_error(request: Request, err: APIError) -> Response:
+    return error_response(err)
+
+
+async def http_error(request: Request, err: HTTPException) -> Response:
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(err.status_code, "invalid_request_error")
+    message = f"no route {request.method} {request.url.path}" if err.status_code in (404, 405) else str(err.detail)
+    return error_response(APIError(err.status_code, message, kind, headers=dict(err.headers or {})))
+
+
+async def server_error(request: Request, err: Exception) -> Response:
+    log.exception("request failed")
+    return error_response(APIError(500, f"{type(err).__name__}: {err}", "server_error"))
+
+
+def build_app(server: AdapterServer, settings: ServeSettings = ServeSettings()) -> Starlette:
+    api = DeviceAPI(server, settings)
+    routes = [
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/adapters", api.adapters, methods=["POST"]),
+        Route("/healthz", api.healthz, methods=["GET"]),
+        Route("/ready", api.ready, methods=["GET"]),
+        Route("/metrics", api.metrics_text, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={APIError: api_error, HTTPException: http_error,
+                                                       Exception: server_error})
+    app.add_middleware(RequestLog, metrics=server.metrics)
+    app.state.api = api
+    return app

@@ -1,0 +1,89 @@
+"""Device server test kit: the real app under uvicorn in this process, HTTP calls, and a Prometheus scrape.
+
+``running_server`` starts ``runtime.http_server.BackgroundServer`` (uvicorn in a thread, a free loopback
+port) on the tiny world's engine, tokenizer and key, with the admin API on (``ADMIN_TOKEN``) and the
+given release directories. ``scrape`` reads ``/metrics`` with ``prometheus_client``'s own parser.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from runtime.backends.onnxruntime import OrtEngine
+from runtime.http_app import ServeSettings
+from runtime.http_server import BackgroundServer
+from runtime.package import load_trusted_keys
+from runtime.server import AdapterServer
+from runtime.tokenizer import DeviceTokenizer
+
+ADMIN_TOKEN = "test-admin-token-0123456789"
+PROMPT = "inspect board=PCB-3310 line=L1 part=R12 temp_c=251 defect=void void_pct=18 verdict:"
+
+
+@contextlib.contextmanager
+def running_server(w, release_dirs=(), tokenizer=None, **settings):
+    app = AdapterServer(OrtEngine(w["engine"], threads=1), DeviceTokenizer(tokenizer or w["tokenizer"]),
+                        load_trusted_keys([w["trusted_key"]]))
+    config = ServeSettings(**({"admin_token": ADMIN_TOKEN,
+                               "release_dirs": tuple(Path(d).resolve() for d in release_dirs)} | settings))
+    with BackgroundServer(app, config) as background:
+        yield app, background
+
+
+def call(port: int, method: str, path: str, payload: dict | None = None, token: str | None = ADMIN_TOKEN,
+         headers: dict | None = None) -> tuple[int, dict]:
+    """One request on a fresh connection: (status, JSON body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    sent = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {}) | (headers or {})
+    conn.request(method, path, json.dumps(payload) if payload is not None else None, sent)
+    resp = conn.getresponse()
+    out = resp.status, json.loads(resp.read())
+    conn.close()
+    return out
+
+
+def as_generation(body: dict) -> dict:
+    """What the old /v1/generate answered, read from a /v1/completions answer: the release (``model``), its
+    activation, the text and its token count."""
+    return {"text": body["choices"][0]["text"], "release_id": body["model"], "activation": body["activation"],
+            "tokens": body["usage"]["completion_tokens"]}
+
+
+def complete(port: int, prompt: str = PROMPT, max_tokens: int = 6) -> dict:
+    status, out = call(port, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    assert status == 200, out
+    return as_generation(out)
+
+
+def scrape(port: int) -> dict:
+    """Every sample of /metrics, parsed by prometheus_client: {(name, sorted label items): value}."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", "/metrics")
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/plain")
+    text = resp.read().decode()
+    conn.close()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def sample(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def summed(samples: dict, name: str, **where) -> float:
+    """The sum of ``name`` over every label set that matches ``where``."""
+    return sum(v for (n, labels), v in samples.items() if n == name and where.items() <= dict(labels).items())
+
+
+def refusals(samples: dict) -> dict:
+    return {dict(labels)["reason"]: int(v) for (n, labels), v in samples.items() if n == "adapter_refusals_total"}
+
+
+def manifest_id(release: Path) -> str:
+    return json.loads((release / "manifest.json").read_text())["release_id"]
