@@ -197,19 +197,36 @@ def test_watch_mode_swaps_in_a_newer_release_and_never_rolls_back(w, server, tmp
     assert app.active.release_id == manifest_id(w["b"]) and watcher.poll_once() == []  # tried once, not again
 
 
-def test_serve_command_starts_and_answers(w):
+def serve_process(w, *args: str, stderr=subprocess.DEVNULL) -> tuple[subprocess.Popen, dict]:
+    """``python -m runtime serve`` on the tiny world with release B, on a free port; (process, its ready line)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "runtime", "serve", "--engine", str(w["engine"]), "--tokenizer", str(w["tokenizer"]),
-         "--package", str(w["b"]), "--trusted-key", str(w["trusted_key"]), "--port", "0"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+         "--package", str(w["b"]), "--trusted-key", str(w["trusted_key"]), "--port", "0", *args],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    ready = json.loads(proc.stdout.readline())
+    return proc, ready | {"port": int(ready["listening"].rsplit(":", 1)[1])}
+
+
+def test_serve_command_starts_and_answers(w, tmp_path):
+    """The admin token and release directories from the device config, relative to its file."""
+    (tmp_path / "admin.token").write_text("device-config-token-0123456789\n")
+    (tmp_path / "releases").symlink_to(w["a"].parent)
+    device = tmp_path / "device.json"
+    device.write_text(json.dumps({"admin_token_file": "admin.token", "release_dirs": ["releases"]}))
+    proc, ready = serve_process(w, "--device-config", str(device))
     try:
-        ready = json.loads(proc.stdout.readline())
-        port = int(ready["listening"].rsplit(":", 1)[1])
+        port = ready["port"]
         assert ready["release_id"] == manifest_id(w["b"])
         assert complete(port)["release_id"] == manifest_id(w["b"])
+        assert call(port, "POST", "/v1/adapters", {"path": str(w["b"])})[0] == 401  # the test kit's token is not this one
+        status, body = call(port, "POST", "/v1/adapters", {"path": str(w["b"])}, token="device-config-token-0123456789")
+        assert (status, body["error"]["code"]) == (403, "path_not_allowed")  # B is outside releases/
+        status, body = call(port, "POST", "/v1/adapters", {"path": str(tmp_path / "releases" / w["a"].name)},
+                            token="device-config-token-0123456789")
+        assert (status, body["reason"]) == (409, "rollback")  # A, inside releases/: verified, and older than B
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        assert proc.wait(timeout=30) == 0
 
 
 def test_sigterm_finishes_every_request_in_flight_and_exits_0(w, tmp_path):
@@ -217,13 +234,10 @@ def test_sigterm_finishes_every_request_in_flight_and_exits_0(w, tmp_path):
     refused, the process exits 0; the log is JSON lines with request ids."""
     log = tmp_path / "serve.log"
     with open(log, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime", "serve", "--engine", str(w["engine"]), "--tokenizer", str(w["tokenizer"]),
-             "--package", str(w["b"]), "--trusted-key", str(w["trusted_key"]), "--port", "0", "--max-concurrent", "2",
-             "--max-tokens", "1024", "--graceful-shutdown", "60"],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc, ready = serve_process(w, "--max-concurrent", "2", "--max-tokens", "1024", "--graceful-shutdown", "60",
+                                    stderr=err)
     try:
-        port = int(json.loads(proc.stdout.readline())["listening"].rsplit(":", 1)[1])
+        port = ready["port"]
         results = []
 
         def client():
