@@ -222,10 +222,14 @@ class DeviceAPI:
             raise APIError(400, f"max_tokens {max_tokens} is over this device's cap of {self.settings.max_tokens}",
                            param="max_tokens", code="max_tokens_too_large")
         release = self.pick_release(body.model)
-        generation = self.server.start_generation(release, prompts, max_tokens,
-                                                  make_sampler(body.temperature, body.top_p, body.seed), body.stops)
         request.state.release_id = release.release_id
         self.admission.admit()
+        try:
+            generation = self.server.start_generation(release, prompts, max_tokens,
+                                                      make_sampler(body.temperature, body.top_p, body.seed), body.stops)
+        except BaseException:
+            self.admission.leave()
+            raise
         prompt_tokens = sum(len(p) for p in prompts)
         started = request.state.started
         if body.stream:

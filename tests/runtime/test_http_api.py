@@ -293,3 +293,19 @@ def test_metrics_parse_as_prometheus_and_follow_the_active_release(w):
     info = {dict(labels)["release_id"] for (name, labels) in second if name == "adapter_release_info"}
     assert info == {b} and sample(second, "adapter_swaps_total") == 2
     assert sample(second, "adapter_swap_duration_seconds_count") == 2
+
+
+def test_a_client_that_leaves_a_stream_stops_its_decode_and_frees_its_slot(w):
+    with running_server(w, max_tokens=LONG) as (app, background):
+        app.load(w["b"])
+        with httpx.stream("POST", f"{background.url}/v1/completions", timeout=60,
+                          json={"prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "stream": True}) as resp:
+            next(resp.iter_lines())  # the first token is out: the decode runs; then the client hangs up
+        deadline = time.monotonic() + 10
+        while sample(samples := scrape(background.port), "adapter_generations_in_flight") != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.2)
+        tokens = sample(scrape(background.port), "adapter_generated_tokens_total")
+    assert sample(samples, "adapter_generation_queue_depth") == 0
+    assert 1 <= tokens < LONG  # it stopped early, and stays stopped
