@@ -137,7 +137,8 @@ def cmd_serve(args, settings) -> int:
     if args.package is None and args.watch is None:
         raise DeviceConfigError("serve needs --package DIR (or --watch DIR to wait for one)")
     serve_settings = ServeSettings(
-        max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_concurrent=args.max_concurrent,
+        max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_context_tokens=args.max_context_tokens,
+        max_concurrent=args.max_concurrent,
         max_queue=args.max_queue, header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
         keep_alive_s=args.keep_alive, graceful_shutdown_s=args.graceful_shutdown,
         admin_token=_admin_token(settings["admin_token_file"]),
@@ -202,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--release-dir", action="append", metavar="DIR", help="directory the admin API may load "
                    "releases from (symlinks resolved; repeatable); any other path is refused (403)")
     s.add_argument("--max-tokens", type=int, default=d.max_tokens, help="cap on a request's max_tokens (400 above it)")
+    s.add_argument("--max-context-tokens", type=int, default=d.max_context_tokens,
+                   help="a prompt's tokens plus max_tokens must fit in this (400 above it)")
     s.add_argument("--max-concurrent", type=int, default=d.max_concurrent, help="generations decoding at once")
     s.add_argument("--max-queue", type=int, default=d.max_queue, help="generations waiting for a slot; beyond, 503")
     s.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="request body limit (413 above it)")

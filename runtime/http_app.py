@@ -52,6 +52,7 @@ from runtime.package import PackageError, RollbackRefused
 from runtime.sampling import make_sampler
 from runtime.server import AdapterServer, Generation
 from runtime.tokenizer import NoChatTemplate
+from runtime.tracing import MAX_SEQ
 
 log = logging.getLogger(__name__)
 REQUEST_ID = "x-request-id"
@@ -65,6 +66,8 @@ class ServeSettings:
 
     max_body_bytes: int = 1 << 20  # a prompt of 1 MiB is far past any context this engine decodes
     max_tokens: int = 256  # cap on max_tokens; a request above it gets 400 (not clamped: the client asked for more)
+    # prompt + max_tokens, per prompt: the traced sequence bound, which the quantized cache's key table covers
+    max_context_tokens: int = MAX_SEQ
     max_concurrent: int = 2  # generations decoding at once: one per core of the device's session threads
     max_queue: int = 16  # generations waiting for a slot; beyond them, 503
     retry_after_s: int = 1
@@ -198,15 +201,17 @@ class DeviceAPI:
 
     async def completions(self, request: Request) -> Response:
         body = parse_request(CompletionRequest, await self.read_json(request))
-        prompts = [self.server.tokenizer.encode(p) for p in body.prompts]
+        encode = self.server.tokenizer.encode
+        prompts = await anyio.to_thread.run_sync(lambda: [encode(p) for p in body.prompts])  # up to a MiB of text
         if any(not ids for ids in prompts):
             raise APIError(400, "a prompt encodes to no tokens", param="prompt")
         return await self.generate(request, body, prompts, body.max_tokens, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         body = parse_request(ChatCompletionRequest, await self.read_json(request))
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
-            ids = self.server.tokenizer.encode_chat([m.model_dump(exclude_none=True) for m in body.messages])
+            ids = await anyio.to_thread.run_sync(self.server.tokenizer.encode_chat, messages)
         except NoChatTemplate as err:
             raise APIError(400, str(err), param="messages", code="no_chat_template") from None
         except Exception as err:  # jinja2's TemplateError and whatever the template raises on these messages
@@ -221,6 +226,11 @@ class DeviceAPI:
         if max_tokens > self.settings.max_tokens:
             raise APIError(400, f"max_tokens {max_tokens} is over this device's cap of {self.settings.max_tokens}",
                            param="max_tokens", code="max_tokens_too_large")
+        longest = max(len(p) for p in prompts)
+        if longest + max_tokens > self.settings.max_context_tokens:
+            raise APIError(400, f"a prompt of {longest} tokens plus max_tokens {max_tokens} is over this device's "
+                           f"context of {self.settings.max_context_tokens} tokens", param="prompt",
+                           code="context_length_exceeded")
         release = self.pick_release(body.model)
         request.state.release_id = release.release_id
         self.admission.admit()

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 OWNED_BY = "adapter-release"
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_PROMPTS = 16  # prompts of one request: decoded as one batch, in one generation slot
 
 
 class OpenAIRequest(BaseModel):
@@ -58,8 +59,8 @@ class CompletionRequest(OpenAIRequest):
     @classmethod
     def _prompts_not_empty(cls, value):
         prompts = [value] if isinstance(value, str) else value
-        if not prompts or any(not p for p in prompts):
-            raise ValueError("one non-empty string or a non-empty list of them")
+        if not prompts or len(prompts) > MAX_PROMPTS or any(not p for p in prompts):
+            raise ValueError(f"one non-empty string or a list of 1 to {MAX_PROMPTS} of them")
         return value
 
     @property

@@ -145,6 +145,8 @@ def test_every_error_is_an_openai_error_object(served):
         ("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 257}, 400, "max_tokens_too_large"),
         ("POST", "/v1/completions", {"prompt": PROMPT, "logprobs": 3}, 400, "invalid_value"),
         ("POST", "/v1/completions", {"prompt": ""}, 400, "invalid_value"),
+        ("POST", "/v1/completions", {"prompt": [PROMPT] * 17}, 400, "invalid_value"),
+        ("POST", "/v1/completions", {"prompt": "0" * 4096, "max_tokens": 1}, 400, "context_length_exceeded"),
         ("POST", "/v1/completions", {"prompt": PROMPT, "model": "2025-01"}, 404, "model_not_found"),
         ("GET", "/v1/nothing", None, 404, None),
         ("GET", "/v1/completions", None, 405, None),
