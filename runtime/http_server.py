@@ -100,9 +100,16 @@ def uvicorn_config(app, settings: ServeSettings, host: str = "127.0.0.1", port: 
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """A bound, listening socket: its port is known (port 0 picks one) before uvicorn runs."""
-    sock = socket.create_server((host, port), backlog=2048, reuse_port=False)
-    sock.set_inheritable(True)
+    """A bound, listening socket: its port is known (port 0 picks one) before uvicorn runs.
+
+    Made with proto IPPROTO_TCP, not 0 (``socket.create_server``'s): asyncio sets TCP_NODELAY only on
+    accepted sockets whose proto says TCP, and without it a response written as headers then body
+    waits out the client's delayed ACK, 40 ms per keep-alive request."""
+    family, _, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    sock.listen(2048)
     return sock
 
 

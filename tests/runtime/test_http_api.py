@@ -179,6 +179,19 @@ def test_a_request_id_is_echoed_or_made(served):
     assert len(made.headers["x-request-id"]) == 32 and made.headers["x-request-id"] != "trace-42"
 
 
+def test_keep_alive_requests_do_not_wait_for_a_delayed_ack(served):
+    """Responses go out with TCP_NODELAY: without it each keep-alive answer waits ~40 ms for the client's ACK."""
+    app, background = served
+    with httpx.Client(base_url=background.url) as client:
+        client.get("/healthz")
+        seconds = []
+        for _ in range(9):
+            t0 = time.perf_counter()
+            assert client.get("/healthz").status_code == 200
+            seconds.append(time.perf_counter() - t0)
+    assert sorted(seconds)[4] < 0.02, seconds
+
+
 # ---------------------------------------------------------------- HTTP hardening
 
 def test_malformed_http_gets_400_within_a_second(served):
