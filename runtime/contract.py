@@ -227,16 +227,30 @@ def write_kv_scales(directory: str | Path, scales: KVScales) -> Path:
     """Write kv_scales.safetensors (``layer.{i}.{kind}``, identity metadata) and kv_scales.json into
     the existing ``directory``; bad scales are refused before anything is written. Returns the
     .safetensors path. The pipeline makes the directory all-or-nothing (``tasks.artifacts``)."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     directory = Path(directory)
     file = directory / KV_SCALES_FILE
     tensors = {f"layer.{i}.{kind}": np.ascontiguousarray(a[i], dtype=np.float32)
                for kind, a in scales.stacked().items() for i in range(a.shape[0])}
     _refuse(file, [(reason, f"refusing to write KV scales: {p}") for reason, p in _value_problems(tensors)])
-    save_file(tensors, str(file), metadata=_identity_metadata(scales.record))
+    file.write_bytes(_sorted_header(save(tensors, metadata=_identity_metadata(scales.record))))
     (directory / KV_SCALES_JSON).write_text(json.dumps(scales.record, indent=2, sort_keys=True) + "\n")
     return file
+
+
+def _sorted_header(data: bytes) -> bytes:
+    """safetensors bytes with the header's keys sorted. safetensors writes its metadata map in hash
+    order, which changes from process to process, so the same scales came out as other bytes and DVC
+    re-ran everything downstream; sorted, equal scales are equal files. The header keeps its length
+    (same keys, same values), so every data offset stays valid."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    ordered = json.dumps({k: dict(sorted(v.items())) if k == "__metadata__" else v for k, v in sorted(header.items())},
+                         separators=(",", ":"), ensure_ascii=False).encode()
+    if len(ordered) > size:
+        raise ValueError("safetensors header grew when sorted")  # the writer's own format changed: refuse, never corrupt
+    return data[:8] + ordered.ljust(size) + data[8 + size :]
 
 
 def read_kv_scales(

@@ -3,7 +3,10 @@
 import json
 import random
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -226,3 +229,21 @@ def test_calibration_binds_scales_to_the_compiled_engine_interface(release, tmp_
     with pytest.raises(AdapterError, match="adapter records engine interface ffffffffffff"):
         calibrate_kv_scales(release["base"], bound, release["calib"], tmp_path / "kv2", PRE_ROPE_SCHEME, engine_dir=engine_dir)
     assert not (tmp_path / "kv2").exists()
+
+
+def test_the_same_scales_are_the_same_bytes_in_every_process(release, tmp_path):
+    """safetensors writes its metadata map in hash order, which changes per process; DVC hashes the
+    file, so equal scales written by two runs must be equal bytes (else every later stage re-runs)."""
+    code = (
+        "import sys; from pathlib import Path; from runtime.contract import read_kv_scales, write_kv_scales; "
+        "s = read_kv_scales(Path(sys.argv[1]), sys.argv[2], sys.argv[3]); out = Path(sys.argv[4]); out.mkdir(); "
+        "write_kv_scales(out, s)"
+    )
+    written = []
+    for i in range(4):
+        out = tmp_path / f"run{i}"
+        subprocess.run([sys.executable, "-c", code, str(release["out"].parent), release["sha"], release["base_hash"],
+                        str(out)], check=True, cwd=Path(__file__).resolve().parents[2])
+        written.append((out / KV_SCALES_FILE).read_bytes())
+    assert len(set(written)) == 1
+    assert _load(release, tmp_path / "run0").k_scale.tobytes() == _load(release).k_scale.tobytes()
