@@ -8,12 +8,14 @@ loading the config (and the Prefect form) stays fast.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -346,3 +348,59 @@ def load_config(path: str | Path = DEFAULT_PARAMS) -> ReleaseConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(raw).__name__}")
     return parse_config(raw, source=str(path))
+
+
+def dotted(raw: Mapping, prefix: str = "") -> dict[str, Any]:
+    """Every setting of a config mapping by its dotted key (``gates.max_weight_accuracy_drop.int8``).
+
+    A list is one setting: it is set whole."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out |= dotted(value, name + ".")
+        else:
+            out[name] = value
+    return out
+
+
+def changed_settings(config: ReleaseConfig, base: ReleaseConfig) -> dict[str, Any]:
+    """The dotted keys whose value in ``config`` differs from ``base``, with ``config``'s values (JSON types)."""
+    old = dotted(base.model_dump(mode="json"))
+    return {key: value for key, value in dotted(config.model_dump(mode="json")).items() if old[key] != value}
+
+
+def with_settings(config: ReleaseConfig, settings: Mapping[str, Any], source: str) -> ReleaseConfig:
+    """``config`` with the dotted keys of ``settings`` set, validated like params.yaml.
+
+    A key that is not a setting of ``ReleaseConfig`` is an error naming it (and the nearest setting)."""
+    raw = config.model_dump(mode="json")
+    known = dotted(raw)
+    unknown = [key for key in settings if key not in known]
+    if unknown:
+        lines = [f"{source}: {len(unknown)} unknown setting(s)"]
+        for key in unknown:
+            near = difflib.get_close_matches(str(key), known, n=1)
+            lines.append(f"  {key}: not a setting of params.yaml" + (f" (did you mean {near[0]}?)" if near else ""))
+        raise ConfigError("\n".join(lines))
+    for key, value in settings.items():
+        *parents, leaf = key.split(".")
+        node = raw
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return parse_config(raw, source=source)
+
+
+def parse_assignments(items: list[str], source: str) -> dict[str, Any]:
+    """``section.key=value`` strings (a command line's) as dotted settings; values are read as YAML."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{source} {item!r}: expected section.key=value")
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{source} {item!r}: the value is not valid YAML: {err}") from None
+    return out

@@ -6,15 +6,15 @@ changed. The Prefect flow drives the same stages one by one through ``reproduce_
 holds one repository lock, so never two at once) and reads back whether each stage ran.
 
 A run triggered with other parameters (from the Prefect UI, say) must reach DVC through
-``params.yaml``: ``write_params_file`` rewrites only the values that differ, in place, so the
-file keeps its comments and a diff shows exactly what the run changed.
+``params.yaml``: ``write_params_file`` rewrites only the values that differ, in place (a ruamel.yaml
+round trip), so the file keeps its comments and layout and a diff shows exactly what the run changed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
-import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from tasks.config import ReleaseConfig, StageError, parse_config
+from tasks.config import ReleaseConfig, StageError, changed_settings, dotted, parse_config
 
 DVC_ENV = {"DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 REMOTE_NAME = "storage"
@@ -113,41 +113,101 @@ def push_outputs(root: Path) -> int:
 
 # ---------------------------------------------------------------- params.yaml, edited in place
 
-_LINE = re.compile(r"^(?P<indent>\s*)(?P<key>[A-Za-z_][\w]*):(?P<space>\s*)(?P<value>[^#\n]*?)(?P<comment>\s*#.*)?$")
+def _round_trip_yaml():
+    """ruamel.yaml in round-trip mode, set to write this project's layout back unchanged."""
+    from ruamel.yaml import YAML
+
+    rt = YAML()
+    rt.preserve_quotes = True
+    rt.width = 4096  # never fold a long line
+    rt.indent(mapping=2, sequence=4, offset=2)  # block lists as `  key:` then `    - item`
+    rt.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
+    return rt
 
 
-def _yaml_scalar(value) -> str:
-    text = yaml.safe_dump(value, default_flow_style=True, width=1000).strip()
-    return text[: -len("...")].strip() if text.endswith("...") else text
+def _set_list(seq, values: list) -> None:
+    """Make the list ``seq`` hold ``values`` item by item, so its style and the comments on kept items stay.
+
+    ruamel.yaml keeps the lines that follow a block list (blank lines, comments) in the comment token of
+    its last item: they move to the new last item."""
+    import copy
+
+    tokens = seq.ca.items
+    last = tokens.get(len(seq) - 1, [None])[0] if seq else None
+    after = ""
+    if last is not None:
+        eol, _, after = last.value.partition("\n")  # the item's own comment, then the lines after the list
+        if eol:
+            last.value = eol + "\n"
+        else:
+            del tokens[len(seq) - 1]
+    for index in range(len(values), len(seq)):
+        tokens.pop(index, None)
+    del seq[len(values):]
+    for index, value in enumerate(values):
+        if index == len(seq):
+            seq.append(value)
+        elif seq[index] != value:
+            seq[index] = value
+    if after and seq:
+        end = tokens.get(len(seq) - 1, [None])[0]
+        if end is None:
+            end = copy.copy(last)
+            end.value = "\n"
+            tokens[len(seq) - 1] = [end, None, None, None]
+        end.value += after
+
+
+def _set_value(doc, key: str, value) -> None:
+    from ruamel.yaml.comments import CommentedMap, CommentedSeq
+    from ruamel.yaml.scalarstring import ScalarString
+
+    *parents, leaf = key.split(".")
+    node = doc
+    for part in parents:
+        if not isinstance(node.get(part), CommentedMap):
+            node[part] = CommentedMap()
+        node = node[part]
+    old = node.get(leaf)
+    if isinstance(old, CommentedSeq) and isinstance(value, list):
+        _set_list(old, value)
+    elif isinstance(old, ScalarString) and isinstance(value, str):
+        node[leaf] = type(old)(value)  # "2026-11" stays double-quoted
+    else:
+        node[leaf] = value
 
 
 def write_params_file(cfg: ReleaseConfig, path: Path) -> list[str]:
-    """Make ``path`` state ``cfg``: rewrite the lines whose value differs, append keys it lacks.
+    """Make ``path`` state ``cfg``: set the values that differ (ruamel.yaml round trip), add the keys it lacks.
 
-    Comments and layout are kept. Returns the dotted keys that changed. The result is read back
-    and must parse to ``cfg``, or nothing is written.
+    Comments, quoting, flow or block style and every other line are kept. Returns the dotted keys that
+    changed. The result is read back and must parse to ``cfg``, or nothing is written.
     """
     path = Path(path)
     text = path.read_text() if path.exists() else ""
-    wanted = cfg.model_dump(mode="json")
-    current = parse_config(yaml.safe_load(text) or {}, str(path)).model_dump(mode="json") if text else {}
-    lines = text.splitlines()
-    changed: list[str] = []
-    for section, values in wanted.items():
-        for key, value in values.items():
-            if current.get(section, {}).get(key) == value:
-                continue  # stated, or omitted and the default is what we want
-            changed.append(f"{section}.{key}")
-            lines = _set_key(lines, section, key, _yaml_scalar(value))
+    if text:
+        changed = changed_settings(cfg, parse_config(yaml.safe_load(text) or {}, str(path)))
+    else:  # DVC reads every key it tracks from the file: state them all
+        changed = dotted(cfg.model_dump(mode="json"))
     if not changed:
         return []
-    new_text = "\n".join(lines) + "\n"
+    rt = _round_trip_yaml()
+    doc = rt.load(text)
+    if doc is None:  # an empty file
+        from ruamel.yaml.comments import CommentedMap
+
+        doc = CommentedMap()
+    for key, value in changed.items():
+        _set_value(doc, key, value)
+    out = io.StringIO()
+    rt.dump(doc, out)
+    new_text = out.getvalue()
     if parse_config(yaml.safe_load(new_text) or {}, str(path)) != cfg:
         raise PipelineError(f"{path}: could not write the run's parameters without changing its meaning")
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(new_text)
     os.replace(tmp, path)
-    return changed
+    return list(changed)
 
 
 @contextlib.contextmanager
@@ -199,29 +259,3 @@ def params_for_run(cfg: ReleaseConfig, path: Path) -> Iterator[list[str]]:
     finally:
         if saved.exists():
             os.replace(saved, path)
-
-
-def _section_span(lines: list[str], section: str) -> tuple[int, int] | None:
-    start = next((i for i, line in enumerate(lines) if re.match(rf"^{section}:(\s|$)", line)), None)
-    if start is None:
-        return None
-    end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace() and not lines[i].startswith("#")),
-               len(lines))
-    return start, end
-
-
-def _set_key(lines: list[str], section: str, key: str, value: str) -> list[str]:
-    lines = list(lines)
-    span = _section_span(lines, section)
-    if span is None:
-        return lines + ["", f"{section}:", f"  {key}: {value}"]
-    start, end = span
-    for i in range(start + 1, end):
-        m = _LINE.match(lines[i])
-        if m and m["indent"] and m["key"] == key:
-            comment = m["comment"] or ""
-            lines[i] = f"{m['indent']}{key}:{m['space'] or ' '}{value}{comment}"
-            return lines
-    last = max((i for i in range(start + 1, end) if lines[i].strip()), default=start)
-    return lines[: last + 1] + [f"  {key}: {value}"] + lines[last + 1 :]
-

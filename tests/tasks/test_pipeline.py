@@ -8,6 +8,7 @@ import yaml
 from tasks.config import ReleaseConfig, load_config
 from tasks.pipeline import PipelineError, ensure_dvc_repo, reproduce_stage, stage_names, write_params_file
 
+REPO = Path(__file__).resolve().parents[2]
 PARAMS = textwrap.dedent("""\
     # header comment stays
     data:
@@ -26,12 +27,79 @@ def test_params_file_is_rewritten_in_place_keeping_comments_and_untouched_lines(
                                         "publish": {"dry_run": True}})
     changed = write_params_file(cfg, path)
     assert changed == ["data.month", "gates.min_accuracy_new", "publish.dry_run"]
-    text = path.read_text()
-    assert "  month: 2026-12              # release month" in text
-    assert "  seed: 1234                    # seeds everything" in text
-    assert "  min_accuracy_new: 1.01        # floor" in text
-    assert text.startswith("# header comment stays\n")
+    # Only the values changed (the month keeps its quotes); a section the file lacked is appended.
+    assert path.read_text() == PARAMS.replace('"2026-11"', '"2026-12"').replace("0.95 ", "1.01 ") + "publish:\n  dry_run: true\n"
     assert load_config(path) == cfg
+
+
+def test_the_repository_params_file_changes_only_on_the_edited_lines(tmp_path):
+    import difflib
+
+    path = tmp_path / "params.yaml"
+    path.write_text((REPO / "params.yaml").read_text())
+    before = path.read_text().splitlines()
+    cfg = ReleaseConfig.model_validate({"data": {"month": "2026-12"}, "gates": {"max_weight_accuracy_drop": {"int8": 0.01}},
+                                        "engine": {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]}})
+    assert write_params_file(cfg, path) == ["data.month", "engine.target_modules", "gates.max_weight_accuracy_drop.int8"]
+    diff = [line for line in difflib.unified_diff(before, path.read_text().splitlines(), lineterm="", n=0)
+            if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+    month = next(line for line in before if line.startswith("  month:"))
+    modules = next(line for line in before if line.startswith("  target_modules: [q_proj, k_proj, v_proj, o_proj]  #"))
+    drop = next(line for line in before if line.startswith("  max_weight_accuracy_drop:"))
+    # The comment of each edited line is kept byte for byte, at its column (a shorter value pads it,
+    # a longer one pushes it right, one space after the value).
+    assert diff == ["-" + month, "+" + month.replace("2026-11", "2026-12"),
+                    "-" + modules, "+" + modules.replace("o_proj]  #", "o_proj, up_proj] #"),
+                    "-" + drop, "+" + drop.replace("{int8: 0.005, int4: 0.02}  #", "{int8: 0.01, int4: 0.02}   #")]
+    assert load_config(path) == cfg
+
+
+BLOCK_LIST = textwrap.dedent("""\
+    lora:
+      r: 8                # rank
+      target_modules:     # LoRA inputs
+        - q_proj          # queries
+        - k_proj
+        - v_proj
+      # lines after the list stay after it
+    engine:
+      target_modules:
+        - q_proj
+        - k_proj
+        - v_proj
+        - o_proj
+    """)
+
+
+@pytest.mark.parametrize("modules, expected", [
+    (["q_proj", "v_proj", "k_proj"], "    - q_proj          # queries\n    - v_proj\n    - k_proj\n"),
+    (["q_proj"], "    - q_proj          # queries\n"),
+    (["q_proj", "k_proj", "v_proj", "o_proj"], "    - q_proj          # queries\n    - k_proj\n    - v_proj\n    - o_proj\n"),
+], ids=["reordered", "shorter", "longer"])
+def test_a_block_style_list_is_edited_item_by_item(tmp_path, modules, expected):
+    path = tmp_path / "params.yaml"
+    path.write_text(BLOCK_LIST)
+    cfg = ReleaseConfig.model_validate({"lora": {"target_modules": modules}})
+    assert write_params_file(cfg, path) == ["lora.target_modules"]
+    old_items = "    - q_proj          # queries\n    - k_proj\n    - v_proj\n"
+    assert path.read_text() == BLOCK_LIST.replace(old_items, expected)
+    assert load_config(path) == cfg
+
+
+def test_a_flow_style_list_stays_on_its_line(tmp_path):
+    path = tmp_path / "params.yaml"
+    text = "lora:\n  target_modules: [q_proj, k_proj]   # inline\n  r: 4\n"
+    path.write_text(text)
+    cfg = ReleaseConfig.model_validate({"lora": {"r": 4, "target_modules": ["v_proj", "o_proj"]}})
+    assert write_params_file(cfg, path) == ["lora.target_modules"]
+    assert path.read_text() == "lora:\n  target_modules: [v_proj, o_proj]   # inline\n  r: 4\n"
+
+
+def test_a_missing_params_file_is_written_with_every_setting(tmp_path):
+    path = tmp_path / "params.yaml"
+    cfg = ReleaseConfig.model_validate({"data": {"month": "2026-12"}})
+    assert "kv.k_bits" in write_params_file(cfg, path)
+    assert load_config(path) == cfg and "jsonl_dir: null" in path.read_text()
 
 
 def test_params_file_that_already_states_the_config_is_not_touched(tmp_path):
