@@ -10,8 +10,9 @@ The work pool (type ``process``) is created if it does not exist. The flow is lo
 ``--source`` (this checkout by default) and each run executes with that directory as its working
 directory (a ``set_working_directory`` pull step): the flow's project root is ``Path.cwd()``.
 
-The deployment's default parameters are ``--params`` with ``publish.tracking_uri`` pointing at the
-MLflow tracking server (``--set`` changes that or any other key, e.g. the shared DVC remote):
+The deployment's defaults are ``--params`` with ``publish.tracking_uri`` pointing at the MLflow
+tracking server (``--set`` changes that or any other key, e.g. the shared DVC remote), kept as
+``flows.monthly_release.register_defaults`` keeps them; a run's parameters are set onto them:
 
     python -m flows.deploy --set publish.tracking_uri=http://127.0.0.1:5000 --set publish.remote_dir=/srv/dvc-remote
 """
@@ -22,27 +23,14 @@ import argparse
 import sys
 from pathlib import Path
 
-import yaml
-
+from flows.monthly_release import register_defaults
 from flows.serve import DEFAULT_CRON, DEFAULT_TIMEZONE, DEPLOYMENT
-from tasks.config import ConfigError, ReleaseConfig, load_config, parse_config
+from tasks.config import ConfigError, ReleaseConfig, load_config, parse_assignments, with_settings
 
 WORK_POOL = "adapter-release"
 ENTRYPOINT = "flows/monthly_release.py:monthly_release"
 # `make mlflow-server` listens here; a tracking server chooses where artifacts go (tasks/tracking.py).
 TRACKING_URI = "http://127.0.0.1:5000"
-
-
-def with_overrides(config: ReleaseConfig, overrides: list[str]) -> ReleaseConfig:
-    """``config`` with ``section.key=value`` overrides (values parsed as YAML), validated like params.yaml."""
-    raw = config.model_dump(mode="json")
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        section, dot, field = key.strip().partition(".")
-        if not sep or not dot or section not in raw:
-            raise ConfigError(f"--set {item!r}: expected section.key=value with a section of params.yaml")
-        raw[section][field] = yaml.safe_load(value)
-    return parse_config(raw, source="--set")
 
 
 def ensure_process_pool(name: str) -> None:
@@ -76,7 +64,7 @@ def deploy(config: ReleaseConfig, source: Path, work_pool: str, cron: str, timez
         name=DEPLOYMENT,
         work_pool_name=work_pool,
         schedules=[Cron(cron, timezone=timezone)],
-        parameters={"config": config.model_dump(mode="json")},
+        parameters=register_defaults(config),
         description="Fine-tune, calibrate, evaluate on the engine, gate, package and publish this month's adapter.",
         tags=["adapter-release"],
         concurrency_limit=1,  # DVC holds one repository lock: runs of the month never overlap
@@ -98,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timezone", default=DEFAULT_TIMEZONE)
     args = parser.parse_args(argv)
     try:
-        config = with_overrides(load_config(args.params), [f"publish.tracking_uri={TRACKING_URI}", *args.overrides])
+        settings = parse_assignments([f"publish.tracking_uri={TRACKING_URI}", *args.overrides], source="--set")
+        config = with_settings(load_config(args.params), settings, source="--set")
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,8 +1,13 @@
 """The monthly adapter release as a Prefect flow: DVC stages, gates, MLflow, then an atomic publish.
 
-The flow takes the whole ``ReleaseConfig`` as its one parameter, so the Prefect UI shows it as a
-form with the defaults of ``params.yaml``. It only wires things together: stages are
-``dvc.yaml``'s, decisions are in ``tasks/release.py``, ``tasks/publish.py`` and ``tasks/tracking.py``.
+The flow takes what a person types: ``month``, ``dry_run``, ``force`` and ``overrides`` (dotted keys
+of ``params.yaml``, e.g. ``{"gates.min_accuracy_new": 0.97}``), so the Prefect UI's form has four
+fields and ``prefect deployment run monthly-release/monthly-release -p month=2026-12`` works. They
+are set onto the run's defaults: a deployment's are ``params.yaml`` as it was when the deployment
+was registered (kept in the Prefect variable ``DEFAULTS_VARIABLE``); a run outside a deployment
+starts from ``ReleaseConfig``'s defaults, which the shipped ``params.yaml`` states. The flow only
+wires things together: stages are ``dvc.yaml``'s, decisions are in ``tasks/release.py``,
+``tasks/publish.py`` and ``tasks/tracking.py``.
 
     python -m flows.monthly_release --params params.yaml      # ephemeral Prefect, what `make release` runs
 """
@@ -14,19 +19,77 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import yaml  # noqa: E402
 from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.artifacts import create_markdown_artifact  # noqa: E402
-from prefect.runtime import flow_run  # noqa: E402
+from prefect.runtime import deployment, flow_run  # noqa: E402
 from prefect.transactions import get_transaction, transaction  # noqa: E402
+from prefect.variables import Variable  # noqa: E402
 
 from tasks import pipeline, publish, release, tracking  # noqa: E402
-from tasks.config import ReleaseConfig, StageError, load_config  # noqa: E402
+from tasks.config import (  # noqa: E402
+    ConfigError, ReleaseConfig, StageError, changed_settings, load_config, parse_config, with_settings,
+)
 from tasks.gates import GateFailed, failed_reason  # noqa: E402
+
+
+# A deployment's defaults: the registered params.yaml, as JSON (flows/serve.py and flows/deploy.py write it).
+DEFAULTS_VARIABLE = "monthly-release-defaults"
+# The settings that have a flow parameter of their own; ``overrides`` takes every other one.
+OWN_PARAMETERS = {"month": "data.month", "dry_run": "publish.dry_run", "force": "publish.force"}
+
+
+def register_defaults(config: ReleaseConfig) -> dict:
+    """Keep ``config`` as the defaults of the deployment being registered; return its parameters
+    (the form's initial values: ``config``'s month, dry run and force, no overrides)."""
+    Variable.set(DEFAULTS_VARIABLE, config.model_dump(mode="json"), overwrite=True)
+    return flow_parameters(config, config)
+
+
+def flow_parameters(config: ReleaseConfig, defaults: ReleaseConfig) -> dict:
+    """The flow's parameters that make a run starting from ``defaults`` use ``config``."""
+    overrides = {key: value for key, value in changed_settings(config, defaults).items()
+                 if key not in OWN_PARAMETERS.values()}
+    return {"month": config.data.month, "dry_run": config.publish.dry_run, "force": config.publish.force,
+            "overrides": overrides}
+
+
+def settings_markdown(config: ReleaseConfig) -> str:
+    """The run's resolved settings, for its summary: what to put in params.yaml to repeat it."""
+    return (f"\n## Settings\n\nThe run's settings (params hash `{config.params_hash()[:12]}`):\n\n```yaml\n"
+            f"{yaml.safe_dump(config.model_dump(mode='json'), sort_keys=False)}```\n")
+
+
+def run_defaults() -> tuple[ReleaseConfig, str]:
+    """The settings this run starts from, and where they come from."""
+    if deployment.id:
+        raw = Variable.get(DEFAULTS_VARIABLE)
+        if raw is not None:
+            source = f"the deployment's defaults (Prefect variable {DEFAULTS_VARIABLE})"
+            return parse_config(raw, source=source), source
+        get_run_logger().warning("Prefect variable %s is missing (a deployment registered other than by "
+                                 "flows.serve or flows.deploy): the run starts from ReleaseConfig's defaults",
+                                 DEFAULTS_VARIABLE)
+    return ReleaseConfig(), "ReleaseConfig's defaults"
+
+
+def resolve_config(defaults: ReleaseConfig, month: str | None, dry_run: bool | None, force: bool | None,
+                   overrides: dict[str, Any] | None) -> ReleaseConfig:
+    """``defaults`` with the run's parameters set; every key is validated and a bad one named."""
+    overrides = dict(overrides or {})
+    own = [key for key in overrides if key in OWN_PARAMETERS.values()]
+    if own:
+        names = {key: name for name, key in OWN_PARAMETERS.items()}
+        raise ConfigError("overrides: " + "; ".join(f"{key} has a parameter of its own: set {names[key]}" for key in own))
+    given = {"month": month, "dry_run": dry_run, "force": force}
+    settings = overrides | {OWN_PARAMETERS[name]: value for name, value in given.items() if value is not None}
+    return with_settings(defaults, settings, source="the run's parameters")
 
 
 @task(retries=2, retry_delay_seconds=5)
@@ -50,7 +113,7 @@ def record(config: ReleaseConfig, runs: list[pipeline.StageRun], report: dict) -
 @task
 def summarize(config: ReleaseConfig, runs: list[pipeline.StageRun], report: dict, recorded: release.Recorded | None,
               outcome: str) -> str:
-    text = release.summary_markdown(config, runs, report, recorded, outcome)
+    text = release.summary_markdown(config, runs, report, recorded, outcome) + settings_markdown(config)
     create_markdown_artifact(text, key=release.SUMMARY_KEY, description=f"release {config.data.month}: {outcome}")
     return text
 
@@ -98,11 +161,24 @@ def _demote(txn) -> None:
 
 
 @flow(name="monthly-release", log_prints=True)
-def monthly_release(config: ReleaseConfig = ReleaseConfig()) -> dict:
+def monthly_release(month: str | None = None, dry_run: bool | None = None, force: bool | None = None,
+                    overrides: dict[str, Any] | None = None) -> dict:
     """Reproduce this month's stages, gate the candidate, record it, and publish it if every gate passed.
 
     DVC stages read ``params.yaml``: a run with other parameters states them there while it runs.
+
+    Args:
+        month: The release month, YYYY-MM (empty: the deployment's).
+        dry_run: Run and gate everything, publish nothing, move no alias.
+        force: Publish again a month that is already published.
+        overrides: Other settings of params.yaml by dotted key, e.g. {"gates.min_accuracy_new": 0.97};
+            every setting not named keeps the deployment's default.
     """
+    defaults, source = run_defaults()
+    config = resolve_config(defaults, month, dry_run, force, overrides)  # before any stage: a bad key fails here
+    changes = changed_settings(config, defaults)
+    get_run_logger().info("settings: %s%s", source,
+                          "".join(f"; {key} = {value!r}" for key, value in changes.items()) or ", unchanged")
     with pipeline.release_lock(Path.cwd()), pipeline.params_for_run(config, Path.cwd() / pipeline.PARAMS_FILE) as changed:
         if changed:
             get_run_logger().info("params.yaml states this run's parameters until it ends: %s", ", ".join(changed))
@@ -158,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the run's parameters; written into ./params.yaml, which the DVC stages read")
     args = parser.parse_args(argv)
     try:
-        result = monthly_release(load_config(args.params))
+        result = monthly_release(**flow_parameters(load_config(args.params), ReleaseConfig()))
     except (GateFailed, StageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -2,9 +2,10 @@
 
     PREFECT_API_URL=http://127.0.0.1:4200/api python -m flows.serve      # `make prefect` does this
 
-The deployment's default parameters are ``params.yaml``; the UI (Deployments -> monthly-release
--> Run -> Custom run) shows them as a form to change month, thresholds or dry run. Runs execute
-in this process's working directory, one at a time (DVC holds one repository lock).
+The deployment's defaults are ``params.yaml`` as it is now (``flows.monthly_release.register_defaults``);
+the UI (Deployments -> monthly-release -> Run -> Custom run) shows a form of four fields: month, dry
+run, force, and overrides of any other setting by dotted key. Runs execute in this process's working
+directory, one at a time (DVC holds one repository lock).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 
 from prefect.schedules import Cron
 
-from flows.monthly_release import monthly_release
+from flows.monthly_release import monthly_release, register_defaults
 from tasks.config import load_config
 
 DEPLOYMENT = "monthly-release"
@@ -29,11 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cron", default=DEFAULT_CRON)
     parser.add_argument("--timezone", default=DEFAULT_TIMEZONE)
     args = parser.parse_args(argv)
-    config = load_config(args.params)
     monthly_release.serve(
         name=DEPLOYMENT,
         schedules=[Cron(args.cron, timezone=args.timezone)],
-        parameters={"config": config.model_dump(mode="json")},
+        parameters=register_defaults(load_config(args.params)),
         description="Fine-tune, calibrate, evaluate on the engine, gate, package and publish this month's adapter.",
         tags=["adapter-release"],
         limit=1,
