@@ -44,16 +44,17 @@ release: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# A local Prefect server (UI at http://127.0.0.1:$(PREFECT_PORT)) and the monthly-release deployment
-# served from this checkout until Ctrl-C; the server stops with it.
+# A local Prefect server (UI at http://$(HOST):$(PREFECT_PORT), any port) and the monthly-release deployment
+# served from this checkout until Ctrl-C or SIGTERM, which stop the server, the deployment and its runs.
 prefect: $(STAMP)
-	$(PY) -m flows.local_server --port $(PREFECT_PORT) -- $(PY) -m flows.serve --params params.yaml
+	$(PY) -m flows.local_server --host $(HOST) --port $(PREFECT_PORT) -- $(PY) -m flows.serve --params params.yaml
 
 # Production mode, one command per terminal (or service unit): server, tracking server, worker; then deploy once.
 # Prefect's database: SQLite in $(PREFECT_PROD_HOME) unless PREFECT_API_DATABASE_CONNECTION_URL names PostgreSQL.
+# Its UI calls its own API on any port (flows/local_server.py); SIGINT or SIGTERM stops it.
 prefect-server: $(STAMP)
 	mkdir -p $(PREFECT_PROD_HOME)
-	PREFECT_HOME=$(PREFECT_PROD_HOME) $(VENV)/bin/prefect server start --host $(HOST) --port $(PREFECT_PORT)
+	PREFECT_HOME=$(PREFECT_PROD_HOME) $(PY) -m flows.local_server --host $(HOST) --port $(PREFECT_PORT)
 
 # MLflow tracking server: runs, registry and aliases in MLFLOW_BACKEND_STORE_URI, artifacts proxied to
 # MLFLOW_ARTIFACTS_DESTINATION (a local path, or s3://bucket/prefix with MLFLOW_S3_ENDPOINT_URL for S3-compatible stores).

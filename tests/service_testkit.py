@@ -113,3 +113,8 @@ def kill_group_when(proc: subprocess.Popen, marker: str, delay: float) -> str:
     proc.wait(timeout=60)
     assert any(marker in line for line in seen), "".join(seen)[-3000:]
     return "".join(seen)
+
+
+def live(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that are still running (not zombies)."""
+    return [pid for pid in pids if (stat := _stat(str(pid))) is not None and stat[0] != "Z"]
