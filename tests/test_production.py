@@ -2,17 +2,20 @@
 
 In a fresh copy of the project, as `make prefect-server`, `make mlflow-server`, `make worker` and
 `make deploy` set it up: `flows.deploy` registers `monthly-release` on the work pool with its monthly
-schedule; a run is triggered the way the UI's Custom run does it (the deployment's parameters with
-some fields changed, POSTed to the API); the worker, started elsewhere, runs it in the project copy;
-the release lands in the MLflow server (parent run, nested stage runs, registered version and
-aliases), the registry and the shared DVC remote. Every service is then stopped with its process
-group and nothing is left running.
+schedule and a params file as its defaults; a run is triggered through the API with only
+`{"month": "2026-12"}` (what `prefect deployment run monthly-release/monthly-release -p month=2026-12`
+sends); the worker, started elsewhere, runs it in the project copy with the deployment's other
+settings; the release lands in the MLflow server (parent run, nested stage runs, registered version
+and aliases), the registry and the shared DVC remote. A second run, a dry run whose `overrides` raise
+a gate out of reach, fails with the gate, its value and threshold in the flow run's state message.
+Every service is then stopped with its process group and nothing is left running.
 
 The run is a small release (short training, small splits) with gates its short-trained candidate
 passes: it exercises the machinery, not the accuracy targets (tests/test_release.py checks those).
 """
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -26,15 +29,16 @@ import yaml
 from flows.local_server import wait_http
 from project_testkit import ENV, MODEL, copy_project, git
 from service_testkit import free_port, kill_pids, processes_in, start_service, stop_group
+from tasks.release import SUMMARY_KEY
 
 pytestmark = pytest.mark.slow  # the real monthly flow, end to end: minutes per test
 
 POOL = "adapter-release-test"
 MONTH = "2026-12"
-# Changed in the run's parameters (the defaults are params.yaml's): a smaller backbone, short training, small
-# splits, one thread per process (the machine's 2 cores are shared), gates a short-trained candidate passes.
+# The deployment's defaults (params.yaml with these changes): a smaller backbone, short training, small splits,
+# one thread per process (the machine's 2 cores are shared), gates a short-trained candidate passes.
 FAST = {
-    "data": {"month": MONTH, "train_size": 200, "val_size": 32, "calib_size": 16, "test_size": 48, "heldout_lines": 32},
+    "data": {"train_size": 200, "val_size": 32, "calib_size": 16, "test_size": 48, "heldout_lines": 32},
     "base_model": {"num_layers": 2, "hidden_size": 128, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 256,
                    "pretrain_examples": 300, "pretrain_steps": 30, "pretrain_batch_size": 16},
     "train": {"steps": 30, "batch_size": 16, "warmup_steps": 3, "threads": 1},
@@ -78,6 +82,17 @@ def tail(path: Path, chars: int = 4000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
 
+def run_to_the_end(api_url: str, deployment_id: str, parameters: dict, worker, log: Path) -> dict:
+    """A flow run of the deployment created through the API with ``parameters``, once the worker has finished it."""
+    flow_run = api(f"{api_url}/deployments/{deployment_id}/create_flow_run", {"parameters": parameters})
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while flow_run["state"]["type"] not in FINAL and time.monotonic() < deadline:
+        assert worker.poll() is None, tail(log)
+        time.sleep(3)
+        flow_run = api(f"{api_url}/flow_runs/{flow_run['id']}")
+    return flow_run
+
+
 def test_a_worker_runs_the_deployment_triggered_through_the_api_and_records_in_the_mlflow_server(tmp_path):
     from flows.local_server import start_server, stop_server
 
@@ -100,7 +115,9 @@ def test_a_worker_runs_the_deployment_triggered_through_the_api_and_records_in_t
              "--port", str(mlflow_port), "--workers", "1"],
             cwd=shared / "mlflow", env=env, log=logs / "mlflow.log")
         services.append(mlflow_server)
-        deployed = subprocess.run([sys.executable, "-m", "flows.deploy", "--params", "params.yaml", "--work-pool", POOL,
+        registered = tmp_path / "deploy-params.yaml"  # params.yaml as the deployment is registered with it
+        registered.write_text(yaml.safe_dump(merged(yaml.safe_load((root / "params.yaml").read_text()), FAST)))
+        deployed = subprocess.run([sys.executable, "-m", "flows.deploy", "--params", str(registered), "--work-pool", POOL,
                                    "--set", f"publish.tracking_uri={tracking}",
                                    "--set", f"publish.remote_dir={shared / 'dvc-remote'}"],
                                   cwd=root, env=env, capture_output=True, text=True, timeout=180)
@@ -117,22 +134,23 @@ def test_a_worker_runs_the_deployment_triggered_through_the_api_and_records_in_t
             ("0 6 1 * *", "Europe/Berlin", True)
         assert deployment["work_pool_name"] == POOL
         assert deployment["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(root)}}]
-        defaults = deployment["parameters"]["config"]
-        assert defaults["publish"]["tracking_uri"] == tracking and defaults["data"]["month"] == "2026-11"
+        assert deployment["parameters"] == {"month": "2026-11", "dry_run": False, "force": False, "overrides": {}}
+        defaults = api(f"{api_url}/variables/name/monthly-release-defaults")["value"]
+        assert defaults["publish"]["tracking_uri"] == tracking and defaults["train"]["steps"] == 30
 
-        # Custom run: the form holds the deployment's parameters; the user changes some and submits them all.
-        config = merged(defaults, FAST)
-        flow_run = api(f"{api_url}/deployments/{deployment['id']}/create_flow_run", {"parameters": {"config": config}})
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while flow_run["state"]["type"] not in FINAL and time.monotonic() < deadline:
-            assert worker.poll() is None, tail(logs / "worker.log")
-            time.sleep(3)
-            flow_run = api(f"{api_url}/flow_runs/{flow_run['id']}")
+        # The month alone, as `prefect deployment run ... -p month=2026-12` sends it: Prefect fills the rest of
+        # the parameters from the deployment's, the flow every other setting from the deployment's defaults.
+        flow_run = run_to_the_end(api_url, deployment["id"], {"month": MONTH}, worker, logs / "worker.log")
         run_seconds = time.monotonic() - started
         print(f"flow run {flow_run['id']}: {flow_run['state']['type']} after {run_seconds:.0f} s since the test began")
         assert flow_run["state"]["type"] == "COMPLETED", (flow_run["state"], tail(logs / "worker.log", 8000))
         assert flow_run["work_pool_name"] == POOL
-        assert flow_run["parameters"]["config"]["gates"]["min_accuracy_new"] == 0.0
+        assert flow_run["parameters"] == {"month": MONTH, "dry_run": False, "force": False, "overrides": {}}
+        # The summary artifact states the settings the run resolved.
+        (summary,) = api(f"{api_url}/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]},
+                                                                       "key": {"any_": [SUMMARY_KEY]}}})
+        settings = yaml.safe_load(summary["data"].split("## Settings", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0])
+        assert settings == merged(defaults, {"data": {"month": MONTH}})
 
         # MLflow server: the parent run of the month, a nested run per DVC stage, version 1 champion.
         from mlflow.tracking import MlflowClient
@@ -154,6 +172,15 @@ def test_a_worker_runs_the_deployment_triggered_through_the_api_and_records_in_t
         assert str(client.get_model_version_by_alias(MODEL, "candidate").version) == "1"
         assert "package/manifest.json" in {f.path for f in client.list_artifacts(parent.info.run_id, "package")}
         assert list((shared / "mlflow" / "artifacts").rglob("manifest.json"))  # proxied to --artifacts-destination
+
+        # A failed gate stays obvious on the parameterised path: the state message names it, its value, its threshold.
+        refused = run_to_the_end(api_url, deployment["id"], {"month": MONTH, "dry_run": True,
+                                                             "overrides": {"gates.min_accuracy_new": 1.01}},
+                                 worker, logs / "worker.log")
+        assert refused["state"]["type"] == "FAILED", (refused["state"], tail(logs / "worker.log", 8000))
+        assert re.search(r"release 2026-12 not published: accuracy_new = [0-9.]+ \(needs >= 1\.01", refused["state"]["message"]), \
+            refused["state"]["message"]
+        assert str(client.get_model_version_by_alias(MODEL, "champion").version) == "1"
     finally:
         for service in reversed(services):
             stop_group(service)

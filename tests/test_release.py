@@ -180,21 +180,20 @@ def test_a_real_prefect_server_runs_the_deployment_with_other_parameters(project
             "import json, sys, time\n"
             "from prefect.deployments import run_deployment\n"
             "from prefect.exceptions import ObjectNotFound\n"
-            "from tasks.config import load_config\n"
-            "cfg = load_config('params.yaml').model_dump(mode='json')\n"
-            "cfg['data']['month'] = '2026-12'; cfg['publish']['dry_run'] = True\n"
             "for _ in range(60):\n"
             "    try:\n"
-            "        run = run_deployment('monthly-release/monthly-release', parameters={'config': cfg}, timeout=600)\n"
+            "        run = run_deployment('monthly-release/monthly-release', parameters={'month': '2026-12', 'dry_run': True},\n"
+            "                             timeout=600)\n"
             "        break\n"
             "    except ObjectNotFound:  # the deployment appears once serve has registered it\n"
             "        time.sleep(2)\n"
-            "print(json.dumps({'state': run.state.type.value, 'params': run.parameters['config']['publish']['dry_run']}))\n"
+            "print(json.dumps({'state': run.state.type.value, 'params': run.parameters}))\n"
         )
         done = subprocess.run([sys.executable, "-c", trigger], cwd=root, env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
         result = json.loads(done.stdout.strip().splitlines()[-1])
-        assert result == {"state": "COMPLETED", "params": True}
+        assert result == {"state": "COMPLETED",
+                          "params": {"month": "2026-12", "dry_run": True, "force": False, "overrides": {}}}
     finally:
         if served is not None:
             served.terminate()
