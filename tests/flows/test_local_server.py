@@ -4,7 +4,8 @@ Given a free loopback port,
 when `make prefect PREFECT_PORT=<port>` runs (a Prefect server and the served deployment), or
 `make prefect-server PREFECT_PORT=<port>` (the server alone),
 then the UI settings the server serves send the UI's API calls to that port, the deployment
-registered there has the form of four fields with params.yaml's values, and SIGTERM to make (a
+registered there has the form of four fields with params.yaml's values (and `prefect deployment run
+-p month=... -p overrides=...` fills them), and SIGTERM to make (a
 service manager stopping it), or SIGINT to its process group (Ctrl-C in its terminal), leaves no
 process it started behind.
 """
@@ -55,6 +56,7 @@ def test_a_server_on_a_free_port_serves_a_ui_calling_that_port_and_a_stop_signal
         assert get_json(f"{base}/ui-settings")["api_url"] == f"{base}/api"
         if target == "prefect":
             served_deployment_has_the_four_fields(base, make, log)
+            prefect_deployment_run_takes_the_fields(base, env)
         started = descendants(make.pid)
         assert len(started) >= (3 if target == "prefect" else 2), started  # flows.local_server, prefect server, flows.serve
         if stop == "SIGTERM to make":
@@ -83,3 +85,19 @@ def served_deployment_has_the_four_fields(base: str, make: subprocess.Popen, log
     assert deployment["parameters"] == {"month": "2026-11", "dry_run": False, "force": False, "overrides": {}}
     defaults = get_json(f"{base}/api/variables/name/monthly-release-defaults")["value"]
     assert defaults["publish"]["tracking_uri"] == "sqlite:///mlflow.db"
+
+
+def prefect_deployment_run_takes_the_fields(base: str, env: dict) -> None:
+    """`prefect deployment run -p ...` as the README shows it; the run starts in an hour, after this test."""
+    done = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "monthly-release/monthly-release",
+                           "-p", "month=2026-12", "-p", "dry_run=true", "-p", 'overrides={"gates.min_accuracy_new": 0.97}',
+                           "--start-in", "1 hour"], env=env | {"PREFECT_API_URL": f"{base}/api"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    runs = json.loads(urllib.request.urlopen(urllib.request.Request(
+        f"{base}/api/flow_runs/filter", data=b"{}", headers={"Content-Type": "application/json"}), timeout=10).read())
+    (flow_run,) = [run for run in runs if not run["auto_scheduled"]]  # the others are the monthly schedule's
+    assert all(run["parameters"] == {"month": "2026-11", "dry_run": False, "force": False, "overrides": {}}
+               for run in runs if run["auto_scheduled"])
+    assert flow_run["parameters"] == {"month": "2026-12", "dry_run": True, "force": False,
+                                      "overrides": {"gates.min_accuracy_new": 0.97}}

@@ -118,3 +118,18 @@ def test_the_embedded_default_is_built_only_where_the_base_model_stage_writes():
 def test_the_own_model_example_params_file_is_valid():
     cfg = load_config(REPO / "examples" / "own-model.yaml")
     assert cfg.base_model.source == "local" and cfg.data.jsonl_dir is not None and cfg.gates.min_accuracy == 0.95
+
+
+def test_command_line_assignments_are_dotted_settings_with_yaml_values():
+    from tasks.config import parse_assignments, with_settings
+
+    settings = parse_assignments(["publish.tracking_uri=http://127.0.0.1:5000", "lora.target_modules=[q_proj, v_proj]",
+                                  "gates.max_weight_accuracy_drop.int8=0.01", "publish.dry_run=true"], source="--set")
+    config = with_settings(ReleaseConfig(), settings, source="--set")
+    assert (config.publish.tracking_uri, config.lora.target_modules, config.gates.max_weight_accuracy_drop.int8,
+            config.publish.dry_run) == ("http://127.0.0.1:5000", ("q_proj", "v_proj"), 0.01, True)
+    with pytest.raises(ConfigError, match=r"--set 'publish\.dry_run': expected section\.key=value"):
+        parse_assignments(["publish.dry_run"], source="--set")
+    with pytest.raises(ConfigError, match=r"--set: 1 unknown setting\(s\)\n  publish\.trackinguri: not a setting of "
+                                          r"params\.yaml \(did you mean publish\.tracking_uri\?\)"):
+        with_settings(ReleaseConfig(), parse_assignments(["publish.trackinguri=x"], source="--set"), source="--set")
