@@ -6,6 +6,7 @@
                            --trusted-key PUB [--engine DIR] [--rev REV] [--allow-rollback]
     python -m runtime serve --engine DIR --package DIR --trusted-key PUB [--tokenizer DIR]
                             [--port 8080] [--host 127.0.0.1] [--watch DIR]
+                            [--candidate DIR --canary-share F] [--max-resident N]
                             [--admin-token-file FILE --release-dir DIR ...] (python -m runtime serve --help)
 
 Trust and paths may come from a device config file instead (``--device-config FILE``, JSON;
@@ -13,7 +14,7 @@ relative paths are relative to the file); flags add to it or override it:
 
     {"trusted_keys": ["keys/release_signing.pub"], "engine": "engine", "tokenizer": "models/base",
      "backend": "onnxruntime", "threads": 2, "max_package_bytes": 268435456,
-     "admin_token_file": "admin.token", "release_dirs": ["releases"]}
+     "admin_token_file": "admin.token", "release_dirs": ["releases"], "max_resident": 3, "canary_share": 0.0}
 
 Exit codes: 0 success, 1 crash (a bug), 2 bad usage or device configuration, 30 the registry
 could not give the release, and one code per refusal of ``runtime.package.EXIT_CODES``:
@@ -33,6 +34,7 @@ from pathlib import Path
 from runtime.errors import RefusedInput
 from runtime.http_app import ServeSettings
 from runtime.package import DEFAULT_MAX_PACKAGE_BYTES, EXIT_CODES, PackageError
+from runtime.residents import CANDIDATE, CHANNELS, DEFAULT_MAX_RESIDENT
 
 EXIT_USAGE = 2
 SERVE_EPILOG = ("exit codes: 0 stopped by SIGTERM or SIGINT after a graceful shutdown, 1 crash (a bug), 2 bad usage or "
@@ -47,7 +49,8 @@ class DeviceConfigError(RefusedInput):
 def device_settings(args) -> dict:
     """Settings from ``--device-config`` (if any) overlaid with the flags given."""
     settings = {"trusted_keys": [], "engine": None, "tokenizer": None, "backend": "onnxruntime", "threads": 2,
-                "max_package_bytes": DEFAULT_MAX_PACKAGE_BYTES, "admin_token_file": None, "release_dirs": []}
+                "max_package_bytes": DEFAULT_MAX_PACKAGE_BYTES, "admin_token_file": None, "release_dirs": [],
+                "max_resident": DEFAULT_MAX_RESIDENT, "canary_share": 0.0}
     if args.device_config is not None:
         path = Path(args.device_config)
         try:
@@ -65,10 +68,21 @@ def device_settings(args) -> dict:
         settings |= raw
     settings["trusted_keys"] = list(settings["trusted_keys"]) + list(args.trusted_key or [])
     settings["release_dirs"] = list(settings["release_dirs"]) + list(getattr(args, "release_dir", None) or [])
-    for key in ("engine", "tokenizer", "admin_token_file"):
+    for key in ("engine", "tokenizer", "admin_token_file", "max_resident", "canary_share"):
         if getattr(args, key, None) is not None:
             settings[key] = getattr(args, key)
     return settings
+
+
+def _resident_settings(settings) -> tuple[int, float]:
+    """``max_resident`` and ``canary_share``, checked: from a flag or the device config alike."""
+    max_resident, share = settings["max_resident"], settings["canary_share"]
+    if type(max_resident) is not int or max_resident < len(CHANNELS):
+        raise DeviceConfigError(f"max_resident (--max-resident) {max_resident!r}: an integer of at least "
+                                f"{len(CHANNELS)}, the champion and a candidate")
+    if type(share) not in (int, float) or not 0 <= share <= 1:
+        raise DeviceConfigError(f"canary_share (--canary-share) {share!r}: a fraction from 0 to 1")
+    return max_resident, float(share)
 
 
 def _open_interface(engine_dir):
@@ -136,18 +150,24 @@ def cmd_serve(args, settings) -> int:
         settings["tokenizer"] = str(default)
     if args.package is None and args.watch is None:
         raise DeviceConfigError("serve needs --package DIR (or --watch DIR to wait for one)")
+    if args.candidate is not None and args.package is None:
+        raise DeviceConfigError("--candidate needs --package: a candidate is compared with the champion")
+    max_resident, canary_share = _resident_settings(settings)
     serve_settings = ServeSettings(
         max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_context_tokens=args.max_context_tokens,
         max_concurrent=args.max_concurrent,
         max_queue=args.max_queue, header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
         keep_alive_s=args.keep_alive, graceful_shutdown_s=args.graceful_shutdown,
         admin_token=_admin_token(settings["admin_token_file"]),
-        release_dirs=tuple(Path(d).resolve() for d in settings["release_dirs"]))
+        release_dirs=tuple(Path(d).resolve() for d in settings["release_dirs"]), canary_share=canary_share)
     keys = load_trusted_keys(settings["trusted_keys"])
     engine = open_engine(settings["engine"], settings["backend"], threads=settings["threads"])
-    app = AdapterServer(engine, DeviceTokenizer(settings["tokenizer"]), keys, settings["max_package_bytes"])
+    app = AdapterServer(engine, DeviceTokenizer(settings["tokenizer"]), keys, settings["max_package_bytes"],
+                        max_resident)
     if args.package is not None:
         app.load(args.package)
+    if args.candidate is not None:
+        app.load(args.candidate, channel=CANDIDATE)
     return serve(app, serve_settings, args.host, args.port, Path(args.watch) if args.watch else None, args.watch_interval)
 
 
@@ -196,7 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--package", metavar="DIR_OR_TARBALL", help="release to serve at start")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 exposes the device")
     s.add_argument("--port", type=int, default=8080, help="port to listen on; 0 picks a free one")
-    s.add_argument("--watch", metavar="DIR", help="swap in newer verified releases that appear in DIR")
+    s.add_argument("--candidate", metavar="DIR_OR_TARBALL", help="release to load at start as the candidate "
+                   "(not older than --package), for requests naming model candidate and the canary share")
+    s.add_argument("--canary-share", type=float, default=argparse.SUPPRESS, metavar="F",
+                   help="fraction of requests without model sent to the candidate, split exactly "
+                   "(device config canary_share; default 0)")
+    s.add_argument("--max-resident", type=int, default=argparse.SUPPRESS, metavar="N",
+                   help="releases kept resident; beyond, the least recently used standby one is unloaded "
+                   f"(device config max_resident; default {DEFAULT_MAX_RESIDENT})")
+    s.add_argument("--watch", metavar="DIR", help="load as champion newer verified releases that appear in DIR")
     s.add_argument("--watch-interval", type=float, default=2.0, metavar="S", help="seconds between polls of --watch")
     s.add_argument("--admin-token-file", metavar="FILE", help="file holding the bearer token of the admin API "
                    "(POST /v1/adapters); without it the admin API is off (404)")

@@ -3,11 +3,19 @@
     POST /v1/completions        OpenAI completions: prompt (string or list), max_tokens, stop, temperature,
                                 top_p, seed, stream (server-sent events ending in ``data: [DONE]``)
     POST /v1/chat/completions   the same for messages, when the tokenizer has a chat template (else 400)
-    GET  /v1/models             the active release: id = release id, month, owned_by
-    GET  /healthz               liveness: always 200, with the active release (or none)
-    GET  /ready                 200 once a release is active, 503 before
+    GET  /v1/models             every resident release: id = release id, month, channel, owned_by
+    GET  /healthz               liveness: always 200, with the champion (or none) and the candidate
+    GET  /ready                 200 once a champion is loaded, 503 before
     GET  /metrics               Prometheus text format (``runtime.metrics``)
-    POST /v1/adapters           admin: verify, bind and swap in a release (``Authorization: Bearer``)
+    POST /v1/adapters           admin: verify, bind and load a release {"path", "channel": "champion" (default,
+                                a swap) or "candidate"}
+    POST /v1/adapters/promote   admin: the candidate becomes the champion, the champion goes to standby
+    POST /v1/adapters/unload    admin: {"model"}: forget a resident release that is not the champion
+
+A request's ``model`` picks a resident release (``runtime.residents``): a release id, a month, or a channel,
+``champion`` or ``candidate``; an unknown one is 404 ``model_not_found``, with the resident list. Without
+``model`` a request gets the champion, or the candidate for the ``canary_share`` of such requests
+(``runtime.residents.CanarySplit``: an exact, even split, no coin flip).
 
 Every answer other than 2xx is OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``.
 Generation is CPU-bound, so each decode step runs in a worker thread (anyio) and the event loop stays
@@ -49,6 +57,7 @@ from runtime.openai_api import (
     usage_chunk,
 )
 from runtime.package import PackageError, RollbackRefused
+from runtime.residents import CHAMPION, CHANNELS, CanarySplit, ResidencyError
 from runtime.sampling import make_sampler
 from runtime.server import AdapterServer, Generation
 from runtime.tokenizer import NoChatTemplate
@@ -57,7 +66,8 @@ from runtime.tracing import MAX_SEQ
 log = logging.getLogger(__name__)
 REQUEST_ID = "x-request-id"
 CLOSE = {"Connection": "close"}
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/adapters", "/healthz", "/ready", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/adapters", "/v1/adapters/promote",
+             "/v1/adapters/unload", "/healthz", "/ready", "/metrics")
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,7 @@ class ServeSettings:
     graceful_shutdown_s: int = 30  # on SIGTERM, requests in flight get this long to finish
     admin_token: str | None = None  # None: the admin API is off
     release_dirs: tuple[Path, ...] = field(default_factory=tuple)  # resolved; admin paths must lie inside one
+    canary_share: float = 0.0  # of the requests without model, this fraction goes to the candidate (when one is loaded)
 
 
 class Admission:
@@ -141,6 +152,7 @@ class DeviceAPI:
         self.server, self.settings = server, settings
         self.metrics = server.metrics
         self.admission = Admission(settings, self.metrics)
+        self.canary = CanarySplit(settings.canary_share)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -171,32 +183,48 @@ class DeviceAPI:
         return data
 
     def pick_release(self, model: str | None):
-        """The active release, if ``model`` (when given) names it by release id or month."""
+        """The resident release ``model`` names; without ``model``, the champion or (the canary share) the candidate."""
+        residents = self.server.residents
+        champion = self.champion()
+        if model is not None:
+            release = residents.find(model)
+            if release is None:
+                listed = ", ".join(f"{r.release_id} ({channel})" for r, channel in residents.listing())
+                raise APIError(404, f"model {model!r} is not resident here; resident: {listed} (GET /v1/models)",
+                               "invalid_request_error", param="model", code="model_not_found")
+            return release
+        candidate = residents.candidate
+        if candidate is not None and self.canary.to_candidate(candidate.release_id):
+            return candidate
+        return champion
+
+    def champion(self):
+        """The champion, or 503 while none is loaded."""
         release = self.server.active
         if release is None:
             raise APIError(503, "no release loaded yet", "server_error", code="no_active_release",
                            headers={"Retry-After": str(self.settings.retry_after_s)})
-        if model is not None and model not in (release.release_id, release.manifest["month"]):
-            raise APIError(404, f"model {model!r} is not served here; the active release is {release.release_id} "
-                           "(GET /v1/models)", "invalid_request_error", param="model", code="model_not_found")
         return release
 
     # ------------------------------------------------------------------ public endpoints
 
     async def healthz(self, request: Request) -> Response:
-        return JSONResponse(self.server.health())
+        return JSONResponse(self.health())
 
     async def ready(self, request: Request) -> Response:
-        self.pick_release(None)
-        return JSONResponse(self.server.health())
+        self.champion()
+        return JSONResponse(self.health())
+
+    def health(self) -> dict:
+        return self.server.health() | {"canary_share": float(self.canary.share)}
 
     async def metrics_text(self, request: Request) -> Response:
         body, content_type = self.metrics.exposition()
         return Response(body, media_type=content_type)
 
     async def models(self, request: Request) -> Response:
-        release = self.server.active
-        data = [] if release is None else [model_card(release.release_id, release.manifest["month"], int(release.loaded_at))]
+        data = [model_card(r.release_id, r.manifest["month"], int(r.loaded_at)) | {"channel": channel}
+                for r, channel in self.server.residents.listing()]
         return JSONResponse({"object": "list", "data": data})
 
     async def completions(self, request: Request) -> Response:
@@ -310,29 +338,61 @@ class DeviceAPI:
                            param="path", code="path_not_allowed")
         return resolved
 
-    async def adapters(self, request: Request) -> Response:
+    async def admin_body(self, request: Request, known: tuple[str, ...]) -> dict:
+        """The JSON body of an authorized admin call, with no field but ``known``."""
         self.authorize(request)
         body = await self.read_json(request)
-        unknown = sorted(set(body) - {"path", "allow_rollback"})
+        unknown = sorted(set(body) - set(known))
         if unknown:
-            raise APIError(400, f"unknown field(s) {unknown}; known: path", param=unknown[0], code="unknown_field")
+            raise APIError(400, f"unknown field(s) {unknown}; known: {', '.join(known) or 'none'}", param=unknown[0],
+                           code="unknown_field")
+        return body
+
+    async def adapters(self, request: Request) -> Response:
+        body = await self.admin_body(request, ("path", "channel", "allow_rollback"))
         if body.get("allow_rollback"):
             raise APIError(403, "allow_rollback is never accepted over the network: a rollback is a local act "
                            "(python -m runtime pull --allow-rollback, then restart serve with --package)",
                            "permission_error", param="allow_rollback", code="rollback_is_local")
-        path = body.get("path")
+        path, channel = body.get("path"), body.get("channel", CHAMPION)
         if not isinstance(path, str) or not path:
             raise APIError(400, "path: the release directory or tarball to load is required", param="path")
+        if channel not in CHANNELS:
+            raise APIError(400, f"channel {channel!r}: one of {', '.join(CHANNELS)}", param="channel")
         resolved = self.allowed_path(path)
-        try:
-            result = await anyio.to_thread.run_sync(self.server.load, resolved)  # hashing is CPU and disk work
+        try:  # hashing is CPU and disk work: a worker thread
+            result = await anyio.to_thread.run_sync(lambda: self.server.load(resolved, channel=channel))
         except PackageError as err:
             status = 409 if isinstance(err, RollbackRefused) else 422
             active = self.server.active
             return JSONResponse(APIError(status, str(err), "release_refused", param="path", code=err.reason).body()
                                 | {"reason": err.reason, "exit_code": err.exit_code,
                                    "active_release": active.release_id if active else None}, status)
+        except ResidencyError as err:
+            raise residency_error(err, "channel") from None
         return JSONResponse(result)
+
+    async def promote(self, request: Request) -> Response:
+        await self.admin_body(request, ())
+        try:
+            return JSONResponse(self.server.promote())
+        except (ResidencyError, RollbackRefused) as err:
+            raise residency_error(err, None) from None
+
+    async def unload(self, request: Request) -> Response:
+        model = (await self.admin_body(request, ("model",))).get("model")
+        if not isinstance(model, str) or not model:
+            raise APIError(400, "model: the release id, month or channel to unload is required", param="model")
+        try:
+            return JSONResponse(self.server.unload(model))
+        except ResidencyError as err:
+            raise residency_error(err, "model") from None
+
+
+def residency_error(err: ResidencyError | RollbackRefused, param: str | None) -> APIError:
+    """A resident-set change refused: 404 for a model not resident, 409 for any other state that forbids it."""
+    code = err.code if isinstance(err, ResidencyError) else err.reason
+    return APIError(404 if code == "model_not_found" else 409, str(err), "invalid_request_error", param=param, code=code)
 
 
 class RequestLog:
@@ -393,6 +453,8 @@ def build_app(server: AdapterServer, settings: ServeSettings = ServeSettings()) 
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/adapters", api.adapters, methods=["POST"]),
+        Route("/v1/adapters/promote", api.promote, methods=["POST"]),
+        Route("/v1/adapters/unload", api.unload, methods=["POST"]),
         Route("/healthz", api.healthz, methods=["GET"]),
         Route("/ready", api.ready, methods=["GET"]),
         Route("/metrics", api.metrics_text, methods=["GET"]),

@@ -2,17 +2,24 @@
 
 Every value is a counter, a gauge or a fixed-bucket histogram: memory stays bounded however long
 the device runs. Labels are bounded too: endpoints and statuses are the server's own, refusal
-reasons are ``runtime.package.EXIT_CODES``'s, and ``release_id`` grows by one per release served.
+reasons are ``runtime.package.EXIT_CODES``'s, channels ``runtime.residents``'s, and the request
+counter's ``release_id`` grows by one per release served. What describes the resident releases
+(``release_info``, seconds to expiry, the resident count) is read from the resident set at each
+scrape (``ResidentCollector``), so an unloaded release leaves no series behind.
 """
 
 from __future__ import annotations
 
 import time
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import GaugeMetricFamily
 
 from runtime.contract import parse_time
+from runtime.residents import UNLOAD_REASONS
 
 PREFIX = "adapter"
 # Seconds. A request is a prefill plus up to max_tokens decode steps of a few ms each on CPU.
@@ -22,8 +29,29 @@ FIRST_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 SWAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
+class ResidentCollector:
+    """The resident releases as the scrape finds them: ``listing()`` gives (release, channel) pairs."""
+
+    def __init__(self, listing: Callable[[], list]):
+        self.listing = listing
+
+    def collect(self):
+        info = GaugeMetricFamily(f"{PREFIX}_release_info", "A resident release (value 1), by release id, month "
+                                 "and channel", labels=["release_id", "month", "channel"])
+        expires = GaugeMetricFamily(f"{PREFIX}_release_expires_in_seconds", "Seconds until a resident release's "
+                                    "manifest expires_at (negative: expired)", labels=["release_id", "channel"])
+        residents = self.listing()
+        now = time.time()
+        for release, channel in residents:
+            info.add_metric([release.release_id, release.manifest["month"], channel], 1)
+            expires.add_metric([release.release_id, channel], parse_time(release.manifest["expires_at"]).timestamp() - now)
+        yield info
+        yield expires
+        yield GaugeMetricFamily(f"{PREFIX}_resident_releases", "Releases resident now", value=len(residents))
+
+
 class ServerMetrics:
-    def __init__(self):
+    def __init__(self, residents: Callable[[], list]):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(f"{PREFIX}_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
@@ -32,33 +60,24 @@ class ServerMetrics:
         self.first_token_seconds = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Request start to its first "
                                              "generated token, queueing included", buckets=FIRST_TOKEN_BUCKETS, registry=r)
         self.tokens = Counter(f"{PREFIX}_generated_tokens", "Tokens generated", registry=r)
-        self.by_release = Counter(f"{PREFIX}_release_requests", "Generation requests per release they ran on",
-                                  ["release_id"], registry=r)
+        self.by_release = Counter(f"{PREFIX}_release_requests", "Generation requests per release they ran on and "
+                                  "the channel it held", ["release_id", "channel"], registry=r)
         self.in_flight = Gauge(f"{PREFIX}_generations_in_flight", "Generations running now", registry=r)
         self.queue_depth = Gauge(f"{PREFIX}_generation_queue_depth", "Generations waiting for a slot", registry=r)
-        self.swaps = Counter(f"{PREFIX}_swaps", "Releases verified, bound and activated", registry=r)
+        self.swaps = Counter(f"{PREFIX}_swaps", "Releases verified, bound and made resident (either channel)", registry=r)
         self.swap_seconds = Histogram(f"{PREFIX}_swap_duration_seconds", "Verify + bind + activate of an accepted "
                                       "release", buckets=SWAP_BUCKETS, registry=r)
+        self.promotions = Counter(f"{PREFIX}_promotions", "Candidates promoted to champion", registry=r)
+        self.unloads = Counter(f"{PREFIX}_unloads", "Resident releases unloaded, by reason (lru: to make room; admin)",
+                               ["reason"], registry=r)
+        for reason in UNLOAD_REASONS:
+            self.unloads.labels(reason)
         self.refusals = Counter(f"{PREFIX}_refusals", "Releases refused, by reason", ["reason"], registry=r)
-        self.release_info = Gauge(f"{PREFIX}_release_info", "The active release (value 1)", ["release_id", "month"],
-                                  registry=r)
-        self.expires_in = Gauge(f"{PREFIX}_release_expires_in_seconds", "Seconds until the active release's "
-                                "manifest expires_at (negative: expired; NaN before a release is active)",
-                                registry=r)
-        self._expires_at: float | None = None
-        self.expires_in.set_function(self._seconds_to_expiry)
+        r.register(ResidentCollector(residents))
 
-    def _seconds_to_expiry(self) -> float:
-        return float("nan") if self._expires_at is None else self._expires_at - time.time()
-
-    def activated(self, release_id: str, month: str, expires_at: str, previous: tuple[str, str] | None,
-                  seconds: float) -> None:
+    def loaded(self, seconds: float) -> None:
         self.swaps.inc()
         self.swap_seconds.observe(seconds)
-        if previous is not None:
-            self.release_info.remove(*previous)
-        self.release_info.labels(release_id, month).set(1)
-        self._expires_at = parse_time(expires_at).timestamp()
 
     def exposition(self) -> tuple[bytes, str]:
         """The text format a Prometheus scrape reads, and its content type."""
@@ -69,5 +88,9 @@ class ServerMetrics:
         return self.registry.get_sample_value(name, labels) or 0.0
 
     def requests_by_release(self) -> dict[str, int]:
-        return {s.labels["release_id"]: int(s.value) for m in self.registry.collect() if m.name == f"{PREFIX}_release_requests"
-                for s in m.samples if s.name.endswith("_total")}
+        totals: dict[str, int] = {}
+        samples = (s for m in self.registry.collect() if m.name == f"{PREFIX}_release_requests" for s in m.samples)
+        for s in samples:
+            if s.name.endswith("_total"):  # summed over the channels the release served in
+                totals[s.labels["release_id"]] = totals.get(s.labels["release_id"], 0) + int(s.value)
+        return totals

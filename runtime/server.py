@@ -2,15 +2,16 @@
 
 The engine (one ONNX Runtime session) is opened once. Each verified release becomes an
 immutable ``ActiveRelease``: its own engine handle (``OrtEngine.fork``) with the release's LoRA
-inputs and KV scales bound, plus its manifest. A generation reads the active release once, when
-it starts (``AdapterServer.start_generation``), and forks that release's handle, so it runs every
-step, prefill to last token, on that release; a swap only replaces the ``active`` reference
-(under a lock, after verification and binding are done), so new requests get the new release
-while requests in flight finish on theirs. A release that fails verification raises its
-``PackageError`` (``reason``, ``exit_code``); the active release keeps serving.
+inputs and KV scales bound, plus its manifest. Several stay resident at once (``runtime.residents``:
+the ``champion``, a ``candidate``, and standby releases up to ``max_resident``, least recently used
+unloaded first). A generation gets its release once, when it starts (``AdapterServer.start_generation``),
+and forks that release's handle, so it runs every step, prefill to last token, on that release; a
+load, promotion or unload only changes which releases new requests can get (under a lock, after
+verification and binding are done), while requests in flight finish on theirs. A release that fails
+verification raises its ``PackageError`` (``reason``, ``exit_code``); the resident ones keep serving.
 
-Watch mode polls a directory for release directories or tarballs and swaps in any verified
-one newer than the active one (never a rollback). Publish into it atomically (write elsewhere,
+Watch mode polls a directory for release directories or tarballs and loads as champion any verified
+one newer than the champion (never a rollback). Publish into it atomically (write elsewhere,
 then rename), or a half-copied release is refused until its next change.
 
 The HTTP side is ``runtime.http_app`` (routes) and ``runtime.http_server`` (uvicorn).
@@ -25,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.contract import MANIFEST, release_order
+from runtime.contract import MANIFEST
 from runtime.generate import decode_steps
 from runtime.metrics import ServerMetrics
 from runtime.package import (
@@ -36,6 +37,7 @@ from runtime.package import (
     unpacked_release,
     verify_release,
 )
+from runtime.residents import CANDIDATE, CHAMPION, DEFAULT_MAX_RESIDENT, ResidentSet
 
 log = logging.getLogger(__name__)
 
@@ -43,77 +45,109 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ActiveRelease:
     release_id: str
-    activation: int  # 1 for the first release loaded, +1 per swap
+    activation: int  # 1 for the first release loaded, +1 per load (either channel)
     manifest: dict
     handle: object  # an engine handle with this release bound; forked per request, never rebound
     loaded_at: float
 
 
 class AdapterServer:
-    """The engine, the tokenizer, the trusted keys and the active release; thread-safe."""
+    """The engine, the tokenizer, the trusted keys and the resident releases; thread-safe."""
 
-    def __init__(self, engine, tokenizer, trusted_keys: dict, max_bytes: int = DEFAULT_MAX_PACKAGE_BYTES):
+    def __init__(self, engine, tokenizer, trusted_keys: dict, max_bytes: int = DEFAULT_MAX_PACKAGE_BYTES,
+                 max_resident: int = DEFAULT_MAX_RESIDENT):
         if not hasattr(engine, "fork"):
             raise ValueError(f"{type(engine).__name__} cannot be shared between requests; serve runs the onnxruntime backend")
         self.engine, self.tokenizer, self.trusted_keys, self.max_bytes = engine, tokenizer, trusted_keys, max_bytes
-        self.metrics = ServerMetrics()
-        self._active: ActiveRelease | None = None
-        self._swap_lock = threading.Lock()
+        self.residents = ResidentSet(max_resident)
+        self.metrics = ServerMetrics(self.residents.listing)
+        self._loads = 0
+        self._load_lock = threading.Lock()
 
     @property
     def active(self) -> ActiveRelease | None:
-        return self._active
+        """The champion: what a request that names no model gets."""
+        return self.residents.champion
 
-    def load(self, path: str | Path, allow_rollback: bool = False) -> dict:
-        """Verify the release at ``path``, bind it to a new handle, make it active; raise PackageError."""
+    def load(self, path: str | Path, allow_rollback: bool = False, channel: str = CHAMPION) -> dict:
+        """Verify the release at ``path``, bind it to a new handle, make it resident on ``channel``
+        (never older than the champion, unless ``allow_rollback``); raise PackageError or ResidencyError."""
         start = time.perf_counter()
-        current = self._active
+        champion = self.residents.champion
         try:
             with unpacked_release(path, self.max_bytes) as d:
                 verified = verify_release(
                     d, self.trusted_keys, self.engine.interface,
-                    active_release=current.release_id if current else None, allow_rollback=allow_rollback,
+                    active_release=champion.release_id if champion else None, allow_rollback=allow_rollback,
                     max_bytes=self.max_bytes, tokenizer_sha256=self.tokenizer.sha256,
                     stop_token_ids=self.tokenizer.stop_ids,
                 )
             handle = self.engine.fork()
             bind_release(handle, verified)  # the arrays are copied into ORT values: the files may go
             flip = time.perf_counter()
-            with self._swap_lock:
-                now_active = self._active  # another swap may have won while this one verified
-                if now_active is not None and not allow_rollback and verified.order < release_order(now_active.release_id):
-                    raise RollbackRefused(f"{path}: release {verified.release_id} is older than {now_active.release_id}, "
-                                          "activated while this one was being verified")
-                activation = (now_active.activation if now_active else 0) + 1
-                self._active = ActiveRelease(verified.release_id, activation, verified.manifest, handle, time.time())
+            with self._load_lock:
+                previous = self.residents.candidate if channel == CANDIDATE else self.residents.champion
+                release = ActiveRelease(verified.release_id, self._loads + 1, verified.manifest, handle, time.time())
+                try:  # the order is checked again: another load may have won while this one verified
+                    unloaded = self.residents.add(release, channel, allow_rollback)
+                except RollbackRefused as err:
+                    raise RollbackRefused(f"{path}: {err}") from None
+                self._loads += 1
                 done = time.perf_counter()
-                self.metrics.activated(verified.release_id, verified.manifest["month"], verified.manifest["expires_at"],
-                                       (now_active.release_id, now_active.manifest["month"]) if now_active else None,
-                                       done - start)
+            self.metrics.loaded(done - start)
+            self.metrics.unloads.labels("lru").inc(len(unloaded))
         except PackageError as err:
             self.metrics.refusals.labels(err.reason).inc()
             raise
         swap_ms, activate_ms = (done - start) * 1e3, (done - flip) * 1e3
-        log.info("active release %s (activation %d) in %.1f ms", verified.release_id, activation, swap_ms)
-        return {"release_id": verified.release_id, "activation": activation, "previous": current.release_id if current else None,
+        log.info("%s %s (activation %d) in %.1f ms", channel, verified.release_id, release.activation, swap_ms)
+        return {"release_id": verified.release_id, "channel": channel, "activation": release.activation,
+                "previous": previous.release_id if previous else None, "unloaded": [r.release_id for r in unloaded],
+                "resident": self.resident_summary(),
                 "swap_ms": round(swap_ms, 3), "activate_ms": round(activate_ms, 4), "checks": verified.checks}
+
+    def promote(self) -> dict:
+        """The candidate becomes the champion; the champion stays resident on standby. Raise ResidencyError
+        without a candidate."""
+        champion, previous = self.residents.promote()
+        self.metrics.promotions.inc()
+        log.info("promoted %s to champion (was %s)", champion.release_id, previous.release_id)
+        return {"champion": champion.release_id, "previous": previous.release_id, "resident": self.resident_summary()}
+
+    def unload(self, model: str) -> dict:
+        """Forget the resident release ``model`` names (not the champion); requests running on it finish."""
+        release = self.residents.remove(model)
+        self.metrics.unloads.labels("admin").inc()
+        log.info("unloaded %s", release.release_id)
+        return {"unloaded": release.release_id, "resident": self.resident_summary()}
+
+    def resident_summary(self) -> list[dict]:
+        return [{"release_id": r.release_id, "channel": channel} for r, channel in self.residents.listing()]
 
     def start_generation(self, release: ActiveRelease, prompts: list[list[int]], max_tokens: int, sample,
                          stops: list[str]) -> "Generation":
         """A generation of ``prompts`` (token ids) on ``release`` (read once from ``active`` when the
         request started), for every step of it: its handle is forked here, so a swap cannot reach it."""
-        self.metrics.by_release.labels(release.release_id).inc()
+        self.metrics.by_release.labels(release.release_id, self.residents.channel_of(release)).inc()
         steps = decode_steps(release.handle.fork(), prompts, max_tokens, self.tokenizer.stop_ids,
                              self.tokenizer.pad_id, sample)
         return Generation(release, steps, [StopText(self.tokenizer, stops) for _ in prompts], max_tokens)
 
     def health(self) -> dict:
-        release = self._active
-        return {"status": "ok" if release else "no_release", "release_id": release.release_id if release else None,
-                "activation": release.activation if release else 0,
-                "month": release.manifest["month"] if release else None,
-                "expires_at": release.manifest["expires_at"] if release else None,
-                "weights": self.engine.interface.weight_precision}
+        """The champion (id, activation, month, expiry) at the top level, the candidate's the same under
+        ``candidate`` (None without one), and the number of resident releases."""
+        champion, candidate = self.residents.champion, self.residents.candidate
+        return {"status": "ok" if champion else "no_release", **release_card(champion),
+                "candidate": release_card(candidate) if candidate else None,
+                "resident": len(self.residents.listing()), "weights": self.engine.interface.weight_precision}
+
+
+def release_card(release: ActiveRelease | None) -> dict:
+    """What health checks say of a release: the fields of ``release_id``, ``activation``, ``month``, ``expires_at``."""
+    if release is None:
+        return {"release_id": None, "activation": 0, "month": None, "expires_at": None}
+    return {"release_id": release.release_id, "activation": release.activation, "month": release.manifest["month"],
+            "expires_at": release.manifest["expires_at"]}
 
 
 class StopText:
@@ -197,7 +231,7 @@ class Generation:
 
 
 class Watcher(threading.Thread):
-    """Polls ``directory`` and swaps in any verified release newer than the active one."""
+    """Polls ``directory`` and loads as champion any verified release newer than the champion."""
 
     def __init__(self, app: AdapterServer, directory: Path, interval: float = 2.0):
         super().__init__(daemon=True, name="release-watcher")
@@ -224,7 +258,7 @@ class Watcher(threading.Thread):
         results = []
         for path in self.candidates():
             try:
-                results.append(self.app.load(path, allow_rollback=False) | {"path": str(path)})
+                results.append(self.app.load(path, allow_rollback=False, channel=CHAMPION) | {"path": str(path)})
             except PackageError as err:
                 log.warning("watch: refused %s: %s", path, err)
                 results.append({"path": str(path), "refused": err.reason, "error": str(err)})

@@ -301,12 +301,13 @@ def test_metrics_parse_as_prometheus_and_follow_the_active_release(w):
     assert sample(first, "adapter_time_to_first_token_seconds_count") == 2
     assert sample(first, "adapter_request_duration_seconds_count", endpoint="/v1/completions") == 2
     assert sample(first, "adapter_requests_total", endpoint="/v1/completions", status="200") == 2
-    assert sample(first, "adapter_release_requests_total", release_id=a) == 2
-    assert sample(first, "adapter_release_info", release_id=a, month="2026-10") == 1
-    assert 0 < sample(first, "adapter_release_expires_in_seconds") <= 121 * 86400
+    assert sample(first, "adapter_release_requests_total", release_id=a, channel="champion") == 2
+    assert sample(first, "adapter_release_info", release_id=a, month="2026-10", channel="champion") == 1
+    assert 0 < sample(first, "adapter_release_expires_in_seconds", release_id=a, channel="champion") <= 121 * 86400
     assert sample(first, "adapter_generations_in_flight") == 0 and sample(first, "adapter_generation_queue_depth") == 0
-    info = {dict(labels)["release_id"] for (name, labels) in second if name == "adapter_release_info"}
-    assert info == {b} and sample(second, "adapter_swaps_total") == 2
+    info = {(dict(labels)["release_id"], dict(labels)["channel"]) for (name, labels) in second
+            if name == "adapter_release_info"}
+    assert info == {(b, "champion"), (a, "standby")} and sample(second, "adapter_swaps_total") == 2
     assert sample(second, "adapter_swap_duration_seconds_count") == 2
 
 
