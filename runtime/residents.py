@@ -75,12 +75,12 @@ class ResidentSet:
                          and self._releases[r] is release), STANDBY)
 
     def listing(self) -> list[tuple[ActiveRelease, str]]:
-        """(release, channel) of every resident release: the champion, the candidate, then the rest, most recently used first."""
+        """(release, channel) of every resident release: the champion, the candidate, then standby ones, most
+        recently used first."""
         with self._lock:
             channel = {r: c for c, r in self._channels.items()}
-            ranked = sorted(reversed(self._releases.values()),
-                            key=lambda r: CHANNELS.index(channel[r.release_id]) if r.release_id in channel else len(CHANNELS))
-            return [(r, channel.get(r.release_id, STANDBY)) for r in ranked]
+            pairs = [(r, channel.get(r.release_id, STANDBY)) for r in reversed(self._releases.values())]
+        return sorted(pairs, key=lambda pair: (CHANNELS + (STANDBY,)).index(pair[1]))  # stable: recency kept
 
     def find(self, model: str) -> ActiveRelease | None:
         """The resident release ``model`` names (a channel, a release id, or a month: the channel holder of
@@ -166,7 +166,8 @@ class CanarySplit:
     """Which requests without ``model`` go to the candidate: exactly ``floor(n * share)`` of the first ``n``
     since the candidate was loaded, spread evenly (request n goes when ``floor(n * share)`` steps up), so any
     window of ``k`` requests holds ``floor(k * share)`` or one more. The share is exact as written
-    (``Fraction("0.1")`` is 1/10): no float drift over a long run, and no coin flips to make tests flaky."""
+    (``Fraction("0.1")`` is 1/10): no float drift over a long run, and no coin flips to make tests flaky.
+    A request takes its turn when its release is picked, so one the queue then refuses (503) still counted."""
 
     def __init__(self, share: float):
         if not 0 <= share <= 1:

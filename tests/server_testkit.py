@@ -1,8 +1,8 @@
 """Device server test kit: the real app under uvicorn in this process, HTTP calls, and a Prometheus scrape.
 
 ``running_server`` starts ``runtime.http_server.BackgroundServer`` (uvicorn in a thread, a free loopback
-port) on the tiny world's engine, tokenizer and key, with the admin API on (``ADMIN_TOKEN``) and the
-given release directories. ``scrape`` reads ``/metrics`` with ``prometheus_client``'s own parser.
+port) on the tiny world's engine, tokenizer and key, with the admin API on (``ADMIN_TOKEN``), the
+given release directories and at most ``max_resident`` resident releases. ``scrape`` reads ``/metrics`` with ``prometheus_client``'s own parser.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from runtime.backends.onnxruntime import OrtEngine
 from runtime.http_app import ServeSettings
 from runtime.http_server import BackgroundServer
 from runtime.package import load_trusted_keys
+from runtime.residents import DEFAULT_MAX_RESIDENT
 from runtime.server import AdapterServer
 from runtime.tokenizer import DeviceTokenizer
 
@@ -26,9 +27,9 @@ PROMPT = "inspect board=PCB-3310 line=L1 part=R12 temp_c=251 defect=void void_pc
 
 
 @contextlib.contextmanager
-def running_server(w, release_dirs=(), tokenizer=None, **settings):
+def running_server(w, release_dirs=(), tokenizer=None, max_resident=DEFAULT_MAX_RESIDENT, **settings):
     app = AdapterServer(OrtEngine(w["engine"], threads=1), DeviceTokenizer(tokenizer or w["tokenizer"]),
-                        load_trusted_keys([w["trusted_key"]]))
+                        load_trusted_keys([w["trusted_key"]]), max_resident=max_resident)
     config = ServeSettings(**({"admin_token": ADMIN_TOKEN,
                                "release_dirs": tuple(Path(d).resolve() for d in release_dirs)} | settings))
     with BackgroundServer(app, config) as background:

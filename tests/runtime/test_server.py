@@ -197,12 +197,15 @@ def test_watch_mode_swaps_in_a_newer_release_and_never_rolls_back(w, server, tmp
     assert app.active.release_id == manifest_id(w["b"]) and watcher.poll_once() == []  # tried once, not again
 
 
+def serve_command(w, *args: str) -> list[str]:
+    """``python -m runtime serve`` on the tiny world with release B, on a free port."""
+    return [sys.executable, "-m", "runtime", "serve", "--engine", str(w["engine"]), "--tokenizer", str(w["tokenizer"]),
+            "--package", str(w["b"]), "--trusted-key", str(w["trusted_key"]), "--port", "0", *args]
+
+
 def serve_process(w, *args: str, stderr=subprocess.DEVNULL) -> tuple[subprocess.Popen, dict]:
-    """``python -m runtime serve`` on the tiny world with release B, on a free port; (process, its ready line)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "runtime", "serve", "--engine", str(w["engine"]), "--tokenizer", str(w["tokenizer"]),
-         "--package", str(w["b"]), "--trusted-key", str(w["trusted_key"]), "--port", "0", *args],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    """``serve_command`` started; (process, its ready line)."""
+    proc = subprocess.Popen(serve_command(w, *args), cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
     ready = json.loads(proc.stdout.readline())
     return proc, ready | {"port": int(ready["listening"].rsplit(":", 1)[1])}
 
@@ -227,6 +230,31 @@ def test_serve_command_starts_and_answers(w, tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
+
+
+def test_serve_loads_a_candidate_with_a_canary_share_and_refuses_an_older_one(w, tmp_path):
+    """--candidate at start; canary_share and max_resident from the device config; a candidate older than the
+    champion (--package) stops the start with the rollback exit code, a bad max_resident with the usage code."""
+    newer = copy_release(w["b"], tmp_path / "release-2026-12")
+    resign(newer, w["key"], month="2026-12", release_id="2026-12+" + manifest_id(w["b"]).partition("+")[2])
+    device = tmp_path / "device.json"
+    device.write_text(json.dumps({"canary_share": 0.5, "max_resident": 2}))
+    proc, ready = serve_process(w, "--device-config", str(device), "--candidate", str(newer))
+    try:
+        assert (ready["release_id"], ready["candidate"]["release_id"]) == (manifest_id(w["b"]), manifest_id(newer))
+        assert call(ready["port"], "GET", "/healthz")[1]["canary_share"] == 0.5
+        assert [complete(ready["port"])["release_id"] for _ in range(4)] == [manifest_id(w["b"]), manifest_id(newer)] * 2
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+    refused = subprocess.run(serve_command(w, "--candidate", str(w["a"])), cwd=REPO, capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 20 and "refused (rollback)" in refused.stderr
+    device.write_text(json.dumps({"max_resident": 1}))
+    bad = subprocess.run(serve_command(w, "--device-config", str(device)), cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "max_resident (--max-resident) 1: an integer of at least 2" in bad.stderr
 
 
 def test_sigterm_finishes_every_request_in_flight_and_exits_0(w, tmp_path):
