@@ -11,7 +11,6 @@ scrape (``ResidentCollector``), so an unloaded release leaves no series behind.
 from __future__ import annotations
 
 import time
-
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest

@@ -25,6 +25,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from runtime.contract import release_order
+from runtime.errors import RefusedInput
 from runtime.package import RollbackRefused
 
 if TYPE_CHECKING:
@@ -36,8 +37,9 @@ DEFAULT_MAX_RESIDENT = 3  # the champion, a candidate, and the previous champion
 UNLOAD_REASONS = ("lru", "admin")
 
 
-class ResidencyError(ValueError):
-    """A change of the resident set that cannot be made in its current state; ``code`` says which."""
+class ResidencyError(RefusedInput):
+    """A change of the resident set that cannot be made in its current state; ``code`` says which
+    (the CLI exits 2 on it: ``serve --candidate`` naming the ``--package`` release)."""
 
     def __init__(self, code: str, message: str):
         super().__init__(message)

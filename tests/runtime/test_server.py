@@ -251,6 +251,9 @@ def test_serve_loads_a_candidate_with_a_canary_share_and_refuses_an_older_one(w,
     refused = subprocess.run(serve_command(w, "--candidate", str(w["a"])), cwd=REPO, capture_output=True, text=True,
                              timeout=120)
     assert refused.returncode == 20 and "refused (rollback)" in refused.stderr
+    same = subprocess.run(serve_command(w, "--candidate", str(w["b"])), cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert same.returncode == 2 and "is the champion already" in same.stderr
     device.write_text(json.dumps({"max_resident": 1}))
     bad = subprocess.run(serve_command(w, "--device-config", str(device)), cwd=REPO, capture_output=True, text=True,
                          timeout=120)
