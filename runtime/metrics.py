@@ -50,7 +50,10 @@ class ResidentCollector:
 
 
 class ServerMetrics:
-    def __init__(self, residents: Callable[[], list]):
+    """``residents``: the (release, channel) pairs resident now (``ResidentSet.listing``); none by default,
+    for a part tested without a server."""
+
+    def __init__(self, residents: Callable[[], list] = list):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(f"{PREFIX}_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
