@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 from runtime.errors import RefusedInput
-from runtime.http_app import ServeSettings
+from runtime.http_app import DECODE_MODES, DEFAULT_MAX_CONCURRENT, ServeSettings
 from runtime.package import DEFAULT_MAX_PACKAGE_BYTES, EXIT_CODES, PackageError
 from runtime.residents import CANDIDATE, CHANNELS, DEFAULT_MAX_RESIDENT
 
@@ -155,7 +155,7 @@ def cmd_serve(args, settings) -> int:
     max_resident, canary_share = _resident_settings(settings)
     serve_settings = ServeSettings(
         max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_context_tokens=args.max_context_tokens,
-        max_concurrent=args.max_concurrent,
+        decode=args.decode, max_concurrent=getattr(args, "max_concurrent", None),  # None: the mode's default
         max_queue=args.max_queue, header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
         keep_alive_s=args.keep_alive, graceful_shutdown_s=args.graceful_shutdown,
         admin_token=_admin_token(settings["admin_token_file"]),
@@ -233,7 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens", type=int, default=d.max_tokens, help="cap on a request's max_tokens (400 above it)")
     s.add_argument("--max-context-tokens", type=int, default=d.max_context_tokens,
                    help="a prompt's tokens plus max_tokens must fit in this (400 above it)")
-    s.add_argument("--max-concurrent", type=int, default=d.max_concurrent, help="generations decoding at once")
+    s.add_argument("--decode", choices=DECODE_MODES, default=d.decode,
+                   help="batched: the requests on one release decode together, step by step, joining after their "
+                   "prefill and leaving when they stop (continuous batching); fork: each request decodes alone on "
+                   "its own fork of the engine (also what engines whose KV cache has fp16 sink tokens get)")
+    s.add_argument("--max-concurrent", type=int, default=argparse.SUPPRESS,
+                   help="generations (requests) decoding at once; batched: the requests in their release's batch, "
+                   f"each with its prompts as rows (default {DEFAULT_MAX_CONCURRENT['batched']}); fork: engine forks "
+                   f"sharing the session's threads (default {DEFAULT_MAX_CONCURRENT['fork']})")
     s.add_argument("--max-queue", type=int, default=d.max_queue, help="generations waiting for a slot; beyond, 503")
     s.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="request body limit (413 above it)")
     s.add_argument("--header-timeout", type=float, default=d.header_timeout_s, metavar="S",

@@ -3,6 +3,11 @@
 The cache (past K/V) is opaque to callers: each backend keeps it in its own memory
 (torch tensors, ORT values, device buffers) so a decode step never copies it through numpy.
 Logits always come back as a float32 numpy array (B, T, V).
+
+A backend that serves continuous batching (``runtime.batcher``; onnxruntime) also merges and splits
+caches along the batch axis: ``merges_caches`` (whether it can), ``concat_caches(caches)`` (rows in
+order, each left-padded along the past axis to the longest, the padding masked by the caller) and
+``take_cache_rows(cache, rows, drop)`` (some rows, without their first ``drop`` past slots).
 """
 
 from __future__ import annotations

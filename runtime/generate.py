@@ -35,6 +35,18 @@ def greedy_generate(
     return results
 
 
+def left_padded(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A prefill's ids, positions and attention mask, each (B, L), prompts left-padded to the longest."""
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = np.full((B, L), pad_id, dtype=np.int64)
+    mask = np.zeros((B, L), dtype=np.int64)  # 1 = real token
+    for b, p in enumerate(prompts):
+        ids[b, L - len(p) :] = p
+        mask[b, L - len(p) :] = 1
+    pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)  # 0 at each row's first real token
+    return ids, pos, mask
+
+
 def decode_steps(
     engine: Engine,
     prompts: Sequence[Sequence[int]],
@@ -51,14 +63,8 @@ def decode_steps(
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     stop = set(int(t) for t in stop_tokens)
-    B, L = len(prompts), max(len(p) for p in prompts)
-    ids = np.full((B, L), pad_id, dtype=np.int64)  # (B, L), left-padded
-    mask = np.zeros((B, L), dtype=np.int64)  # (B, L), 1 = real token
-    for b, p in enumerate(prompts):
-        ids[b, L - len(p) :] = p
-        mask[b, L - len(p) :] = 1
-    pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)  # (B, L): 0 at each row's first real token
-
+    B = len(prompts)
+    ids, pos, mask = left_padded(prompts, pad_id)
     logits, cache = engine.forward(ids, pos, mask, None)  # prefill
     done = np.zeros(B, dtype=bool)
     next_pos = pos[:, -1:] + 1  # (B, 1)

@@ -18,15 +18,19 @@ A request's ``model`` picks a resident release (``runtime.residents``): a releas
 (``runtime.residents.CanarySplit``: an exact, even split, no coin flip).
 
 Every answer other than 2xx is OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``.
-Generation is CPU-bound, so each decode step runs in a worker thread (anyio) and the event loop stays
-free to answer health checks, metrics and refusals. At most ``max_concurrent`` generations run at once,
-``max_queue`` more wait; beyond that a request gets 503 with ``Retry-After`` at once. The admin API is
-off (404) unless a token is configured; paths must lie in a configured release directory (403), and a
-rollback is never accepted from the network (403): it is a local act.
+Generation is CPU-bound and runs off the event loop, which stays free to answer health checks, metrics
+and refusals: by default (``decode="batched"``) the requests on one release are decoded together by
+one scheduler thread (``runtime.batcher``), each step's choices handed to the loop; with
+``decode="fork"`` each request decodes alone, one step per worker-thread call. At most
+``max_concurrent`` generations run at once, ``max_queue`` more wait; beyond that a request gets 503
+with ``Retry-After`` at once. A client that leaves (streamed or not) ends its decode at the next step.
+The admin API is off (404) unless a token is configured; paths must lie in a configured release
+directory (403), and a rollback is never accepted from the network (403): it is a local act.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -44,6 +48,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from runtime.generation import Generation
 from runtime.openai_api import (
     APIError,
     ChatCompletionRequest,
@@ -59,13 +64,18 @@ from runtime.openai_api import (
 from runtime.package import PackageError, RollbackRefused
 from runtime.residents import CHAMPION, CHANNELS, CanarySplit, ResidencyError
 from runtime.sampling import make_sampler
-from runtime.server import AdapterServer, Generation
+from runtime.server import AdapterServer
 from runtime.tokenizer import NoChatTemplate
 from runtime.tracing import MAX_SEQ
 
 log = logging.getLogger(__name__)
 REQUEST_ID = "x-request-id"
 CLOSE = {"Connection": "close"}
+DECODE_MODES = ("batched", "fork")
+# Generations decoding at once, by decode mode. Batched: requests sharing their release's batch; a step
+# of 16 rows costs little more than one of 1 on CPU, since the weights are read once per step. Fork: one
+# per core of the session's threads, since each fork's steps contend for the same threads.
+DEFAULT_MAX_CONCURRENT = {"batched": 16, "fork": 2}
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/adapters", "/v1/adapters/promote",
              "/v1/adapters/unload", "/healthz", "/ready", "/metrics")
 
@@ -78,7 +88,8 @@ class ServeSettings:
     max_tokens: int = 256  # cap on max_tokens; a request above it gets 400 (not clamped: the client asked for more)
     # prompt + max_tokens, per prompt: the traced sequence bound, which the quantized cache's key table covers
     max_context_tokens: int = MAX_SEQ
-    max_concurrent: int = 2  # generations decoding at once: one per core of the device's session threads
+    decode: str = "batched"  # DECODE_MODES: continuous batching per release, or a fork of the engine per request
+    max_concurrent: int | None = None  # generations decoding at once; None: DEFAULT_MAX_CONCURRENT[decode]
     max_queue: int = 16  # generations waiting for a slot; beyond them, 503
     retry_after_s: int = 1
     header_timeout_s: float = 10.0  # request line + headers must arrive within this (runtime.http_server)
@@ -88,6 +99,12 @@ class ServeSettings:
     admin_token: str | None = None  # None: the admin API is off
     release_dirs: tuple[Path, ...] = field(default_factory=tuple)  # resolved; admin paths must lie inside one
     canary_share: float = 0.0  # of the requests without model, this fraction goes to the candidate (when one is loaded)
+
+    def __post_init__(self):
+        if self.decode not in DECODE_MODES:
+            raise ValueError(f"decode={self.decode!r}: expected one of {', '.join(DECODE_MODES)}")
+        if self.max_concurrent is None:
+            object.__setattr__(self, "max_concurrent", DEFAULT_MAX_CONCURRENT[self.decode])
 
 
 class Admission:
@@ -139,6 +156,12 @@ class AdmittedStream(StreamingResponse):
             self.admission.leave()
 
 
+async def until_disconnected(request: Request) -> None:
+    """Return once the client has closed the connection (its body was read: the server says nothing else)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), err.status, headers=err.headers)
 
@@ -153,6 +176,9 @@ class DeviceAPI:
         self.metrics = server.metrics
         self.admission = Admission(settings, self.metrics)
         self.canary = CanarySplit(settings.canary_share)
+        if settings.decode == "batched" and server.batcher is None:
+            log.warning("this engine's KV cache cannot be merged into batches (fp16 sink tokens): "
+                        "each request decodes alone on a fork of its release's engine")
 
     # ------------------------------------------------------------------ plumbing
 
@@ -264,7 +290,8 @@ class DeviceAPI:
         self.admission.admit()
         try:
             generation = self.server.start_generation(release, prompts, max_tokens,
-                                                      make_sampler(body.temperature, body.top_p, body.seed), body.stops)
+                                                      make_sampler(body.temperature, body.top_p, body.seed), body.stops,
+                                                      self.settings.decode)
         except BaseException:
             self.admission.leave()
             raise
@@ -273,13 +300,25 @@ class DeviceAPI:
         if body.stream:
             return AdmittedStream(self.stream(generation, body, prompt_tokens, started, chat), self.admission,
                                   media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        try:
-            reasons: list[str | None] = [None] * len(prompts)
+        reasons: list[str | None] = [None] * len(prompts)
+
+        async def collect():
             async for choices in self.decode(generation, started):
                 for c in choices:
                     reasons[c.index] = c.finish_reason or reasons[c.index]
+
+        collecting, leaving = asyncio.ensure_future(collect()), asyncio.ensure_future(until_disconnected(request))
+        try:
+            await asyncio.wait((collecting, leaving), return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for task in (leaving, collecting):  # a client that left ends its decode at the next step
+                task.cancel()
+            await asyncio.gather(collecting, leaving, return_exceptions=True)
             self.admission.leave()
+        if not collecting.cancelled():
+            collecting.result()  # raises what the generation raised
+        if None in reasons:
+            return error_response(APIError(499, "the client closed the connection", code="client_disconnected"))
         # The whole text decoded at once (cut at a stop sequence), not the sum of the streamed pieces.
         choices = [{"index": i, "text": t.text, "finish_reason": r} for i, (t, r) in enumerate(zip(generation.texts, reasons))]
         out = completion_body(new_id("chatcmpl" if chat else "cmpl"), release.release_id, choices,
@@ -287,11 +326,11 @@ class DeviceAPI:
         return JSONResponse(out | {"activation": release.activation})
 
     async def decode(self, generation: Generation, started: float):
-        """Each decode step's choices, the step run in a worker thread, once a slot is free."""
+        """Each decode step's choices, once a slot is free."""
         async with self.admission.running():
             counted, first = 0, True
             try:
-                while (choices := await anyio.to_thread.run_sync(generation.step)) is not None:
+                while (choices := await generation.next_choices()) is not None:
                     if first:
                         self.metrics.first_token_seconds.observe(time.perf_counter() - started)
                         first = False

@@ -26,6 +26,8 @@ REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 FIRST_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # A swap is verify (hash every file) + bind: tens of ms for the embedded default's 250 kB release.
 SWAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# Rows (prompts) in one batched decode step: up to max_concurrent requests of up to 16 prompts each.
+BATCH_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class ResidentCollector:
@@ -74,6 +76,8 @@ class ServerMetrics:
                                ["reason"], registry=r)
         for reason in UNLOAD_REASONS:
             self.unloads.labels(reason)
+        self.batch_rows = Histogram(f"{PREFIX}_decode_batch_rows", "Rows decoded together per batched decode step",
+                                    buckets=BATCH_ROW_BUCKETS, registry=r)
         self.refusals = Counter(f"{PREFIX}_refusals", "Releases refused, by reason", ["reason"], registry=r)
         r.register(ResidentCollector(residents))
 

@@ -5,7 +5,8 @@ immutable ``ActiveRelease``: its own engine handle (``OrtEngine.fork``) with the
 inputs and KV scales bound, plus its manifest. Several stay resident at once (``runtime.residents``:
 the ``champion``, a ``candidate``, and standby releases up to ``max_resident``, least recently used
 unloaded first). A generation gets its release once, when it starts (``AdapterServer.start_generation``),
-and forks that release's handle, so it runs every step, prefill to last token, on that release; a
+and runs every step, prefill to last token, on that release's handle: in the release's batch
+(``runtime.batcher``) or on its own fork of the handle (``runtime.generation``); a
 load, promotion or unload only changes which releases new requests can get (under a lock, after
 verification and binding are done), while requests in flight finish on theirs. A release that fails
 verification raises its ``PackageError`` (``reason``, ``exit_code``); the resident ones keep serving.
@@ -22,12 +23,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.batcher import BatchedGeneration, Batcher
 from runtime.contract import MANIFEST
 from runtime.generate import decode_steps
+from runtime.generation import ForkedGeneration, Generation, StopText
 from runtime.metrics import ServerMetrics
 from runtime.package import (
     DEFAULT_MAX_PACKAGE_BYTES,
@@ -47,7 +49,7 @@ class ActiveRelease:
     release_id: str
     activation: int  # 1 for the first release loaded, +1 per load (either channel)
     manifest: dict
-    handle: object  # an engine handle with this release bound; forked per request, never rebound
+    handle: object  # an engine handle with this release bound; forked per batch or request, never rebound
     loaded_at: float
 
 
@@ -63,6 +65,9 @@ class AdapterServer:
         self.metrics = ServerMetrics(self.residents.listing)
         self._loads = 0
         self._load_lock = threading.Lock()
+        # One scheduler for every release's batch; None where the cache cannot be merged (fp16 sink tokens).
+        self.batcher = (Batcher(tokenizer.stop_ids, tokenizer.pad_id, self.metrics)
+                        if getattr(engine, "merges_caches", False) else None)
 
     @property
     def active(self) -> ActiveRelease | None:
@@ -125,13 +130,18 @@ class AdapterServer:
         return [{"release_id": r.release_id, "channel": channel} for r, channel in self.residents.listing()]
 
     def start_generation(self, release: ActiveRelease, prompts: list[list[int]], max_tokens: int, sample,
-                         stops: list[str]) -> "Generation":
+                         stops: list[str], decode: str = "batched") -> Generation:
         """A generation of ``prompts`` (token ids) on ``release`` (read once from ``active`` when the
-        request started), for every step of it: its handle is forked here, so a swap cannot reach it."""
+        request started), for every step of it; a swap cannot reach it. ``decode="batched"``: decoded
+        with the other requests on ``release`` (``runtime.batcher``) when the engine's cache can be
+        merged, else, and with ``"fork"``, alone on a fork of the release's handle."""
         self.metrics.by_release.labels(release.release_id, self.residents.channel_of(release)).inc()
+        texts = [StopText(self.tokenizer, stops) for _ in prompts]
+        if decode == "batched" and self.batcher is not None:
+            return BatchedGeneration(self.batcher, release, prompts, sample, texts, max_tokens)
         steps = decode_steps(release.handle.fork(), prompts, max_tokens, self.tokenizer.stop_ids,
                              self.tokenizer.pad_id, sample)
-        return Generation(release, steps, [StopText(self.tokenizer, stops) for _ in prompts], max_tokens)
+        return ForkedGeneration(release, steps, texts, max_tokens)
 
     def health(self) -> dict:
         """The champion (id, activation, month, expiry) at the top level, the candidate's the same under
@@ -148,86 +158,6 @@ def release_card(release: ActiveRelease | None) -> dict:
         return {"release_id": None, "activation": 0, "month": None, "expires_at": None}
     return {"release_id": release.release_id, "activation": release.activation, "month": release.manifest["month"],
             "expires_at": release.manifest["expires_at"]}
-
-
-class StopText:
-    """One choice's text as its tokens arrive: the part that may be sent now, and the stop sequences.
-
-    Text that could still turn into a stop sequence (a suffix that is a prefix of one), or that ends
-    in part of a UTF-8 character (decoded as U+FFFD), is held back until the next token decides it."""
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.ids: list[int] = []
-        self.text, self.sent, self.stopped = "", 0, False
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        self.text = self.tokenizer.decode(self.ids)
-        hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.text, self.stopped = self.text[: min(hits)], True
-            return self.finish()
-        hold = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
-        hold = max(hold, len(self.text) - len(self.text.rstrip("\ufffd")))
-        return self._send_to(len(self.text) - hold)
-
-    def finish(self) -> str:
-        return self._send_to(len(self.text))
-
-    def _send_to(self, end: int) -> str:
-        piece, self.sent = self.text[self.sent : max(end, self.sent)], max(end, self.sent)
-        return piece
-
-
-@dataclass
-class Choice:
-    index: int
-    text: str  # the new text of this step
-    finish_reason: str | None  # "stop" (a stop token or sequence), "length" (max_tokens), None: not finished
-
-
-class Generation:
-    """A request's decode on its release, one step per ``step()`` call (blocking: run it in a worker
-    thread). The decode loop is ``decode_steps``; a batching scheduler would drive the same choices."""
-
-    def __init__(self, release: ActiveRelease, steps: Iterator[list[int | None]], texts: list[StopText], max_tokens: int):
-        self.release, self.steps, self.texts, self.max_tokens = release, steps, texts, max_tokens
-        self.finished = [False] * len(texts)
-        self.completion_tokens = 0
-
-    def step(self) -> list[Choice] | None:
-        """The choices that changed in one decode step (maybe none: text held back); None once every
-        choice has finished."""
-        if all(self.finished):
-            return None
-        tokens = next(self.steps, None)
-        out = []
-        for i, text in enumerate(self.texts):
-            if self.finished[i]:
-                continue
-            token = None if tokens is None else tokens[i]
-            if token is None:  # its stop token (a row at max_tokens has finished already)
-                out.append(self._finish(i, text.finish(), "stop"))
-                continue
-            self.completion_tokens += 1
-            piece = text.push(token)
-            if text.stopped:
-                out.append(self._finish(i, piece, "stop"))
-            elif len(text.ids) >= self.max_tokens:
-                out.append(self._finish(i, piece + text.finish(), "length"))
-            elif piece:
-                out.append(Choice(i, piece, None))
-        if all(self.finished):
-            self.steps.close()  # a choice cut by a stop sequence ends the decode early
-        return out
-
-    def _finish(self, i: int, piece: str, reason: str) -> Choice:
-        self.finished[i] = True
-        return Choice(i, piece, reason)
-
-    def close(self) -> None:
-        self.steps.close()
 
 
 class Watcher(threading.Thread):

@@ -51,6 +51,21 @@ def _onnx_bytes(path: Path) -> int:
     return path.stat().st_size + sum(p.stat().st_size for p in path.parent.glob(path.name + "*.data"))
 
 
+def _ort(array: np.ndarray) -> ort.OrtValue:
+    return ort.OrtValue.ortvalue_from_numpy(array)  # shares the array's memory and keeps it alive
+
+
+def _left_pad_concat(arrays: list[np.ndarray], axis: int) -> np.ndarray:
+    """``arrays`` concatenated along the batch axis, each left-padded with zeros along ``axis`` to the longest."""
+    width = max(a.shape[axis] for a in arrays)
+    padded = []
+    for a in arrays:
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (width - a.shape[axis], 0)
+        padded.append(np.pad(a, widths))
+    return np.ascontiguousarray(np.concatenate(padded))
+
+
 @dataclass
 class PackedCache:
     """Quantized cache of a version-2 engine: ``body`` maps each ``past_*`` input name to an ORT
@@ -239,6 +254,39 @@ class OrtEngine:
             sink[n] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(np.concatenate([value.numpy(), new], axis=2)))
         body = {n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, take:])) for n, v in body.items()}
         return PackedCache(body, sink, np.ascontiguousarray(positions[:, take:]))
+
+    @property
+    def merges_caches(self) -> bool:
+        """Whether caches of separate prefills can be merged into one batch (``concat_caches``): the
+        float cache, and a packed one without fp16 sink tokens (the default scheme). A sink holds each
+        row's first tokens apart from the body, so rows of other lengths do not line up by padding."""
+        return self.kv_spec is None or self.kv_spec["sink_tokens"] == 0
+
+    def concat_caches(self, caches: list):
+        """One cache of every row of ``caches``, in order, each left-padded with zero slots along the
+        past axis to the longest: the caller masks those slots (attention mask 0), as ``runtime.generate``
+        left-pads prompts, so every row decodes as it would alone (up to float rounding)."""
+        if not self.merges_caches:
+            raise ValueError(f"a cache with {self.kv_spec['sink_tokens']} fp16 sink tokens cannot be merged")
+        if self.kv_spec is None:  # [K.0, V.0, ...], each (B, nkv, P, d)
+            return [_ort(_left_pad_concat([c[j].numpy() for c in caches], axis=2)) for j in range(len(caches[0]))]
+        return PackedCache(
+            {n: _ort(_left_pad_concat([c.body[n].numpy() for c in caches], axis=2)) for n in self._kv_names},
+            {n: _ort(np.concatenate([c.sink[n].numpy() for c in caches])) for n in self._sink_names},  # (B, nkv, 0, d)
+            _left_pad_concat([c.positions for c in caches], axis=1))
+
+    def take_cache_rows(self, cache, rows: np.ndarray, drop: int = 0):
+        """The cache of ``rows`` (indices, in order) without its first ``drop`` past slots, which must
+        be masked in every one of them (what is left when the longest rows have gone)."""
+        def take(value, axis=2):
+            index = (rows,) + (slice(None),) * (axis - 1) + (slice(drop, None),)
+            return np.ascontiguousarray(value[index])
+
+        if self.kv_spec is None:
+            return [_ort(take(v.numpy())) for v in cache]
+        return PackedCache({n: _ort(take(v.numpy())) for n, v in cache.body.items()},
+                           {n: _ort(np.ascontiguousarray(v.numpy()[rows])) for n, v in cache.sink.items()},
+                           take(cache.positions, axis=1))
 
     def cache_to_numpy(self, cache):
         """Float engine: [K.0, V.0, ...]; quantized engine: {input name: array} of body, sink and positions."""

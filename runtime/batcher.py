@@ -1,0 +1,210 @@
+"""Continuous batching: one scheduler thread decodes every running request, one step at a time, batched per release.
+
+A request picked its release (``runtime.server.ActiveRelease``) once, when it started; its rows (one
+per prompt) run every step on that release's batch, and rows of two releases are never in one
+batch. Each turn of the loop:
+
+1. admits the requests that arrived (a free ``Admission`` slot submitted them): the arrivals of one
+   release are prefilled together, left-padded as ``runtime.generate`` pads prompts, their first
+   tokens sampled, and their rows merged into the release's running batch (``concat_caches``:
+   every cache left-padded along the past axis to the longest, the padding masked);
+2. runs one decode step of each release's batch in turn (the releases take turns on the session's
+   threads instead of contending for them), samples each request's rows with the request's own
+   sampler (so a seeded request draws what it would in any company), and hands each request the
+   choices that changed through ``loop.call_soon_threadsafe``: no thread hop per token;
+3. drops the rows that finished or whose client left (``close``), and the leading past slots that
+   are then masked in every remaining row (``take_cache_rows``).
+
+Every row's real slots are the last ``lengths[b]`` of the batch's past, so the past is as long as
+the longest row and a row's next position is its length: it decodes as it would alone, up to float
+rounding. The thread runs while there is work and ends when there is none; the next request starts
+another. An engine whose cache cannot be merged (fp16 sink tokens) is served per request instead
+(``runtime.generation.ForkedGeneration``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.generate import left_padded
+from runtime.generation import Choice, Generation, StopText
+
+log = logging.getLogger(__name__)
+
+
+class BatchedGeneration(Generation):
+    """A request decoded by the ``Batcher``: submitted when its consumer first asks for choices (it
+    holds an admission slot by then); the scheduler thread puts each step's choices in its queue."""
+
+    def __init__(self, batcher: "Batcher", release, prompts: list[list[int]], sample, texts: list[StopText],
+                 max_tokens: int):
+        super().__init__(release, texts, max_tokens)
+        self.batcher, self.prompts, self.sample = batcher, prompts, sample
+        self.cancelled = False  # set by the event loop (the client left), read by the scheduler thread
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue | None = None
+
+    async def next_choices(self) -> list[Choice] | None:
+        if self._queue is None:
+            self._loop, self._queue = asyncio.get_running_loop(), asyncio.Queue()
+            self.batcher.submit(self)
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def deliver(self, item: list[Choice] | BaseException | None) -> None:
+        """From the scheduler thread: a step's choices, None once every choice has finished, or the error that ended it."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop has closed: nobody reads these rows any more
+            self.cancelled = True
+
+    def close(self) -> None:
+        self.cancelled = True  # its rows leave the batch before the next step
+
+
+@dataclass
+class Row:
+    generation: BatchedGeneration
+    index: int  # its choice index in the request
+
+
+class ReleaseBatch:
+    """The running rows of one release, their cache, and per row its real length and last token."""
+
+    def __init__(self, release):
+        self.release = release
+        self.engine = release.handle.fork()  # the scheduler's own handle: only its thread runs it
+        self.rows: list[Row] = []
+        self.cache = None
+        self.lengths = np.zeros(0, dtype=np.int64)  # (B,) real tokens per row = its next token's position
+        self.tokens = np.zeros(0, dtype=np.int64)  # (B,) each row's last sampled token: the next step's input
+
+
+class Batcher:
+    def __init__(self, stop_ids, pad_id: int, metrics):
+        self.stop_ids, self.pad_id, self.metrics = frozenset(int(t) for t in stop_ids), pad_id, metrics
+        self._lock = threading.Lock()
+        self._arrivals: list[BatchedGeneration] = []
+        self._thread: threading.Thread | None = None
+        self._batches: list[ReleaseBatch] = []  # the scheduler thread's alone
+
+    def submit(self, generation: BatchedGeneration) -> None:
+        with self._lock:
+            self._arrivals.append(generation)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="batcher", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                arrivals, self._arrivals = self._arrivals, []
+                if not arrivals and not self._batches:
+                    self._thread = None
+                    return
+            self._admit([g for g in arrivals if not g.cancelled])
+            for batch in list(self._batches):
+                self._step(batch)
+
+    # ------------------------------------------------------------------ admission
+
+    def _admit(self, arrivals: list[BatchedGeneration]) -> None:
+        groups: list[tuple[object, list[BatchedGeneration]]] = []
+        for g in arrivals:
+            group = next((gens for release, gens in groups if release is g.release), None)
+            if group is None:
+                groups.append((g.release, [g]))
+            else:
+                group.append(g)
+        for release, gens in groups:
+            batch = next((b for b in self._batches if b.release is release), None)
+            if batch is None:
+                batch = ReleaseBatch(release)
+                self._batches.append(batch)
+            try:
+                self._prefill(batch, gens)
+            except Exception as err:  # the engine refused these prompts: their requests fail, the batch runs on
+                log.exception("prefill failed")
+                for g in gens:
+                    g.deliver(err)
+                if not batch.rows:
+                    self._batches.remove(batch)
+
+    def _prefill(self, batch: ReleaseBatch, gens: list[BatchedGeneration]) -> None:
+        ids, pos, mask = left_padded([p for g in gens for p in g.prompts], self.pad_id)  # (n, L) each
+        logits, cache = batch.engine.forward(ids, pos, mask, None)
+        rows = [Row(g, i) for g in gens for i in range(len(g.prompts))]
+        tokens, keep = self._emit(rows, logits[:, -1])
+        if not keep.any():
+            return
+        lengths = mask.sum(axis=1)  # (n,)
+        drop = ids.shape[1] - int(lengths[keep].max())
+        if drop or not keep.all():
+            cache = batch.engine.take_cache_rows(cache, np.flatnonzero(keep), drop)
+        batch.cache = cache if batch.cache is None else batch.engine.concat_caches([batch.cache, cache])
+        batch.rows += [r for r, k in zip(rows, keep) if k]
+        batch.lengths = np.concatenate([batch.lengths, lengths[keep]])
+        batch.tokens = np.concatenate([batch.tokens, tokens[keep]])
+
+    # ------------------------------------------------------------------ decode
+
+    def _step(self, batch: ReleaseBatch) -> None:
+        self._keep(batch, np.array([not r.generation.cancelled for r in batch.rows]))
+        if not batch.rows:
+            return
+        B, W = len(batch.rows), int(batch.lengths.max())
+        lengths = batch.lengths + 1
+        mask = (np.arange(W + 1)[None, :] >= (W + 1 - lengths)[:, None]).astype(np.int64)  # (B, W + 1)
+        try:
+            logits, batch.cache = batch.engine.forward(batch.tokens[:, None], batch.lengths[:, None], mask, batch.cache)
+        except Exception as err:
+            log.exception("decode step failed")
+            for g in {id(r.generation): r.generation for r in batch.rows}.values():
+                g.deliver(err)
+            self._batches.remove(batch)
+            return
+        self.metrics.batch_rows.observe(B)
+        batch.lengths = lengths
+        batch.tokens, keep = self._emit(batch.rows, logits[:, -1])
+        self._keep(batch, keep)
+
+    def _emit(self, rows: list[Row], logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Sample every row's next token from ``logits`` (B, V), each request's rows with its own
+        sampler, hand each request its choices; (tokens (B,), which rows decode on (B,) bool)."""
+        tokens = np.zeros(len(rows), dtype=np.int64)
+        by_request: dict[int, list[int]] = {}
+        for b, r in enumerate(rows):
+            by_request.setdefault(id(r.generation), []).append(b)
+        for positions in by_request.values():
+            g = rows[positions[0]].generation
+            if g.cancelled:
+                continue
+            sampled = g.sample(logits[positions])  # (n,): the request's draws do not depend on the batch
+            tokens[positions] = sampled
+            choices = g.accept({rows[b].index: None if int(t) in self.stop_ids else int(t)
+                                for b, t in zip(positions, sampled)})
+            if choices:
+                g.deliver(choices)
+            if all(g.finished):
+                g.deliver(None)
+        keep = np.array([not (r.generation.cancelled or r.generation.finished[r.index]) for r in rows], dtype=bool)
+        return tokens, keep
+
+    def _keep(self, batch: ReleaseBatch, keep: np.ndarray) -> None:
+        """Only the rows where ``keep``; the past slots masked in all of them are dropped."""
+        if keep.all():
+            return
+        if not keep.any():
+            self._batches.remove(batch)
+            return
+        drop = int(batch.lengths.max() - batch.lengths[keep].max())
+        batch.cache = batch.engine.take_cache_rows(batch.cache, np.flatnonzero(keep), drop)
+        batch.rows = [r for r, k in zip(batch.rows, keep) if k]
+        batch.lengths, batch.tokens = batch.lengths[keep], batch.tokens[keep]
