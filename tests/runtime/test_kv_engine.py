@@ -18,21 +18,13 @@ from runtime.generate import greedy_generate
 from runtime.interface import INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSION, read_interface
 from runtime.model import load_backbone
 from runtime.contract import KVScales
-from tasks.calibrate import cache_kwargs, collect_kv_stats, kv_scales_from_stats
-from engine_testkit import TARGETS
+from tasks.calibrate import cache_kwargs
+from engine_testkit import TARGETS, calibrate
 
 # The other corner: 8-bit symmetric post-RoPE keys (ORT GroupQueryAttention's layout), asymmetric
 # 3-bit per-token values (a zero point input, a non-byte-aligned width), no sink.
 OTHER = KVQuantSpec(k_bits=8, v_bits=3, k_granularity="channel", v_granularity="token", k_symmetric=True,
                     v_symmetric=False, sink_tokens=0, pre_rope_keys=False)
-
-
-def calibrate(model_dir, spec: KVQuantSpec, lora: dict | None = None) -> KVScales:
-    """Per-channel scales from random text through the eager backbone (the stage's statistics)."""
-    model = load_backbone(model_dir, merged_lora=None if lora is None else {k: torch.from_numpy(v) for k, v in lora.items()})
-    ids = torch.from_numpy(np.random.default_rng(11).integers(0, 96, (4, 24)))
-    stats = collect_kv_stats(model, [(ids, torch.ones_like(ids))], spec.pre_rope_keys, 99.0, progress=False)
-    return kv_scales_from_stats(stats, spec, record={})
 
 
 def reference_run(model_dir, iface, lora: dict, spec: KVQuantSpec, scales: KVScales, ids: np.ndarray, split: int):

@@ -1,0 +1,244 @@
+"""Continuous batched decode: a request decodes in company as it would alone, and keeps to its release.
+
+Requests are driven through the real scheduler (``runtime.batcher``) on real ORT engines of the tiny
+world: its float engine, and a quantized-KV engine (the shipped GroupQueryAttention scheme) compiled
+from the same base. What a request gets alone is ``runtime.generate.decode_steps`` on its own fork
+of the release's handle, the ``fork`` decode mode. Requests arrive while others decode, so their
+caches are merged at other past lengths, and leave at other steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import pytest
+from engine_testkit import calibrate
+from release_testkit import world
+from server_testkit import PROMPT, call, complete, running_server, sample, scrape
+
+from kernels.kv_spec import KVQuantSpec
+from runtime.backends.onnxruntime import OrtEngine
+from runtime.batcher import BatchedGeneration, Batcher
+from runtime.generate import decode_steps
+from runtime.generation import StopText
+from runtime.http_app import ServeSettings
+from runtime.metrics import ServerMetrics
+from runtime.package import load_trusted_keys
+from runtime.sampling import Sampler, greedy
+from runtime.server import ActiveRelease, AdapterServer
+from runtime.tokenizer import DeviceTokenizer
+
+OTHER_PROMPT = "inspect board=PCB-1201 line=L2 part=C7 temp_c=244 defect=lifted lift_um=40 verdict:"
+SHORT_PROMPT = "verdict:"
+
+
+@pytest.fixture(scope="module")
+def w(tmp_path_factory):
+    return world(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(w):
+    return DeviceTokenizer(w["tokenizer"])
+
+
+def adapter_server(w) -> AdapterServer:
+    return AdapterServer(OrtEngine(w["engine"], threads=1), DeviceTokenizer(w["tokenizer"]),
+                         load_trusted_keys([w["trusted_key"]]))
+
+
+@pytest.fixture(scope="module", params=["float", "quantized-kv"])
+def release(request, w, tmp_path_factory):
+    """A release's bound handle on the float engine (release B), or on the quantized-KV engine."""
+    if request.param == "float":
+        app = adapter_server(w)
+        app.load(w["b"])
+        return app.active
+    from tasks.compile import compile_engine
+
+    spec = KVQuantSpec()  # the default scheme: what engine/kv ships, no fp16 sink
+    engine_dir = tmp_path_factory.mktemp("kv-engine") / "engine"
+    compile_engine(w["tokenizer"], engine_dir, max_rank=8, kv_spec=spec.to_dict(), kv_attention="gqa", ort_threads=1)
+    engine = OrtEngine(engine_dir, threads=1)
+    engine.set_adapter(None, kv_scales=calibrate(w["tokenizer"], spec))
+    assert engine.merges_caches
+    return ActiveRelease("quantized-kv", 1, {}, engine, time.time())
+
+
+def alone(release, tokenizer, prompts: list[list[int]], max_tokens: int, sampler=greedy) -> list[list[int]]:
+    """Each prompt's tokens with the request decoding by itself (the fork mode's decode)."""
+    rows: list[list[int]] = [[] for _ in prompts]
+    for step in decode_steps(release.handle.fork(), prompts, max_tokens, tokenizer.stop_ids, tokenizer.pad_id, sampler):
+        for row, token in zip(rows, step):
+            if token is not None:
+                row.append(token)
+    return rows
+
+
+def batched(batcher, release, tokenizer, prompts, max_tokens, sampler=greedy) -> BatchedGeneration:
+    return BatchedGeneration(batcher, release, prompts, sampler, [StopText(tokenizer, []) for _ in prompts], max_tokens)
+
+
+async def consume(generation) -> list[list[int]]:
+    while await generation.next_choices() is not None:
+        pass
+    return [text.ids for text in generation.texts]
+
+
+async def staggered(generations, after: int = 3) -> list[list[list[int]]]:
+    """Start each generation once the one before it has decoded ``after`` tokens: it joins a running batch."""
+    tasks = []
+    for g in generations:
+        tasks.append(asyncio.ensure_future(consume(g)))
+        while g.completion_tokens < after and not all(g.finished):
+            await asyncio.sleep(0.0002)
+    return await asyncio.gather(*tasks)
+
+
+def rows_per_step(metrics: ServerMetrics) -> tuple[float, float, float]:
+    """(decode steps, steps of at most 1 row, steps of at most 2 rows)."""
+    return (metrics.value("adapter_decode_batch_rows_count"), metrics.value("adapter_decode_batch_rows_bucket", le="1.0"),
+            metrics.value("adapter_decode_batch_rows_bucket", le="2.0"))
+
+
+def test_requests_arriving_while_others_decode_get_what_they_get_alone(release, tokenizer):
+    """Prompts of different lengths, one request of two prompts, each joining the running batch after
+    the previous one decoded 3 tokens, leaving at different steps: each row's tokens are its tokens alone."""
+    metrics = ServerMetrics()
+    batcher = Batcher(tokenizer.stop_ids, tokenizer.pad_id, metrics)
+    requests = [([tokenizer.encode(PROMPT)], 40), ([tokenizer.encode(SHORT_PROMPT)], 12),
+                ([tokenizer.encode(OTHER_PROMPT), tokenizer.encode(SHORT_PROMPT + " ok")], 20),
+                ([tokenizer.encode("inspect board=PCB-7 verdict:")], 9)]
+    assert len({len(p) for prompts, _ in requests for p in prompts}) == 5
+
+    got = asyncio.run(staggered([batched(batcher, release, tokenizer, p, n) for p, n in requests]))
+
+    want = [alone(release, tokenizer, p, n) for p, n in requests]
+    assert got == want
+    assert len({len(r) for rows in got for r in rows}) >= 4  # rows left the batch at different steps
+    steps, single, _ = rows_per_step(metrics)
+    assert steps > 0 and single < steps  # rows were decoded together
+    assert batcher._thread is None  # no work left: the scheduler thread has ended
+
+
+def test_seeded_sampling_draws_the_same_tokens_in_any_company(release, tokenizer):
+    prompt = [tokenizer.encode(PROMPT)]
+    want = alone(release, tokenizer, prompt, 16, Sampler(0.9, 0.95, seed=7))
+    batcher = Batcher(tokenizer.stop_ids, tokenizer.pad_id, ServerMetrics())
+    company = [batched(batcher, release, tokenizer, [tokenizer.encode(OTHER_PROMPT)], 30),
+               batched(batcher, release, tokenizer, [tokenizer.encode(SHORT_PROMPT)], 24, Sampler(1.3, 1.0, seed=8))]
+
+    got = asyncio.run(staggered([*company, batched(batcher, release, tokenizer, prompt, 16, Sampler(0.9, 0.95, seed=7))]))
+
+    assert got[-1] == want
+    assert want != alone(release, tokenizer, prompt, 16)  # sampled, not greedy
+
+
+def test_a_swap_mid_stream_keeps_each_request_on_its_release_in_its_own_batch(w, tokenizer):
+    app = adapter_server(w)
+    app.load(w["a"])
+    release_a = app.active
+    prompts = [tokenizer.encode(PROMPT)]
+
+    async def scenario():
+        first = app.start_generation(release_a, prompts, 40, greedy, [])
+        first_task = asyncio.ensure_future(consume(first))
+        while first.completion_tokens < 3:
+            await asyncio.sleep(0.0002)
+        app.load(w["b"])  # the swap: requests from now on get B; the first one stays on A
+        on_b = app.start_generation(app.active, prompts, 20, greedy, [])
+        late_on_a = app.start_generation(release_a, prompts, 20, greedy, [])  # read active before the swap
+        return await asyncio.gather(first_task, consume(on_b), consume(late_on_a)), on_b.release
+
+    (first, on_b, late_on_a), release_b = asyncio.run(scenario())
+
+    assert release_b is app.active and release_b.release_id != release_a.release_id
+    assert first == alone(release_a, tokenizer, prompts, 40) and late_on_a == alone(release_a, tokenizer, prompts, 20)
+    assert on_b == alone(release_b, tokenizer, prompts, 20) and on_b != late_on_a  # the adapters answer differently
+    steps, single, two = rows_per_step(app.metrics)
+    assert single < steps  # the two requests on A shared steps ...
+    assert two == steps  # ... and never with B's row: no step had 3 rows
+
+
+def test_a_closed_generation_leaves_the_batch_and_the_others_decode_on(release, tokenizer):
+    batcher = Batcher(tokenizer.stop_ids, tokenizer.pad_id, ServerMetrics())
+    prompts = [tokenizer.encode(PROMPT)], [tokenizer.encode(OTHER_PROMPT)]
+    leaving, staying = batched(batcher, release, tokenizer, prompts[0], 200), batched(batcher, release, tokenizer, prompts[1], 30)
+
+    async def scenario():
+        tasks = [asyncio.ensure_future(consume(g)) for g in (leaving, staying)]
+        while leaving.completion_tokens < 5:
+            await asyncio.sleep(0.0002)
+        leaving.close()  # what the HTTP side does when the client has gone
+        tasks[0].cancel()
+        return await tasks[1]
+
+    assert asyncio.run(scenario()) == alone(release, tokenizer, prompts[1], 30)
+    assert 5 <= leaving.completion_tokens < 200 and batcher._thread is None
+
+
+# ---------------------------------------------------------------- through the HTTP app
+
+
+def test_a_client_that_leaves_a_non_streamed_request_frees_its_row(w):
+    with running_server(w, max_tokens=1024) as (app, background):
+        app.load(w["b"])
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 1024, "temperature": 0}).encode()
+        sock = socket.create_connection(("127.0.0.1", background.port), timeout=5)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: device\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 10
+        while sample(scrape(background.port), "adapter_generated_tokens_total") == 0:  # it decodes
+            assert time.monotonic() < deadline
+        sock.close()
+        while sample(samples := scrape(background.port), "adapter_generations_in_flight") != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.2)
+        tokens = sample(scrape(background.port), "adapter_generated_tokens_total")
+        assert complete(background.port)["tokens"] == 6  # the device serves on
+    assert 1 <= tokens < 1024  # it stopped early, and stays stopped
+    assert sample(samples, "adapter_requests_total", endpoint="/v1/completions", status="499") == 1
+
+
+def test_fork_mode_answers_as_batched_mode(w):
+    assert ServeSettings(decode="fork").max_concurrent == 2 and ServeSettings().max_concurrent == 16
+    with pytest.raises(ValueError, match="decode='forked': expected one of batched, fork"):
+        ServeSettings(decode="forked")
+    answers = {}
+    for mode in ("batched", "fork"):
+        with running_server(w, decode=mode) as (app, background):
+            app.load(w["b"])
+            status, out = call(background.port, "POST", "/v1/completions",
+                               {"prompt": [PROMPT, SHORT_PROMPT], "max_tokens": 8, "temperature": 0})
+            assert status == 200, out
+            answers[mode] = [c["text"] for c in out["choices"]]
+            steps = sample(scrape(background.port), "adapter_decode_batch_rows_count")
+            assert (steps > 0) == (mode == "batched")
+    assert answers["batched"] == answers["fork"]
+
+
+# ---------------------------------------------------------------- incremental text
+
+
+def test_stop_text_decodes_incrementally_holds_back_split_characters_and_cuts_at_stops(tokenizer):
+    euro = tokenizer.encode("€")
+    assert len(euro) > 1  # the byte-level BPE spells it in several byte tokens: a token ends mid-character
+    ids = tokenizer.encode("ab") + euro + tokenizer.encode("c d e f STOP g")
+    text = StopText(tokenizer, ["STOP", "xyz"])
+    pieces = []
+    for i, token in enumerate(ids):
+        pieces.append(text.push(token))
+        if text.stopped:
+            break
+        assert text.text == tokenizer.decode(ids[: i + 1])  # what decoding every id at once gives
+        assert "\ufffd" not in "".join(pieces)  # part of a character is never sent
+    assert text.stopped and text.text == "ab€c d e f " and "".join(pieces) == text.text
+    assert pieces[len(tokenizer.encode("ab")) : len(tokenizer.encode("ab")) + len(euro)][-1].startswith("€")
+
+    held = StopText(tokenizer, ["STOP"])
+    sent = "".join(held.push(t) for t in tokenizer.encode("x ST"))
+    assert sent == "x " and held.finish() == "ST"  # "ST" could have begun "STOP"; at the end it is sent
