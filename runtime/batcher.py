@@ -118,17 +118,33 @@ class Batcher:
                 self._thread.start()
 
     def _run(self) -> None:
-        while True:
-            with self._lock:
-                arrivals, self._arrivals = self._arrivals, []
-                if not arrivals and not self._batches:
-                    self._thread = None
-                    return
-            self._admit([g for g in arrivals if not g.cancelled])
-            self._hand_over()
-            for batch in list(self._batches):
-                self._step(batch)
+        try:
+            while self._turn():
+                pass
+        except Exception as err:  # a bug here must fail the requests, not leave them waiting forever
+            log.exception("the batch scheduler failed")
+            failed = [r.generation for b in self._batches for r in b.rows]
+            self._batches = []
+            with self._lock:  # the next submit starts a fresh thread once this one has handed over
+                failed, self._arrivals = failed + self._arrivals, []
+                for g in dict.fromkeys(failed):
+                    self._deliver(g, err)
                 self._hand_over()
+                self._thread = None
+
+    def _turn(self) -> bool:
+        """Admit the arrivals, then one decode step per release; False (the thread ends) when there is no work."""
+        with self._lock:
+            arrivals, self._arrivals = self._arrivals, []
+            if not arrivals and not self._batches:
+                self._thread = None
+                return False
+        self._admit([g for g in arrivals if not g.cancelled])
+        self._hand_over()
+        for batch in list(self._batches):
+            self._step(batch)
+            self._hand_over()
+        return True
 
     def _deliver(self, generation: BatchedGeneration, item) -> None:
         self._outbox.append((generation, item))

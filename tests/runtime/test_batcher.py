@@ -180,6 +180,24 @@ def test_a_closed_generation_leaves_the_batch_and_the_others_decode_on(release, 
     assert 5 <= leaving.completion_tokens < 200 and batcher._thread is None
 
 
+def test_a_request_the_engine_refuses_fails_alone(release, tokenizer):
+    """A token id past the vocabulary fails in the engine's prefill: that request gets the error, the
+    batch it would have joined decodes on."""
+    batcher = Batcher(tokenizer.stop_ids, tokenizer.pad_id, ServerMetrics())
+    prompt = [tokenizer.encode(PROMPT)]
+    running, refused = batched(batcher, release, tokenizer, prompt, 30), batched(batcher, release, tokenizer, [[10**6]], 5)
+
+    async def scenario():
+        task = asyncio.ensure_future(consume(running))
+        while running.completion_tokens < 3:
+            await asyncio.sleep(0.0002)
+        with pytest.raises(Exception, match="(?i)index|indices|out of"):
+            await consume(refused)
+        return await task
+
+    assert asyncio.run(scenario()) == alone(release, tokenizer, prompt, 30)
+
+
 # ---------------------------------------------------------------- through the HTTP app
 
 
