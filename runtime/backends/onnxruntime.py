@@ -289,8 +289,10 @@ class OrtEngine:
                            take(cache.positions, axis=1))
 
     def cache_to_numpy(self, cache):
-        """Float engine: [K.0, V.0, ...]; quantized engine: {input name: array} of body, sink and positions."""
+        """Float engine: [K.0, V.0, ...]; quantized engine: {input name: array} of body, sink and positions.
+        Copies: ``OrtValue.numpy()`` is a view that does not keep the value alive, so once a cache made by
+        ``ortvalue_from_numpy`` (``concat_caches``, ``take_cache_rows``) is dropped its view reads freed memory."""
         if isinstance(cache, PackedCache):
-            arrays = {n: v.numpy() for n, v in (cache.body | cache.sink).items()}
-            return arrays | {"past_positions": cache.positions}
-        return [v.numpy() for v in cache]
+            arrays = {n: v.numpy().copy() for n, v in (cache.body | cache.sink).items()}
+            return arrays | {"past_positions": cache.positions.copy()}
+        return [v.numpy().copy() for v in cache]

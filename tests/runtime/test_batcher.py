@@ -14,6 +14,7 @@ import json
 import socket
 import time
 
+import numpy as np
 import pytest
 from engine_testkit import calibrate
 from release_testkit import world
@@ -104,6 +105,30 @@ def rows_per_step(metrics: ServerMetrics) -> tuple[float, float, float]:
             metrics.value("adapter_decode_batch_rows_bucket", le="2.0"))
 
 
+def test_merged_caches_split_back_into_the_caches_they_were(release, tokenizer):
+    """``concat_caches`` left-pads each cache to the longest; ``take_cache_rows`` without the padding
+    gives each one back, byte for byte (float lists and the packed cache alike)."""
+    engine = release.handle.fork()
+    caches = []
+    for prompts in ([tokenizer.encode(PROMPT)] * 2, [tokenizer.encode(SHORT_PROMPT)]):
+        ids = np.array(prompts, dtype=np.int64)
+        caches.append(engine.forward(ids, np.broadcast_to(np.arange(ids.shape[1]), ids.shape), np.ones_like(ids), None)[1])
+    long, short = (len(tokenizer.encode(p)) for p in (PROMPT, SHORT_PROMPT))
+
+    merged = engine.concat_caches(caches)
+
+    def arrays(cache):
+        got = engine.cache_to_numpy(cache)
+        return got if isinstance(got, list) else [got[k] for k in sorted(got)]
+
+    assert all(a.shape[0] == 3 and a.shape[-2 if a.ndim == 4 else -1] == long for a in arrays(merged) if a.size)  # not the empty sink
+    assert all(np.array_equal(a, b) for a, b in zip(arrays(engine.take_cache_rows(merged, np.array([0, 1]))), arrays(caches[0])))
+    assert all(np.array_equal(a, b) for a, b in zip(arrays(engine.take_cache_rows(merged, np.array([2]), long - short)),
+                                                    arrays(caches[1])))
+    assert all(not a[2, ..., : long - short, :].any() if a.ndim == 4 else not a[2, : long - short].any()
+               for a in arrays(merged))  # the padding is zeros
+
+
 def test_requests_arriving_while_others_decode_get_what_they_get_alone(release, tokenizer):
     """Prompts of different lengths, one request of two prompts, each joining the running batch after
     the previous one decoded 3 tokens, leaving at different steps: each row's tokens are its tokens alone."""
@@ -165,7 +190,7 @@ def test_a_swap_mid_stream_keeps_each_request_on_its_release_in_its_own_batch(w,
 
 def test_a_closed_generation_leaves_the_batch_and_the_others_decode_on(release, tokenizer):
     batcher = Batcher(tokenizer.stop_ids, tokenizer.pad_id, ServerMetrics())
-    prompts = [tokenizer.encode(PROMPT)], [tokenizer.encode(OTHER_PROMPT)]
+    prompts = [tokenizer.encode(PROMPT)], [tokenizer.encode(SHORT_PROMPT)]  # the longest row leaves: its slots go
     leaving, staying = batched(batcher, release, tokenizer, prompts[0], 200), batched(batcher, release, tokenizer, prompts[1], 30)
 
     async def scenario():
