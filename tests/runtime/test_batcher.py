@@ -99,6 +99,14 @@ async def staggered(generations, after: int = 3) -> list[list[list[int]]]:
     return await asyncio.gather(*tasks)
 
 
+def scheduler_ends(batcher: Batcher, within_s: float = 5.0) -> bool:
+    """Whether the scheduler thread ends within ``within_s`` (it ends on its first turn without work)."""
+    thread = batcher._thread
+    if thread is not None:
+        thread.join(within_s)
+    return batcher._thread is None
+
+
 def rows_per_step(metrics: ServerMetrics) -> tuple[float, float, float]:
     """(decode steps, steps of at most 1 row, steps of at most 2 rows)."""
     return (metrics.value("adapter_decode_batch_rows_count"), metrics.value("adapter_decode_batch_rows_bucket", le="1.0"),
@@ -146,14 +154,14 @@ def test_requests_arriving_while_others_decode_get_what_they_get_alone(release, 
     assert len({len(r) for rows in got for r in rows}) >= 4  # rows left the batch at different steps
     steps, single, _ = rows_per_step(metrics)
     assert steps > 0 and single < steps  # rows were decoded together
-    assert batcher._thread is None  # no work left: the scheduler thread has ended
+    assert scheduler_ends(batcher)  # no work left
 
 
 def test_seeded_sampling_draws_the_same_tokens_in_any_company(release, tokenizer):
     prompt = [tokenizer.encode(PROMPT)]
     want = alone(release, tokenizer, prompt, 16, Sampler(0.9, 0.95, seed=7))
     batcher = Batcher(tokenizer.stop_ids, tokenizer.pad_id, ServerMetrics())
-    company = [batched(batcher, release, tokenizer, [tokenizer.encode(OTHER_PROMPT)], 30),
+    company = [batched(batcher, release, tokenizer, [tokenizer.encode(OTHER_PROMPT)], 120),
                batched(batcher, release, tokenizer, [tokenizer.encode(SHORT_PROMPT)], 24, Sampler(1.3, 1.0, seed=8))]
 
     got = asyncio.run(staggered([*company, batched(batcher, release, tokenizer, prompt, 16, Sampler(0.9, 0.95, seed=7))]))
@@ -169,7 +177,7 @@ def test_a_swap_mid_stream_keeps_each_request_on_its_release_in_its_own_batch(w,
     prompts = [tokenizer.encode(PROMPT)]
 
     async def scenario():
-        first = app.start_generation(release_a, prompts, 40, greedy, [])
+        first = app.start_generation(release_a, prompts, 300, greedy, [])  # long enough to outlast the swap
         first_task = asyncio.ensure_future(consume(first))
         while first.completion_tokens < 3:
             await asyncio.sleep(0.0002)
@@ -181,7 +189,7 @@ def test_a_swap_mid_stream_keeps_each_request_on_its_release_in_its_own_batch(w,
     (first, on_b, late_on_a), release_b = asyncio.run(scenario())
 
     assert release_b is app.active and release_b.release_id != release_a.release_id
-    assert first == alone(release_a, tokenizer, prompts, 40) and late_on_a == alone(release_a, tokenizer, prompts, 20)
+    assert first == alone(release_a, tokenizer, prompts, 300) and late_on_a == alone(release_a, tokenizer, prompts, 20)
     assert on_b == alone(release_b, tokenizer, prompts, 20) and on_b != late_on_a  # the adapters answer differently
     steps, single, two = rows_per_step(app.metrics)
     assert single < steps  # the two requests on A shared steps ...
@@ -202,7 +210,7 @@ def test_a_closed_generation_leaves_the_batch_and_the_others_decode_on(release, 
         return await tasks[1]
 
     assert asyncio.run(scenario()) == alone(release, tokenizer, prompts[1], 30)
-    assert 5 <= leaving.completion_tokens < 200 and batcher._thread is None
+    assert 5 <= leaving.completion_tokens < 200 and scheduler_ends(batcher)
 
 
 def test_a_request_the_engine_refuses_fails_alone(release, tokenizer):
