@@ -100,6 +100,8 @@ class ReleaseBatch:
 
 
 class Batcher:
+    """The scheduler of one ``AdapterServer``: ``submit`` a generation, its thread does the rest."""
+
     def __init__(self, stop_ids, pad_id: int, metrics):
         self.stop_ids, self.pad_id, self.metrics = frozenset(int(t) for t in stop_ids), pad_id, metrics
         self._lock = threading.Lock()
