@@ -4,7 +4,8 @@ A request picked its release (``runtime.server.ActiveRelease``) once, when it st
 per prompt) run every step on that release's batch, and rows of two releases are never in one
 batch. Each turn of the loop:
 
-1. admits the requests that arrived (a free ``Admission`` slot submitted them): the arrivals of one
+1. admits the requests that arrived (a free ``Admission`` slot submitted them), as many as fit the
+   release's batch of at most ``max_rows`` rows (the rest wait, in order): the arrivals of one
    release are prefilled together, left-padded as ``runtime.generate`` pads prompts, their first
    tokens sampled, and their rows merged into the release's running batch (``concat_caches``:
    every cache left-padded along the past axis to the longest, the padding masked);
@@ -36,6 +37,7 @@ import numpy as np
 
 from runtime.generate import left_padded
 from runtime.generation import Choice, Generation, StopText
+from runtime.tracing import MAX_BATCH
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +104,11 @@ class ReleaseBatch:
 class Batcher:
     """The scheduler of one ``AdapterServer``: ``submit`` a generation, its thread does the rest."""
 
-    def __init__(self, stop_ids, pad_id: int, metrics):
+    def __init__(self, stop_ids, pad_id: int, metrics, max_rows: int = MAX_BATCH):
+        """``max_rows``: rows one release's batch decodes at most (the engine was exported for batches up
+        to ``MAX_BATCH``); arrivals beyond it wait, in order, for rows to leave."""
         self.stop_ids, self.pad_id, self.metrics = frozenset(int(t) for t in stop_ids), pad_id, metrics
+        self.max_rows = max_rows
         self._lock = threading.Lock()
         self._arrivals: list[BatchedGeneration] = []
         self._thread: threading.Thread | None = None
@@ -137,7 +142,7 @@ class Batcher:
     def _turn(self) -> bool:
         """Admit the arrivals, then one decode step per release; False (the thread ends) when there is no work."""
         with self._lock:
-            arrivals, self._arrivals = self._arrivals, []
+            arrivals, self._arrivals = self._fitting(self._arrivals)
             if not arrivals and not self._batches:
                 self._thread = None
                 return False
@@ -147,6 +152,22 @@ class Batcher:
             self._step(batch)
             self._hand_over()
         return True
+
+    def _fitting(self, arrivals: list[BatchedGeneration]) -> tuple[list[BatchedGeneration], list[BatchedGeneration]]:
+        """(the arrivals whose rows fit their release's batch, in order; those that wait). Once one
+        request of a release waits, the later ones of that release wait too: first come, first served."""
+        rows = {id(b.release): len(b.rows) for b in self._batches}
+        admit, wait, full = [], [], set()
+        for g in arrivals:
+            key = id(g.release)
+            taken = rows.get(key, 0)
+            if key in full or (taken and taken + len(g.prompts) > self.max_rows):
+                full.add(key)
+                wait.append(g)
+            else:  # an empty batch takes any request (its prompts are capped far below MAX_BATCH)
+                rows[key] = taken + len(g.prompts)
+                admit.append(g)
+        return admit, wait
 
     def _deliver(self, generation: BatchedGeneration, item) -> None:
         self._outbox.append((generation, item))

@@ -157,6 +157,23 @@ def test_requests_arriving_while_others_decode_get_what_they_get_alone(release, 
     assert scheduler_ends(batcher)  # no work left
 
 
+def test_requests_beyond_the_row_cap_wait_for_rows_to_leave_and_then_decode_as_alone(release, tokenizer):
+    metrics = ServerMetrics()
+    batcher = Batcher(tokenizer.stop_ids, tokenizer.pad_id, metrics, max_rows=2)
+    requests = [([tokenizer.encode(PROMPT)], 30), ([tokenizer.encode(SHORT_PROMPT)], 10),
+                ([tokenizer.encode(OTHER_PROMPT)], 20), ([tokenizer.encode("inspect board=PCB-7 verdict:")], 15)]
+
+    async def all_at_once():
+        return await asyncio.gather(*(consume(batched(batcher, release, tokenizer, p, n)) for p, n in requests))
+
+    got = asyncio.run(all_at_once())
+
+    assert got == [alone(release, tokenizer, p, n) for p, n in requests]
+    steps, single, two = rows_per_step(metrics)
+    assert two == steps and single < steps  # never more than 2 rows, and 2 decoded together
+    assert scheduler_ends(batcher)
+
+
 def test_seeded_sampling_draws_the_same_tokens_in_any_company(release, tokenizer):
     prompt = [tokenizer.encode(PROMPT)]
     want = alone(release, tokenizer, prompt, 16, Sampler(0.9, 0.95, seed=7))
