@@ -161,16 +161,16 @@ def build_base_model(
             seed=cfg.seed,
             prompt_loss_weight=cfg.prompt_loss_weight,
         )
-        losses = train_completions(model, tokenizer, examples, settings, desc="pre-train base")
+        history = train_completions(model, tokenizer, examples, settings, desc="pre-train base")
         model.save_pretrained(tmp)
-        write_loss_curve(losses, tmp / "pretrain_loss.csv", tmp / "pretrain_loss.png", "base model pre-training")
+        write_loss_curve(history, tmp, "base model pre-training", prefix="pretrain_")
         write_json(
             tmp / CARD,
             {
                 "trained_through": cfg.trained_through,
                 "pretrain_examples": cfg.pretrain_examples,
                 "pretrain_steps": cfg.pretrain_steps,
-                "final_loss": losses[-1],
+                "final_loss": history.train[-1],
                 "parameters": sum(p.numel() for p in model.parameters()),
                 "backbone_hash": backbone_hash(tmp),
                 "build_hash": build_hash,

@@ -49,9 +49,9 @@ def collect_kv_stats(backbone, batches, pre_rope_keys: bool, clip_percentile: fl
     each channel (p = clip_percentile; 100 = min/max).
     """
     import torch
-    from tqdm import tqdm
 
     from kernels.rope import rope_rotate
+    from tasks.progress import Progress
 
     if not 50.0 < clip_percentile <= 100.0:
         raise ValueError(f"clip_percentile={clip_percentile} must be in (50, 100]")
@@ -59,8 +59,10 @@ def collect_kv_stats(backbone, batches, pre_rope_keys: bool, clip_percentile: fl
     keys: list[list] = [[] for _ in range(L)]
     values: list[list] = [[] for _ in range(L)]
     tokens = 0
+    batches = list(batches)
+    bar = Progress("calibrate KV", len(batches), unit="batch") if progress else None
     with torch.no_grad():
-        for ids, mask in tqdm(list(batches), desc="calibrate KV", unit="batch", disable=not progress, dynamic_ncols=True):
+        for ids, mask in batches:
             B, T = ids.shape
             pos = torch.arange(T).expand(B, T)
             _, present = backbone(ids, pos, mask, backbone.empty_past(B))
@@ -72,6 +74,10 @@ def collect_kv_stats(backbone, batches, pre_rope_keys: bool, clip_percentile: fl
                     k = rope_rotate(k, pos, backbone.inv_freq, inverse=True)
                 keys[i].append(k.transpose(1, 2)[real])  # (n, nkv, d)
                 values[i].append(v.transpose(1, 2)[real])
+            if bar is not None:
+                bar.advance(tokens=tokens)
+    if bar is not None:
+        bar.close()
     if tokens == 0:
         raise ValueError("calibration saw no tokens")
 

@@ -124,6 +124,7 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(20, ge=0)
     prompt_loss_weight: float = Field(0.2, ge=0.0)
     max_seq_len: int = Field(96, ge=8)
+    eval_every: int = Field(50, ge=0)  # validation loss every this many steps (and after the last); 0: never
     threads: int = Field(2, ge=1)
     output_dir: str = "artifacts"
 

@@ -22,6 +22,9 @@ from tasks.cli import stage_main
 from tasks.config import EngineConfig, EvalConfig, ReleaseConfig, WeightAccuracyDrop
 from tasks.data import HELDOUT_TEXT, Example, read_jsonl, read_text_corpus
 from tasks.layout import METRICS_FILE, serving_engine_dir
+from tasks.plots import (KV_BITS_PNG, KV_GRID_CSV, LATENCY_CSV, LATENCY_PNG, kv_bits_figure, latency_figure, read_rows,
+                         save_figure)
+from tasks.progress import Progress
 
 
 def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[str]:
@@ -120,18 +123,18 @@ def _score(model, tokenizer, test: list[Example], texts: list[str], cfg: EvalCon
     return report, predictions
 
 
-def decode_latency(engine, tokenizer, prompts: list[str], steps: int) -> tuple[dict, list[float]]:
+def decode_latency(engine, tokenizer, prompts: list[str], steps: int) -> tuple[dict, list[tuple[int, int, float]]]:
     """Wall time of single decode steps, batch 1, adapter bound: what one device request waits per token.
 
     Each prompt is prefilled (not timed), then ``steps`` tokens are decoded one forward each.
-    Returns the summary (ms) and every step's time in ms, in order.
+    Returns the summary (ms) and every step as (prompt index, past length it attends to, ms), in order.
     """
     import time
 
     import numpy as np
 
-    samples: list[float] = []
-    for prompt in prompts:
+    samples: list[tuple[int, int, float]] = []
+    for index, prompt in enumerate(prompts):
         ids = np.array([tokenizer(prompt)["input_ids"]], dtype=np.int64)  # (1, T)
         T = ids.shape[1]
         logits, cache = engine.forward(ids, np.arange(T)[None], np.ones_like(ids), None)
@@ -139,8 +142,9 @@ def decode_latency(engine, tokenizer, prompts: list[str], steps: int) -> tuple[d
             token = logits[:, -1].argmax(-1)[:, None].astype(np.int64)  # (1, 1)
             start = time.perf_counter()
             logits, cache = engine.forward(token, np.array([[T + step]]), np.ones((1, T + step + 1), dtype=np.int64), cache)
-            samples.append(1000.0 * (time.perf_counter() - start))
-    summary = {"p50_ms": percentile(samples, 50), "p95_ms": percentile(samples, 95), "max_ms": max(samples),
+            samples.append((index, T + step, 1000.0 * (time.perf_counter() - start)))
+    times = [ms for _, _, ms in samples]
+    summary = {"p50_ms": percentile(times, 50), "p95_ms": percentile(times, 95), "max_ms": max(times),
                "steps": len(samples), "prompts": len(prompts), "batch": 1}
     return summary, samples
 
@@ -156,11 +160,11 @@ def _score_on_engine(
     base_dir: Path,
     kv_dir: Path | None,
     release_backbone=None,
-) -> tuple[dict, dict, list[str], list[float]]:
+) -> tuple[dict, dict, list[str], list[tuple[int, int, float]]]:
     """Accuracy, perplexity and decode latency of base + adapter on the serving engine, and its
     parity with PyTorch + merged PEFT (a quantized-KV engine: with its own PyTorch module, the
     release's scales on both sides; ``release_backbone`` is the adapter-merged backbone from
-    ``tasks.calibrate.load_release_backbone``). The last item is every timed decode step (ms)."""
+    ``tasks.calibrate.load_release_backbone``). The last item is every timed decode step (``decode_latency``)."""
     from runtime.adapter import load_adapter
     from runtime.engine import open_engine
     from runtime.generate import generate_text
@@ -278,8 +282,9 @@ def evaluate(
     """Score the base model and base + adapter (PyTorch, and on the compiled engine when given,
     with its decode latency; and through this release's quantized KV cache when ``kv_dir`` is given).
 
-    Writes ``metrics.json``, ``report.md``, ``predictions.jsonl``, and ``latency.csv`` and
-    ``kv_grid.csv`` (plot data) when measured.
+    Writes ``metrics.json``, ``report.md``, ``predictions.jsonl``, and the plots' data and figures
+    when measured: ``latency.csv``/``latency.png`` (decode step against past length) and
+    ``kv_grid.csv``/``kv_bits.png`` (perplexity increase against KV bits).
     """
     import torch
     from peft import PeftModel
@@ -291,12 +296,16 @@ def evaluate(
     else:
         texts = [ex.prompt + ex.completion for ex in read_jsonl(Path(data_dir) / "val.jsonl")]
 
+    # Phases, reported as they finish: base, base + adapter, [the engine], [the quantized KV cache].
+    progress = Progress("evaluate", 2 + (engine is not None) + (kv_dir is not None), unit="phase")
     model, tokenizer = load_base_model(base_dir)
     base_report, base_predictions = _score(model, tokenizer, test, texts, cfg)
+    progress.advance(accuracy_base=base_report["accuracy"])
     adapted = PeftModel.from_pretrained(model, adapter_dir)
     adapted.eval()
     with torch.no_grad():
         adapter_report, adapter_predictions = _score(adapted, tokenizer, test, texts, cfg)
+    progress.advance(accuracy_adapter=adapter_report["accuracy"])
 
     metrics = {
         "month": month,
@@ -323,6 +332,7 @@ def evaluate(
             # Quantized weights cannot match float logits to 1e-4; what must hold is accuracy.
             metrics["weights_gate"] = weights_accuracy_gate(adapter_report, metrics["adapter_on_engine"], engine.weights,
                                                             max_weight_accuracy_drop)
+        progress.advance(accuracy_engine=metrics["adapter_on_engine"]["accuracy"])
     if kv_dir is not None:
         from tasks.kv_quality import release_kv_quality
 
@@ -339,13 +349,18 @@ def evaluate(
                 "accuracy_drop": adapter_report["accuracy"] - on_engine["accuracy"],
                 "ppl_increase_pct": 100.0 * (on_engine["perplexity"] / adapter_report["perplexity"] - 1.0),
             }
+        progress.advance(kv_ppl_increase_pct=metrics["kv_cache"]["ppl_increase_pct"])
+    progress.close()
     with atomic_output_dir(Path(out_dir)) as tmp:
         write_json(tmp / METRICS_FILE, metrics)
         if latency_samples:
-            _write_csv(tmp / "latency.csv", ["step", "decode_ms"], enumerate(latency_samples))
+            _write_csv(tmp / LATENCY_CSV, ["prompt", "past_length", "decode_ms"], latency_samples)
+            save_figure(latency_figure(read_rows(tmp / LATENCY_CSV), f"Decode step on the engine, {month}"),
+                        tmp / LATENCY_PNG)
         if kv_dir is not None:
             grid = metrics["kv_cache"]["grid"]
-            _write_csv(tmp / "kv_grid.csv", list(grid[0]), [row.values() for row in grid])
+            _write_csv(tmp / KV_GRID_CSV, list(grid[0]), [row.values() for row in grid])
+            save_figure(kv_bits_figure(read_rows(tmp / KV_GRID_CSV), f"Quantized KV cache, {month}"), tmp / KV_BITS_PNG)
         (tmp / "report.md").write_text(render_table(metrics))
         with open(tmp / "predictions.jsonl", "w") as fh:
             for i, (ex, b, a) in enumerate(zip(test, base_predictions, adapter_predictions)):

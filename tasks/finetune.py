@@ -44,7 +44,7 @@ def finetune(
 ) -> Path:
     """Train a LoRA adapter on ``data_dir/train.jsonl``; write it, its loss curve and provenance.
 
-    ``out_dir`` receives ``adapter/``, ``loss.csv``, ``loss.png`` and ``train_metrics.json``;
+    ``out_dir`` receives ``adapter/``, ``loss.csv``, ``val_loss.csv``, ``loss.png`` and ``train_metrics.json``;
     it is replaced as a whole only when training finished with a finite loss. With a compiled
     ``engine_dir`` the adapter is bound to that engine's interface too; an engine compiled for
     another backbone is refused before training.
@@ -92,7 +92,8 @@ def finetune(
         seed=train.seed,
         prompt_loss_weight=train.prompt_loss_weight,
     )
-    losses = train_completions(peft_model, tokenizer, examples, settings, desc="fine-tune LoRA")
+    history = train_completions(peft_model, tokenizer, examples, settings, desc="fine-tune LoRA",
+                                val_examples=read_jsonl(Path(data_dir) / "val.jsonl"), eval_every=train.eval_every)
 
     with atomic_output_dir(Path(out_dir)) as tmp:
         adapter_dir = tmp / ADAPTER_DIR
@@ -110,12 +111,13 @@ def finetune(
         # Bytes on disk, whole folders: what a device downloads versus what it already has.
         adapter_bytes = sum(f.stat().st_size for f in adapter_dir.iterdir())
         base_bytes = sum(f.stat().st_size for f in Path(base_dir).glob("*.safetensors"))
-        write_loss_curve(losses, tmp / "loss.csv", tmp / "loss.png", "LoRA fine-tuning")
+        write_loss_curve(history, tmp, "LoRA fine-tuning")
         write_json(
             tmp / "train_metrics.json",
             {
-                "final_loss": losses[-1],
-                "steps": len(losses),
+                "final_loss": history.train[-1],
+                "final_val_loss": history.val[-1][1] if history.val else None,
+                "steps": len(history.train),
                 "trainable_parameters": sum(p.numel() for p in peft_model.parameters() if p.requires_grad),
                 "adapter_bytes": adapter_bytes,
                 "base_model_bytes": base_bytes,

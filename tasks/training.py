@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from runtime.tokenizer import encode_prompt
 from tasks.config import StageError
 from tasks.data import Example
+from tasks.progress import Progress
 
 class TrainingDiverged(StageError, RuntimeError):
     """The loss stopped being a finite number; nothing trained in this run is saved."""
@@ -79,25 +79,50 @@ def _lr_factor(step: int, settings: TrainSettings) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+@dataclass(frozen=True)
+class TrainHistory:
+    train: list[float]  # the loss of every step; step i + 1 is train[i]
+    val: list[tuple[int, float]]  # (step, validation loss) every ``eval_every`` steps and after the last
+
+
+def validation_loss(model, tokenizer, encoded: list[tuple[list[int], int]], batch_size: int,
+                    prompt_loss_weight: float) -> float:
+    """The training loss on held-back rows (eval mode, no gradient: no dropout, no random draw)."""
+    model.eval()
+    total, rows = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(encoded), batch_size):
+            chunk = encoded[start : start + batch_size]
+            total += completion_loss(model, collate(chunk, tokenizer.pad_token_id), prompt_loss_weight).item() * len(chunk)
+            rows += len(chunk)
+    model.train()
+    return total / rows
+
+
 def train_completions(
     model: torch.nn.Module,
     tokenizer,
     examples: list[Example],
     settings: TrainSettings,
     desc: str,
-) -> list[float]:
-    """Train ``model`` in place with AdamW and a warmup-cosine schedule; return the loss per step."""
+    val_examples: list[Example] | None = None,
+    eval_every: int = 0,
+) -> TrainHistory:
+    """Train ``model`` in place with AdamW and a warmup-cosine schedule; return the loss per step, and
+    the loss on ``val_examples`` every ``eval_every`` steps and after the last (given both)."""
     torch.manual_seed(settings.seed)
     rng = random.Random(settings.seed)
     encoded = [encode_example(tokenizer, ex, settings.max_seq_len) for ex in examples]
+    val_encoded = [encode_example(tokenizer, ex, settings.max_seq_len) for ex in val_examples or []]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, settings))
     model.train()
     losses: list[float] = []
+    val: list[tuple[int, float]] = []
     order: list[int] = []
-    with tqdm(range(settings.steps), desc=desc, unit="step", dynamic_ncols=True) as bar:
-        for step in bar:
+    with Progress(desc, settings.steps) as progress:
+        for step in range(settings.steps):
             if len(order) < settings.batch_size:
                 refill = list(range(len(encoded)))
                 rng.shuffle(refill)
@@ -116,28 +141,24 @@ def train_completions(
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+            shown = {"loss": losses[-1]}
+            if val_encoded and eval_every and ((step + 1) % eval_every == 0 or step + 1 == settings.steps):
+                val.append((step + 1, validation_loss(model, tokenizer, val_encoded, settings.batch_size,
+                                                      settings.prompt_loss_weight)))
+                shown["val_loss"] = val[-1][1]
+            progress.advance(**shown)
     model.eval()
-    return losses
+    return TrainHistory(losses, val)
 
 
-def write_loss_curve(losses: list[float], csv_path: Path, png_path: Path, title: str) -> None:
-    with open(csv_path, "w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(["step", "loss"])
-        writer.writerows((i + 1, f"{loss:.6f}") for i, loss in enumerate(losses))
-    import matplotlib
+def write_loss_curve(history: TrainHistory, out_dir: Path, title: str, prefix: str = "") -> None:
+    """``loss.csv`` (step, train_loss), ``val_loss.csv`` (step, val_loss) when validated, and ``loss.png``."""
+    from tasks.plots import LOSS_CSV, LOSS_PNG, VAL_LOSS_CSV, loss_figure, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(losses) + 1), losses, linewidth=1)
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("completion loss")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
+    train_rows = [(i + 1, loss) for i, loss in enumerate(history.train)]
+    with open(Path(out_dir) / f"{prefix}{LOSS_CSV}", "w", newline="") as fh:
+        csv.writer(fh).writerows([("step", "train_loss"), *((s, f"{v:.6f}") for s, v in train_rows)])
+    if history.val:
+        with open(Path(out_dir) / f"{prefix}{VAL_LOSS_CSV}", "w", newline="") as fh:
+            csv.writer(fh).writerows([("step", "val_loss"), *((s, f"{v:.6f}") for s, v in history.val)])
+    save_figure(loss_figure(train_rows, history.val, title), Path(out_dir) / f"{prefix}{LOSS_PNG}")

@@ -51,3 +51,25 @@ def test_perplexity_on_the_engine_equals_perplexity_in_pytorch(tiny_llama_dir, t
     on_engine = engine_perplexity(OrtEngine(tmp_path / "engine", threads=1), tokenizer, texts)
     assert on_engine == pytest.approx(perplexity(model, tokenizer, texts, batch_size=2), rel=1e-4)
     assert len(tokenizer) / 2 < on_engine < 2 * len(tokenizer)
+
+
+def test_decode_latency_rows_carry_the_past_length_each_step_attends_to(tiny_llama_dir, tmp_path):
+    from runtime.backends.onnxruntime import OrtEngine
+    from tasks.compile import compile_engine
+    from tasks.evaluate import decode_latency
+    from tasks.plots import latency_by_past_length, latency_figure, read_rows, save_figure
+
+    compile_engine(tiny_llama_dir, tmp_path / "engine", max_rank=4, ort_threads=1)
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    prompts = ["inspect board=PCB-0001", "a longer prompt of the held-out kind, 12345"]
+    summary, samples = decode_latency(OrtEngine(tmp_path / "engine", threads=1), tokenizer, prompts, steps=3)
+    lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]
+    assert [(i, past) for i, past, _ in samples] == [(i, lengths[i] + s) for i in range(2) for s in range(3)]
+    assert summary["steps"] == 6 and all(ms > 0 for _, _, ms in samples)
+
+    path = tmp_path / "latency.csv"
+    path.write_text("prompt,past_length,decode_ms\n" + "".join(f"{i},{p},{ms}\n" for i, p, ms in samples))
+    by_length = latency_by_past_length(read_rows(path))
+    assert [length for length, _, _ in by_length] == sorted({p for _, p, _ in samples})
+    assert all(median <= worst for _, median, worst in by_length)
+    assert save_figure(latency_figure(read_rows(path), "test"), tmp_path / "latency.png").stat().st_size > 0

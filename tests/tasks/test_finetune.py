@@ -15,7 +15,7 @@ from tasks.finetune import finetune
 from tasks.training import TrainingDiverged
 
 LORA = LoraSection(r=4, alpha=8)
-TRAIN = TrainConfig(steps=4, batch_size=4, warmup_steps=1, threads=1)
+TRAIN = TrainConfig(steps=4, batch_size=4, warmup_steps=1, threads=1, eval_every=3)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,13 @@ def test_user_llama_directory_fine_tunes_into_a_loadable_peft_adapter(tmp_path, 
     loaded = PeftModel.from_pretrained(base, adapter)
     assert loaded.peft_config["default"].r == 4
     losses = (tmp_path / "ft" / "loss.csv").read_text().splitlines()
-    assert losses[0] == "step,loss" and len(losses) == 5
+    assert losses[0] == "step,train_loss" and [row.split(",")[0] for row in losses[1:]] == ["1", "2", "3", "4"]
+    # Validation every eval_every steps and after the last: steps 3 and 4 of 4.
+    val = (tmp_path / "ft" / "val_loss.csv").read_text().splitlines()
+    assert val[0] == "step,val_loss" and [row.split(",")[0] for row in val[1:]] == ["3", "4"]
+    assert all(float(row.split(",")[1]) > 0 for row in val[1:])
+    metrics = json.loads((tmp_path / "ft" / "train_metrics.json").read_text())
+    assert metrics["final_val_loss"] == pytest.approx(float(val[-1].split(",")[1]), abs=1e-6)
     assert (tmp_path / "ft" / "loss.png").stat().st_size > 0
 
 

@@ -69,9 +69,21 @@ def test_each_stage_depends_on_the_folders_it_reads():
     }
 
 
+def plot_files(entries: list) -> list[Path]:
+    """The data files of dvc.yaml's plots: {path: options}, or {name: options} whose ``y`` maps files to fields."""
+    files = []
+    for entry in entries:
+        name, options = next(iter(entry.items()))
+        files += list(options["y"]) if isinstance(options.get("y"), dict) else [name]
+    return [interpolate(f) for f in files]
+
+
 def test_metrics_and_plots_are_files_of_the_layouts_folders():
+    from tasks.plots import KV_GRID_CSV, LATENCY_CSV, LOSS_CSV, VAL_LOSS_CSV
+
     assert paths(DVC["metrics"]) == [LAYOUT.metrics_file, LAYOUT.gates_file]
-    assert [p.parent for p in paths(DVC["plots"])] == [LAYOUT.finetune_dir, LAYOUT.eval_dir, LAYOUT.eval_dir]
+    assert plot_files(DVC["plots"]) == [LAYOUT.finetune_dir / LOSS_CSV, LAYOUT.finetune_dir / VAL_LOSS_CSV,
+                                        LAYOUT.eval_dir / LATENCY_CSV, LAYOUT.eval_dir / KV_GRID_CSV]
 
 
 @pytest.mark.parametrize("engine, serving", [
