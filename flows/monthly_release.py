@@ -32,6 +32,7 @@ from prefect.runtime import deployment, flow_run  # noqa: E402
 from prefect.transactions import get_transaction, transaction  # noqa: E402
 from prefect.variables import Variable  # noqa: E402
 
+from flows.progress import StageProgress  # noqa: E402
 from tasks import pipeline, publish, release, tracking  # noqa: E402
 from tasks.config import (  # noqa: E402
     ConfigError, ReleaseConfig, StageError, changed_settings, load_config, parse_config, with_settings,
@@ -100,8 +101,10 @@ def set_up(config: ReleaseConfig) -> None:
 
 @task(task_run_name="dvc-repro-{name}")
 def reproduce(name: str, force: bool = False) -> pipeline.StageRun:
-    run = pipeline.reproduce_stage(Path.cwd(), name, force=force)
-    get_run_logger().info("%s: %s in %.1f s", name, "ran" if run.reproduced else "up to date", run.seconds)
+    logger = get_run_logger()
+    # The stage's progress bars and losses reach this task's page as progress artifacts and log lines.
+    run = pipeline.reproduce_stage(Path.cwd(), name, force=force, on_progress=StageProgress(name, logger))
+    logger.info("%s: %s in %.1f s", name, "ran" if run.reproduced else "up to date", run.seconds)
     return run
 
 

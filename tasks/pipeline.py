@@ -16,13 +16,14 @@ import contextlib
 import io
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from tasks.config import ReleaseConfig, StageError, changed_settings, dotted, parse_config
+from tasks.progress import PROGRESS_ENV, ProgressReader
 
 DVC_ENV = {"DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 REMOTE_NAME = "storage"
@@ -38,6 +39,8 @@ class StageRun:
     name: str
     reproduced: bool  # False: DVC found the stage up to date and ran nothing
     seconds: float
+    started: float  # wall clock (Unix seconds) when the stage began and ended
+    ended: float
 
 
 def stage_names(root: Path) -> list[str]:
@@ -86,20 +89,33 @@ def ensure_dvc_repo(root: Path, remote_dir: str) -> str:
     return remote
 
 
-def reproduce_stage(root: Path, name: str, force: bool = False) -> StageRun:
-    """Run one stage if its dependencies changed (or ``force``); never its upstream stages."""
+def reproduce_stage(root: Path, name: str, force: bool = False,
+                    on_progress: Callable[[dict], None] | None = None) -> StageRun:
+    """Run one stage if its dependencies changed (or ``force``); never its upstream stages.
+
+    ``on_progress`` receives the stage's progress records (``tasks/progress.py``) while it runs,
+    from another thread; the stage's command inherits ``RELEASE_PROGRESS_FILE`` from this process.
+    """
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
     _env()
-    start = time.perf_counter()
+    started, start = time.time(), time.perf_counter()
+    reader = None
+    if on_progress is not None:
+        reader = ProgressReader(Path(root) / ".dvc" / "tmp" / "progress" / f"{name}.jsonl", on_progress)
+        os.environ[PROGRESS_ENV] = str(reader.path.resolve())
     try:
         with contextlib.chdir(root), Repo(str(root)) as repo:  # DVC resolves stage paths against the cwd
             ran = repo.reproduce(targets=[name], single_item=True, force=force)
     except DvcException as err:
         cause = err.__cause__ or err
         raise PipelineError(f"DVC stage '{name}' failed: {cause}") from err
-    return StageRun(name, bool(ran), time.perf_counter() - start)
+    finally:
+        if reader is not None:
+            os.environ.pop(PROGRESS_ENV, None)
+            reader.close()
+    return StageRun(name, bool(ran), time.perf_counter() - start, started, time.time())
 
 
 def push_outputs(root: Path) -> int:
