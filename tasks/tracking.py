@@ -8,13 +8,18 @@ the alias ``candidate``; only a release that passed every gate and was published
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from tasks.config import PublishConfig, ReleaseConfig
 
 CANDIDATE, CHAMPION = "candidate", "champion"
+FLOW_RUN_TAG = "prefect_flow_run_id"  # names the parent run of one Prefect flow run: retries find it
+PARENT_TAG = "mlflow.parentRunId"
+SYSTEM_METRICS_INTERVAL_S = 10.0
 # MLflow keeps long parameter values, but the UI truncates; config values are short here.
 _PARAM_LIMIT = 6000
 
@@ -70,13 +75,24 @@ def log_metrics(client, run_id: str, metrics: dict[str, float]) -> None:
         client.log_batch(run_id, metrics=items[start : start + 900])
 
 
+def _find_runs(client, experiment_id: str, tags: dict[str, str]) -> list:
+    query = " and ".join(f"tags.`{k}` = '{v}'" for k, v in sorted(tags.items()))
+    return client.search_runs([experiment_id], query, order_by=["attributes.start_time ASC"])
+
+
 def start_release_run(client, experiment_id: str, cfg: ReleaseConfig, git_revision: str, flow_run: str | None) -> str:
+    """The parent run of this flow run: the one it already opened (found by the flow run's tag), else a new one."""
     from mlflow.entities import Param
 
+    if flow_run:
+        found = [r for r in _find_runs(client, experiment_id, {FLOW_RUN_TAG: flow_run})
+                 if PARENT_TAG not in r.data.tags]
+        if found:
+            return found[0].info.run_id
     tags = {"month": cfg.data.month, "git_revision": git_revision, "params_hash": cfg.params_hash(),
             "dry_run": str(cfg.publish.dry_run)}
     if flow_run:
-        tags["prefect_flow_run_id"] = flow_run
+        tags[FLOW_RUN_TAG] = flow_run
     run = client.create_run(experiment_id, run_name=f"release-{cfg.data.month}", tags=tags)
     params = [Param(k, v) for k, v in _flatten_params(cfg).items()]
     for start in range(0, len(params), 90):  # at most 100 params per batch
@@ -84,31 +100,73 @@ def start_release_run(client, experiment_id: str, cfg: ReleaseConfig, git_revisi
     return run.info.run_id
 
 
+def log_history(client, run_id: str, name: str, points: list[tuple[int, float]]) -> None:
+    """One metric point per (step, value): what MLflow's UI charts against the step."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    items = [Metric(name, float(value), now, int(step)) for step, value in points]
+    for start in range(0, len(items), 900):
+        client.log_batch(run_id, metrics=items[start : start + 900])
+
+
 def log_stage_run(client, experiment_id: str, parent_run_id: str, stage: str, reproduced: bool, seconds: float,
-                  metrics: dict[str, float], artifacts: list[Path]) -> str:
-    """A nested run for one stage: whether DVC ran it, how long it took, its metrics and files."""
-    run = client.create_run(experiment_id, run_name=stage,
-                            tags={"mlflow.parentRunId": parent_run_id, "stage": stage, "reproduced": str(reproduced)})
+                  metrics: dict[str, float], artifacts: list[Path], histories: dict[str, list[tuple[int, float]]] | None = None,
+                  started: float | None = None, ended: float | None = None) -> str:
+    """A nested run for one stage: whether DVC ran it, its real start and end (Unix seconds), its
+    metrics, per-step histories and files.
+
+    Idempotent: a stage run this parent already finished is kept as it is (a retried ``record``
+    logs no point twice); one left half-logged is replaced.
+    """
+    for existing in _find_runs(client, experiment_id, {PARENT_TAG: parent_run_id, "stage": stage}):
+        if existing.info.status == "FINISHED":
+            return existing.info.run_id
+        client.delete_run(existing.info.run_id)
+    run = client.create_run(experiment_id, run_name=stage, start_time=None if started is None else int(started * 1000),
+                            tags={PARENT_TAG: parent_run_id, "stage": stage, "reproduced": str(reproduced)})
     run_id = run.info.run_id
     log_metrics(client, run_id, metrics | {"seconds": seconds, "reproduced": float(reproduced)})
+    for name, points in (histories or {}).items():
+        log_history(client, run_id, name, points)
     for path in artifacts:
         if Path(path).is_dir():
             client.log_artifacts(run_id, str(path), Path(path).name)
         elif Path(path).exists():
             client.log_artifact(run_id, str(path))
-    client.set_terminated(run_id, "FINISHED")
+    client.set_terminated(run_id, "FINISHED", end_time=None if ended is None else int(ended * 1000))
     return run_id
 
 
+@contextlib.contextmanager
+def system_metrics(run_id: str, tracking_uri: str) -> Iterator[None]:
+    """MLflow's system metrics (CPU, memory, disk, network; psutil) on ``run_id`` while the block runs."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S, tracking_uri=tracking_uri)
+    monitor.start()
+    try:
+        yield
+    finally:
+        monitor.finish()
+
+
 def register_candidate(client, model_name: str, run_id: str, source: str, tags: dict[str, str]) -> str:
-    """A new version of ``model_name`` for this candidate, aliased ``candidate``; returns the version."""
+    """The version of ``model_name`` for this candidate run, aliased ``candidate``; returns the version.
+
+    Idempotent: the version already registered from ``run_id`` (a retried ``record``) is reused.
+    """
     from mlflow.exceptions import MlflowException
 
     try:
         client.get_registered_model(model_name)
     except MlflowException:
         client.create_registered_model(model_name, description="Monthly LoRA adapter releases for the compiled backbone")
-    version = client.create_model_version(model_name, source, run_id=run_id, tags=tags).version
+    existing = client.search_model_versions(f"name = '{model_name}' and run_id = '{run_id}'")
+    if existing:
+        version = min(int(v.version) for v in existing)
+    else:
+        version = client.create_model_version(model_name, source, run_id=run_id, tags=tags).version
     client.set_registered_model_alias(model_name, CANDIDATE, version)
     return str(version)
 

@@ -22,7 +22,8 @@ def test_parent_and_nested_runs_versions_and_aliases_on_sqlite(tmp_path):
     assert str(tmp_path / "mlruns") in client.get_run(parent).info.artifact_uri
 
     v1 = register_candidate(client, "adapter", parent, "file:///nowhere", {"month": "2026-11"})
-    v2 = register_candidate(client, "adapter", parent, "file:///nowhere", {"month": "2026-12"})
+    next_month = start_release_run(client, experiment, ReleaseConfig(), "abc123", None)
+    v2 = register_candidate(client, "adapter", next_month, "file:///nowhere", {"month": "2026-12"})
     assert (v1, v2) == ("1", "2") and alias_version(client, "adapter", CANDIDATE) == "2"
     assert alias_version(client, "adapter", CHAMPION) is None
     assert move_champion(client, "adapter", v1) is None
@@ -30,3 +31,32 @@ def test_parent_and_nested_runs_versions_and_aliases_on_sqlite(tmp_path):
     restore_champion(client, "adapter", "1", v2)
     assert alias_version(client, "adapter", CHAMPION) == "1"
     assert "published" not in client.get_model_version("adapter", v2).tags
+
+
+def test_a_retried_record_finds_its_parent_run_stage_runs_and_model_version_again(tmp_path):
+    from tasks.tracking import log_history
+
+    publish = PublishConfig(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifacts_dir=str(tmp_path / "mlruns"))
+    client, experiment = client_for(publish, tmp_path)
+    loss = [(step, 1.0 / step) for step in range(1, 31)]
+    recorded = []
+    for _attempt in range(2):
+        parent = start_release_run(client, experiment, ReleaseConfig(), "abc123", "flow-run-1")
+        child = log_stage_run(client, experiment, parent, "finetune", True, 3.0, {"final_loss": 0.1}, [],
+                              {"train_loss": loss}, started=1_700_000_000.0, ended=1_700_000_003.5)
+        recorded.append((parent, child, register_candidate(client, "adapter", parent, "file:///nowhere", {})))
+    assert recorded[0] == recorded[1]
+    parent, child, version = recorded[0]
+    assert sorted(r.info.run_id for r in client.search_runs([experiment])) == sorted([child, parent])
+    assert [str(v.version) for v in client.search_model_versions("name = 'adapter'")] == ["1"] and version == "1"
+    history = client.get_metric_history(child, "train_loss")
+    assert sorted((m.step, m.value) for m in history) == loss  # one point per step, not two
+    run = client.get_run(child)
+    assert (run.info.start_time, run.info.end_time) == (1_700_000_000_000, 1_700_000_003_500)
+    # Another flow run opens another parent; a half-logged stage run is replaced, not kept beside the new one.
+    other = start_release_run(client, experiment, ReleaseConfig(), "abc123", "flow-run-2")
+    assert other != parent
+    half = client.create_run(experiment, run_name="finetune", tags={"mlflow.parentRunId": other, "stage": "finetune"}).info.run_id
+    log_history(client, half, "train_loss", loss[:3])
+    replaced = log_stage_run(client, experiment, other, "finetune", True, 3.0, {}, [], {"train_loss": loss})
+    assert replaced != half and client.get_run(half).info.lifecycle_stage == "deleted"
