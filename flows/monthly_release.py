@@ -28,6 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import yaml  # noqa: E402
 from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.artifacts import create_markdown_artifact  # noqa: E402
+from prefect.context import FlowRunContext  # noqa: E402
 from prefect.runtime import deployment, flow_run  # noqa: E402
 from prefect.transactions import get_transaction, transaction  # noqa: E402
 from prefect.variables import Variable  # noqa: E402
@@ -38,6 +39,7 @@ from tasks.config import (  # noqa: E402
     ConfigError, ReleaseConfig, StageError, changed_settings, load_config, parse_config, with_settings,
 )
 from tasks.gates import GateFailed, failed_reason  # noqa: E402
+from tasks.release_notes import describe_trigger  # noqa: E402
 
 
 # A deployment's defaults: the registered params.yaml, as JSON (flows/serve.py and flows/deploy.py write it).
@@ -115,8 +117,8 @@ def record(config: ReleaseConfig, runs: list[pipeline.StageRun], report: dict) -
 
 @task
 def summarize(config: ReleaseConfig, runs: list[pipeline.StageRun], report: dict, recorded: release.Recorded | None,
-              outcome: str) -> str:
-    text = release.summary_markdown(config, runs, report, recorded, outcome) + settings_markdown(config)
+              outcome: str, notes: str | None = None) -> str:
+    text = release.summary_markdown(config, runs, report, recorded, outcome, notes) + settings_markdown(config)
     create_markdown_artifact(text, key=release.SUMMARY_KEY, description=f"release {config.data.month}: {outcome}")
     return text
 
@@ -127,11 +129,11 @@ def reconcile(config: ReleaseConfig, entry: dict) -> list[str]:
 
 
 @task
-def publish_to_registry(config: ReleaseConfig, recorded: release.Recorded) -> publish.Published:
+def publish_to_registry(config: ReleaseConfig, recorded: release.Recorded, notes: str) -> publish.Published:
     published = publish.publish_release(
         Path(config.publish.registry_dir), config.layout.package_release_dir, config.data.month,
         release.registry_entry(config, recorded), champion=True, force=config.publish.force,
-        lineage=Path.cwd() / "dvc.lock",
+        lineage=Path.cwd() / "dvc.lock", notes=notes,
     )
     get_transaction().set("published", published)
     return published
@@ -190,6 +192,13 @@ def monthly_release(month: str | None = None, dry_run: bool | None = None, force
 
 def _release(config: ReleaseConfig) -> dict:
     set_up(config)
+    # The parent MLflow run opens now, so the MLflow UI shows the release while it runs; `record` finds it.
+    with release.live_run(config, Path.cwd(), str(flow_run.id)) as opened:
+        return _stages_gates_publish(config, opened)
+
+
+def _stages_gates_publish(config: ReleaseConfig, opened: release.Recorded) -> dict:
+    trigger = describe_trigger(FlowRunContext.get().flow_run, flow_run.ui_url)
     runs = []
     for name in pipeline.stage_names(Path.cwd()):
         if name == release.PACKAGE_STAGE and not release.full_gate_report(config)["passed"]:
@@ -202,6 +211,7 @@ def _release(config: ReleaseConfig) -> dict:
     if existing is not None:
         repairs = reconcile(config, existing)
         outcome = f"already published as {existing['release_id']}; " + ("; ".join(repairs) or "nothing to do")
+        release.finish_mlflow_run(config, Path.cwd(), opened, "FINISHED", outcome)
         summarize(config, runs, report, None, outcome)
         return {"outcome": outcome, "release_id": existing["release_id"], "published": False}
 
@@ -209,24 +219,30 @@ def _release(config: ReleaseConfig) -> dict:
     if not report["passed"]:
         reason = failed_reason(report)
         release.finish_mlflow_run(config, Path.cwd(), recorded, "FAILED", f"gates failed: {reason}")
-        summarize(config, runs, report, recorded, "FAILED: a gate did not pass")
+        outcome = "FAILED: a gate did not pass"
+        summarize(config, runs, report, recorded, outcome, release.release_notes(config, Path.cwd(), report, recorded, trigger,
+                                                                               "refused: a gate did not pass"))
         raise GateFailed(f"release {config.data.month} not published: {reason}")
     if config.publish.dry_run:
-        release.finish_mlflow_run(config, Path.cwd(), recorded, "FINISHED", "dry run: gates passed, nothing published")
-        summarize(config, runs, report, recorded, "dry run: gates passed, nothing published")
+        outcome = "dry run: gates passed, nothing published"
+        release.finish_mlflow_run(config, Path.cwd(), recorded, "FINISHED", outcome)
+        summarize(config, runs, report, recorded, outcome, release.release_notes(config, Path.cwd(), report, recorded,
+                                                                                trigger, outcome))
         return {"outcome": "dry run", "mlflow_run_id": recorded.run_id, "published": False}
 
     # Registry commit + tag + remote push, pipeline outputs pushed, champion moved: all or nothing.
+    notes = release.release_notes(config, Path.cwd(), report, recorded, trigger,
+                                  f"published as champion (MLflow model version {recorded.version})")
     with transaction() as txn:
         txn.set("config", config)
         txn.set("registry", config.publish.registry_dir)
         txn.set("version", recorded.version)
-        published = publish_to_registry(config, recorded)
+        published = publish_to_registry(config, recorded, notes)
         push_pipeline_outputs()
         if not published.already:  # the registry already names an identical release: its version stays champion
             promote(config, recorded)
     release.finish_mlflow_run(config, Path.cwd(), recorded, "FINISHED", f"published {published.release_id}")
-    summarize(config, runs, report, recorded, f"published {published.release_id} as champion")
+    summarize(config, runs, report, recorded, f"published {published.release_id} as champion", notes)
     return {"outcome": "published", "release_id": published.release_id, "mlflow_run_id": recorded.run_id,
             "model_version": recorded.version, "tag": published.tag, "published": True}
 

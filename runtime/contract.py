@@ -46,6 +46,7 @@ CACHE_KEY_FILE = "cache_key.json"  # what the engine was built from; its presenc
 REGISTRY_CHANNELS = "channels.json"  # alias -> month
 REGISTRY_RELEASES = "releases"  # one release directory per published month, and the index
 REGISTRY_INDEX = f"{REGISTRY_RELEASES}/index.json"  # month -> release id, adapter sha256, headline metrics
+RELEASE_NOTES = "RELEASE_NOTES.md"  # beside each published release: releases/<month>.RELEASE_NOTES.md
 
 
 def registry_release_path(month: str) -> str:

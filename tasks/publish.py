@@ -6,6 +6,7 @@ Layout (names: ``runtime/contract.py``; the device side, ``runtime/pull.py``, re
   files live in the DVC remote;
 - ``releases/index.json`` month -> release id, adapter sha256, headline metrics, MLflow version;
 - ``channels.json`` alias -> month, e.g. ``{"champion": "2026-11"}``;
+- ``releases/<month>.RELEASE_NOTES.md`` what the release changed and measured (``tasks/release_notes.py``);
 - a tag ``release/<month>`` on the commit that published the month.
 
 ``.dvc/config`` in the registry names the remote, so ``dvc get <registry> releases/<month>``
@@ -28,7 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.contract import REGISTRY_CHANNELS, REGISTRY_INDEX, REGISTRY_RELEASES, registry_release_path, release_tag
+from runtime.contract import (REGISTRY_CHANNELS, REGISTRY_INDEX, REGISTRY_RELEASES, RELEASE_NOTES, registry_release_path,
+                              release_tag)
 from tasks.artifacts import write_json
 from tasks.config import StageError
 from tasks.pipeline import DVC_ENV, REMOTE_NAME, remote_url
@@ -144,22 +146,29 @@ def tag_exists(registry: Path, tag: str) -> bool:
     return bool(_git(registry, "tag", "--list", tag))
 
 
+def release_notes_path(month: str) -> str:
+    """The month's release notes in the registry, beside its release directory (git-tracked, not DVC)."""
+    return f"{registry_release_path(month)}.{RELEASE_NOTES}"
+
+
 def publish_release(registry_dir: Path, release_dir: Path, month: str, entry: dict, champion: bool,
-                    force: bool = False, lineage: Path | None = None) -> Published:
+                    force: bool = False, lineage: Path | None = None, notes: str | None = None) -> Published:
     """Commit ``release_dir`` as ``releases/<month>``, tag it, push its files, and (``champion``)
     point the champion channel at it. ``entry`` must hold ``release_id`` and ``adapter_sha256``.
     ``lineage`` (the pipeline's ``dvc.lock``) is committed beside it as ``releases/<month>.dvc.lock``:
-    the exact code, parameters and data hashes that produced the release.
+    the exact code, parameters and data hashes that produced the release. ``notes`` (markdown) are
+    committed as ``release_notes_path(month)``.
 
     The same release published twice is reported, not repeated; a different release for a
     month already published is refused unless ``force``.
     """
     with registry_lock(registry_dir):
-        return _publish_locked(Path(registry_dir).resolve(), Path(release_dir), month, entry, champion, force, lineage)
+        return _publish_locked(Path(registry_dir).resolve(), Path(release_dir), month, entry, champion, force, lineage,
+                               notes)
 
 
 def _publish_locked(registry: Path, release_dir: Path, month: str, entry: dict, champion: bool, force: bool,
-                    lineage: Path | None) -> Published:
+                    lineage: Path | None, notes: str | None) -> Published:
     tag = release_tag(month)
     previous = _head(registry)
     previous_tag = _git(registry, "rev-list", "-n", "1", tag) if tag_exists(registry, tag) else None
@@ -180,6 +189,8 @@ def _publish_locked(registry: Path, release_dir: Path, month: str, entry: dict, 
         _dvc(registry, "add", "-q", registry_release_path(month))
         if lineage is not None:
             shutil.copyfile(lineage, registry / f"{registry_release_path(month)}.dvc.lock")
+        if notes is not None:
+            (registry / release_notes_path(month)).write_text(notes)
         index = read_index(registry)
         index[month] = entry
         write_json(registry / REGISTRY_INDEX, index)
@@ -204,6 +215,7 @@ def rollback(registry_dir: Path, previous_head: str, month: str, previous_tag: s
     registry = Path(registry_dir).resolve()
     tag = release_tag(month)
     _git(registry, "reset", "-q", "--hard", previous_head)
+    _git(registry, "clean", "-fq", "--", release_notes_path(month))  # notes written but never committed
     if previous_tag is not None:
         _git(registry, "tag", "-f", tag, previous_tag)
     elif tag_exists(registry, tag):

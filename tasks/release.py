@@ -6,7 +6,10 @@ here so it can be tested without Prefect. The stages themselves are ``dvc.yaml``
 
 from __future__ import annotations
 
+import contextlib
+import csv
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from tasks.base_model import CARD
 from tasks.config import ReleaseConfig
 from tasks.gates import accuracy_measure, gate_report, package_gates, render_gate_table, scored_metrics
 from tasks.pipeline import StageRun, push_outputs
+from tasks.plots import KV_BITS_PNG, KV_GRID_CSV, LATENCY_CSV, LATENCY_PNG, LOSS_CSV, LOSS_PNG, VAL_LOSS_CSV
 from runtime.contract import ADAPTER_WEIGHTS, KV_SCALES_JSON, MANIFEST
 
 GATES_STAGE, PACKAGE_STAGE = "gates", "package"
@@ -61,9 +65,10 @@ def stage_outputs(cfg: ReleaseConfig, stage: str) -> tuple[dict[str, float], lis
     files = {
         "base_model": ([layout.base_model_dir / CARD], []),
         "compile": ([layout.engine_build_file], []),
-        "finetune": ([finetune / "train_metrics.json"], [finetune / "loss.png", finetune / "loss.csv"]),
+        "finetune": ([finetune / "train_metrics.json"], [finetune / LOSS_PNG, finetune / LOSS_CSV, finetune / VAL_LOSS_CSV]),
         "calibrate": ([], [layout.kv_dir / KV_SCALES_JSON]),
-        "evaluate": ([layout.metrics_file], [evaluation / "report.md", evaluation / "latency.csv", evaluation / "kv_grid.csv"]),
+        "evaluate": ([layout.metrics_file], [evaluation / "report.md", *(evaluation / name for name in (
+            LATENCY_CSV, LATENCY_PNG, KV_GRID_CSV, KV_BITS_PNG))]),
         "gates": ([], [layout.gates_file]),
         "package": ([layout.package_check_file], [layout.package_release_dir / MANIFEST]),
     }
@@ -72,6 +77,27 @@ def stage_outputs(cfg: ReleaseConfig, stage: str) -> tuple[dict[str, float], lis
     for path in json_files:
         metrics |= flatten_numbers(_read(path))
     return metrics, [p for p in artifacts if p.exists()]
+
+
+def _steps(path: Path) -> list[tuple[int, float]]:
+    """(step, value) rows of a loss CSV: the step column, then the value column."""
+    if not path.exists():
+        return []
+    with open(path, newline="") as fh:
+        rows = list(csv.reader(fh))[1:]
+    return [(int(step), float(value)) for step, value in rows]
+
+
+def stage_histories(cfg: ReleaseConfig, stage: str) -> dict[str, list[tuple[int, float]]]:
+    """Per-step metric histories of a stage's run: the training losses its CSVs hold."""
+    if stage == "finetune":
+        found = {"train_loss": _steps(cfg.layout.finetune_dir / LOSS_CSV),
+                 "val_loss": _steps(cfg.layout.finetune_dir / VAL_LOSS_CSV)}
+    elif stage == "base_model":  # the embedded base's pre-training; a user's checkpoint has none
+        found = {"pretrain_loss": _steps(Path(cfg.base_model.path) / f"pretrain_{LOSS_CSV}")}
+    else:
+        found = {}
+    return {name: points for name, points in found.items() if points}
 
 
 def headline_metrics(cfg: ReleaseConfig, runs: list[StageRun], report: dict) -> dict[str, float]:
@@ -112,7 +138,8 @@ def record_in_mlflow(cfg: ReleaseConfig, root: Path, runs: list[StageRun], repor
     parent = tracking.start_release_run(client, experiment_id, cfg, git_revision(root)["git_revision"], flow_run)
     for run in runs:
         metrics, artifacts = stage_outputs(cfg, run.name)
-        tracking.log_stage_run(client, experiment_id, parent, run.name, run.reproduced, run.seconds, metrics, artifacts)
+        tracking.log_stage_run(client, experiment_id, parent, run.name, run.reproduced, run.seconds, metrics, artifacts,
+                               stage_histories(cfg, run.name), run.started, run.ended)
     gate_metrics = {}
     for g in report["gates"]:
         gate_metrics[f"gate.{g['name']}.passed"] = float(g["passed"])
@@ -138,6 +165,31 @@ def record_in_mlflow(cfg: ReleaseConfig, root: Path, runs: list[StageRun], repor
     if "accuracy_measure" in report:  # which accuracy the gates read: changed_rules or overall
         client.set_tag(parent, "accuracy_measure", report["accuracy_measure"])
     return Recorded(parent, experiment_id, version, client.tracking_uri)
+
+
+@contextlib.contextmanager
+def live_run(cfg: ReleaseConfig, root: Path, flow_run: str | None) -> Iterator[Recorded]:
+    """The release's parent MLflow run, open (RUNNING, with system metrics) while the block runs.
+
+    Opened when the flow starts, so the MLflow UI shows a run in progress; ``record_in_mlflow``
+    finds it again by the flow run's tag. A block that raises leaves it FAILED with the error; one
+    that returns without finishing it (nothing to record) leaves it FINISHED.
+    """
+    from tasks import tracking
+    from tasks.package import git_revision
+
+    client, experiment_id = tracking.client_for(cfg.publish, root)
+    run_id = tracking.start_release_run(client, experiment_id, cfg, git_revision(root)["git_revision"], flow_run)
+    opened = Recorded(run_id, experiment_id, None, client.tracking_uri)
+    try:
+        with tracking.system_metrics(run_id, client.tracking_uri):
+            yield opened
+    except BaseException as err:
+        if client.get_run(run_id).info.status == "RUNNING":
+            finish_mlflow_run(cfg, root, opened, "FAILED", f"{type(err).__name__}: {err}")
+        raise
+    if client.get_run(run_id).info.status == "RUNNING":
+        finish_mlflow_run(cfg, root, opened, "FINISHED", "nothing recorded")
 
 
 def finish_mlflow_run(cfg: ReleaseConfig, root: Path, recorded: Recorded, status: str, note: str) -> None:
@@ -200,9 +252,17 @@ def reconcile_published(cfg: ReleaseConfig, root: Path, entry: dict) -> list[str
     return repairs
 
 
+def release_notes(cfg: ReleaseConfig, root: Path, report: dict, recorded: Recorded, trigger: dict, outcome: str) -> str:
+    """This month's release notes (``tasks/release_notes.py``) with the run's MLflow run and git revision."""
+    from tasks.package import git_revision
+    from tasks.release_notes import render_release_notes
+
+    return render_release_notes(cfg, root, report, outcome, trigger, recorded.run_id, git_revision(root)["git_revision"])
+
+
 def summary_markdown(cfg: ReleaseConfig, runs: list[StageRun], report: dict, recorded: Recorded | None,
-                     outcome: str) -> str:
-    """The run summary Prefect shows as an artifact: outcome, gates, metrics, where things are."""
+                     outcome: str, notes: str | None = None) -> str:
+    """The run summary Prefect shows as an artifact: outcome, gates, metrics, where things are, the release notes."""
     lines = [f"# Monthly release {cfg.data.month}: {outcome}", ""]
     lines += ["## Gates", ""]
     if report.get("accuracy_measure") == "overall":
@@ -223,4 +283,6 @@ def summary_markdown(cfg: ReleaseConfig, runs: list[StageRun], report: dict, rec
             lines.append(f"- model `{cfg.publish.model_name}` version {recorded.version}")
     lines.append(f"- release directory `{cfg.layout.package_release_dir}`; registry `{Path(cfg.publish.registry_dir).resolve()}` "
                  f"tag `release/{cfg.data.month}`")
+    if notes is not None:
+        lines += ["", notes.replace("\n# ", "\n## ")]
     return "\n".join(lines) + "\n"

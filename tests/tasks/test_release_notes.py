@@ -1,0 +1,78 @@
+"""Release notes read from the stage outputs: the champion comparison, quantization, latency, package, provenance,
+and for a refused candidate the gate that failed with its value and threshold."""
+
+import uuid
+
+import pytest
+
+from tasks.artifacts import write_json
+from tasks.config import ReleaseConfig
+from tasks.gates import Gate, gate_report
+from tasks.release_notes import describe_trigger, render_release_notes
+
+TRIGGER = {"by": "the deployment's schedule", "flow_run": "brave-otter (1234)", "url": "http://127.0.0.1:4200/runs/flow-run/1234"}
+
+
+def write(path, payload):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, payload)
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    cfg = ReleaseConfig.model_validate({"data": {"month": "2026-12"}, "train": {"output_dir": str(tmp_path / "artifacts")}})
+    scored = {"accuracy": 0.99, "accuracy_new": 0.98, "accuracy_regression": 1.0,
+              "decode_latency": {"p50_ms": 1.25, "p95_ms": 2.5, "steps": 256}}
+    write(cfg.layout.metrics_file, {
+        "month": "2026-12", "changed_rules": ["bridge", "shift"], "adapter": {"count": 600}, "adapter_on_engine": scored,
+        "kv_cache": {"accuracy_drop": 0.005, "ppl_increase_pct": 0.25, "bytes_per_token": 512, "compression_vs_fp16": 4.0,
+                     "grid": [{"config": "release (K4cs/V4ts)"}], "on_engine": {"accuracy_drop": 0.0, "ppl_increase_pct": -0.5}},
+    })
+    return cfg
+
+
+def gates(passed: bool) -> dict:
+    return gate_report([
+        Gate("accuracy_new", 0.98, 0.95, ">=", True, "changed rules"),
+        Gate("decode_p95_ms", 2.5, 1.0 if not passed else 50.0, "<=", passed, "one decode step"),
+    ])
+
+
+def test_published_notes_compare_with_the_champion_and_name_the_run(cfg, tmp_path):
+    report = gates(True) | {"champion": {"month": "2026-11", "accuracy_new": 0.96, "accuracy_regression": 1.0,
+                                         "accuracy": 0.985}}
+    write(cfg.layout.package_check_file, {"package_bytes": 123_456, "pct_of_base": 1.5, "base_bytes": 8_230_400})
+    notes = render_release_notes(cfg, tmp_path, report, "published as champion", TRIGGER, "run-abc", "deadbeef")
+    assert notes.startswith("# Release notes 2026-12\n\n**published as champion**")
+    assert "Rules changed since the base model's rule book (2026-10): bridge, shift." in notes
+    assert "| metric | this candidate | champion 2026-11 | change |" in notes
+    assert "| accuracy, changed rules | 98.0% | 96.0% | +2.0 points |" in notes
+    assert "| accuracy, unchanged rules | 100.0% | 100.0% | +0.0 points |" in notes
+    assert "KV cache, release (K4cs/V4ts): accuracy -0.50 points, held-out perplexity +0.25%" in notes
+    assert "(on the engine: +0.00 points, -0.50%)" in notes and "Weights: fp32 (not quantized)." in notes
+    assert "p50 1.25 ms, p95 2.50 ms over 256 steps (threshold p95 <= 50.0 ms)" in notes
+    assert "123,456 bytes, 1.5% of the base model's 8,230,400 bytes." in notes
+    assert f"Triggered by the deployment's schedule; flow run brave-otter (1234): {TRIGGER['url']}." in notes
+    assert "MLflow run `run-abc`" in notes and "git revision `deadbeef`" in notes
+    assert "Refused" not in notes
+
+
+def test_a_refused_candidate_names_the_failed_gate_its_value_and_threshold(cfg, tmp_path):
+    notes = render_release_notes(cfg, tmp_path, gates(False) | {"champion": None}, "refused", TRIGGER, "run-abc", "deadbeef")
+    assert "Refused by the gates: decode_p95_ms = 2.5 (needs <= 1: one decode step)." in notes
+    assert "No champion before this one" in notes and "## Package" not in notes
+
+
+def test_the_trigger_says_schedule_person_or_local_run():
+    from prefect.client.schemas.objects import CreatedBy, FlowRun
+
+    def run(**fields):
+        return FlowRun(id=uuid.uuid4(), name="brave-otter", flow_id=uuid.uuid4(), **fields)
+
+    scheduled = run(auto_scheduled=True, deployment_id=uuid.uuid4())
+    assert describe_trigger(scheduled, "http://ui/runs/1") == {
+        "by": "the deployment's schedule", "flow_run": f"brave-otter ({scheduled.id})", "url": "http://ui/runs/1"}
+    assert describe_trigger(run(deployment_id=uuid.uuid4()), None)["by"].startswith("a person: a run of the deployment")
+    by_user = run(deployment_id=uuid.uuid4(), created_by=CreatedBy(type="USER", display_value="ana@example.com"))
+    assert describe_trigger(by_user, None)["by"] == "ana@example.com (user), by hand"
+    assert "make release" in describe_trigger(run(), None)["by"]
