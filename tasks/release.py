@@ -148,6 +148,10 @@ def record_in_mlflow(cfg: ReleaseConfig, root: Path, runs: list[StageRun], repor
         if isinstance(g["threshold"], (int, float)):
             gate_metrics[f"gate.{g['name']}.threshold"] = float(g["threshold"])
     tracking.log_metrics(client, parent, headline_metrics(cfg, runs, report) | gate_metrics)
+    # The fine-tuning curves on the parent too, where a reviewer opens the release (once: a retry adds no point).
+    for name, points in stage_histories(cfg, "finetune").items():
+        if not client.get_metric_history(parent, name):
+            tracking.log_history(client, parent, name, points)
     client.log_text(parent, render_gate_table(report), "gate_report.md")
     client.log_dict(parent, report, "gate_report.json")
     version = None
