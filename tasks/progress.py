@@ -41,10 +41,10 @@ class Progress:
 
     def advance(self, n: int = 1, **values: float) -> None:
         """``n`` more done; ``values`` (a loss, say) are shown beside the bar and reported."""
-        self.bar.update(n)
-        if values:
+        if values:  # before the update, which redraws: the bar shows this step's values
             self.values.update(values)
             self.bar.set_postfix({k: _number(v) for k, v in self.values.items()}, refresh=False)
+        self.bar.update(n)
         done = self.bar.n >= self.total
         if self._last_report is None or done or time.monotonic() - self._last_report >= REPORT_INTERVAL_S:
             self._report()
