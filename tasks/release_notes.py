@@ -32,7 +32,9 @@ def describe_trigger(flow_run, ui_url: str | None) -> dict:
         by = "a person: a run of the deployment created in the Prefect UI or through its API"
     else:
         by = "a person: `make release` / `python -m flows.monthly_release`"
-    return {"by": by, "flow_run": f"{flow_run.name} ({flow_run.id})", "url": ui_url}
+    # Without a UI (ephemeral Prefect: `make release`) Prefect builds the URL from an unset base: "None/flow-runs/...".
+    url = ui_url if ui_url and ui_url.startswith(("http://", "https://")) else None
+    return {"by": by, "flow_run": f"{flow_run.name} ({flow_run.id})", "url": url}
 
 
 def _data_hash(root: Path) -> str | None:
@@ -102,7 +104,7 @@ def render_release_notes(cfg: ReleaseConfig, root: Path, report: dict, outcome: 
                      f"held-out perplexity {kv['ppl_increase_pct']:+.2f}% against the float cache"
                      + (f" (on the engine: {_lost(on_engine['accuracy_drop'])}, {on_engine['ppl_increase_pct']:+.2f}%)"
                         if on_engine else "")
-                     + f"; {kv['bytes_per_token']} bytes per token, {kv['compression_vs_fp16']:.2f}x fewer than fp16.")
+                     + f"; {kv['bytes_per_token']:,.0f} bytes per token, {kv['compression_vs_fp16']:.2f}x fewer than fp16.")
     else:
         lines.append("- KV cache: float (not quantized).")
     weights = metrics.get("weights_gate")

@@ -25,7 +25,7 @@ def cfg(tmp_path):
               "decode_latency": {"p50_ms": 1.25, "p95_ms": 2.5, "steps": 256}}
     write(cfg.layout.metrics_file, {
         "month": "2026-12", "changed_rules": ["bridge", "shift"], "adapter": {"count": 600}, "adapter_on_engine": scored,
-        "kv_cache": {"accuracy_drop": 0.005, "ppl_increase_pct": 0.25, "bytes_per_token": 512, "compression_vs_fp16": 4.0,
+        "kv_cache": {"accuracy_drop": 0.005, "ppl_increase_pct": 0.25, "bytes_per_token": 617.03, "compression_vs_fp16": 4.0,
                      "grid": [{"config": "release (K4cs/V4ts)"}], "on_engine": {"accuracy_drop": 0.0, "ppl_increase_pct": -0.5}},
     })
     return cfg
@@ -49,7 +49,7 @@ def test_published_notes_compare_with_the_champion_and_name_the_run(cfg, tmp_pat
     assert "| accuracy, changed rules | 98.0% | 96.0% | +2.0 points |" in notes
     assert "| accuracy, unchanged rules | 100.0% | 100.0% | +0.0 points |" in notes
     assert "KV cache, release (K4cs/V4ts): accuracy -0.50 points, held-out perplexity +0.25%" in notes
-    assert "(on the engine: +0.00 points, -0.50%)" in notes and "Weights: fp32 (not quantized)." in notes
+    assert "(on the engine: +0.00 points, -0.50%); 617 bytes per token, 4.00x fewer than fp16." in notes and "Weights: fp32 (not quantized)." in notes
     assert "p50 1.25 ms, p95 2.50 ms over 256 steps (threshold p95 <= 50.0 ms)" in notes
     assert "123,456 bytes, 1.5% of the base model's 8,230,400 bytes." in notes
     assert f"Triggered by the deployment's schedule; flow run brave-otter (1234): {TRIGGER['url']}." in notes
@@ -73,6 +73,7 @@ def test_the_trigger_says_schedule_person_or_local_run():
     assert describe_trigger(scheduled, "http://ui/runs/1") == {
         "by": "the deployment's schedule", "flow_run": f"brave-otter ({scheduled.id})", "url": "http://ui/runs/1"}
     assert describe_trigger(run(deployment_id=uuid.uuid4()), None)["by"].startswith("a person: a run of the deployment")
+    assert describe_trigger(scheduled, "None/flow-runs/flow-run/1")["url"] is None  # ephemeral Prefect has no UI
     by_user = run(deployment_id=uuid.uuid4(), created_by=CreatedBy(type="USER", display_value="ana@example.com"))
     assert describe_trigger(by_user, None)["by"] == "ana@example.com (user), by hand"
     assert "make release" in describe_trigger(run(), None)["by"]
