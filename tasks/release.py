@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -288,5 +289,5 @@ def summary_markdown(cfg: ReleaseConfig, runs: list[StageRun], report: dict, rec
     lines.append(f"- release directory `{cfg.layout.package_release_dir}`; registry `{Path(cfg.publish.registry_dir).resolve()}` "
                  f"tag `release/{cfg.data.month}`")
     if notes is not None:
-        lines += ["", notes.replace("\n# ", "\n## ")]
+        lines += ["", re.sub(r"^(#+) ", r"#\1 ", notes, flags=re.MULTILINE)]  # a section of the summary
     return "\n".join(lines) + "\n"

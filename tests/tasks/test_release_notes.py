@@ -77,3 +77,14 @@ def test_the_trigger_says_schedule_person_or_local_run():
     by_user = run(deployment_id=uuid.uuid4(), created_by=CreatedBy(type="USER", display_value="ana@example.com"))
     assert describe_trigger(by_user, None)["by"] == "ana@example.com (user), by hand"
     assert "make release" in describe_trigger(run(), None)["by"]
+
+
+def test_the_summary_artifact_carries_the_notes_as_its_last_section(cfg, tmp_path):
+    from tasks.release import summary_markdown
+
+    report = gates(False) | {"champion": None}
+    notes = render_release_notes(cfg, tmp_path, report, "refused", TRIGGER, "run-abc", "deadbeef")
+    summary = summary_markdown(cfg, [], report, None, "FAILED: a gate did not pass", notes)
+    assert summary.startswith("# Monthly release 2026-12: FAILED: a gate did not pass\n")
+    notes_section = summary[summary.index("## Release notes 2026-12"):]
+    assert "### Against the champion" in notes_section and "Refused by the gates: decode_p95_ms = 2.5" in notes_section
