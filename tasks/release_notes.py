@@ -14,6 +14,7 @@ import yaml
 
 from runtime.contract import MANIFEST
 from tasks.config import ReleaseConfig
+from tasks.data import RULEBOOK
 from tasks.gates import failed_reason, scored_metrics
 
 COMPARED = (("accuracy_new", "accuracy, changed rules"), ("accuracy_regression", "accuracy, unchanged rules"),
@@ -47,6 +48,22 @@ def _data_hash(root: Path) -> str | None:
 
 def _read(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def rule_changes(this_month: Path, champion_month: Path) -> list[str] | None:
+    """What each rule changed between two months' ``rulebook.json`` (``tasks/data.py``), e.g.
+    ``shift: threshold 40 -> 55``; None when either month has no rule book (a user's own rows)."""
+    books = [Path(d) / RULEBOOK for d in (champion_month, this_month)]
+    if not all(b.exists() for b in books):
+        return None
+    before, after = (json.loads(b.read_text())["rules"] for b in books)
+    changes = []
+    for name in sorted(set(before) | set(after)):
+        old, new = before.get(name, {}), after.get(name, {})
+        fields = [f"{k} {old.get(k)} -> {new.get(k)}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+        if fields:
+            changes.append(f"{name}: {', '.join(fields)}")
+    return changes
 
 
 def _pct(value: float | None) -> str:
@@ -88,12 +105,18 @@ def render_release_notes(cfg: ReleaseConfig, root: Path, report: dict, outcome: 
                      f"{', '.join(changed)}.")
     elif changed is not None:
         lines.append("- No rule is marked changed in the test rows: accuracy is gated overall.")
+    champion = report.get("champion")
+    if champion is not None:
+        changes = rule_changes(layout.data_dir, layout.data_dir.parent / champion["month"])
+        if changes is not None:
+            lines.append(f"- Rules changed since the champion ({champion['month']}): "
+                         + ("; ".join(changes) if changes else "none") + ".")
     source = f"your rows from `{cfg.data.jsonl_dir}`" if cfg.data.jsonl_dir else f"the embedded generator (seed {cfg.data.seed})"
     data_hash = _data_hash(root)
     lines.append(f"- Data: {source}, {metrics.get('adapter', {}).get('count', 'n/a')} test rows"
                  + (f"; `{layout.data_dir}` md5 {data_hash} (dvc.lock)." if data_hash else "."))
 
-    lines += ["", "## Against the champion", ""] + champion_table(scored, report.get("champion"))
+    lines += ["", "## Against the champion", ""] + champion_table(scored, champion)
 
     lines += ["", "## Quantization", ""]
     kv = metrics.get("kv_cache")

@@ -20,7 +20,8 @@ def write(path, payload):
 
 @pytest.fixture
 def cfg(tmp_path):
-    cfg = ReleaseConfig.model_validate({"data": {"month": "2026-12"}, "train": {"output_dir": str(tmp_path / "artifacts")}})
+    cfg = ReleaseConfig.model_validate({"data": {"month": "2026-12", "dir": str(tmp_path / "data")},
+                                        "train": {"output_dir": str(tmp_path / "artifacts")}})
     scored = {"accuracy": 0.99, "accuracy_new": 0.98, "accuracy_regression": 1.0,
               "decode_latency": {"p50_ms": 1.25, "p95_ms": 2.5, "steps": 256}}
     write(cfg.layout.metrics_file, {
@@ -55,6 +56,22 @@ def test_published_notes_compare_with_the_champion_and_name_the_run(cfg, tmp_pat
     assert f"Triggered by the deployment's schedule; flow run brave-otter (1234): {TRIGGER['url']}." in notes
     assert "MLflow run `run-abc`" in notes and "git revision `deadbeef`" in notes
     assert "Refused" not in notes
+
+
+def test_the_notes_name_the_rules_changed_since_the_champions_month(cfg, tmp_path):
+    from tasks.config import DataConfig
+    from tasks.data import generate_month, rulebook
+
+    small = {"train_size": 16, "val_size": 8, "calib_size": 8, "test_size": 16, "heldout_lines": 4}
+    for month in ("2026-11", "2026-12"):
+        generate_month(DataConfig(month=month, **small), "2026-10", tmp_path / "data" / month)
+    before, after = (rulebook(m, DataConfig().seed, DataConfig().rules_changed_per_month) for m in ("2026-11", "2026-12"))
+    changed = sorted(name for name in after if after[name] != before[name])
+    assert changed  # each month edits some rules
+    report = gates(True) | {"champion": {"month": "2026-11", "accuracy_new": 0.96}}
+    notes = render_release_notes(cfg, tmp_path, report, "published", TRIGGER, "run-abc", "deadbeef")
+    line = next(x for x in notes.splitlines() if x.startswith("- Rules changed since the champion (2026-11): "))
+    assert [part.split(":")[0] for part in line.split(": ", 1)[1].rstrip(".").split("; ")] == changed
 
 
 def test_a_refused_candidate_names_the_failed_gate_its_value_and_threshold(cfg, tmp_path):
