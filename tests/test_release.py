@@ -59,6 +59,25 @@ def parent_runs(client, month):
     return [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
 
 
+def record_again(root, parent):
+    """What a retry of the flow's `record` task does, for the flow run that recorded ``parent``."""
+    script = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from tasks import release\n"
+        "from tasks.config import load_config\n"
+        "from tasks.pipeline import StageRun, stage_names\n"
+        "cfg = load_config('params.yaml')\n"
+        "runs = [StageRun(name, True, 1.0, 0.0, 1.0) for name in stage_names(Path.cwd())]\n"
+        "recorded = release.record_in_mlflow(cfg, Path.cwd(), runs, release.full_gate_report(cfg), sys.argv[1])\n"
+        "print(json.dumps([recorded.run_id, recorded.version]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, parent.data.tags["prefect_flow_run_id"]], cwd=root, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [parent.info.run_id, "1"]
+
+
 def test_first_month_publishes_and_records_everything(project):
     root = project["root"]
     done = run_flow(project, "first")
@@ -94,6 +113,31 @@ def test_first_month_publishes_and_records_everything(project):
     champion = client.get_model_version_by_alias(MODEL, "champion")
     assert str(champion.version) == "1" and champion.run_id == parent.info.run_id
     assert str(client.get_model_version_by_alias(MODEL, "candidate").version) == "1"
+    # The loss as metric history, one point per logged step; stage runs span the stage's real wall time.
+    finetune = next(c for c in children if c.data.tags["stage"] == "finetune")
+    params = yaml.safe_load((root / "params.yaml").read_text())["train"]
+    train_loss = client.get_metric_history(finetune.info.run_id, "train_loss")
+    assert sorted(m.step for m in train_loss) == list(range(1, params["steps"] + 1))
+    val_loss = client.get_metric_history(finetune.info.run_id, "val_loss")
+    assert sorted(m.step for m in val_loss) == list(range(params["eval_every"], params["steps"] + 1, params["eval_every"]))
+    assert sorted(m.step for m in client.get_metric_history(parent.info.run_id, "train_loss")) == \
+        sorted(m.step for m in train_loss)  # the same curve on the parent, where a reviewer looks first
+    assert finetune.info.end_time - finetune.info.start_time == pytest.approx(1000 * finetune.data.metrics["seconds"], abs=1500)
+    assert parent.info.start_time <= finetune.info.start_time and finetune.info.end_time <= parent.info.end_time
+    assert any(name.startswith("system/") for name in parent.data.metrics)  # MLflow system metrics while it ran
+    # Release notes beside the release in the registry: the first month has no champion to compare with.
+    notes = (root / "registry" / "releases" / "2026-11.RELEASE_NOTES.md").read_text()
+    assert "No champion before this one" in notes and parent.info.run_id in notes
+    assert "Rules changed since the base model's rule book" in notes and "crack, tombstone" in notes
+
+    # `record` retried (Prefect retries it) for the same flow run: the same parent run and model version.
+    record_again(root, parent)
+    (again,) = parent_runs(client, "2026-11")
+    assert again.info.run_id == parent.info.run_id
+    assert [str(v.version) for v in client.search_model_versions(f"name = '{MODEL}'")] == ["1"]
+    assert len(client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")) == \
+        len(children)
+    assert len(client.get_metric_history(finetune.info.run_id, "train_loss")) == params["steps"]
 
     # The registry names it champion; the DVC remote holds it; DVC says the pipeline is up to date.
     registry = root / "registry"
@@ -122,7 +166,11 @@ def test_second_run_with_nothing_changed_recomputes_and_publishes_nothing(projec
     assert done.returncode == 0, done.stderr[-4000:]
     assert "already published" in done.stdout
     assert metrics_file.stat().st_mtime_ns == before
-    assert len(parent_runs(mlflow_client(root), "2026-11")) == 1
+    # The second run was visible in MLflow while it ran, and says it found the release published; no new version.
+    client = mlflow_client(root)
+    first, second = parent_runs(client, "2026-11")
+    assert second.info.status == "FINISHED" and second.data.tags["outcome"].startswith("already published")
+    assert [str(v.version) for v in client.search_model_versions(f"name = '{MODEL}'")] == ["1"]
     assert git(root / "registry", "rev-list", "--count", "HEAD") == "2"  # set-up and one release
     assert project["seconds"]["second"] <= 0.25 * project["seconds"]["first"]
 
@@ -164,6 +212,11 @@ def test_next_month_reuses_the_engine_and_becomes_champion(project):
     champion_gate = next(g for g in json.loads((root / "artifacts" / "2026-12" / "gates" / "gates.json").read_text())["gates"]
                          if g["name"] == "accuracy_new_vs_champion")
     assert champion_gate["op"] == ">=" and "2026-11" in champion_gate["detail"]
+    # Its release notes compare it with the champion it replaces.
+    notes = (root / "registry" / "releases" / "2026-12.RELEASE_NOTES.md").read_text()
+    assert "| metric | this candidate | champion 2026-11 | change |" in notes and "| accuracy, changed rules |" in notes
+    assert "- Rules changed since the champion (2026-11): " in notes
+    assert latest.info.run_id in notes and "2026-12.RELEASE_NOTES.md" in git(root / "registry", "ls-files", "releases")
 
 
 def test_a_real_prefect_server_runs_the_deployment_with_other_parameters(project):
