@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from tasks.publish import PublishError, ensure_registry, publish_release, read_channels, read_index, rollback
+from tasks.publish import (PublishError, ensure_registry, publish_release, read_channels, read_index, release_notes_path,
+                           rollback)
 
 
 def package(tmp_path, name: str, payload: bytes):
@@ -65,8 +66,12 @@ def test_another_adapter_for_a_published_month_needs_force(tmp_path, registry):
 
 def test_rollback_leaves_no_trace_of_the_release(tmp_path, registry):
     first = publish_release(registry, package(tmp_path, "r1", b"weights-1"), "2026-11", entry("r1", "aaa"), champion=True)
-    second = publish_release(registry, package(tmp_path, "r2", b"weights-2"), "2026-12", entry("r2", "bbb"), champion=True)
+    second = publish_release(registry, package(tmp_path, "r2", b"weights-2"), "2026-12", entry("r2", "bbb"), champion=True,
+                             notes="# Release notes 2026-12\n")
+    notes = registry / release_notes_path("2026-12")
+    assert notes.read_text() == "# Release notes 2026-12\n" and git(registry, "ls-files", str(notes)) != ""
     rollback(registry, second.previous_head, "2026-12", second.previous_tag)
+    assert not notes.exists()
     assert git(registry, "rev-parse", "HEAD") == first.commit
     assert git(registry, "tag", "--list") == "release/2026-11"
     assert read_channels(registry) == {"champion": "2026-11"}
