@@ -7,14 +7,19 @@
     python -m runtime serve --engine DIR --package DIR --trusted-key PUB [--tokenizer DIR]
                             [--port 8080] [--host 127.0.0.1] [--watch DIR]
                             [--candidate DIR --canary-share F] [--max-resident N]
-                            [--admin-token-file FILE --release-dir DIR ...] (python -m runtime serve --help)
+                            [--admin-token-file FILE --release-dir DIR ...]
+                            [--state-dir DIR [--health-window S]] (python -m runtime serve --help)
+    python -m runtime state --state-dir DIR       the device state: active, previous, high-water mark, reverts
+    python -m runtime rollback --state-dir DIR    (serve stopped) the previous release becomes the active one
+                                                  and the high-water mark comes down to it: a local, explicit act
 
 Trust and paths may come from a device config file instead (``--device-config FILE``, JSON;
 relative paths are relative to the file); flags add to it or override it:
 
     {"trusted_keys": ["keys/release_signing.pub"], "engine": "engine", "tokenizer": "models/base",
      "backend": "onnxruntime", "threads": 2, "max_package_bytes": 268435456,
-     "admin_token_file": "admin.token", "release_dirs": ["releases"], "max_resident": 3, "canary_share": 0.0}
+     "admin_token_file": "admin.token", "release_dirs": ["releases"], "max_resident": 3, "canary_share": 0.0,
+     "state_dir": "/var/lib/adapter", "health_window": 30}
 
 Exit codes: 0 success, 1 crash (a bug), 2 bad usage or device configuration, 30 the registry
 could not give the release, and one code per refusal of ``runtime.package.EXIT_CODES``:
@@ -32,6 +37,7 @@ import sys
 from pathlib import Path
 
 from runtime.errors import RefusedInput
+from runtime.health import DEFAULT_HEALTH_WINDOW_S
 from runtime.http_app import DECODE_MODES, DEFAULT_MAX_CONCURRENT, ServeSettings
 from runtime.package import DEFAULT_MAX_PACKAGE_BYTES, EXIT_CODES, PackageError
 from runtime.residents import CANDIDATE, CHANNELS, DEFAULT_MAX_RESIDENT
@@ -50,7 +56,8 @@ def device_settings(args) -> dict:
     """Settings from ``--device-config`` (if any) overlaid with the flags given."""
     settings = {"trusted_keys": [], "engine": None, "tokenizer": None, "backend": "onnxruntime", "threads": 2,
                 "max_package_bytes": DEFAULT_MAX_PACKAGE_BYTES, "admin_token_file": None, "release_dirs": [],
-                "max_resident": DEFAULT_MAX_RESIDENT, "canary_share": 0.0}
+                "max_resident": DEFAULT_MAX_RESIDENT, "canary_share": 0.0, "state_dir": None,
+                "health_window": DEFAULT_HEALTH_WINDOW_S}
     if args.device_config is not None:
         path = Path(args.device_config)
         try:
@@ -60,15 +67,15 @@ def device_settings(args) -> dict:
         unknown = sorted(set(raw) - set(settings))
         if unknown:
             raise DeviceConfigError(f"{path}: unknown key(s) {unknown}; known: {sorted(settings)}")
-        for key in ("engine", "tokenizer", "admin_token_file"):
+        for key in ("engine", "tokenizer", "admin_token_file", "state_dir"):
             if raw.get(key) is not None:
                 raw[key] = str(path.parent / raw[key])
         for key in ("trusted_keys", "release_dirs"):
             raw[key] = [str(path.parent / k) for k in raw.get(key, [])]
         settings |= raw
-    settings["trusted_keys"] = list(settings["trusted_keys"]) + list(args.trusted_key or [])
+    settings["trusted_keys"] = list(settings["trusted_keys"]) + list(getattr(args, "trusted_key", None) or [])
     settings["release_dirs"] = list(settings["release_dirs"]) + list(getattr(args, "release_dir", None) or [])
-    for key in ("engine", "tokenizer", "admin_token_file", "max_resident", "canary_share"):
+    for key in ("engine", "tokenizer", "admin_token_file", "max_resident", "canary_share", "state_dir", "health_window"):
         if getattr(args, key, None) is not None:
             settings[key] = getattr(args, key)
     return settings
@@ -148,8 +155,10 @@ def cmd_serve(args, settings) -> int:
             raise DeviceConfigError("serve needs --tokenizer: the base model's directory (with tokenizer.json); "
                                     f"the engine {settings['engine']} does not hold one")
         settings["tokenizer"] = str(default)
-    if args.package is None and args.watch is None:
-        raise DeviceConfigError("serve needs --package DIR (or --watch DIR to wait for one)")
+    state = _open_state(settings)
+    if args.package is None and args.watch is None and (state is None or state.record.active is None):
+        raise DeviceConfigError("serve needs --package DIR (or --watch DIR to wait for one, or a --state-dir "
+                                "holding an active release)")
     if args.candidate is not None and args.package is None:
         raise DeviceConfigError("--candidate needs --package: a candidate is compared with the champion")
     max_resident, canary_share = _resident_settings(settings)
@@ -164,11 +173,48 @@ def cmd_serve(args, settings) -> int:
     engine = open_engine(settings["engine"], settings["backend"], threads=settings["threads"])
     app = AdapterServer(engine, DeviceTokenizer(settings["tokenizer"]), keys, settings["max_package_bytes"],
                         max_resident)
+    if state is not None:
+        from runtime.health import ReleaseGate
+
+        ReleaseGate(app, state, settings["health_window"]).resume()
     if args.package is not None:
         app.load(args.package)
     if args.candidate is not None:
         app.load(args.candidate, channel=CANDIDATE)
     return serve(app, serve_settings, args.host, args.port, Path(args.watch) if args.watch else None, args.watch_interval)
+
+
+def _open_state(settings):
+    """The device state of ``state_dir`` (None without one), ``health_window`` checked."""
+    window = settings["health_window"]
+    if type(window) not in (int, float) or window < 0:
+        raise DeviceConfigError(f"health_window (--health-window) {window!r}: seconds, 0 or more")
+    if settings["state_dir"] is None:
+        return None
+    from runtime.device_state import DeviceState
+
+    return DeviceState(settings["state_dir"])
+
+
+def _named_state(settings):
+    state = _open_state(settings)
+    if state is None:
+        raise DeviceConfigError("needs --state-dir DIR (or state_dir in the device config)")
+    return state
+
+
+def cmd_state(args, settings) -> int:
+    from dataclasses import asdict
+
+    print(json.dumps(asdict(_named_state(settings).record), indent=2, sort_keys=True))
+    return 0
+
+
+def cmd_rollback(args, settings) -> int:
+    from dataclasses import asdict
+
+    print(json.dumps(asdict(_named_state(settings).rollback()), indent=2, sort_keys=True))
+    return 0
 
 
 def _admin_token(path) -> str | None:
@@ -250,7 +296,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--keep-alive", type=int, default=d.keep_alive_s, metavar="S", help="idle keep-alive connections close after this")
     s.add_argument("--graceful-shutdown", type=int, default=d.graceful_shutdown_s, metavar="S",
                    help="on SIGTERM, stop accepting and give requests in flight this long to finish")
+    s.add_argument("--state-dir", metavar="DIR", default=argparse.SUPPRESS,
+                   help="device state (device config state_dir): the active and previous releases kept, the "
+                   "high-water mark; a restart resumes from it, and every new champion is health-checked")
+    s.add_argument("--health-window", type=float, default=argparse.SUPPRESS, metavar="S",
+                   help="with --state-dir: after a new champion's probes pass, a request failing on it within "
+                   f"this many seconds reverts it; 0 commits after the probes (default {DEFAULT_HEALTH_WINDOW_S:g})")
     s.set_defaults(run=cmd_serve)
+
+    state_only = argparse.ArgumentParser(add_help=False)
+    state_only.add_argument("--device-config", metavar="FILE", help="device config JSON (its state_dir)")
+    state_only.add_argument("--state-dir", metavar="DIR", default=argparse.SUPPRESS, help="the serve --state-dir")
+    sub.add_parser("state", parents=[state_only], help="print the device state of a state directory"
+                   ).set_defaults(run=cmd_state)
+    sub.add_parser("rollback", parents=[state_only], help="with serve stopped: make the previous release the active "
+                   "one and lower the high-water mark to it (the release left is remembered as reverted)"
+                   ).set_defaults(run=cmd_rollback)
     return parser
 
 

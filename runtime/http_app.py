@@ -76,7 +76,8 @@ DECODE_MODES = ("batched", "fork")
 # of 16 rows costs little more than one of 1 on CPU, since the weights are read once per step. Fork: one
 # per core of the session's threads, since each fork's steps contend for the same threads.
 DEFAULT_MAX_CONCURRENT = {"batched": 16, "fork": 2}
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/adapters", "/v1/adapters/promote",
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+ENDPOINTS = (*GENERATION_ENDPOINTS, "/v1/models", "/v1/adapters", "/v1/adapters/promote",
              "/v1/adapters/unload", "/healthz", "/ready", "/metrics")
 
 
@@ -465,6 +466,8 @@ class RequestLog:
             endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
             self.metrics.requests.labels(endpoint, str(status)).inc()
             self.metrics.request_seconds.labels(endpoint).observe(seconds)
+            if status == 500 and endpoint in GENERATION_ENDPOINTS and scope["state"].get("release_id"):
+                self.metrics.generation_errors.labels(scope["state"]["release_id"]).inc()  # a health trial watches it
             log.info("request", extra={"fields": {
                 "request_id": request_id, "method": scope["method"], "path": scope["path"], "status": status,
                 "duration_s": round(seconds, 6), "release_id": scope["state"].get("release_id")}})

@@ -2,8 +2,9 @@
 
 Every value is a counter, a gauge or a fixed-bucket histogram: memory stays bounded however long
 the device runs. Labels are bounded too: endpoints and statuses are the server's own, refusal
-reasons are ``runtime.package.EXIT_CODES``'s, channels ``runtime.residents``'s, and the request
-counter's ``release_id`` grows by one per release served. What describes the resident releases
+reasons are ``runtime.package.EXIT_CODES``'s, channels ``runtime.residents``'s, revert reasons and
+champion states ``runtime.device_state``'s, and the request and generation-error counters' ``release_id``
+grows by one per release served. What describes the resident releases
 (``release_info``, seconds to expiry, the resident count) is read from the resident set at each
 scrape (``ResidentCollector``), so an unloaded release leaves no series behind.
 """
@@ -18,6 +19,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import GaugeMetricFamily
 
 from runtime.contract import parse_time
+from runtime.device_state import REVERT_REASONS
 from runtime.residents import UNLOAD_REASONS
 
 PREFIX = "adapter"
@@ -79,6 +81,15 @@ class ServerMetrics:
         self.batch_rows = Histogram(f"{PREFIX}_decode_batch_rows", "Rows decoded together per batched decode step",
                                     buckets=BATCH_ROW_BUCKETS, registry=r)
         self.refusals = Counter(f"{PREFIX}_refusals", "Releases refused, by reason", ["reason"], registry=r)
+        self.generation_errors = Counter(f"{PREFIX}_generation_errors", "Generation requests that failed (500), by "
+                                         "the release they ran on", ["release_id"], registry=r)
+        self.commits = Counter(f"{PREFIX}_release_commits", "New champions committed by their health check", registry=r)
+        self.reverts = Counter(f"{PREFIX}_release_reverts", "New champions the device reverted, by reason", ["reason"],
+                               registry=r)
+        for reason in REVERT_REASONS:
+            self.reverts.labels(reason)
+        self.champion_state = Gauge(f"{PREFIX}_champion_state", "The champion's health state (1: this one): none, "
+                                    "trial, committed, failed; absent without a state directory", ["state"], registry=r)
         r.register(ResidentCollector(residents))
 
     def loaded(self, seconds: float) -> None:

@@ -18,7 +18,13 @@ rank, modules, shapes, finite values (``runtime.adapter.load_adapter``) -> KV-sc
 
 Rollback protection: a candidate whose release id sorts before the active release's
 (``runtime.contract.release_order``) is refused unless rollback is explicitly allowed; the same
-release again is accepted.
+release again is accepted. A serving device with a state directory passes the higher of its
+champion and its high-water mark (``runtime.device_state``).
+
+Health probes: ``probes`` in the manifest (covered by the signature) lists up to MAX_PROBES test
+prompts with the answer the evaluated engine gave, ``{"prompt", "expected", "max_tokens"}``;
+``release_probes`` reads them. A manifest without the field (releases packaged before probes
+existed) has none, and a device then commits it on its error window alone (``runtime.health``).
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ DATA_SUFFIXES = (".json", ".safetensors")  # data formats only: no pickle, no co
 DEFAULT_MAX_PACKAGE_BYTES = 256 << 20
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_FILES = 16
+MAX_PROBES, MAX_PROBE_TOKENS = 16, 256  # a health check of a few greedy answers, not a second evaluation
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -138,6 +145,12 @@ class ExpiredRelease(PackageError):
 
 class TokenizerMismatch(PackageError):
     reason, exit_code = "tokenizer_mismatch", 22
+
+
+class RevertedRelease(PackageError):
+    """A release this device reverted after its health check failed (``runtime.device_state``)."""
+
+    reason, exit_code = "reverted", 23
 
 
 EXIT_CODES = {cls.reason: cls.exit_code for cls in PackageError.__subclasses__()}
@@ -292,6 +305,7 @@ def _check_manifest_fields(m: dict, where: Path) -> None:
     need("signing_key_id", str)
     if "kv_format" not in m or not (m["kv_format"] is None or isinstance(m["kv_format"], dict)):
         problems.append("kv_format: must be a KV spec object or null")
+    problems += _probe_problems(m.get("probes", []))
     if not problems:
         if not m["release_id"].startswith(m["month"] + "+"):
             problems.append(f"release_id {m['release_id']} is not of month {m['month']}")
@@ -308,6 +322,34 @@ def _check_manifest_fields(m: dict, where: Path) -> None:
                 problems.append(f"files: {name} is required but not listed")
     if problems:
         raise MalformedPackage(f"{where}: invalid manifest:\n  - " + "\n  - ".join(problems))
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A signed health probe: greedy ``max_tokens`` on ``prompt`` must give ``expected`` (whitespace-trimmed,
+    the exact match of the evaluate stage)."""
+
+    prompt: str
+    expected: str
+    max_tokens: int
+
+
+def _probe_problems(probes) -> list[str]:
+    if not isinstance(probes, list) or len(probes) > MAX_PROBES:
+        return [f"probes: a list of at most {MAX_PROBES} probe objects (got {probes!r:.80})"]
+    problems = []
+    for i, probe in enumerate(probes):
+        if not (isinstance(probe, dict) and set(probe) == {"prompt", "expected", "max_tokens"}
+                and isinstance(probe["prompt"], str) and probe["prompt"] and isinstance(probe["expected"], str)
+                and type(probe["max_tokens"]) is int and 1 <= probe["max_tokens"] <= MAX_PROBE_TOKENS):
+            problems.append(f"probes[{i}]: needs exactly prompt (non-empty), expected (string) and max_tokens "
+                            f"(1 to {MAX_PROBE_TOKENS}) (got {probe!r:.80})")
+    return problems
+
+
+def release_probes(manifest: dict) -> tuple[Probe, ...]:
+    """The probes of a verified manifest; none for a manifest without the field."""
+    return tuple(Probe(**p) for p in manifest.get("probes", []))
 
 
 def _parses(text: str) -> bool:

@@ -25,6 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from runtime.batcher import BatchedGeneration, Batcher
 from runtime.contract import MANIFEST
@@ -40,6 +41,9 @@ from runtime.package import (
     verify_release,
 )
 from runtime.residents import CANDIDATE, CHAMPION, DEFAULT_MAX_RESIDENT, ResidentSet
+
+if TYPE_CHECKING:
+    from runtime.health import ReleaseGate
 
 log = logging.getLogger(__name__)
 
@@ -68,25 +72,30 @@ class AdapterServer:
         # One scheduler for every release's batch; None where the cache cannot be merged (fp16 sink tokens).
         self.batcher = (Batcher(tokenizer.stop_ids, tokenizer.pad_id, self.metrics)
                         if getattr(engine, "merges_caches", False) else None)
+        self.gate: ReleaseGate | None = None  # set by runtime.health.ReleaseGate: the state directory and its trials
 
     @property
     def active(self) -> ActiveRelease | None:
         """The champion: what a request that names no model gets."""
         return self.residents.champion
 
-    def load(self, path: str | Path, allow_rollback: bool = False, channel: str = CHAMPION) -> dict:
+    def load(self, path: str | Path, allow_rollback: bool = False, channel: str = CHAMPION, trial: bool = True) -> dict:
         """Verify the release at ``path``, bind it to a new handle, make it resident on ``channel``
-        (never older than the champion, unless ``allow_rollback``); raise PackageError or ResidencyError."""
+        (never older than the champion, nor than the state's high-water mark, unless ``allow_rollback``);
+        raise PackageError or ResidencyError. With a state directory (``gate``) a new champion starts its
+        health trial unless ``trial`` is False (the device's own resume and revert)."""
         start = time.perf_counter()
         champion = self.residents.champion
         try:
             with unpacked_release(path, self.max_bytes) as d:
                 verified = verify_release(
                     d, self.trusted_keys, self.engine.interface,
-                    active_release=champion.release_id if champion else None, allow_rollback=allow_rollback,
-                    max_bytes=self.max_bytes, tokenizer_sha256=self.tokenizer.sha256,
+                    active_release=self.gate.floor(champion) if self.gate else champion and champion.release_id,
+                    allow_rollback=allow_rollback, max_bytes=self.max_bytes, tokenizer_sha256=self.tokenizer.sha256,
                     stop_token_ids=self.tokenizer.stop_ids,
                 )
+                if self.gate is not None:
+                    self.gate.admit(d, verified)
             handle = self.engine.fork()
             bind_release(handle, verified)  # the arrays are copied into ORT values: the files may go
             flip = time.perf_counter()
@@ -104,6 +113,8 @@ class AdapterServer:
         except PackageError as err:
             self.metrics.refusals.labels(err.reason).inc()
             raise
+        if self.gate is not None and channel == CHAMPION and trial:
+            self.gate.begin(release)
         swap_ms, activate_ms = (done - start) * 1e3, (done - flip) * 1e3
         log.info("%s %s (activation %d) in %.1f ms", channel, verified.release_id, release.activation, swap_ms)
         return {"release_id": verified.release_id, "channel": channel, "activation": release.activation,
@@ -116,6 +127,8 @@ class AdapterServer:
         without a candidate."""
         champion, previous = self.residents.promote()
         self.metrics.promotions.inc()
+        if self.gate is not None:
+            self.gate.begin(champion)
         log.info("promoted %s to champion (was %s)", champion.release_id, previous.release_id)
         return {"champion": champion.release_id, "previous": previous.release_id, "resident": self.resident_summary()}
 
@@ -149,7 +162,8 @@ class AdapterServer:
         champion, candidate = self.residents.champion, self.residents.candidate
         return {"status": "ok" if champion else "no_release", **release_card(champion),
                 "candidate": release_card(candidate) if candidate else None,
-                "resident": len(self.residents.listing()), "weights": self.engine.interface.weight_precision}
+                "resident": len(self.residents.listing()), "weights": self.engine.interface.weight_precision} | \
+            ({"device_state": self.gate.summary()} if self.gate else {})
 
 
 def release_card(release: ActiveRelease | None) -> dict:

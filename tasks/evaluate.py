@@ -21,7 +21,7 @@ from tasks.base_model import load_base_model
 from tasks.cli import stage_main
 from tasks.config import EngineConfig, EvalConfig, ReleaseConfig, WeightAccuracyDrop
 from tasks.data import HELDOUT_TEXT, Example, read_jsonl, read_text_corpus
-from tasks.layout import METRICS_FILE, serving_engine_dir
+from tasks.layout import METRICS_FILE, PREDICTIONS_FILE, serving_engine_dir
 from tasks.plots import (KV_BITS_PNG, KV_GRID_CSV, LATENCY_CSV, LATENCY_PNG, kv_bits_figure, latency_figure, read_rows,
                          save_figure)
 from tasks.progress import Progress
@@ -362,7 +362,7 @@ def evaluate(
             _write_csv(tmp / KV_GRID_CSV, list(grid[0]), [row.values() for row in grid])
             save_figure(kv_bits_figure(read_rows(tmp / KV_GRID_CSV), f"Quantized KV cache, {month}"), tmp / KV_BITS_PNG)
         (tmp / "report.md").write_text(render_table(metrics))
-        with open(tmp / "predictions.jsonl", "w") as fh:
+        with open(tmp / PREDICTIONS_FILE, "w") as fh:
             for i, (ex, b, a) in enumerate(zip(test, base_predictions, adapter_predictions)):
                 row = {**ex.to_json(), "base": b, "adapter": a}
                 if engine_predictions is not None:

@@ -39,6 +39,7 @@ KV_ENGINE = "kv"  # the quantized-KV engine's folder inside the float engine's
 FINETUNE, KV, EVAL, GATES, PACKAGE = "finetune", "kv", "eval", "gates", "package"  # a month's stage folders
 ADAPTER_DIR = "adapter"  # in finetune/
 METRICS_FILE = "metrics.json"  # in eval/
+PREDICTIONS_FILE = "predictions.jsonl"  # in eval/: each test row with the base's, the adapter's and the engine's answer
 GATES_FILE = "gates.json"  # in gates/
 RELEASE_DIR, CHECK_FILE = "release", "check.json"  # in package/
 

@@ -10,6 +10,10 @@ refused, exit 2). The stage writes ``artifacts/<month>/package/``:
   check.json        post-package checks for the gates: size against the base, the device's own
                     verification, and one generation through the device's verify + load path
 
+The manifest carries health probes (``runtime.health``): the first PROBE_COUNT test rows of the
+evaluation's ``predictions.jsonl`` that the serving engine answered right, each with the test
+split's answer as the expected one; a device runs them after each swap and reverts on a mismatch.
+
 The signing key is ``publish.signing_key`` (PEM) or the file named by the environment variable
 ``RELEASE_SIGNING_KEY``; when neither exists the key is created at ``publish.signing_key``
 (mode 0600) with its public half beside it (``.pub``, PEM), the file devices are given to trust.
@@ -26,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from runtime.contract import (
@@ -43,11 +48,12 @@ from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
 from runtime.tokenizer import DeviceTokenizer
 from tasks.config import ReleaseConfig, StageError
-from tasks.layout import CHECK_FILE, RELEASE_DIR
+from tasks.layout import CHECK_FILE, PREDICTIONS_FILE, RELEASE_DIR
 
 SIGNING_KEY_ENV = "RELEASE_SIGNING_KEY"
 TARBALL = "release.tar.gz"
 FALLBACK_PROMPT = "inspect board=PCB-1000 line=L1 part=R1 temp_c=240 defect=bridge bridge_um=10 verdict:"
+PROBE_COUNT = 4  # a few seconds of greedy decode on a device, enough to catch a release that is not itself there
 
 
 class PackageRefused(StageError):
@@ -75,6 +81,27 @@ def read_gates(path: Path) -> dict:
         detail = ", ".join(f"{g['name']} ({g.get('value')} {g.get('op', '')} {g.get('threshold')})" for g in failed)
         raise PackageRefused(f"{path}: gates did not pass{': ' + detail if detail else ''}; nothing is packaged")
     return report
+
+
+def select_probes(predictions: Path, max_tokens: int, count: int = PROBE_COUNT) -> list[dict]:
+    """The manifest's probes: the first ``count`` test rows whose answer on the serving engine
+    (``adapter_on_engine``) was the test split's (whitespace-trimmed), so a device reproduces it."""
+    predictions = Path(predictions)
+    if not predictions.exists():
+        raise PackageRefused(f"{predictions} is missing: run python -m tasks.evaluate first")
+    probes = []
+    with open(predictions) as fh:
+        for lineno, line in enumerate(fh, 1):
+            try:
+                row = json.loads(line)
+                prompt, expected, on_engine = row["prompt"], row["completion"], row.get("adapter_on_engine")
+            except (ValueError, KeyError, TypeError) as err:
+                raise PackageRefused(f"{predictions}:{lineno}: not a prediction row ({err})") from None
+            if isinstance(on_engine, str) and on_engine.strip() == expected.strip():
+                probes.append({"prompt": prompt, "expected": expected, "max_tokens": max_tokens})
+            if len(probes) == count:
+                break
+    return probes
 
 
 def gate_verdicts(report: dict) -> dict:
@@ -144,7 +171,7 @@ def resolve_signing_key(setting: str | Path):
 # ---------------------------------------------------------------- the package
 
 def build_manifest(release_dir: Path, month: str, created: dt.datetime, expiry_days: int, iface, metrics: dict,
-                   gates: dict, key_id: str, tokenizer, pipeline: dict) -> dict:
+                   gates: dict, key_id: str, tokenizer, pipeline: dict, probes: list[dict]) -> dict:
     from runtime.contract import FORMAT, FORMAT_VERSION, format_time, make_release_id
 
     provenance = json.loads((release_dir / PROVENANCE).read_text())
@@ -175,6 +202,7 @@ def build_manifest(release_dir: Path, month: str, created: dt.datetime, expiry_d
         "gates": gates,
         "files": files,
         "pipeline": pipeline | {"params_hash": provenance.get("params_hash")},
+        "probes": probes,
         "signing_key_id": key_id,
     }
 
@@ -234,6 +262,7 @@ def build_release(
     max_new_tokens: int = 8,
     now: dt.datetime | None = None,
     repo_dir: Path | None = None,
+    probes: Sequence[dict] = (),
 ) -> Path:
     """Package, sign, archive and check one release into ``out_dir`` (replaced as a whole); return it."""
     from runtime.interface import read_interface
@@ -260,7 +289,7 @@ def build_release(
         for name in KV_SCALES_FILES if kv_dir is not None else ():
             shutil.copyfile(Path(kv_dir) / name, release / name)
         manifest = build_manifest(release, month, created, expiry_days, iface, metrics, gates,
-                                  key_id(private.public_key()), tokenizer, git_revision(repo_dir))
+                                  key_id(private.public_key()), tokenizer, git_revision(repo_dir), list(probes))
         data = manifest_bytes(manifest)
         (release / MANIFEST).write_bytes(data)
         (release / SIGNATURE).write_bytes(sign(private, data))
@@ -317,6 +346,7 @@ def run_stage(cfg: ReleaseConfig) -> Path:
         threads=cfg.engine.threads,
         prompt=_first_test_prompt(layout.data_dir),
         max_new_tokens=cfg.eval.max_new_tokens,
+        probes=select_probes(layout.eval_dir / PREDICTIONS_FILE, cfg.eval.max_new_tokens),
     )
 
 

@@ -2,7 +2,8 @@
 
 ``running_server`` starts ``runtime.http_server.BackgroundServer`` (uvicorn in a thread, a free loopback
 port) on the tiny world's engine, tokenizer and key, with the admin API on (``ADMIN_TOKEN``), the
-given release directories and at most ``max_resident`` resident releases. ``scrape`` reads ``/metrics`` with ``prometheus_client``'s own parser.
+given release directories and at most ``max_resident`` resident releases; with ``state_dir``, the device state
+and health-gated commit of ``runtime.health`` (``health_window`` seconds), resumed from that directory. ``scrape`` reads ``/metrics`` with ``prometheus_client``'s own parser.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.backends.onnxruntime import OrtEngine
+from runtime.device_state import DeviceState
+from runtime.health import ReleaseGate
 from runtime.http_app import ServeSettings
 from runtime.http_server import BackgroundServer
 from runtime.package import load_trusted_keys
@@ -27,9 +30,12 @@ PROMPT = "inspect board=PCB-3310 line=L1 part=R12 temp_c=251 defect=void void_pc
 
 
 @contextlib.contextmanager
-def running_server(w, release_dirs=(), tokenizer=None, max_resident=DEFAULT_MAX_RESIDENT, **settings):
+def running_server(w, release_dirs=(), tokenizer=None, max_resident=DEFAULT_MAX_RESIDENT, state_dir=None,
+                   health_window=0.0, **settings):
     app = AdapterServer(OrtEngine(w["engine"], threads=1), DeviceTokenizer(tokenizer or w["tokenizer"]),
                         load_trusted_keys([w["trusted_key"]]), max_resident=max_resident)
+    if state_dir is not None:
+        ReleaseGate(app, DeviceState(state_dir), health_window).resume()
     config = ServeSettings(**({"admin_token": ADMIN_TOKEN,
                                "release_dirs": tuple(Path(d).resolve() for d in release_dirs)} | settings))
     with BackgroundServer(app, config) as background:

@@ -1,0 +1,228 @@
+"""What a device remembers across restarts: its releases and its rollback protection, in ``--state-dir``.
+
+    DIR/state.json             the record below, replaced atomically
+    DIR/releases/<release id>/ verified copies of the active and the previous release (and of a
+                               resident candidate), so a restart needs no network and no --package
+
+``state.json`` (sorted keys)::
+
+    {"format_version": 1,
+     "active": "2026-11+20261130T120000Z",   the champion (null before the first release)
+     "status": "committed",                  "trial" while its health check runs, then "committed";
+                                             "failed" when its check failed with nothing to revert to
+     "previous": "2026-10+...",              the last committed champion before it: the revert target
+     "high_water": "2026-11+...",            the highest release ever committed: nothing older is accepted
+     "reverted": {"2026-12+...": {"reason": "probe_mismatch", "detail": "...", "at": "2026-12-01T10:00:00Z"}},
+     "last_check": {"release_id", "result": "committed" | "reverted" | "failed", "reason", "detail", "at"},
+     "updated_at": "..."}
+
+A release raises the high-water mark once its health check commits it (``runtime.health``), so a
+release that was reverted never lifted the floor above the one the device went back to. A reverted
+release id is never loaded again as champion (``RevertedRelease``): a fixed build has a new id.
+
+Every write goes through ``atomic_write``: a temporary file in the same folder, fsync, rename over the
+old file, fsync of the folder. A power cut at any point leaves the old record or the new one, never a
+mix: a stray temporary file is ignored and removed at the next start. A release copy is complete and
+fsynced (and verified again from its copied bytes) before the record names it. A record that cannot be
+read or does not hold these fields is an error naming the file, never silently reset: rebuilding
+trust from nothing is an operator's act (``python -m runtime rollback``, or removing the folder).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shutil
+import threading
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from runtime.contract import RELEASE_ID, format_time, release_order
+from runtime.errors import RefusedInput
+
+STATE_FILE = "state.json"
+STATE_RELEASES = "releases"
+STATE_FORMAT_VERSION = 1
+TRIAL, COMMITTED, FAILED = "trial", "committed", "failed"
+STATUSES = (TRIAL, COMMITTED, FAILED)
+CHAMPION_STATES = ("none",) + STATUSES  # the champion_state gauge's labels: "none" without a release
+# Why a health check reverted a champion: a probe answered otherwise, a probe could not run, or a request
+# on the new champion failed (500) within the window.
+REVERT_REASONS = ("probe_mismatch", "probe_error", "generation_errors")
+_TEMP_PREFIX = ".tmp-"
+
+
+class StateError(RefusedInput):
+    """A state directory this device cannot trust or use; the CLI exits 2 (device configuration)."""
+
+    exit_code = 2
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that a crash at any point leaves the old bytes or the new ones."""
+    tmp = path.with_name(f"{_TEMP_PREFIX}{path.name}-{os.getpid()}-{threading.get_ident()}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+@dataclass(frozen=True)
+class StateRecord:
+    active: str | None = None
+    status: str | None = None
+    previous: str | None = None
+    high_water: str | None = None
+    reverted: dict = field(default_factory=dict)
+    last_check: dict | None = None
+    updated_at: str | None = None
+    format_version: int = STATE_FORMAT_VERSION
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps(asdict(self), indent=2, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def parse(cls, raw: bytes, where: Path) -> StateRecord:
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise StateError(f"{where}: device state is not valid JSON ({err}); it was damaged. Restore it, or "
+                             "remove the state directory to start over (rollback protection starts over too)") from None
+        if not isinstance(data, dict):
+            raise StateError(f"{where}: device state must be a JSON object")
+        problems = []
+        unknown = sorted(set(data) - {f for f in cls.__dataclass_fields__})
+        if unknown:
+            problems.append(f"unknown field(s) {unknown}")
+        if data.get("format_version") != STATE_FORMAT_VERSION:
+            problems.append(f"format_version: this runtime reads {STATE_FORMAT_VERSION} (got {data.get('format_version')!r})")
+        for key in ("active", "previous", "high_water"):
+            value = data.get(key)
+            if value is not None and not (isinstance(value, str) and RELEASE_ID.match(value)):
+                problems.append(f"{key}: a release id or null (got {value!r:.80})")
+        if data.get("status") not in (STATUSES if data.get("active") is not None else (None,)):
+            problems.append(f"status: one of {', '.join(STATUSES)} with an active release, null without "
+                            f"(got {data.get('status')!r:.40})")
+        reverted = data.get("reverted", {})
+        if not isinstance(reverted, dict) or not all(isinstance(v, dict) and isinstance(v.get("reason"), str)
+                                                     for v in reverted.values()):
+            problems.append("reverted: an object of release id -> {reason, detail, at}")
+        if not isinstance(data.get("last_check"), (dict, type(None))):
+            problems.append("last_check: an object or null")
+        if problems:
+            raise StateError(f"{where}: invalid device state:\n  - " + "\n  - ".join(problems))
+        return cls(**{k: data.get(k, getattr(cls(), k)) for k in cls.__dataclass_fields__})
+
+
+class DeviceState:
+    """The state directory: its record (read once, then written through) and its release copies; thread-safe."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.path = self.directory / STATE_FILE
+        self.releases = self.directory / STATE_RELEASES
+        self._lock = threading.RLock()
+        try:
+            self.releases.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise StateError(f"{self.directory}: cannot create the state directory ({err.strerror})") from None
+        for leftover in [*self.directory.glob(_TEMP_PREFIX + "*"), *self.releases.glob(_TEMP_PREFIX + "*")]:
+            _remove(leftover)  # what a crash left half written; the record never names it
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            self.record = StateRecord()
+        except OSError as err:
+            raise StateError(f"{self.path}: cannot read the device state ({err.strerror})") from None
+        else:
+            self.record = StateRecord.parse(raw, self.path)
+        for key in ("active", "previous"):
+            release_id = getattr(self.record, key)
+            if release_id is not None and not self.copy_path(release_id).is_dir():
+                raise StateError(f"{self.path}: the {key} release {release_id} has no copy at "
+                                 f"{self.copy_path(release_id)}; the state directory was damaged")
+
+    def copy_path(self, release_id: str) -> Path:
+        return self.releases / release_id
+
+    def floor(self) -> str | None:
+        """The high-water mark: a release older than this is refused (rollback protection)."""
+        return self.record.high_water
+
+    def reverted(self, release_id: str) -> dict | None:
+        return self.record.reverted.get(release_id)
+
+    def keep(self, release_dir: Path, release_id: str, trusted_keys: dict, max_bytes: int) -> Path:
+        """Copy the verified release at ``release_dir`` into the state directory (fsynced, then verified
+        again from the copied bytes, then renamed into place); its path."""
+        from runtime.package import verify_release
+
+        target = self.copy_path(release_id)
+        with self._lock:
+            if target.is_dir():
+                return target
+            tmp = self.releases / f"{_TEMP_PREFIX}{release_id}-{os.getpid()}"
+            _remove(tmp)
+            tmp.mkdir()
+            for src in sorted(Path(release_dir).iterdir()):
+                with open(src, "rb") as fin, open(tmp / src.name, "wb") as fout:
+                    shutil.copyfileobj(fin, fout)
+                    fout.flush()
+                    os.fsync(fout.fileno())
+            fsync_dir(tmp)
+            verify_release(tmp, trusted_keys, max_bytes=max_bytes)  # the copy is what a restart will trust
+            os.replace(tmp, target)
+            fsync_dir(self.releases)
+            return target
+
+    def write(self, keep: set[str] = frozenset(), **changes) -> StateRecord:
+        """Apply ``changes`` to the record and write it atomically; then remove release copies the record
+        no longer names (``keep``: ids of other resident releases, whose copies stay)."""
+        with self._lock:
+            record = replace(self.record, **changes, updated_at=format_time(dt.datetime.now(dt.timezone.utc)))
+            atomic_write(self.path, record.to_bytes())
+            self.record = record
+            named = {record.active, record.previous} | set(keep)
+            for copy in self.releases.iterdir():
+                if copy.name not in named and not copy.name.startswith(_TEMP_PREFIX):
+                    _remove(copy)
+            return record
+
+    def rollback(self) -> StateRecord:
+        """The operator's rollback (the server stopped): the previous release becomes the active one, the
+        high-water mark comes down to it, and the release left is remembered as reverted by the operator."""
+        with self._lock:
+            record = self.record
+            if record.previous is None:
+                raise StateError(f"{self.path}: no previous release is kept (active: {record.active}); nothing "
+                                 "to roll back to")
+            reverted = record.reverted | {record.active: {
+                "reason": "operator", "detail": "python -m runtime rollback",
+                "at": format_time(dt.datetime.now(dt.timezone.utc))}}
+            return self.write(active=record.previous, status=COMMITTED, previous=None, high_water=record.previous,
+                              reverted=reverted)
+
+
+def newer(a: str | None, b: str | None) -> str | None:
+    """The later of two release ids (None counts as older than any)."""
+    if a is None or b is None:
+        return a or b
+    return a if release_order(a) >= release_order(b) else b
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

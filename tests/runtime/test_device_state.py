@@ -1,0 +1,247 @@
+"""Device state across restarts and health-gated commit: atomic state writes, resume without --package,
+the high-water mark, signed probes that commit or revert, and a damaged state that is named, never reset.
+
+Servers are the real app under uvicorn (``server_testkit.running_server``) or ``python -m runtime serve`` in a
+subprocess, on the tiny world's ONNX Runtime engine. GOOD is B's adapter signed as 2026-12 with a probe whose
+expected answer is B's real greedy answer; BAD is A's adapter signed as 2027-01 with a probe it cannot pass."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from release_testkit import copy_release, resign, world
+from server_testkit import PROMPT, call, complete, manifest_id, running_server, sample, scrape
+
+from runtime.__main__ import main
+from runtime.contract import MANIFEST
+from runtime.device_state import STATE_FILE, DeviceState, StateError, atomic_write
+from runtime.package import MalformedPackage, load_trusted_keys, release_probes, verify_release
+from runtime.server import Watcher
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def w(tmp_path_factory):
+    w = world(tmp_path_factory)
+    stamp = manifest_id(w["b"]).partition("+")[2]
+    with running_server(w) as (app, background):
+        app.load(w["b"])
+        w["text_b"] = complete(background.port)["text"]
+    w["good"] = copy_release(w["b"], w["root"] / "release-2026-12")
+    resign(w["good"], w["key"], month="2026-12", release_id=f"2026-12+{stamp}",
+           probes=[{"prompt": PROMPT, "expected": w["text_b"], "max_tokens": 6}])
+    w["bad"] = copy_release(w["a"], w["root"] / "release-2027-01")
+    resign(w["bad"], w["key"], month="2027-01", release_id="2027-01+" + manifest_id(w["a"]).partition("+")[2],
+           probes=[{"prompt": PROMPT, "expected": w["text_b"] + " and more", "max_tokens": 6}])
+    return w
+
+
+def load(port: int, release: Path) -> tuple[int, dict]:
+    return call(port, "POST", "/v1/adapters", {"path": str(release)})
+
+
+def device_state(port: int) -> dict:
+    return call(port, "GET", "/healthz")[1]["device_state"]
+
+
+# ---------------------------------------------------------------- the state file
+
+def test_a_crash_mid_write_leaves_the_old_or_the_new_state(tmp_path):
+    """A writer killed with SIGKILL at random moments: the record always parses and is one that was written.
+    A temporary file a crash left behind never replaces the record and is removed at the next open."""
+    writer = ("import sys\nfrom runtime.device_state import DeviceState\ns = DeviceState(sys.argv[1])\ni = 0\n"
+              "while True:\n    i += 1\n    s.write(reverted={'2026-01': {'reason': str(i), 'detail': 'x' * 200000}})\n"
+              "    if i == 1:\n        print('written', flush=True)\n")
+    for delay in (0.0, 0.05, 0.1, 0.2, 0.3):
+        proc = subprocess.Popen([sys.executable, "-c", writer, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "written\n"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        record = DeviceState(tmp_path).record.reverted["2026-01"]
+        assert int(record["reason"]) >= 1 and record["detail"] == "x" * 200000
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]  # leftovers cleared
+    state = DeviceState(tmp_path)
+    before = state.path.read_bytes()
+    (tmp_path / f".tmp-{STATE_FILE}-1-1").write_text('{"active": "half wri')  # what a power cut mid-write leaves
+    assert DeviceState(tmp_path).path.read_bytes() == before and len(list(tmp_path.iterdir())) == 2
+    atomic_write(state.path, b"{}")
+    with pytest.raises(StateError, match=f"{state.path}: invalid device state"):
+        DeviceState(tmp_path)
+
+
+def test_a_damaged_state_is_an_error_naming_the_file_never_a_reset(w, tmp_path):
+    path = tmp_path / STATE_FILE
+    path.write_text("{not json")
+    with pytest.raises(StateError, match=f"{path}: device state is not valid JSON"):
+        DeviceState(tmp_path)
+    path.write_text(json.dumps({"format_version": 1, "active": "2026-11", "status": "committed"}))
+    with pytest.raises(StateError, match=r"the active release 2026-11 has no copy at .*releases/2026-11"):
+        DeviceState(tmp_path)
+    path.write_text(json.dumps({"format_version": 1, "active": "soon", "status": "maybe", "extra": 1}))
+    with pytest.raises(StateError) as err:
+        DeviceState(tmp_path)
+    assert all(s in str(err.value) for s in ("unknown field(s) ['extra']", "active: a release id", "status: one of"))
+
+    path.write_text("{not json")
+    done = subprocess.run([sys.executable, "-m", "runtime", "serve", "--engine", str(w["engine"]), "--tokenizer",
+                           str(w["tokenizer"]), "--trusted-key", str(w["trusted_key"]), "--state-dir", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and f"error: {path}: device state is not valid JSON" in done.stderr
+    assert path.read_text() == "{not json"  # left as it was for the operator
+
+
+# ---------------------------------------------------------------- probes in the manifest
+
+def test_probes_are_signed_manifest_fields_and_a_manifest_without_them_loads(w, tmp_path):
+    keys = load_trusted_keys([w["trusted_key"]])
+    assert [p.expected for p in release_probes(verify_release(w["good"], keys).manifest)] == [w["text_b"]]
+    older = copy_release(w["b"], tmp_path / "older")
+    manifest = json.loads((older / MANIFEST).read_text())
+    manifest.pop("probes", None)
+    (older / MANIFEST).write_text(json.dumps(manifest))
+    resign(older, w["key"])
+    assert "probes" not in verify_release(older, keys).manifest and release_probes(manifest) == ()
+    bad = copy_release(w["b"], tmp_path / "bad")
+    resign(bad, w["key"], probes=[{"prompt": "", "expected": "x", "max_tokens": 0}])
+    with pytest.raises(MalformedPackage, match=r"probes\[0\]: needs exactly prompt"):
+        verify_release(bad, keys)
+
+
+# ---------------------------------------------------------------- health-gated commit
+
+def test_probes_that_pass_commit_and_failing_probes_revert_to_the_previous_release(w, tmp_path):
+    state_dir = tmp_path / "state"
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    with running_server(w, release_dirs=(w["root"],), state_dir=state_dir, health_window=0.3) as (app, background):
+        port = background.port
+        assert load(port, w["a"])[0] == 200
+        app.gate.wait(30)
+        assert load(port, w["good"])[0] == 200
+        assert device_state(port)["state"] == "trial"
+        app.gate.wait(30)
+        good, text_good = manifest_id(w["good"]), complete(port)["text"]
+        assert text_good == w["text_b"]
+        state = device_state(port)
+        assert (state["state"], state["release_id"], state["previous"], state["high_water"]) == \
+            ("committed", good, manifest_id(w["a"]), good)
+        assert state["last_check"]["result"] == "committed"
+
+        answers, stop = [], threading.Event()
+
+        def client():  # requests without model through the swap to BAD and the revert
+            while not stop.is_set():
+                answers.append(call(port, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}))
+
+        threads = [threading.Thread(target=client) for _ in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        swapped = time.monotonic()
+        status, body = load(port, w["bad"])
+        app.gate.wait(30)
+        reverted_after = time.monotonic() - swapped
+        time.sleep(0.3)
+        stop.set()
+        for t in threads:
+            t.join()
+
+        assert status == 200 and body["release_id"] == manifest_id(w["bad"]), body  # verified and swapped in: then checked
+        assert reverted_after < 5, reverted_after
+        assert {s for s, _ in answers} == {200}  # no client saw the revert
+        assert {(b["model"], b["choices"][0]["text"]) for _, b in answers[-2:]} == {(good, text_good)}
+        assert complete(port)["text"] == text_good
+        state = device_state(port)
+        assert (state["state"], state["release_id"], state["reverted"]) == ("committed", good, [manifest_id(w["bad"])])
+        assert (state["last_check"]["result"], state["last_check"]["reason"]) == ("reverted", "probe_mismatch")
+        assert "expected" in state["last_check"]["detail"]
+        assert [m["id"] for m in call(port, "GET", "/v1/models")[1]["data"]] == [good, manifest_id(w["a"])]
+
+        status, body = load(port, w["bad"])  # never installed again, through the admin API or the watch mode
+        assert (status, body["reason"], body["exit_code"]) == (422, "reverted", 23)
+        shutil.copytree(w["bad"], inbox / "2027-01")
+        assert [r.get("refused") for r in Watcher(app, inbox).poll_once()] == ["reverted"]
+        samples = scrape(port)
+    assert sample(samples, "adapter_release_commits_total") == 2
+    assert sample(samples, "adapter_release_reverts_total", reason="probe_mismatch") == 1
+    assert sample(samples, "adapter_release_reverts_total", reason="generation_errors") == 0
+    assert sample(samples, "adapter_champion_state", state="committed") == 1
+    assert sample(samples, "adapter_champion_state", state="trial") == 0
+    record = json.loads((state_dir / STATE_FILE).read_text())
+    assert record["reverted"][manifest_id(w["bad"])]["reason"] == "probe_mismatch"
+    assert sorted(p.name for p in (state_dir / "releases").iterdir()) == [manifest_id(w["a"]), good]
+    print(f"\nrevert of a release whose probe fails: {reverted_after:.3f} s after its swap, "
+          f"{len(answers)} requests during it, all 200")
+
+
+def test_the_operator_rolls_back_with_the_rollback_command(w, tmp_path, capsys):
+    state_dir = tmp_path / "state"
+    with running_server(w, state_dir=state_dir) as (app, background):
+        for release in (w["a"], w["b"]):
+            app.load(release)
+            app.gate.wait(30)
+    a, b = manifest_id(w["a"]), manifest_id(w["b"])
+    assert main(["rollback", "--state-dir", str(state_dir)]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert (record["active"], record["high_water"], record["previous"]) == (a, a, None)
+    assert record["reverted"][b]["reason"] == "operator"
+    with running_server(w, release_dirs=(w["root"],), state_dir=state_dir) as (app, background):
+        assert complete(background.port)["release_id"] == a
+        status, body = load(background.port, w["b"])
+        assert (status, body["reason"]) == (422, "reverted")
+    assert main(["rollback", "--state-dir", str(state_dir)]) == 2  # nothing older is kept
+    assert "no previous release is kept" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- restarts
+
+def serve(w, state_dir: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "runtime", "serve", "--engine", str(w["engine"]), "--tokenizer", str(w["tokenizer"]),
+            "--trusted-key", str(w["trusted_key"]), "--port", "0", "--state-dir", str(state_dir), *args]
+
+
+def started(cmd: list[str]) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    ready = json.loads(proc.stdout.readline())
+    return proc, int(ready["listening"].rsplit(":", 1)[1])
+
+
+def test_a_restart_after_sigkill_resumes_the_release_and_refuses_an_older_one(w, tmp_path):
+    state_dir, release = tmp_path / "state", copy_release(w["b"], tmp_path / "2026-11")
+    proc, port = started(serve(w, state_dir, "--package", str(release), "--health-window", "0"))
+    try:
+        deadline = time.monotonic() + 30
+        while device_state(port)["state"] != "committed":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        before = complete(port)
+    finally:
+        proc.kill()  # SIGKILL: no shutdown of any kind
+        proc.wait()
+    shutil.rmtree(release)  # the release folder is gone, and there is no network
+
+    t0 = time.monotonic()
+    proc, port = started(serve(w, state_dir))
+    try:
+        after = complete(port)
+        resumed_s = time.monotonic() - t0
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    assert (after["release_id"], after["text"]) == (before["release_id"], before["text"])
+    assert resumed_s < 5, resumed_s
+
+    older = subprocess.run(serve(w, state_dir, "--package", str(w["a"])), cwd=REPO, capture_output=True, text=True,
+                           timeout=120)
+    assert older.returncode == 20 and f"older than the active release {manifest_id(w['b'])}" in older.stderr
+    print(f"\nrestart with the same state directory: answering {resumed_s:.2f} s after the start")
