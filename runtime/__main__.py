@@ -25,7 +25,7 @@ Exit codes: 0 success, 1 crash (a bug), 2 bad usage or device configuration, 30 
 could not give the release, and one code per refusal of ``runtime.package.EXIT_CODES``:
 10 malformed, 11 checksum, 12 unlisted_file, 13 signature, 14 backbone_mismatch,
 15 interface_mismatch, 16 adapter, 17 kv_scales, 18 size_limit, 19 unsafe_path, 20 rollback,
-21 expired, 22 tokenizer_mismatch.
+21 expired, 22 tokenizer_mismatch, 23 reverted (serve with --state-dir).
 """
 
 from __future__ import annotations

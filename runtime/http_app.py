@@ -4,7 +4,8 @@
                                 top_p, seed, stream (server-sent events ending in ``data: [DONE]``)
     POST /v1/chat/completions   the same for messages, when the tokenizer has a chat template (else 400)
     GET  /v1/models             every resident release: id = release id, month, channel, owned_by
-    GET  /healthz               liveness: always 200, with the champion (or none) and the candidate
+    GET  /healthz               liveness: always 200, with the champion (or none), the candidate and, with a
+                                state directory, the device state (``runtime.health.ReleaseGate.summary``)
     GET  /ready                 200 once a champion is loaded, 503 before
     GET  /metrics               Prometheus text format (``runtime.metrics``)
     POST /v1/adapters           admin: verify, bind and load a release {"path", "channel": "champion" (default,

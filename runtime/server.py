@@ -11,8 +11,11 @@ load, promotion or unload only changes which releases new requests can get (unde
 verification and binding are done), while requests in flight finish on theirs. A release that fails
 verification raises its ``PackageError`` (``reason``, ``exit_code``); the resident ones keep serving.
 
+With a state directory (``gate``: ``runtime.health``), a load is also checked against the high-water
+mark, a release is copied there, and a new champion is health-checked, then committed or reverted.
+
 Watch mode polls a directory for release directories or tarballs and loads as champion any verified
-one newer than the champion (never a rollback). Publish into it atomically (write elsewhere,
+one newer than the champion (never a rollback, nor a release reverted here). Publish into it atomically (write elsewhere,
 then rename), or a half-copied release is refused until its next change.
 
 The HTTP side is ``runtime.http_app`` (routes) and ``runtime.http_server`` (uvicorn).

@@ -9,6 +9,7 @@ refused, exit 2). The stage writes ``artifacts/<month>/package/``:
   release.tar.gz    the same files, reproducible archive
   check.json        post-package checks for the gates: size against the base, the device's own
                     verification, and one generation through the device's verify + load path
+                    (with how many of the manifest's probes it passes, run as a device runs them)
 
 The manifest carries health probes (``runtime.health``): the first PROBE_COUNT test rows of the
 evaluation's ``predictions.jsonl`` that the serving engine answered right, each with the test
@@ -232,7 +233,7 @@ def load_and_query(release_dir: Path, pub_path: Path, engine_dir: Path, backend:
     """Open the serving engine and answer one prompt through the device's verify + load path."""
     from runtime.engine import open_engine
     from runtime.generate import greedy_generate
-    from runtime.package import bind_release, load_trusted_keys, verify_release
+    from runtime.package import bind_release, load_trusted_keys, release_probes, verify_release
 
     start = time.perf_counter()
     engine = open_engine(engine_dir, backend, threads=threads)
@@ -241,8 +242,12 @@ def load_and_query(release_dir: Path, pub_path: Path, engine_dir: Path, backend:
                               stop_token_ids=tok.stop_ids)
     bind_release(engine, verified)
     ids = greedy_generate(engine, [tok.encode(prompt)], max_new_tokens, tok.stop_ids, tok.pad_id)[0]
+    probes = release_probes(verified.manifest)  # one at a time, as a device runs them after a swap
+    passed = sum(tok.decode(greedy_generate(engine, [tok.encode(p.prompt)], p.max_tokens, tok.stop_ids, tok.pad_id)[0])
+                 .strip() == p.expected.strip() for p in probes)
     return {"ok": True, "prompt": prompt, "output": tok.decode(ids), "release_id": verified.release_id,
-            "backend": backend, "seconds": round(time.perf_counter() - start, 3)}
+            "backend": backend, "probes": len(probes), "probes_passed": passed,
+            "seconds": round(time.perf_counter() - start, 3)}
 
 
 def build_release(

@@ -205,20 +205,46 @@ def test_the_operator_rolls_back_with_the_rollback_command(w, tmp_path, capsys):
 
 # ---------------------------------------------------------------- restarts
 
+def test_a_trial_cut_by_a_restart_runs_again_with_the_previous_release_on_standby(w, tmp_path):
+    state_dir = tmp_path / "state"
+    a, good = manifest_id(w["a"]), manifest_id(w["good"])
+    with running_server(w, state_dir=state_dir, health_window=60) as (app, background):
+        app.load(w["b"])  # on trial for 60 s: never committed, so never a revert target
+        app.load(w["a"], allow_rollback=True)  # a local rollback; B's trial ends
+        assert device_state(background.port)["previous"] is None
+    with running_server(w, state_dir=state_dir) as (app, background):  # A's trial runs again: window 0
+        app.gate.wait(30)
+        assert device_state(background.port)["state"] == "committed"
+    with running_server(w, state_dir=state_dir, health_window=60) as (app, background):
+        app.load(w["good"])
+        assert device_state(background.port)["state"] == "trial"
+    record = json.loads((state_dir / STATE_FILE).read_text())
+    assert (record["active"], record["status"], record["previous"], record["high_water"]) == (good, "trial", a, a)
+
+    with running_server(w, state_dir=state_dir) as (app, background):
+        assert [(r.release_id, channel) for r, channel in app.residents.listing()] == [(good, "champion"), (a, "standby")]
+        app.gate.wait(30)
+        assert app.load(w["good"])["release_id"] == good  # committed: loading it again checks nothing new
+        state = device_state(background.port)
+    assert (state["state"], state["high_water"], state["previous"]) == ("committed", good, a)
+
+
 def serve(w, state_dir: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "runtime", "serve", "--engine", str(w["engine"]), "--tokenizer", str(w["tokenizer"]),
             "--trusted-key", str(w["trusted_key"]), "--port", "0", "--state-dir", str(state_dir), *args]
 
 
-def started(cmd: list[str]) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+def started(cmd: list[str], log: Path) -> tuple[subprocess.Popen, int]:
+    with open(log, "a") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
     ready = json.loads(proc.stdout.readline())
     return proc, int(ready["listening"].rsplit(":", 1)[1])
 
 
 def test_a_restart_after_sigkill_resumes_the_release_and_refuses_an_older_one(w, tmp_path):
     state_dir, release = tmp_path / "state", copy_release(w["b"], tmp_path / "2026-11")
-    proc, port = started(serve(w, state_dir, "--package", str(release), "--health-window", "0"))
+    log = tmp_path / "serve.log"
+    proc, port = started(serve(w, state_dir, "--package", str(release), "--health-window", "0"), log)
     try:
         deadline = time.monotonic() + 30
         while device_state(port)["state"] != "committed":
@@ -231,7 +257,7 @@ def test_a_restart_after_sigkill_resumes_the_release_and_refuses_an_older_one(w,
     shutil.rmtree(release)  # the release folder is gone, and there is no network
 
     t0 = time.monotonic()
-    proc, port = started(serve(w, state_dir))
+    proc, port = started(serve(w, state_dir), log)
     try:
         after = complete(port)
         resumed_s = time.monotonic() - t0
@@ -240,6 +266,8 @@ def test_a_restart_after_sigkill_resumes_the_release_and_refuses_an_older_one(w,
         assert proc.wait(timeout=30) == 0
     assert (after["release_id"], after["text"]) == (before["release_id"], before["text"])
     assert resumed_s < 5, resumed_s
+    events = [line for line in map(json.loads, log.read_text().splitlines()) if line.get("event")]
+    assert [(e["event"], e["release_id"]) for e in events] == [("release_committed", manifest_id(w["b"]))]
 
     older = subprocess.run(serve(w, state_dir, "--package", str(w["a"])), cwd=REPO, capture_output=True, text=True,
                            timeout=120)

@@ -23,6 +23,10 @@ GATES = {"passed": True, "gates": [
     {"name": "package_pct_of_base", "value": None, "threshold": 2.0, "op": "<=", "passed": True, "detail": "later"}]}
 
 
+PREDICTIONS = [{"prompt": f"inspect part=R{i} verdict:", "completion": f" {verdict}", "adapter_on_engine": f"{verdict}{tail}"}
+               for i, (verdict, tail) in enumerate([("pass", ""), ("fail", " rework"), ("fail", "\n"), ("pass", " ")])]
+
+
 @pytest.fixture(scope="module")
 def w(tmp_path_factory):
     return world(tmp_path_factory)
@@ -39,6 +43,7 @@ def stage(w, tmp_path, monkeypatch):
     (month / "eval" / "metrics.json").write_text(json.dumps({
         "month": "2026-11", "base": {"accuracy": 0.4, "per_rule": {"void": 0.1}},
         "adapter": {"accuracy": 0.98, "accuracy_new": 0.97, "perplexity": 2.5}}))
+    (month / "eval" / "predictions.jsonl").write_text("".join(json.dumps(row) + "\n" for row in PREDICTIONS))
     params = {"data": {"month": "2026-11", "dir": str(tmp_path / "data")},
               "base_model": {"source": "local", "path": str(w["tokenizer"])},
               "train": {"output_dir": str(tmp_path / "artifacts"), "threads": 1},
@@ -100,6 +105,21 @@ def test_the_stage_packages_signs_and_checks_the_release(w, stage):
     assert manifest["metrics"] == {"adapter": {"accuracy": 0.98, "accuracy_new": 0.97, "perplexity": 2.5},
                                    "base": {"accuracy": 0.4}}
     assert verify_release(release, load_trusted_keys([key.with_suffix(".pub")])).release_id == check["release_id"]
+    # the probes: the test rows the engine answered right (whitespace aside), with the test split's answer
+    assert manifest["probes"] == [{"prompt": PREDICTIONS[i]["prompt"], "expected": PREDICTIONS[i]["completion"],
+                                   "max_tokens": 8} for i in (0, 2, 3)]
+    assert (q["probes"], q["probes_passed"]) == (3, 0)  # these rows were not the tiny world's answers
+
+
+def test_a_missing_or_damaged_predictions_file_is_refused_naming_it(stage, capsys):
+    write_gates(stage["month"], GATES)
+    predictions = stage["month"] / "eval" / "predictions.jsonl"
+    predictions.write_text('{"prompt": "p"}\n')
+    assert main(["--params", str(stage["params"])]) == 2
+    assert f"{predictions}:1: not a prediction row ('completion')" in capsys.readouterr().err
+    predictions.unlink()
+    assert main(["--params", str(stage["params"])]) == 2
+    assert f"{predictions} is missing: run python -m tasks.evaluate first" in capsys.readouterr().err
 
 
 def test_the_same_inputs_and_time_give_the_same_bytes(w, stage, tmp_path):
