@@ -4,7 +4,7 @@ ArtifactRollback, without a reboot).
 With a state directory (``runtime.device_state``), every new champion starts on trial:
 
 1. its signed probes (``runtime.package.release_probes``) run on it, greedy, through
-   ``AdapterServer.start_generation``, the path clients get; each answer must equal the expected one
+   ``AdapterServer.start_generation``, the path clients get (batched with their requests); each answer must equal the expected one
    (whitespace-trimmed);
 2. then, for ``window_s`` seconds, any request on it that fails with 500 (``adapter_generation_errors_total``)
    fails the check (0: commit as soon as the probes pass);
@@ -22,6 +22,7 @@ serving, with status ``failed`` in ``/healthz``.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
 import threading
@@ -147,14 +148,9 @@ class ReleaseGate:
     def _probe(self, release: ActiveRelease) -> tuple[str, str] | None:
         """(reason, detail) of the first probe that answers otherwise, or None when every one passes."""
         for i, probe in enumerate(release_probes(release.manifest)):
-            ids = self.server.tokenizer.encode(probe.prompt)
-            generation = self.server.start_generation(release, [ids], probe.max_tokens, greedy, [])
-            try:
-                while generation.step() is not None:
-                    pass
-            finally:
-                generation.close()
-            text = generation.texts[0].text
+            generation = self.server.start_generation(release, [self.server.tokenizer.encode(probe.prompt)],
+                                                      probe.max_tokens, greedy, [])
+            text = asyncio.run(_decoded(generation))  # this thread's own loop, as a request's is the server's
             if text.strip() != probe.expected.strip():
                 return "probe_mismatch", f"probe {i} ({probe.prompt[:60]!r}): expected {probe.expected!r}, got {text!r}"
         return None
@@ -217,3 +213,14 @@ class ReleaseGate:
         return {"state": record.status or "none", "release_id": record.active, "previous": record.previous,
                 "high_water": record.high_water, "health_window_s": self.window_s, "last_check": record.last_check,
                 "reverted": sorted(record.reverted), "state_dir": str(self.state.directory)}
+
+
+async def _decoded(generation) -> str:
+    """The whole text of a one-prompt generation, decoded as a request's is (batched with the others on its
+    release, or on its own fork)."""
+    try:
+        while await generation.next_choices() is not None:
+            pass
+    finally:
+        generation.close()
+    return generation.texts[0].text
