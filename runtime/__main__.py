@@ -184,7 +184,7 @@ def cmd_serve(args, settings) -> int:
     return serve(app, serve_settings, args.host, args.port, Path(args.watch) if args.watch else None, args.watch_interval)
 
 
-def _open_state(settings):
+def _open_state(settings, exclusive: bool = True):
     """The device state of ``state_dir`` (None without one), ``health_window`` checked."""
     window = settings["health_window"]
     if type(window) not in (int, float) or window < 0:
@@ -193,11 +193,11 @@ def _open_state(settings):
         return None
     from runtime.device_state import DeviceState
 
-    return DeviceState(settings["state_dir"])
+    return DeviceState(settings["state_dir"], exclusive)
 
 
-def _named_state(settings):
-    state = _open_state(settings)
+def _named_state(settings, exclusive: bool = True):
+    state = _open_state(settings, exclusive)
     if state is None:
         raise DeviceConfigError("needs --state-dir DIR (or state_dir in the device config)")
     return state
@@ -206,7 +206,7 @@ def _named_state(settings):
 def cmd_state(args, settings) -> int:
     from dataclasses import asdict
 
-    print(json.dumps(asdict(_named_state(settings).record), indent=2, sort_keys=True))
+    print(json.dumps(asdict(_named_state(settings, exclusive=False).record), indent=2, sort_keys=True))
     return 0
 
 

@@ -1,6 +1,7 @@
 """What a device remembers across restarts: its releases and its rollback protection, in ``--state-dir``.
 
     DIR/state.json             the record below, replaced atomically
+    DIR/lock                   held (flock) by the one process using the directory, with its pid
     DIR/releases/<release id>/ verified copies of the active and the previous release (and of a
                                resident candidate), so a restart needs no network and no --package
 
@@ -31,6 +32,7 @@ trust from nothing is an operator's act (``python -m runtime rollback``, or remo
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
 import json
 import os
 import shutil
@@ -42,6 +44,7 @@ from runtime.contract import RELEASE_ID, format_time, release_order
 from runtime.errors import RefusedInput
 
 STATE_FILE = "state.json"
+STATE_LOCK = "lock"
 STATE_RELEASES = "releases"
 STATE_FORMAT_VERSION = 1
 TRIAL, COMMITTED, FAILED = "trial", "committed", "failed"
@@ -126,32 +129,53 @@ class StateRecord:
 
 
 class DeviceState:
-    """The state directory: its record (read once, then written through) and its release copies; thread-safe."""
+    """The state directory: its record (read once, then written through) and its release copies; thread-safe.
 
-    def __init__(self, directory: str | Path):
+    ``exclusive`` (the default, for serve and rollback) holds the directory's lock until ``close`` or the
+    process ends (a SIGKILL included: the kernel drops it), so two processes never write one state; a
+    reader (``python -m runtime state``) passes False."""
+
+    def __init__(self, directory: str | Path, exclusive: bool = True):
         self.directory = Path(directory)
         self.path = self.directory / STATE_FILE
         self.releases = self.directory / STATE_RELEASES
         self._lock = threading.RLock()
+        self._held = None
         try:
             self.releases.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise StateError(f"{self.directory}: cannot create the state directory ({err.strerror})") from None
-        for leftover in [*self.directory.glob(_TEMP_PREFIX + "*"), *self.releases.glob(_TEMP_PREFIX + "*")]:
-            _remove(leftover)  # what a crash left half written; the record never names it
+        if exclusive:
+            self._held = _hold(self.directory / STATE_LOCK)
+        try:
+            self.record = self._read(exclusive)
+        except BaseException:
+            self.close()  # a state this process cannot use is not held either
+            raise
+
+    def _read(self, exclusive: bool) -> StateRecord:
+        if exclusive:
+            for leftover in [*self.directory.glob(_TEMP_PREFIX + "*"), *self.releases.glob(_TEMP_PREFIX + "*")]:
+                _remove(leftover)  # what a crash left half written; the record never names it
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
-            self.record = StateRecord()
+            return StateRecord()
         except OSError as err:
             raise StateError(f"{self.path}: cannot read the device state ({err.strerror})") from None
-        else:
-            self.record = StateRecord.parse(raw, self.path)
+        record = StateRecord.parse(raw, self.path)
         for key in ("active", "previous"):
-            release_id = getattr(self.record, key)
+            release_id = getattr(record, key)
             if release_id is not None and not self.copy_path(release_id).is_dir():
                 raise StateError(f"{self.path}: the {key} release {release_id} has no copy at "
                                  f"{self.copy_path(release_id)}; the state directory was damaged")
+        return record
+
+    def close(self) -> None:
+        """Let go of the directory's lock (the record stays as written)."""
+        if self._held is not None:
+            self._held.close()
+            self._held = None
 
     def copy_path(self, release_id: str) -> Path:
         return self.releases / release_id
@@ -219,6 +243,24 @@ def newer(a: str | None, b: str | None) -> str | None:
     if a is None or b is None:
         return a or b
     return a if release_order(a) >= release_order(b) else b
+
+
+def _hold(path: Path):
+    """The lock file, opened and locked with our pid in it; StateError naming the holder when it is taken."""
+    fh = open(path, "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "unknown"
+        fh.close()
+        raise StateError(f"{path}: the state directory is in use by process {holder}; one serve per state "
+                         "directory, and python -m runtime rollback only with serve stopped") from None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"{os.getpid()}\n")
+    fh.flush()
+    return fh
 
 
 def _remove(path: Path) -> None:

@@ -115,6 +115,11 @@ class ReleaseGate:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def stop(self) -> None:
+        """End the trial running, if any; its release stays on trial in the state, and the next start runs it again."""
+        self._cancel.set()
+        self.wait()
+
     def _trial(self, release: ActiveRelease, cancel: threading.Event) -> None:
         def errors() -> float:
             return self.server.metrics.value("adapter_generation_errors_total", release_id=release.release_id)

@@ -34,12 +34,18 @@ def running_server(w, release_dirs=(), tokenizer=None, max_resident=DEFAULT_MAX_
                    health_window=0.0, **settings):
     app = AdapterServer(OrtEngine(w["engine"], threads=1), DeviceTokenizer(tokenizer or w["tokenizer"]),
                         load_trusted_keys([w["trusted_key"]]), max_resident=max_resident)
-    if state_dir is not None:
-        ReleaseGate(app, DeviceState(state_dir), health_window).resume()
+    state = DeviceState(state_dir) if state_dir is not None else None
     config = ServeSettings(**({"admin_token": ADMIN_TOKEN,
                                "release_dirs": tuple(Path(d).resolve() for d in release_dirs)} | settings))
-    with BackgroundServer(app, config) as background:
-        yield app, background
+    try:
+        if state is not None:
+            ReleaseGate(app, state, health_window).resume()
+        with BackgroundServer(app, config) as background:
+            yield app, background
+    finally:
+        if state is not None:
+            app.gate.stop()  # a trial still running would write the state: it ends before the lock goes
+            state.close()
 
 
 def call(port: int, method: str, path: str, payload: dict | None = None, token: str | None = ADMIN_TOKEN,

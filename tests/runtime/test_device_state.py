@@ -8,6 +8,7 @@ expected answer is B's real greedy answer; BAD is A's adapter signed as 2027-01 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -70,12 +71,17 @@ def test_a_crash_mid_write_leaves_the_old_or_the_new_state(tmp_path):
         record = DeviceState(tmp_path).record.reverted["2026-01"]
         assert int(record["reason"]) >= 1 and record["detail"] == "x" * 200000
         assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]  # leftovers cleared
-    state = DeviceState(tmp_path)
-    before = state.path.read_bytes()
+    path = tmp_path / STATE_FILE
+    before = path.read_bytes()
     (tmp_path / f".tmp-{STATE_FILE}-1-1").write_text('{"active": "half wri')  # what a power cut mid-write leaves
-    assert DeviceState(tmp_path).path.read_bytes() == before and len(list(tmp_path.iterdir())) == 2
-    atomic_write(state.path, b"{}")
-    with pytest.raises(StateError, match=f"{state.path}: invalid device state"):
+    state = DeviceState(tmp_path)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["lock", "releases", STATE_FILE]
+    with pytest.raises(StateError, match=f"{tmp_path / 'lock'}: the state directory is in use by process "
+                       f"{os.getpid()}"):
+        DeviceState(tmp_path)  # one writer at a time
+    state.close()
+    atomic_write(path, b"{}")
+    with pytest.raises(StateError, match=f"{path}: invalid device state"):
         DeviceState(tmp_path)
 
 
