@@ -353,6 +353,7 @@ class DeviceAPI:
                     yield sse(chunk_body(request_id, model, c.index, c.text, c.finish_reason, chat) | extra)
         except Exception as err:  # the status line is sent: say it in the stream, as OpenAI does
             log.exception("generation failed mid-stream")
+            self.metrics.generation_errors.labels(model).inc()  # a 200 was sent: the request log cannot count it
             yield sse(APIError(500, f"{type(err).__name__}: {err}", "server_error").body())
         else:
             if body.include_usage:
