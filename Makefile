@@ -97,5 +97,26 @@ $(PEER_STAMP): $(STAMP)
 bench-peer: $(PEER_STAMP)
 	$(PY) -m bench.llama_cpp_bench
 
+# The serving benchmark against llama.cpp's llama-server (bench/serve_bench.py; not in `make bench`, not in CI):
+# llama-server built from the same sdist's vendored llama.cpp, CPU only, static, no HTTPS (10-20 min on 2
+# cores, once). The sdist stays in $(PEER_SRC) for the GGUF converters.
+PEER_SERVER_BUILD := $(VENV)/llama_server_build
+PEER_SERVER := $(PEER_SERVER_BUILD)/bin/llama-server
+PEER_SERVER_CMAKE_ARGS ?= -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
+  -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+
+$(PEER_SERVER): $(STAMP)
+	$(PY) -m pip download --quiet --no-deps --no-binary :all: -c constraints.txt -d $(PEER_SRC) llama-cpp-python
+	rm -rf $(PEER_SERVER_BUILD)/src && mkdir -p $(PEER_SERVER_BUILD)/src
+	tar -xzf $(PEER_SRC)/llama_cpp_python-*.tar.gz -C $(PEER_SERVER_BUILD)/src --strip-components=3 \
+	  --wildcards '*/vendor/llama.cpp/*'
+	cmake -S $(PEER_SERVER_BUILD)/src -B $(PEER_SERVER_BUILD) $(PEER_SERVER_CMAKE_ARGS)
+	cmake --build $(PEER_SERVER_BUILD) --target llama-server -j $$(nproc)
+
+.PHONY: bench-peer-server
+bench-peer-server: $(PEER_SERVER)
+	$(PY) -m bench.serve_bench --llama-server $(PEER_SERVER)
+
 clean:
 	rm -rf artifacts data models

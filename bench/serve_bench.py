@@ -1,0 +1,359 @@
+"""Serving throughput: our device server (fork-per-request and batched decode) against llama.cpp's
+``llama-server`` (continuous batching) on the same model, at 1, 4, 8 and 16 concurrent streaming clients.
+
+    make bench-peer-server    # builds llama-server from the `peer` sdist's vendored llama.cpp (once), runs this
+    python -m bench.serve_bench [--clients 1,4,8,16] [--rounds 3] [--requests 4] [--max-tokens 64] [--threads 2]
+        [--servers fork,batched,llama] [--llama-server PATH] [--tiny] [--out bench/results/serve_bench.json]
+
+Not part of CI nor of ``make bench``. The model: the last release of ``make release`` when there is
+one (the serving engine ``engine/kv``, ``models/base``, ``artifacts/<month>/package/release``), else
+the tiny world of ``bench.hotswap_bench`` (a random Qwen2 with its first release).
+
+Servers, each its own process, all on ``--threads`` threads:
+
+* ``fork``: ours, ``ServeSettings(decode="fork")``: each request decodes on its own fork of the engine
+  (the path before batching), up to N at once.
+* ``batched``: ours, ``ServeSettings(decode="batched")``: continuous batching, up to N in the batch.
+* ``llama``: ``llama-server -np N -cb`` with the base converted to GGUF F32 and the release's PEFT
+  adapter converted to a GGUF LoRA (F32) and applied with ``--lora``, by the converters the
+  llama-cpp-python sdist vendors (``bench.llama_cpp_bench``). Our serving engine's weights are fp32
+  too; its KV cache is the release's 4-bit one, llama.cpp's F16 (its default).
+
+N slots each: ``max_concurrent`` = ``max_queue`` = N for ours, ``-np N`` for llama.cpp. Per client
+count the three servers are started fresh, warmed (N requests each, untimed), then timed in
+``--rounds`` rounds, each round A B C (fork, batched, llama), so load from other processes hits them
+alike. A round: N client threads, each sending ``--requests`` streamed greedy requests one after
+another (the next when the last answer ended), prompts rotating over the same list for every server,
+``max_tokens`` the same. Our servers get the prompt text, llama-server the token ids our tokenizer
+makes of it (the same tokens on both sides; ``cache_prompt: false``, since our server keeps no prompt
+cache and each request should prefill). Both stop at the model's end-of-sequence token.
+
+Reported per server and client count, pooled over the rounds: aggregate generated tokens/s (the
+tokens of ``usage.completion_tokens`` over the round's wall time, first send to last answer),
+time to first token p50/p99 (from the request's send to its first streamed event with a choice),
+inter-token latency p50/p99 (gaps between consecutive streamed events), errors. The reference is our
+own batch-1 sequential rate: one client, one request at a time, on our servers (the better of fork
+and batched at 1 client); beside it, as information, the engine's bare batch-1 rate (the same
+prompts through ``runtime.generate.decode_steps`` in this process, no HTTP). Targets (issue 17, at 8
+clients): tokens/s at least 3x the batch-1 sequential rate and at least llama-server's, p99 time to
+first token no worse than llama-server's. Writes ``bench/results/serve_bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from bench.hotswap_bench import PROMPTS, build_tiny_world, existing_world
+from bench.report import write_report
+from bench.serve_client import Answer, Client, summary_ms
+
+RESULTS = Path(__file__).parent / "results" / "serve_bench.json"
+SERVER_ENV = "LLAMA_SERVER"  # path of the llama-server binary
+DEFAULT_SERVER = Path(sys.prefix) / "llama_server_build" / "bin" / "llama-server"  # where `make bench-peer-server` builds it
+DECODE_MODES = ("fork", "batched")  # ours: ServeSettings(decode=...)
+SERVERS = (*DECODE_MODES, "llama")
+REPO = Path(__file__).resolve().parents[1]
+SLOT_CONTEXT = 512  # llama-server's context per slot (-c is shared by the -np slots)
+TARGET_CLIENTS = 8
+
+
+# ---------------------------------------------------------------- the model
+
+def serving_world(root: Path, tiny: bool) -> dict:
+    """The last release of ``make release``, else the tiny world; one release, its PEFT adapter."""
+    world = None if tiny else existing_world(count=1)
+    if world is None:
+        print("building a tiny world (base, engine, signed releases)...", flush=True)
+        world = build_tiny_world(root)
+    return world | {"release": world["releases"][-1], "adapter": world["adapters"][-1]}
+
+
+def llama_server_binary(given: str | None) -> Path:
+    path = Path(given or os.environ.get(SERVER_ENV) or DEFAULT_SERVER)
+    if not os.access(path, os.X_OK):
+        raise SystemExit(f"error: {path}: no llama-server binary; `make bench-peer-server` builds it from the "
+                         f"`peer` sdist, or pass --llama-server / ${SERVER_ENV}")
+    return path
+
+
+def convert_for_llama(world: dict, work: Path, src: str | None) -> tuple[Path, Path]:
+    """The base as GGUF F32 and the release's adapter as a GGUF LoRA, by the sdist's converters."""
+    from bench.llama_cpp_bench import convert_adapter_to_gguf, convert_to_gguf, converter_dir
+
+    llama_dir = converter_dir(src)
+    model = convert_to_gguf(llama_dir, world["base"], work / "model-f32.gguf", "f32")
+    lora = convert_adapter_to_gguf(llama_dir, world["adapter"], world["base"], work / "adapter-f32.gguf")
+    return model, lora
+
+
+# ---------------------------------------------------------------- the servers
+
+def serve_child(argv: list[str]) -> int:
+    """``python -m bench.serve_bench serve DECODE SLOTS MAX_TOKENS THREADS ENGINE TOKENIZER KEY RELEASE``:
+    our device server as ``python -m runtime serve`` runs it, with ``ServeSettings(decode=DECODE)``."""
+    from runtime.engine import open_engine
+    from runtime.http_app import ServeSettings
+    from runtime.http_server import configure_json_logging, serve
+    from runtime.package import load_trusted_keys
+    from runtime.server import AdapterServer
+    from runtime.tokenizer import DeviceTokenizer
+
+    decode, slots, max_tokens, threads, engine, tokenizer, key, release = argv
+    configure_json_logging()
+    app = AdapterServer(open_engine(engine, "onnxruntime", threads=int(threads)), DeviceTokenizer(tokenizer),
+                        load_trusted_keys([key]))
+    app.load(release)
+    settings = ServeSettings(decode=decode, max_concurrent=int(slots), max_queue=int(slots),
+                             max_tokens=max(int(max_tokens), ServeSettings.max_tokens))
+    return serve(app, settings, "127.0.0.1", 0)
+
+
+class ServerProcess:
+    """A server in its own process on a free loopback port; stopped with SIGTERM."""
+
+    def __init__(self, name: str, cmd: list[str], log: Path, port: int | None = None, ready: str = "/ready"):
+        self.name, self.log = name, log
+        with open(log, "w") as err:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
+        if port is None:  # ours prints {"listening": "http://host:port", ...} first
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{name} did not start:\n{log.read_text()[-3000:]}")
+            port = int(json.loads(line)["listening"].rsplit(":", 1)[1])
+        self.port = port
+        self.wait_ready(ready)
+
+    def wait_ready(self, path: str, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} not ready after {timeout} s")
+            time.sleep(0.2)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_servers(names: list[str], world: dict, slots: int, max_tokens: int, threads: int, gguf, binary,
+                  logs: Path) -> dict[str, ServerProcess]:
+    servers = {}
+    for name in names:
+        log = logs / f"{name}-{slots}.log"
+        if name in DECODE_MODES:
+            cmd = [sys.executable, "-m", "bench.serve_bench", "serve", name, str(slots), str(max_tokens), str(threads),
+                   *map(str, (world["engine"], world["tokenizer"], world["trusted_key"], world["release"]))]
+            servers[name] = ServerProcess(name, cmd, log)
+        else:
+            port = free_port()
+            model, lora = gguf
+            cmd = [str(binary), "-m", str(model), "--lora", str(lora), "-np", str(slots), "-cb",
+                   "-c", str(SLOT_CONTEXT * slots), "-t", str(threads), "-tb", str(threads),
+                   "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+            servers[name] = ServerProcess(name, cmd, log, port=port, ready="/health")
+    return servers
+
+
+# ---------------------------------------------------------------- the load
+
+def payloads(name: str, prompts: list[str], prompt_ids: list[list[int]], max_tokens: int) -> list[dict]:
+    common = {"max_tokens": max_tokens, "temperature": 0}
+    if name == "llama":  # the same tokens as ours; llama-server would otherwise reuse a slot's cached prompt
+        return [common | {"prompt": ids, "cache_prompt": False} for ids in prompt_ids]
+    return [common | {"prompt": p} for p in prompts]
+
+
+def run_round(port: int, bodies: list[dict], clients: int, requests: int) -> tuple[list[Answer], float]:
+    """``clients`` threads, each ``requests`` streamed requests back to back; (answers, wall seconds)."""
+    answers: list[list[Answer]] = [[] for _ in range(clients)]
+    start = threading.Barrier(clients + 1)
+
+    def client(i: int) -> None:
+        conn = Client(port)
+        start.wait()
+        for j in range(requests):
+            answers[i].append(conn.complete(bodies[(i + j) % len(bodies)], stream=True))
+        conn.close()
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    start.wait()
+    for t in threads:
+        t.join()
+    flat = [a for per in answers for a in per]
+    return flat, max(a.done for a in flat) - min(a.sent for a in flat)
+
+
+def pooled(rounds: list[tuple[list[Answer], float]]) -> dict:
+    answers = [a for r, _ in rounds for a in r]
+    ok = [a for a in answers if a.complete]
+    tokens, wall = sum(a.tokens for a in ok), sum(w for _, w in rounds)
+    return {"requests": len(answers), "complete": len(ok), "errors": len(answers) - len(ok),
+            "error_examples": [a.error or f"status {a.status}" for a in answers if not a.complete][:3],
+            "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": tokens / wall if wall else 0.0,
+            "mean_completion_tokens": tokens / len(ok) if ok else 0.0,
+            "mean_prompt_tokens": sum(a.prompt_tokens for a in ok) / len(ok) if ok else 0.0,
+            "ttft": summary_ms([a.first - a.sent for a in ok if a.first is not None]),
+            "itl": summary_ms([g for a in ok for g in a.gaps()]),
+            "texts": sorted({a.text for a in ok})[:8]}
+
+
+def engine_batch1(world: dict, prompt_ids: list[list[int]], max_tokens: int, threads: int, repeats: int) -> dict:
+    """Tokens/s of the bare engine, batch 1, one prompt after another (no HTTP), the release bound."""
+    from runtime.engine import open_engine
+    from runtime.generate import decode_steps
+    from runtime.package import load_trusted_keys
+    from runtime.server import AdapterServer
+    from runtime.tokenizer import DeviceTokenizer
+
+    tokenizer = DeviceTokenizer(world["tokenizer"])
+    app = AdapterServer(open_engine(world["engine"], "onnxruntime", threads=threads), tokenizer,
+                        load_trusted_keys([world["trusted_key"]]))
+    app.load(world["release"])
+    tokens, t0 = 0, time.perf_counter()
+    for _ in range(repeats):
+        for ids in prompt_ids:
+            tokens += sum(1 for _ in decode_steps(app.active.handle.fork(), [ids], max_tokens, tokenizer.stop_ids,
+                                                  tokenizer.pad_id))
+    wall = time.perf_counter() - t0
+    return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": tokens / wall}
+
+
+def measure(world: dict, names: list[str], clients: list[int], rounds: int, requests: int, max_tokens: int,
+            threads: int, gguf, binary, logs: Path) -> dict:
+    from runtime.tokenizer import DeviceTokenizer
+
+    tokenizer = DeviceTokenizer(world["tokenizer"])
+    prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
+    bodies = {name: payloads(name, PROMPTS, prompt_ids, max_tokens) for name in names}
+    out = {"engine_batch1": engine_batch1(world, prompt_ids, max_tokens, threads, repeats=rounds), "by_clients": {}}
+    for n in clients:
+        servers = start_servers(names, world, n, max_tokens, threads, gguf, binary, logs)
+        try:
+            for name, server in servers.items():  # warm-up: every slot once, untimed
+                run_round(server.port, bodies[name], n, 1)
+            timed: dict[str, list] = {name: [] for name in names}
+            for r in range(rounds):
+                for name, server in servers.items():
+                    timed[name].append(run_round(server.port, bodies[name], n, requests))
+                print(f"[{n} clients] round {r + 1}/{rounds} done (1-min load average {os.getloadavg()[0]:.2f})",
+                      flush=True)
+        finally:
+            exits = {name: server.stop() for name, server in servers.items()}
+        out["by_clients"][str(n)] = {name: pooled(timed[name]) | {"exit_code": exits[name]} for name in names}
+    return out
+
+
+def judge(result: dict) -> dict:
+    """Issue 17's targets at 8 clients, from the numbers as measured."""
+    by = result["by_clients"]
+    one = by.get("1", {})
+    batch1 = max((one[m]["tokens_per_s"] for m in DECODE_MODES if m in one), default=None)
+    at8 = by.get(str(TARGET_CLIENTS), {})
+    ours = at8.get("batched")
+    out = {"batch1_sequential_tokens_per_s": batch1, "engine_batch1_tokens_per_s": result["engine_batch1"]["tokens_per_s"]}
+    if ours is None:
+        return out
+    out["batched_8_tokens_per_s"] = ours["tokens_per_s"]
+    if batch1:
+        out["x_batch1_sequential"] = ours["tokens_per_s"] / batch1
+        out["ge_3x_batch1_sequential"] = out["x_batch1_sequential"] >= 3.0
+    out["x_engine_batch1"] = ours["tokens_per_s"] / result["engine_batch1"]["tokens_per_s"]
+    if "llama" in at8:
+        peer = at8["llama"]
+        out["x_llama_server"] = ours["tokens_per_s"] / peer["tokens_per_s"] if peer["tokens_per_s"] else None
+        out["ge_1x_llama_server"] = bool(out["x_llama_server"]) and out["x_llama_server"] >= 1.0
+        out["ttft_p99_ms"] = {"batched": ours["ttft"]["p99_ms"], "llama": peer["ttft"]["p99_ms"]}
+        out["ttft_p99_no_worse_than_llama"] = ours["ttft"]["p99_ms"] <= peer["ttft"]["p99_ms"]
+    return out
+
+
+def print_table(result: dict) -> None:
+    print(f"\nmodel: {result['source']}; {result['threads']} threads; max_tokens {result['max_tokens']}; "
+          f"{result['rounds']} rounds x {result['requests']} requests per client")
+    e = result["engine_batch1"]
+    print(f"engine bare batch-1 (no HTTP): {e['tokens_per_s']:.1f} tokens/s")
+    print(f"{'clients':>7} {'server':<8} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
+          f" {'tok/req':>7} {'errors':>6}   (ms)")
+    for n, row in result["by_clients"].items():
+        for name, r in row.items():
+            print(f"{n:>7} {name:<8} {r['tokens_per_s']:>9.1f} {r['ttft']['p50_ms'] or 0:>9.1f} "
+                  f"{r['ttft']['p99_ms'] or 0:>9.1f} {r['itl']['p50_ms'] or 0:>8.2f} {r['itl']['p99_ms'] or 0:>8.2f}"
+                  f" {r['mean_completion_tokens']:>7.1f} {r['errors']:>6}")
+    print("targets at 8 clients: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                                                for k, v in result["acceptance"].items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        return serve_child(argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", default="1,4,8,16")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=4, help="streamed requests per client and round, back to back")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2, help="threads of every server (ONNX Runtime intra-op; llama -t/-tb)")
+    ap.add_argument("--servers", default=",".join(SERVERS))
+    ap.add_argument("--llama-server", default=None, help=f"llama-server binary (default ${SERVER_ENV}, else {DEFAULT_SERVER})")
+    ap.add_argument("--llama-cpp-src", default=None, help="llama-cpp-python sdist or llama.cpp dir (the converters)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny world even if `make release` artifacts exist")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    names = args.servers.split(",")
+    unknown = sorted(set(names) - set(SERVERS))
+    if unknown:
+        ap.error(f"unknown server(s) {unknown}; known: {', '.join(SERVERS)}")
+    clients = [int(c) for c in args.clients.split(",")]
+    binary = llama_server_binary(args.llama_server) if "llama" in names else None
+    with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
+        work = Path(tmp)
+        world = serving_world(work / "world", args.tiny)
+        gguf = convert_for_llama(world, work, args.llama_cpp_src) if "llama" in names else None
+        result = {"source": world["source"], "release": str(world["release"]), "threads": args.threads,
+                  "max_tokens": args.max_tokens, "rounds": args.rounds, "requests": args.requests,
+                  "slots": "N per client count N (ours max_concurrent = max_queue = N; llama-server -np N -cb)",
+                  "llama_server": str(binary) if binary else None, "loadavg_1m_before": os.getloadavg()[0]}
+        result |= measure(world, names, clients, args.rounds, args.requests, args.max_tokens, args.threads, gguf,
+                          binary, work)
+    result["loadavg_1m_after"] = os.getloadavg()[0]
+    result["acceptance"] = judge(result)
+    print_table(result)
+    write_report(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
