@@ -69,9 +69,9 @@ def plan(flow_ready: bool) -> list[Bench]:
               "run trains 600 steps (about 4 min more) and its quality figures are the ones to quote"
               + ("; default month = the flow's 2026-11 base + adapter" if flow_ready else
                  "; no default month: the flow benchmark left no adapter"), 900),
-        Bench("hotswap_bench", "hot-swap under load: 8 clients, swaps every 2 s",
+        Bench("hotswap_bench", "hot-swap under open-loop load: 20, 50, 100 req/s, swaps every 1 s",
               ("--out", f"{RESULTS}/hotswap_bench.json") if flow_ready else ("--tiny", "--out", f"{RESULTS}/hotswap_bench.json"),
-              "full (5 s + 15 s swapping + 5 s); " + (f"the flow's published {FLOW_MONTHS[0]} and {FLOW_MONTHS[1]} releases"
+              "full (per rate 3 s + 8 s swapping + 3 s); " + (f"the flow's published {FLOW_MONTHS[0]} and {FLOW_MONTHS[1]} releases"
                                                        if flow_ready else "tiny world: the flow left no two releases"),
               600, FLOW_PROJECT if flow_ready else ""),
         Bench("engine_bench", "engine vs eager decode, LoRA as inputs vs merged",
@@ -210,19 +210,22 @@ def kv_quality_figures(p: dict) -> list[tuple]:
 
 
 def hotswap_figures(p: dict) -> list[tuple]:
-    s, q, t = p["swaps"], p["requests"], p["throughput"]
-    return [
+    s, q = p["swaps"], p["requests"]
+    rows = [
         ("releases swapped", None, f"{' ↔ '.join(p['releases'])} ({p['source']})"),
         ("swap latency, server side (verify + bind + activate) p50 / p99 / max", s["server_ms_p99"],
          f"{s['server_ms_p50']:.2f} / {s['server_ms_p99']:.2f} / {s['server_ms_max']:.2f} ms"),
         ("swap latency as the swapping caller saw it p50 / p99", s["client_ms_p99"],
          f"{s['client_ms_p50']:.2f} / {s['client_ms_p99']:.2f} ms"),
         ("swaps accepted", s["accepted"], f"{s['accepted']} of {s['count']}"),
-        (f"requests failed ({p['clients']} clients)", q["failed"], f"{q['failed']} of {q['total']}"),
+        (f"requests failed (open loop, {p['arrivals']} arrivals)", q["failed"], f"{q['failed']} of {q['total']}"),
         ("responses not on the release active when sent", q["release_inconsistent"], f"{q['release_inconsistent']} of {q['ok']}"),
-        ("throughput before / during / after swapping", t["during"]["requests_per_s"],
-         " / ".join(f"{t[k]['requests_per_s']:.0f}" for k in ("before", "during", "after")) + " req/s"),
     ]
+    for b in sorted(p["by_rate"].values(), key=lambda b: b["rate_per_s"]):
+        lat = b["latency_from_schedule"]
+        rows.append((f"latency from the scheduled send at {b['rate_per_s']:g} req/s p50 / p95 / p99", lat["p99_ms"],
+                     f"{lat['p50_ms']:.1f} / {lat['p95_ms']:.1f} / {lat['p99_ms']:.1f} ms ({b['failed']} of {b['sent']} failed)"))
+    return rows
 
 
 def weight_quant_figures(p: dict) -> list[tuple]:

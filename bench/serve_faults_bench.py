@@ -6,10 +6,11 @@
 The server is ``python -m runtime serve`` in a subprocess (its default limits: 2 decoding, 16 queued),
 on the last release of ``make release``, else the tiny world of ``bench.hotswap_bench``.
 
-**sigterm**: ``--clients`` clients (half streaming, half not) send greedy ``/v1/completions`` one
-after another on keep-alive connections; after ``--before`` s the server gets SIGTERM, and the
-clients go on sending until the server refuses them. Every request carries an ``X-Request-Id``,
-which the server's JSON log lines name. Each request sent is exactly one of:
+**sigterm**: ``--clients`` clients (half streaming, half not) send greedy ``/v1/completions`` (the
+row starts of ``bench.serve_bench``) one after another on keep-alive connections; after ``--before``
+s the server gets SIGTERM, and the clients go on sending until the server refuses them. Every
+request carries an ``X-Request-Id``, which the server's JSON log lines name. Each request sent is
+exactly one of:
 
 * *complete*: 200 and the whole answer (every choice finished; streamed, ``data: [DONE]``);
 * *refused*: never accepted for generation, so the client knows to retry elsewhere: either a 503
@@ -45,9 +46,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench.hotswap_bench import PROMPTS
 from bench.report import write_report
-from bench.serve_bench import ServerProcess, serving_world
+from bench.serve_bench import PROMPTS, ServerProcess, serving_world
 from bench.serve_client import Answer, Client, summary_ms
 
 RESULTS = Path(__file__).parent / "results" / "serve_faults_bench.json"
@@ -148,7 +148,7 @@ class SlowConnections(threading.Thread):
     def __init__(self, port: int, count: int, tick: float = 0.5):
         super().__init__(daemon=True)
         self.port, self.count, self.tick = port, count, tick
-        self.stop, self.socks = threading.Event(), {}
+        self.stop, self.opened, self.socks = threading.Event(), threading.Event(), {}
         self.closed_by_server, self.answers = 0, {}
 
     def open(self, i: int) -> None:
@@ -160,7 +160,7 @@ class SlowConnections(threading.Thread):
     def run(self) -> None:
         for i in range(self.count):
             self.open(i)
-        self.ready = True
+        self.opened.set()
         while not self.stop.wait(self.tick):
             for i, s in list(self.socks.items()):
                 try:
@@ -218,8 +218,8 @@ def slow_run(world: dict, clients: int, slow: int, seconds: float, rounds: int, 
             runs["without"] += closed_loop(server.port, clients, seconds, max_tokens)
             conns = SlowConnections(server.port, slow)
             conns.start()
-            while not getattr(conns, "ready", False):
-                time.sleep(0.05)
+            if not conns.opened.wait(60):
+                raise RuntimeError(f"could not open {slow} slow connections")
             runs["with"] += closed_loop(server.port, clients, seconds, max_tokens)
             closed += conns.closed_by_server
             for k, v in conns.answers.items():
