@@ -27,9 +27,9 @@ the exit code (must be 0) and the drain time (SIGTERM to exit; and to the last a
 send a request line and part of the headers and stop, half send whole headers and trickle the body
 a byte every 0.5 s. The server closes them at its header / body deadline (408, 10 s by default);
 each one closed is opened again, so ``--slow`` stay open throughout. The clients (not streamed,
-``--slow-max-tokens``) run ``--seconds`` s with and then without the slow connections, ``--rounds``
-times alternated; reported: their latency p50/p99/max, requests and errors, with and without.
-Writes ``bench/results/serve_faults_bench.json``.
+``--slow-max-tokens``) run ``--seconds`` s without and with the slow connections, ``--rounds``
+times, the order swapped every round; reported: their latency p50/p99/max, requests and errors, with
+and without. Writes ``bench/results/serve_faults_bench.json``.
 """
 
 from __future__ import annotations
@@ -214,17 +214,20 @@ def slow_run(world: dict, clients: int, slow: int, seconds: float, rounds: int, 
     held, closed, statuses = [], 0, {}
     try:
         closed_loop(server.port, clients, 1.0, max_tokens)  # warm-up, untimed
-        for _ in range(rounds):
-            runs["without"] += closed_loop(server.port, clients, seconds, max_tokens)
-            conns = SlowConnections(server.port, slow)
-            conns.start()
-            if not conns.opened.wait(60):
-                raise RuntimeError(f"could not open {slow} slow connections")
-            runs["with"] += closed_loop(server.port, clients, seconds, max_tokens)
-            closed += conns.closed_by_server
-            for k, v in conns.answers.items():
-                statuses[k] = statuses.get(k, 0) + v
-            held.append(conns.close())
+        for r in range(rounds):
+            for phase in ("without", "with") if r % 2 == 0 else ("with", "without"):  # neither always first
+                if phase == "without":
+                    runs["without"] += closed_loop(server.port, clients, seconds, max_tokens)
+                    continue
+                conns = SlowConnections(server.port, slow)
+                conns.start()
+                if not conns.opened.wait(60):
+                    raise RuntimeError(f"could not open {slow} slow connections")
+                runs["with"] += closed_loop(server.port, clients, seconds, max_tokens)
+                closed += conns.closed_by_server
+                for k, v in conns.answers.items():
+                    statuses[k] = statuses.get(k, 0) + v
+                held.append(conns.close())
     finally:
         exit_code = server.stop()
 
@@ -276,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before", type=float, default=3.0, help="seconds of load before the SIGTERM")
     ap.add_argument("--slow", type=int, default=64, help="slow connections of the slow run")
     ap.add_argument("--seconds", type=float, default=5.0, help="seconds of each slow-run phase")
-    ap.add_argument("--rounds", type=int, default=2, help="slow run: without / with alternations")
+    ap.add_argument("--rounds", type=int, default=4, help="slow run: rounds of without + with (order swapped each round)")
     ap.add_argument("--slow-max-tokens", type=int, default=16)
     ap.add_argument("--tiny", action="store_true", help="the tiny world even if `make release` artifacts exist")
     ap.add_argument("--out", type=Path, default=RESULTS)
