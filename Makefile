@@ -107,6 +107,7 @@ PEER_SERVER_CMAKE_ARGS ?= -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SH
   -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
 
 $(PEER_SERVER): $(STAMP)
+	$(PY) -m pip install --quiet -c constraints.txt sentencepiece  # the GGUF converter's import (the peer extra's pin)
 	$(PY) -m pip download --quiet --no-deps --no-binary :all: -c constraints.txt -d $(PEER_SRC) llama-cpp-python
 	rm -rf $(PEER_SERVER_BUILD)/src && mkdir -p $(PEER_SERVER_BUILD)/src
 	tar -xzf $(PEER_SRC)/llama_cpp_python-*.tar.gz -C $(PEER_SERVER_BUILD)/src --strip-components=3 \
