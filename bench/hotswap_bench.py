@@ -9,8 +9,8 @@ temporary directory: a random Qwen2 with a trained tokenizer, its compiled engin
 releases (months 2026-10 and 2026-11, different adapters and KV scales).
 
 The server runs in this process (the device's app under uvicorn on a free port, its default
-limits: 2 generations decoding, 16 queued, 503 beyond). The load is open-loop: per rate, send times
-are drawn in advance (exponential gaps, seeded: ``poisson``; or equal gaps: ``fixed``) and each
+settings: batched decode, 16 in the batch, 16 queued, 503 beyond). The load is open-loop: per rate,
+send times are drawn in advance (exponential gaps, seeded: ``poisson``; or equal gaps: ``fixed``) and each
 request is released at its time to a pool of keep-alive clients, whether or not earlier answers
 came back, so a slow server makes requests queue rather than the load slow down. Latency is
 measured from the *scheduled* send time (queueing in the client pool and in the server counts);

@@ -12,22 +12,26 @@ the tiny world of ``bench.hotswap_bench`` (a random Qwen2 with its first release
 Servers, each its own process, all on ``--threads`` threads:
 
 * ``fork``: ours, ``ServeSettings(decode="fork")``: each request decodes on its own fork of the engine
-  (the path before batching), up to N at once.
-* ``batched``: ours, ``ServeSettings(decode="batched")``: continuous batching, up to N in the batch.
+  (the path before batching).
+* ``batched``: ours, ``ServeSettings(decode="batched")``: continuous batching (the default).
 * ``llama``: ``llama-server -np N -cb`` with the base converted to GGUF F32 and the release's PEFT
   adapter converted to a GGUF LoRA (F32) and applied with ``--lora``, by the converters the
   llama-cpp-python sdist vendors (``bench.llama_cpp_bench``). Our serving engine's weights are fp32
   too; its KV cache is the release's 4-bit one, llama.cpp's F16 (its default).
 
-N slots each: ``max_concurrent`` = ``max_queue`` = N for ours, ``-np N`` for llama.cpp. Per client
+Concurrency as each ships: ours at its mode's default ``max_concurrent`` (batched: 16 requests in the
+batch; fork: 2 decoding, one per core, since forks contend for the same threads; the rest of the N
+clients queue, ``max_queue`` at least N), llama-server with ``-np N`` slots. Per client
 count the three servers are started fresh, warmed (N requests each, untimed), then timed in
 ``--rounds`` rounds, each round A B C (fork, batched, llama), so load from other processes hits them
 alike. A round: N client threads, each sending ``--requests`` streamed greedy requests one after
-another (the next when the last answer ended), prompts rotating over the same list for every server
-(``PROMPTS``: the start of an inspection row, which the model completes), ``max_tokens`` the same.
-Our servers get the prompt text, llama-server the token ids our tokenizer makes of it (the same
-tokens on both sides; ``cache_prompt: false``, since our server keeps no prompt cache and each
-request should prefill). Both stop at the model's end-of-sequence token.
+another (the next when the last answer ended, each on a new connection), prompts rotating over the
+same list for every server (``PROMPTS``: the start of an inspection row, which the model completes),
+``max_tokens`` the same. Our servers get the prompt text, llama-server the token ids our tokenizer
+makes of it (the same tokens on both sides; ``cache_prompt: false``, since our server keeps no
+prompt cache and each request should prefill). Both stop at the model's end-of-sequence token; the
+texts can differ in a few digits, from the 4-bit against the F16 KV cache (our float-cache engine
+writes what llama.cpp writes).
 
 Reported per server and client count, pooled over the rounds: aggregate generated tokens/s (the
 tokens of ``usage.completion_tokens`` over the round's wall time, first send to last answer),
@@ -35,7 +39,8 @@ time to first token p50/p99 (from the request's send to its first streamed event
 inter-token latency p50/p99 (gaps between consecutive streamed events), errors. The reference is our
 own batch-1 sequential rate: one client, one request at a time, on our servers (the better of fork
 and batched at 1 client); beside it, as information, the engine's bare batch-1 rate (the same
-prompts through ``runtime.generate.decode_steps`` in this process, no HTTP). Targets (issue 17, at 8
+prompts through ``runtime.generate.decode_steps`` on a fork of the release, in this process, no
+HTTP; the fork path's decode loop, which is slower per token than the batcher's). Targets (issue 17, at 8
 clients): tokens/s at least 3x the batch-1 sequential rate and at least llama-server's, p99 time to
 first token no worse than llama-server's. Writes ``bench/results/serve_bench.json``.
 """
@@ -57,12 +62,12 @@ from pathlib import Path
 from bench.hotswap_bench import build_tiny_world, existing_world
 from bench.report import write_report
 from bench.serve_client import Answer, Client, summary_ms
+from runtime.http_app import DECODE_MODES
 
 RESULTS = Path(__file__).parent / "results" / "serve_bench.json"
 SERVER_ENV = "LLAMA_SERVER"  # path of the llama-server binary
 DEFAULT_SERVER = Path(sys.prefix) / "llama_server_build" / "bin" / "llama-server"  # where `make bench-peer-server` builds it
-DECODE_MODES = ("fork", "batched")  # ours: ServeSettings(decode=...)
-SERVERS = (*DECODE_MODES, "llama")
+SERVERS = ("fork", "batched", "llama")  # the order of a round; fork and batched: ServeSettings(decode=...)
 REPO = Path(__file__).resolve().parents[1]
 SLOT_CONTEXT = 512  # llama-server's context per slot (-c is shared by the -np slots)
 TARGET_CLIENTS = 8
@@ -119,7 +124,8 @@ def serve_child(argv: list[str]) -> int:
     app = AdapterServer(open_engine(engine, "onnxruntime", threads=int(threads)), DeviceTokenizer(tokenizer),
                         load_trusted_keys([key]))
     app.load(release)
-    settings = ServeSettings(decode=decode, max_concurrent=int(slots), max_queue=int(slots),
+    # each mode's own number decoding at once (batched 16, fork 2); the rest of the N clients queue
+    settings = ServeSettings(decode=decode, max_queue=max(int(slots), ServeSettings.max_queue),
                              max_tokens=max(int(max_tokens), ServeSettings.max_tokens))
     return serve(app, settings, "127.0.0.1", 0)
 
@@ -206,11 +212,11 @@ def run_round(port: int, bodies: list[dict], clients: int, requests: int) -> tup
     start = threading.Barrier(clients + 1)
 
     def client(i: int) -> None:
-        conn = Client(port)
         start.wait()
-        for j in range(requests):
+        for j in range(requests):  # a connection per request: llama-server closes one after a stream
+            conn = Client(port)
             answers[i].append(conn.complete(bodies[(i + j) % len(bodies)], stream=True))
-        conn.close()
+            conn.close()
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
     for t in threads:
@@ -354,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         gguf = convert_for_llama(world, work, args.llama_cpp_src) if "llama" in names else None
         result = {"source": world["source"], "release": str(world["release"]), "threads": args.threads,
                   "max_tokens": args.max_tokens, "rounds": args.rounds, "requests": args.requests,
-                  "slots": "N per client count N (ours max_concurrent = max_queue = N; llama-server -np N -cb)",
+                  "slots": "ours: the mode's default max_concurrent (batched 16, fork 2), max_queue >= N; llama-server -np N -cb",
                   "llama_server": str(binary) if binary else None, "loadavg_1m_before": os.getloadavg()[0]}
         result |= measure(world, names, clients, args.rounds, args.requests, args.max_tokens, args.threads, gguf,
                           binary, work)

@@ -3,7 +3,7 @@
     python -m bench.serve_faults_bench [--runs sigterm,slow] [--clients 8] [--max-tokens 64] [--tiny]
         [--out bench/results/serve_faults_bench.json]
 
-The server is ``python -m runtime serve`` in a subprocess (its default limits: 2 decoding, 16 queued),
+The server is ``python -m runtime serve`` in a subprocess (its default limits),
 on the last release of ``make release``, else the tiny world of ``bench.hotswap_bench``.
 
 **sigterm**: ``--clients`` clients (half streaming, half not) send greedy ``/v1/completions`` (the
