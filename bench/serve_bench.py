@@ -40,8 +40,7 @@ inter-token latency p50/p99 (gaps between consecutive streamed events), errors. 
 own batch-1 sequential rate: one client, one request at a time, on our servers (the better of fork
 and batched at 1 client); beside it, as information, the engine's bare batch-1 rate (the same
 prompts through ``runtime.generate.decode_steps`` on a fork of the release, in this process, no
-HTTP; the fork path's decode loop, which is slower per token than the batcher's). Targets (issue 17, at 8
-clients): tokens/s at least 3x the batch-1 sequential rate and at least llama-server's, p99 time to
+HTTP: the fork path's decode loop). Targets (issue 17, at 8 clients): tokens/s at least 3x the batch-1 sequential rate and at least llama-server's, p99 time to
 first token no worse than llama-server's. Writes ``bench/results/serve_bench.json``.
 """
 
