@@ -95,7 +95,9 @@ def test_serve_bench_measures_fork_and_batched_decode(w, tmp_path):
     assert serve_bench.judge(result)["batch1_sequential_tokens_per_s"] > 0
 
 
-def test_serve_bench_against_llama_server(w, tmp_path):
+@pytest.fixture
+def llama_server():
+    """Skips (before the world is built) where llama-server or the converters' sdist is absent."""
     from bench.llama_cpp_bench import converter_dir
 
     try:
@@ -103,6 +105,9 @@ def test_serve_bench_against_llama_server(w, tmp_path):
         converter_dir()
     except SystemExit as err:
         pytest.skip(f"llama-server or the peer sdist is absent (`make bench-peer-server`; never in CI): {err}")
+
+
+def test_serve_bench_against_llama_server(llama_server, w, tmp_path):
     result = run_serve_bench(w, tmp_path, ["batched", "llama"])
     by = result["by_clients"]["2"]
     assert by["llama"]["mean_prompt_tokens"] == by["batched"]["mean_prompt_tokens"]  # the same tokens in
