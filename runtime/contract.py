@@ -59,6 +59,21 @@ def release_tag(month: str) -> str:
     return f"release/{month}"
 
 
+# The update channel's TUF repository: metadata/<version>.root.json, metadata/timestamp.json,
+# metadata/<version>.{snapshot,targets}.json (consistent snapshots), targets/<dir>/<sha256>.<name>.
+TUF_METADATA_DIR = "metadata"
+TUF_TARGETS_DIR = "targets"
+TUF_CHANNELS_TARGET = REGISTRY_CHANNELS  # {"champion": month, "candidate": month}, a signed target
+TUF_CHANNELS = ("champion", "candidate")
+# The ``custom`` fields of a release target: what a device can check before downloading it.
+TUF_TARGET_CUSTOM = ("month", "release_id", "base_model_hash", "engine_interface_hash")
+
+
+def release_target_path(month: str) -> str:
+    """The TUF target path of a published month's release tarball."""
+    return f"{REGISTRY_RELEASES}/{month}.tar.gz"
+
+
 # ---------------------------------------------------------------- manifest bytes and release ids
 
 FORMAT = "adapter-release"

@@ -237,6 +237,9 @@ class PublishConfig(_Section):
     remote_dir: str = "dvc-remote"
     signing_key: str = "keys/release_signing.key"
     expiry_days: int = Field(120, ge=1)
+    tuf_dir: str = "tuf"  # the update channel's TUF repository (tasks/update_channel.py), served as static files
+    tuf_keys_dir: str = "keys/tuf"
+    timestamp_expiry_days: int = Field(1, ge=1, le=7)  # a device refuses metadata older than this
     tracking_uri: str = "sqlite:///mlflow.db"
     artifacts_dir: str = "mlruns"
     experiment: str = "monthly-adapter-release"

@@ -1,0 +1,65 @@
+"""Update-channel test kit: a TUF repository served over loopback HTTP, and what an attacker does to it.
+
+``serve(folder)`` is ``python -m http.server -d folder`` in a thread (the README's way to serve the
+channel); the helpers below change the served files as a man in the middle or a compromised
+mirror would, with python-tuf's own Metadata API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import http.server
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from securesystemslib.signer import CryptoSigner
+from tuf.api.metadata import Metadata
+from tuf.api.serialization.json import JSONSerializer
+from tuf.ngclient import Updater
+
+from runtime.contract import TUF_METADATA_DIR
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def serve(folder: Path) -> Iterator[str]:
+    """The base URL of ``folder`` served by the standard library's HTTP server on a free loopback port."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(folder)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def updater(url: str, first_root: Path, metadata_dir: Path) -> Updater:
+    """python-tuf's ngclient on ``url``, trusting ``first_root`` (the device's out-of-band root)."""
+    metadata_dir.mkdir(parents=True, exist_ok=True)
+    return Updater(str(metadata_dir), f"{url}/metadata/", target_base_url=f"{url}/targets/",
+                   bootstrap=first_root.read_bytes())
+
+
+def resign_metadata(repo: Path, name: str, signer: CryptoSigner, **changes) -> None:
+    """``metadata/<name>`` with ``changes`` set on its signed part, signed by ``signer`` alone."""
+    path = repo / TUF_METADATA_DIR / name
+    md = Metadata.from_bytes(path.read_bytes())
+    for field, value in changes.items():
+        setattr(md.signed, field, value)
+    md.sign(signer)
+    path.write_bytes(md.to_bytes(JSONSerializer(compact=False)))
+
+
+def same_length_change(path: Path, old: bytes, new: bytes) -> None:
+    """Replace ``old`` by ``new`` (as long) in the file: only a hash can tell."""
+    data = path.read_bytes()
+    assert old in data and len(old) == len(new)
+    path.write_bytes(data.replace(old, new, 1))
