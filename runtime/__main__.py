@@ -4,6 +4,8 @@
                              [--active-release ID] [--allow-rollback]
     python -m runtime pull --registry PATH_OR_URL (--release YYYY-MM | --alias NAME) --to DIR
                            --trusted-key PUB [--engine DIR] [--rev REV] [--allow-rollback]
+    python -m runtime pull --tuf-url URL --trusted-root FILE --metadata-dir DIR (--release YYYY-MM | --alias NAME)
+                           --to DIR --trusted-key PUB [--engine DIR] [--allow-rollback]
     python -m runtime serve --engine DIR --package DIR --trusted-key PUB [--tokenizer DIR]
                             [--port 8080] [--host 127.0.0.1] [--watch DIR]
                             [--candidate DIR --canary-share F] [--max-resident N]
@@ -19,10 +21,13 @@ relative paths are relative to the file); flags add to it or override it:
     {"trusted_keys": ["keys/release_signing.pub"], "engine": "engine", "tokenizer": "models/base",
      "backend": "onnxruntime", "threads": 2, "max_package_bytes": 268435456,
      "admin_token_file": "admin.token", "release_dirs": ["releases"], "max_resident": 3, "canary_share": 0.0,
-     "state_dir": "/var/lib/adapter", "health_window": 30}
+     "state_dir": "/var/lib/adapter", "health_window": 30,
+     "tuf_url": "http://updates.example:8000", "trusted_root": "1.root.json", "metadata_dir": "tuf-metadata"}
 
 Exit codes: 0 success, 1 crash (a bug), 2 bad usage or device configuration, 30 the registry
-could not give the release, and one code per refusal of ``runtime.package.EXIT_CODES``:
+could not give the release, 31-38 the update channel refused (``runtime.tuf_pull.EXIT_CODES``:
+31 stale_metadata, 32 untrusted_metadata, 33 metadata_rollback, 34 hash_mismatch, 35 too_large,
+36 unreachable, 37 unknown_target, 38 repository), and one code per refusal of ``runtime.package.EXIT_CODES``:
 10 malformed, 11 checksum, 12 unlisted_file, 13 signature, 14 backbone_mismatch,
 15 interface_mismatch, 16 adapter, 17 kv_scales, 18 size_limit, 19 unsafe_path, 20 rollback,
 21 expired, 22 tokenizer_mismatch, 23 reverted (serve with --state-dir).
@@ -57,7 +62,8 @@ def device_settings(args) -> dict:
     settings = {"trusted_keys": [], "engine": None, "tokenizer": None, "backend": "onnxruntime", "threads": 2,
                 "max_package_bytes": DEFAULT_MAX_PACKAGE_BYTES, "admin_token_file": None, "release_dirs": [],
                 "max_resident": DEFAULT_MAX_RESIDENT, "canary_share": 0.0, "state_dir": None,
-                "health_window": DEFAULT_HEALTH_WINDOW_S}
+                "health_window": DEFAULT_HEALTH_WINDOW_S,
+                "tuf_url": None, "trusted_root": None, "metadata_dir": None}
     if args.device_config is not None:
         path = Path(args.device_config)
         try:
@@ -67,7 +73,7 @@ def device_settings(args) -> dict:
         unknown = sorted(set(raw) - set(settings))
         if unknown:
             raise DeviceConfigError(f"{path}: unknown key(s) {unknown}; known: {sorted(settings)}")
-        for key in ("engine", "tokenizer", "admin_token_file", "state_dir"):
+        for key in ("engine", "tokenizer", "admin_token_file", "state_dir", "trusted_root", "metadata_dir"):
             if raw.get(key) is not None:
                 raw[key] = str(path.parent / raw[key])
         for key in ("trusted_keys", "release_dirs"):
@@ -75,7 +81,8 @@ def device_settings(args) -> dict:
         settings |= raw
     settings["trusted_keys"] = list(settings["trusted_keys"]) + list(getattr(args, "trusted_key", None) or [])
     settings["release_dirs"] = list(settings["release_dirs"]) + list(getattr(args, "release_dir", None) or [])
-    for key in ("engine", "tokenizer", "admin_token_file", "max_resident", "canary_share", "state_dir", "health_window"):
+    for key in ("engine", "tokenizer", "admin_token_file", "max_resident", "canary_share", "state_dir", "health_window",
+                "tuf_url", "trusted_root", "metadata_dir"):
         if getattr(args, key, None) is not None:
             settings[key] = getattr(args, key)
     return settings
@@ -128,13 +135,24 @@ def cmd_verify(args, settings) -> int:
 
 def cmd_pull(args, settings) -> int:
     from runtime.package import load_trusted_keys
-    from runtime.pull import pull
 
-    verified = pull(
-        args.registry, args.to, load_trusted_keys(settings["trusted_keys"]), month=args.release, alias=args.alias,
-        rev=args.rev, iface=_open_interface(settings["engine"]), allow_rollback=args.allow_rollback,
-        max_bytes=settings["max_package_bytes"], **_tokenizer_checks(settings),
-    )
+    if (args.registry is None) == (settings["tuf_url"] is None):
+        raise DeviceConfigError("pull needs exactly one source: --registry (dvc get) or --tuf-url (update channel)")
+    checks = dict(iface=_open_interface(settings["engine"]), allow_rollback=args.allow_rollback,
+                  max_bytes=settings["max_package_bytes"], **_tokenizer_checks(settings))
+    keys = load_trusted_keys(settings["trusted_keys"])
+    if args.registry is not None:
+        from runtime.pull import pull
+
+        verified = pull(args.registry, args.to, keys, month=args.release, alias=args.alias, rev=args.rev, **checks)
+    else:
+        from runtime.tuf_pull import tuf_pull
+
+        missing = [f"--{k.replace('_', '-')}" for k in ("trusted_root", "metadata_dir") if settings[k] is None]
+        if missing:
+            raise DeviceConfigError(f"pull --tuf-url needs {' and '.join(missing)} (or the device config keys)")
+        verified = tuf_pull(settings["tuf_url"], settings["trusted_root"], settings["metadata_dir"], args.to, keys,
+                            month=args.release, channel=args.alias, **checks)
     print(json.dumps(verified.summary() | {"installed": str(verified.path)}, indent=2, sort_keys=True))
     return 0
 
@@ -245,11 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--active-release", metavar="ID", help="release id (or month) active on the device: older ones are refused")
     v.set_defaults(run=cmd_verify)
 
-    p = sub.add_parser("pull", parents=[common], help="fetch a release from the registry with dvc, verify, install")
-    p.add_argument("--registry", required=True, metavar="PATH_OR_URL", help="git URL or path of the release registry")
+    p = sub.add_parser("pull", parents=[common], help="fetch a release (registry with dvc, or update channel with TUF), "
+                       "verify, install")
+    p.add_argument("--registry", metavar="PATH_OR_URL", help="git URL or path of the release registry (dvc get)")
+    p.add_argument("--tuf-url", metavar="URL", help="base URL of the update channel (TUF metadata/ and targets/)")
+    p.add_argument("--trusted-root", metavar="FILE", help="the update channel's root metadata given out of band")
+    p.add_argument("--metadata-dir", metavar="DIR", help="where this device keeps the TUF metadata it has verified")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--release", metavar="YYYY-MM")
-    which.add_argument("--alias", metavar="NAME", help="a channel of channels.json, e.g. champion")
+    which.add_argument("--alias", metavar="NAME", help="a channel of channels.json, e.g. champion (signed, with --tuf-url)")
     p.add_argument("--rev", help="registry revision to read channels.json at (default: its default branch)")
     p.add_argument("--to", required=True, metavar="DIR", help="install directory (replaced only after verification)")
     p.set_defaults(run=cmd_pull)

@@ -17,6 +17,7 @@ The machine needs the runtime's dependencies and DVC (as a command, never import
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -24,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from runtime.contract import MANIFEST, MONTH, REGISTRY_CHANNELS, registry_release_path, release_order, release_tag
@@ -109,16 +111,26 @@ def pull(
         month = resolve_alias(registry, alias, rev)
     if not MONTH.match(month):
         raise PullError(f"release {month!r} is not a month YYYY-MM")
+    fetch = functools.partial(dvc_get, registry, registry_release_path(month), rev=release_tag(month))
+    return install(fetch, f"{registry}: {registry_release_path(month)}", month, target, trusted_keys, iface,
+                   allow_rollback, **verify_options)
+
+
+def install(fetch: Callable[[Path], None], source: str, month: str, target: str | Path, trusted_keys: dict, iface=None,
+            allow_rollback: bool = False, **verify_options) -> VerifiedRelease:
+    """``fetch(dir)`` a release of ``month`` into a hidden staging sibling of ``target``, verify it
+    (``verify_release``, rollback against what ``target`` holds), then rename it into place.
+    ``source`` names where it came from in a refusal."""
     target = Path(target).absolute()
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.pull-", dir=target.parent))
     try:
         fetched = staging / "release"
-        dvc_get(registry, registry_release_path(month), fetched, release_tag(month))
+        fetch(fetched)
         verified = verify_release(fetched, trusted_keys, iface, active_release=installed_release_id(target),
                                   allow_rollback=allow_rollback, **verify_options)
         if verified.manifest["month"] != month:
-            raise PullError(f"{registry}: {registry_release_path(month)} holds a release of month {verified.manifest['month']}")
+            raise PullError(f"{source} holds a release of month {verified.manifest['month']}")
         old = staging / "previous"
         if target.exists():
             os.replace(target, old)

@@ -101,7 +101,8 @@ def test_onnx_runtime_serving_path_does_not_import_torch():
     code = (
         "import sys; import runtime.backends.onnxruntime, runtime.adapter, runtime.generate, runtime.package, "
         "runtime.server, runtime.residents, runtime.pull, runtime.tokenizer, runtime.sampling, runtime.metrics, runtime.openai_api, "
-        "runtime.http_app, runtime.http_server, runtime.generation, runtime.batcher, runtime.__main__; print('torch' in sys.modules)"
+        "runtime.http_app, runtime.http_server, runtime.generation, runtime.batcher, runtime.tuf_pull, "
+        "runtime.__main__; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
