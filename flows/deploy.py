@@ -6,7 +6,8 @@
 Unlike ``flows/serve.py`` (the deployment lives as long as that process), this registers the
 deployment with the Prefect server once; any worker polling the work pool runs it, on the same
 monthly schedule (``flows.serve``'s cron and time zone) and whenever it is triggered from the UI or API.
-The work pool (type ``process``) is created if it does not exist. The flow is loaded from
+The work pool (type ``process``) is created if it does not exist; ``refresh-update-channel``
+(``flows/refresh_channel.py``, every six hours) is deployed beside it on the same pool. The flow is loaded from
 ``--source`` (this checkout by default) and each run executes with that directory as its working
 directory (a ``set_working_directory`` pull step): the flow's project root is ``Path.cwd()``.
 
@@ -24,11 +25,13 @@ import sys
 from pathlib import Path
 
 from flows.monthly_release import register_defaults
+from flows.refresh_channel import REFRESH_CRON, REFRESH_DEPLOYMENT
 from flows.serve import DEFAULT_CRON, DEFAULT_TIMEZONE, DEPLOYMENT
 from tasks.config import ConfigError, ReleaseConfig, load_config, parse_assignments, with_settings
 
 WORK_POOL = "adapter-release"
 ENTRYPOINT = "flows/monthly_release.py:monthly_release"
+REFRESH_ENTRYPOINT = "flows/refresh_channel.py:refresh_update_channel"
 # `make mlflow-server` listens here; a tracking server chooses where artifacts go (tasks/tracking.py).
 TRACKING_URI = "http://127.0.0.1:5000"
 
@@ -70,6 +73,11 @@ def deploy(config: ReleaseConfig, source: Path, work_pool: str, cron: str, timez
         concurrency_limit=1,  # DVC holds one repository lock: runs of the month never overlap
         print_next_steps=False,
         ignore_warnings=True,  # the process-pool hint to use .serve: production mode wants a worker
+    )
+    flow.from_source(source=str(source.resolve()), entrypoint=REFRESH_ENTRYPOINT).deploy(
+        name=REFRESH_DEPLOYMENT, work_pool_name=work_pool, schedules=[Cron(REFRESH_CRON, timezone=timezone)],
+        description="Re-sign the update channel's timestamp (snapshot, targets near expiry) without a release.",
+        tags=["adapter-release"], concurrency_limit=1, print_next_steps=False, ignore_warnings=True,
     )
     return str(deployment_id)
 

@@ -34,7 +34,7 @@ from prefect.transactions import get_transaction, transaction  # noqa: E402
 from prefect.variables import Variable  # noqa: E402
 
 from flows.progress import StageProgress  # noqa: E402
-from tasks import pipeline, publish, release, tracking  # noqa: E402
+from tasks import pipeline, publish, release, tracking, update_channel  # noqa: E402
 from tasks.config import (  # noqa: E402
     ConfigError, ReleaseConfig, StageError, changed_settings, load_config, parse_config, with_settings,
 )
@@ -146,6 +146,12 @@ def _unpublish(txn) -> None:
 
 
 @task(retries=2, retry_delay_seconds=5)
+def sign_update_channel(config: ReleaseConfig) -> list[str]:
+    """After the registry committed: the release and its champion signed into the TUF repository devices pull."""
+    return update_channel.publish_from_registry(config.publish, config.data.month)
+
+
+@task(retries=2, retry_delay_seconds=5)
 def push_pipeline_outputs() -> int:
     return pipeline.push_outputs(Path.cwd())
 
@@ -241,6 +247,7 @@ def _stages_gates_publish(config: ReleaseConfig, opened: release.Recorded) -> di
         push_pipeline_outputs()
         if not published.already:  # the registry already names an identical release: its version stays champion
             promote(config, recorded)
+    sign_update_channel(config)  # idempotent; a rerun after a crash here signs it (release.reconcile_published)
     release.finish_mlflow_run(config, Path.cwd(), recorded, "FINISHED", f"published {published.release_id}")
     summarize(config, runs, report, recorded, f"published {published.release_id} as champion", notes)
     return {"outcome": "published", "release_id": published.release_id, "mlflow_run_id": recorded.run_id,

@@ -1,5 +1,8 @@
 """Serve the ``monthly-release`` deployment: a monthly schedule plus runs triggered by hand.
 
+Beside it, ``refresh-update-channel`` (``flows/refresh_channel.py``) re-signs the update channel's
+timestamp every six hours, so devices never see it go stale between releases.
+
     PREFECT_API_URL=http://127.0.0.1:4200/api python -m flows.serve      # `make prefect` does this
 
 The deployment's defaults are ``params.yaml`` as it is now (``flows.monthly_release.register_defaults``);
@@ -13,9 +16,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from prefect import serve
 from prefect.schedules import Cron
 
 from flows.monthly_release import monthly_release, register_defaults
+from flows.refresh_channel import REFRESH_CRON, REFRESH_DEPLOYMENT, refresh_update_channel
 from tasks.config import load_config
 
 DEPLOYMENT = "monthly-release"
@@ -30,13 +35,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cron", default=DEFAULT_CRON)
     parser.add_argument("--timezone", default=DEFAULT_TIMEZONE)
     args = parser.parse_args(argv)
-    monthly_release.serve(
-        name=DEPLOYMENT,
-        schedules=[Cron(args.cron, timezone=args.timezone)],
-        parameters=register_defaults(load_config(args.params)),
-        description="Fine-tune, calibrate, evaluate on the engine, gate, package and publish this month's adapter.",
-        tags=["adapter-release"],
-        limit=1,
+    serve(
+        monthly_release.to_deployment(
+            name=DEPLOYMENT,
+            schedules=[Cron(args.cron, timezone=args.timezone)],
+            parameters=register_defaults(load_config(args.params)),
+            description="Fine-tune, calibrate, evaluate on the engine, gate, package and publish this month's adapter.",
+            tags=["adapter-release"],
+            concurrency_limit=1,
+        ),
+        refresh_update_channel.to_deployment(
+            name=REFRESH_DEPLOYMENT, schedules=[Cron(REFRESH_CRON, timezone=args.timezone)],
+            description="Re-sign the update channel's timestamp (snapshot, targets near expiry) without a release.",
+            tags=["adapter-release"], concurrency_limit=1,
+        ),
     )
     return 0
 

@@ -242,12 +242,14 @@ def reconcile_published(cfg: ReleaseConfig, root: Path, entry: dict) -> list[str
     The registry commit is the point of no return: once it names the month, a rerun pushes its
     files again (idempotent) and moves the MLflow ``champion`` to the version the registry names.
     """
-    from tasks import publish, tracking
+    from tasks import publish, tracking, update_channel
 
     repairs = []
     registry = Path(cfg.publish.registry_dir)
     publish.push_release(registry, cfg.data.month)
     push_outputs(root)
+    if update_channel.publish_from_registry(cfg.publish, cfg.data.month):
+        repairs.append(f"{cfg.data.month} and the registry's champion signed into the update channel {cfg.publish.tuf_dir}")
     version = entry.get("mlflow_version")
     if publish.read_channels(registry).get("champion") == cfg.data.month and version:
         client, _ = tracking.client_for(cfg.publish, root)

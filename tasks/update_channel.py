@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import fcntl
+import functools
 import json
 import os
 import shutil
@@ -53,6 +55,7 @@ ONLINE_ROLES = (Targets.type, Snapshot.type, Timestamp.type)
 EXPIRY_DAYS = {Root.type: 365, Targets.type: 90, Snapshot.type: 7}  # timestamp: publish.timestamp_expiry_days
 RENEW_WITHIN_DAYS = {Targets.type: 14, Snapshot.type: 2}  # refresh re-signs a role this close to its expiry
 HASHES = ["sha256"]
+LOCK_FILE = ".lock"
 SERIALIZER = JSONSerializer(compact=False)
 
 
@@ -222,6 +225,32 @@ def _resign(channel: Channel, state: State, roles: set[str], available: dict[str
 
 # ---------------------------------------------------------------- repository life cycle
 
+_held: set[Path] = set()  # the repositories this process holds the lock of (a locked call may call another)
+
+
+def _one_writer(write):
+    """One writer of a repository at a time: the flow's publish, the refresh deployment and a person's
+    command would otherwise each sign version n+1 from the same state, and one of them would be lost."""
+
+    @functools.wraps(write)
+    def locked(channel: Channel, *args, **kwargs):
+        path = (channel.repo / LOCK_FILE).absolute()
+        if path in _held:
+            return write(channel, *args, **kwargs)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)  # an OS lock: it dies with a killed writer
+            _held.add(path)
+            try:
+                return write(channel, *args, **kwargs)
+            finally:
+                _held.discard(path)
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    return locked
+
+
+@_one_writer
 def ensure_repository(channel: Channel, now: dt.datetime | None = None) -> State:
     """Create the repository (keys if missing, root v1, empty targets, snapshot, timestamp) unless it exists."""
     if root_versions(channel):
@@ -268,6 +297,7 @@ def _add_target(channel: Channel, state: State, target: TargetFile, source: Path
     return True
 
 
+@_one_writer
 def publish_release(channel: Channel, release_dir: Path, month: str, champion: str | None,
                     now: dt.datetime | None = None) -> list[str]:
     """Make ``month``'s release a target, the channels ``champion`` (as given) and ``candidate`` (``month``)
@@ -297,6 +327,7 @@ def publish_from_registry(publish: PublishConfig, month: str, now: dt.datetime |
     return publish_release(Channel.from_config(publish), registry / registry_release_path(month), month, champion, now)
 
 
+@_one_writer
 def refresh(channel: Channel, now: dt.datetime | None = None) -> list[str]:
     """A new timestamp (and snapshot or targets close to their expiry) without a release: the daily run."""
     now = _now(now)
@@ -329,6 +360,7 @@ def _new_root(channel: Channel, state: State, change, available: dict[str, Signe
     return new
 
 
+@_one_writer
 def rotate_root(channel: Channel, add_keys: list[Path] = (), remove_keyids: list[str] = (), threshold: int | None = None,
                 root_keys: list[Path] = (), now: dt.datetime | None = None) -> int:
     """A new root with root keys added (created if missing) or removed and/or a new threshold; returns its version."""
@@ -351,6 +383,7 @@ def rotate_root(channel: Channel, add_keys: list[Path] = (), remove_keyids: list
     return _new_root(channel, state, change, available, _now(now)).signed.version
 
 
+@_one_writer
 def revoke_key(channel: Channel, keyid: str, replacement: Path, root_keys: list[Path] = (),
                now: dt.datetime | None = None) -> list[str]:
     """Replace ``keyid`` by the key at ``replacement`` (created if missing) in every role that trusts it:
