@@ -3,14 +3,17 @@
 One project copy (a new git repository holding the tracked files) lives for the module, and the
 runs build on each other like months in production:
 
-1. 2026-11: the whole flow; it publishes, and everything it recorded is checked.
+1. 2026-11: the whole flow; it publishes, and everything it recorded is checked, the update channel
+   read by python-tuf's own ngclient over loopback HTTP among it.
 2. 2026-11 again: nothing recomputed, nothing published twice.
 3. 2026-12 with an impossible threshold: Failed with the reason; no release; champion unchanged.
 4. 2026-12: publishes, reusing the engine (engine_builds 0); champion moves.
 5. A real Prefect server serves the deployment; a run triggered through its API completes.
 """
 
+import datetime as dt
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -20,6 +23,7 @@ import yaml
 
 from project_testkit import ENV, MODEL, REPO, copy_project, git
 from service_testkit import free_port
+from tuf_testkit import http_server_process, ngclient_fetch
 
 pytestmark = pytest.mark.slow  # the real monthly flow, end to end: minutes per test
 
@@ -148,6 +152,7 @@ def test_first_month_publishes_and_records_everything(project):
                     "-o", str(pulled)], check=True, capture_output=True, env=project["env"])
     assert (pulled / "adapter_model.safetensors").read_bytes() == \
         (release / "package" / "release" / "adapter_model.safetensors").read_bytes()
+    check_update_channel(root, release / "package" / "release")
     # Every stage is up to date except the two that always run (they read the user's folders, which DVC
     # cannot list as dependencies when unset); nothing else is stale.
     status = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=root, env=project["env"],
@@ -156,6 +161,31 @@ def test_first_month_publishes_and_records_everything(project):
     assert json.loads(status.stdout) == {"data": ["always changed"], "base_model": ["always changed"]}, status.stdout
     assert "metrics.json" in subprocess.run([sys.executable, "-m", "dvc", "metrics", "show"], cwd=root, env=project["env"],
                                             capture_output=True, text=True, check=True).stdout
+
+
+def check_update_channel(root, package):
+    """python-tuf's ngclient, in a process of its own, refreshes from the channel's first root over
+    ``python -m http.server`` and downloads the release target; altered bytes on the server are refused."""
+    from runtime.package import write_tarball
+
+    served = root.parent / "tuf-served"
+    shutil.copytree(root / "tuf", served)  # the attack below must not touch the project's channel
+    first_root = root / "tuf" / "metadata" / "1.root.json"
+    with http_server_process(served, free_port()) as url:
+        got = ngclient_fetch(url, first_root, "releases/2026-11.tar.gz", root.parent / "ngclient")
+        assert got.returncode == 0, got.stderr[-3000:]
+        fetched = json.loads(got.stdout)
+        target = next(served.glob(f"targets/releases/{fetched['sha256']}.2026-11.tar.gz"))
+        target.write_bytes(bytes(target.stat().st_size))
+        altered = ngclient_fetch(url, first_root, "releases/2026-11.tar.gz", root.parent / "ngclient-2")
+    manifest = json.loads((package / "manifest.json").read_text())
+    assert fetched["custom"] == {"month": "2026-11", "release_id": manifest["release_id"],
+                                 "base_model_hash": manifest["base_model_hash"],
+                                 "engine_interface_hash": manifest["engine"]["interface_hash"]}
+    assert (root.parent / "ngclient" / "target").read_bytes() == write_tarball(package, root.parent / "p.tar.gz").read_bytes()
+    expires = dt.datetime.fromisoformat(fetched["timestamp_expires"].replace("Z", "+00:00"))
+    assert expires <= dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=7)
+    assert altered.returncode != 0 and "LengthOrHashMismatchError" in altered.stderr, altered.stderr[-2000:]
 
 
 def test_second_run_with_nothing_changed_recomputes_and_publishes_nothing(project):
@@ -209,6 +239,15 @@ def test_next_month_reuses_the_engine_and_becomes_champion(project):
                             cwd=root, env=project["env"], capture_output=True, text=True)
     assert pulled.returncode == 0, pulled.stderr[-3000:]
     assert json.loads((device / "manifest.json").read_text())["month"] == "2026-12"
+    # ... and through the update channel (TUF over HTTP), from the root it was given at set-up.
+    with http_server_process(root / "tuf", free_port()) as url:
+        pulled = subprocess.run([sys.executable, "-m", "runtime", "pull", "--tuf-url", url, "--trusted-root",
+                                 str(root / "tuf" / "metadata" / "1.root.json"), "--metadata-dir", str(root.parent / "device-tuf"),
+                                 "--alias", "champion", "--to", str(root.parent / "device-tuf-release"),
+                                 "--trusted-key", str(root / "keys" / "release_signing.pub"), "--engine", str(root / "engine")],
+                                cwd=root, env=project["env"], capture_output=True, text=True)
+    assert pulled.returncode == 0, pulled.stderr[-3000:]
+    assert json.loads(pulled.stdout)["month"] == "2026-12"
     champion_gate = next(g for g in json.loads((root / "artifacts" / "2026-12" / "gates" / "gates.json").read_text())["gates"]
                          if g["name"] == "accuracy_new_vs_champion")
     assert champion_gate["op"] == ">=" and "2026-11" in champion_gate["detail"]

@@ -10,7 +10,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.server
+import subprocess
+import sys
 import threading
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,3 +67,48 @@ def same_length_change(path: Path, old: bytes, new: bytes) -> None:
     data = path.read_bytes()
     assert old in data and len(old) == len(new)
     path.write_bytes(data.replace(old, new, 1))
+
+
+# python-tuf's ngclient in a process of its own (python -I: nothing of this project on its path but
+# what the interpreter installs), as a device with only tuf installed would run it.
+NGCLIENT_SCRIPT = """
+import json, sys
+from tuf.ngclient import Updater
+url, first_root, metadata_dir, target, out = sys.argv[1:]
+updater = Updater(metadata_dir, url + "/metadata/", target_base_url=url + "/targets/",
+                  bootstrap=open(first_root, "rb").read())
+updater.refresh()
+info = updater.get_targetinfo(target)
+updater.download_target(info, out)
+expires = json.load(open(metadata_dir + "/timestamp.json"))["signed"]["expires"]
+print(json.dumps({"custom": info.custom, "sha256": info.hashes["sha256"], "timestamp_expires": expires}))
+"""
+
+
+@contextlib.contextmanager
+def http_server_process(folder: Path, port: int) -> Iterator[str]:
+    """``python -m http.server`` serving ``folder`` (the README's one line), until the block ends."""
+    server = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "-d", str(folder), str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/metadata/1.root.json", timeout=2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise
+                time.sleep(0.2)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def ngclient_fetch(url: str, first_root: Path, target: str, workdir: Path):
+    """Run NGCLIENT_SCRIPT: refresh from ``first_root`` and download ``target`` into ``workdir``."""
+    (workdir / "metadata").mkdir(parents=True, exist_ok=True)
+    return subprocess.run([sys.executable, "-I", "-c", NGCLIENT_SCRIPT, url, str(first_root), str(workdir / "metadata"),
+                           target, str(workdir / "target")], cwd=workdir, capture_output=True, text=True, timeout=120)
