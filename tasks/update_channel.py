@@ -7,7 +7,7 @@ ngclient (``runtime/tuf_pull.py``):
 - ``metadata/<n>.root.json`` every root version (a device walks them from the root it was given);
 - ``metadata/<n>.targets.json``: every release tarball ``releases/<month>.tar.gz`` (custom fields
   month, release id, base model hash, engine interface hash) and ``channels.json`` (champion, the
-  registry's; candidate, the month published last): the channel pointers are signed like releases;
+  registry's; candidate, the newest month published): the channel pointers are signed like releases;
 - ``metadata/<n>.snapshot.json``, ``metadata/timestamp.json`` (written last: the switch to a new
   state; a crash before it leaves the previous state served);
 - ``targets/<dir>/<sha256>.<name>`` (consistent snapshots: a file once written never changes).
@@ -300,14 +300,16 @@ def _add_target(channel: Channel, state: State, target: TargetFile, source: Path
 @_one_writer
 def publish_release(channel: Channel, release_dir: Path, month: str, champion: str | None,
                     now: dt.datetime | None = None) -> list[str]:
-    """Make ``month``'s release a target, the channels ``champion`` (as given) and ``candidate`` (``month``)
-    a signed target, and sign new targets, snapshot and timestamp. Idempotent: the same release and
-    channels again write nothing (returns the roles written, [] then)."""
+    """Make ``month``'s release a target, the channels ``champion`` (as given) and ``candidate`` (the
+    newest month of the targets: a rerun of an older month never moves it back) a signed target, and
+    sign new targets, snapshot and timestamp. Idempotent: the same release and channels again write
+    nothing (returns the roles written, [] then)."""
     state = ensure_repository(channel, now)
     with tempfile.TemporaryDirectory(prefix="tuf-target-") as tmp:
         tarball = write_tarball(Path(release_dir), Path(tmp) / f"{month}.tar.gz")
         changed = _add_target(channel, state, release_target(release_dir, tarball, month), tarball)
-        channels = {"candidate": month} | ({"champion": champion} if champion else {})
+        newest = max(t.custom["month"] for t in state.targets.signed.targets.values() if t.custom)
+        channels = {"candidate": newest} | ({"champion": champion} if champion else {})
         pointer = Path(tmp) / TUF_CHANNELS_TARGET
         pointer.write_text(json.dumps(channels, indent=2, sort_keys=True) + "\n")
         changed |= _add_target(channel, state, TargetFile.from_file(TUF_CHANNELS_TARGET, str(pointer), HASHES), pointer)

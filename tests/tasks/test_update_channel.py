@@ -97,6 +97,15 @@ def test_the_same_release_again_writes_nothing_and_keys_are_never_replaced(chann
     assert {p.name: p.read_bytes() for p in channel.keys.iterdir()} == keys
 
 
+def test_candidate_is_the_newest_month_and_champion_what_the_registry_names(channel, tmp_path):
+    publish_release(channel, fake_release(tmp_path / "b", "2026-11"), "2026-11", "2026-11")
+    publish_release(channel, fake_release(tmp_path / "a", "2026-10"), "2026-10", "2026-10")  # an older month, later
+    pointer = json.loads(served_target(channel, TUF_CHANNELS_TARGET).read_text())
+    assert pointer == {"candidate": "2026-11", "champion": "2026-10"}
+    assert sorted(status(channel)["targets"]) == [TUF_CHANNELS_TARGET, release_target_path("2026-10"),
+                                                  release_target_path("2026-11")]
+
+
 def test_timestamp_expiry_is_at_most_seven_days():
     assert PublishConfig().timestamp_expiry_days == 1
     assert parse_config({"publish": {"timestamp_expiry_days": 7}}).publish.timestamp_expiry_days == 7
