@@ -68,6 +68,7 @@ def open_updater(url: str, trusted_root: str | Path, metadata_dir: str | Path) -
     Path(metadata_dir).mkdir(parents=True, exist_ok=True)
     base = url.rstrip("/")
     try:
+        # UpdaterConfig's per-role length limits (timestamp 16 KiB, root 512 kB, ...) bound endless data.
         return Updater(str(metadata_dir), f"{base}/{TUF_METADATA_DIR}/", target_base_url=f"{base}/{TUF_TARGETS_DIR}/",
                        config=UpdaterConfig(), bootstrap=root)
     except (exceptions.RepositoryError, ValueError) as err:

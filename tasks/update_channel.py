@@ -252,8 +252,9 @@ def _one_writer(write):
 
 @_one_writer
 def ensure_repository(channel: Channel, now: dt.datetime | None = None) -> State:
-    """Create the repository (keys if missing, root v1, empty targets, snapshot, timestamp) unless it exists."""
-    if root_versions(channel):
+    """Create the repository (keys if missing, root v1, empty targets, snapshot, timestamp) unless it exists.
+    A creation killed before its timestamp was never served: it is made again."""
+    if _metadata_file(channel, Timestamp.type, 0).exists():
         return load_state(channel)
     now = _now(now)
     root_signers = [ensure_key(key_file(channel, Root.type, n)) for n in range(1, ROOT_KEYS + 1)]
