@@ -23,7 +23,7 @@ import yaml
 
 from project_testkit import ENV, MODEL, REPO, copy_project, git
 from service_testkit import free_port
-from tuf_testkit import http_server_process, ngclient_fetch
+from tuf_testkit import http_server_process, ngclient_then_tampered
 
 pytestmark = pytest.mark.slow  # the real monthly flow, end to end: minutes per test
 
@@ -168,16 +168,9 @@ def check_update_channel(root, package):
     ``python -m http.server`` and downloads the release target; altered bytes on the server are refused."""
     from runtime.package import write_tarball
 
-    served = root.parent / "tuf-served"
-    shutil.copytree(root / "tuf", served)  # the attack below must not touch the project's channel
-    first_root = root / "tuf" / "metadata" / "1.root.json"
-    with http_server_process(served, free_port()) as url:
-        got = ngclient_fetch(url, first_root, "releases/2026-11.tar.gz", root.parent / "ngclient")
-        assert got.returncode == 0, got.stderr[-3000:]
-        fetched = json.loads(got.stdout)
-        target = next(served.glob(f"targets/releases/{fetched['sha256']}.2026-11.tar.gz"))
-        target.write_bytes(bytes(target.stat().st_size))
-        altered = ngclient_fetch(url, first_root, "releases/2026-11.tar.gz", root.parent / "ngclient-2")
+    served = shutil.copytree(root / "tuf", root.parent / "tuf-served")  # the tampering must not touch the project's
+    fetched, tampered = ngclient_then_tampered(served, root / "tuf" / "metadata" / "1.root.json",
+                                               "releases/2026-11.tar.gz", root.parent)
     manifest = json.loads((package / "manifest.json").read_text())
     assert fetched["custom"] == {"month": "2026-11", "release_id": manifest["release_id"],
                                  "base_model_hash": manifest["base_model_hash"],
@@ -185,7 +178,7 @@ def check_update_channel(root, package):
     assert (root.parent / "ngclient" / "target").read_bytes() == write_tarball(package, root.parent / "p.tar.gz").read_bytes()
     expires = dt.datetime.fromisoformat(fetched["timestamp_expires"].replace("Z", "+00:00"))
     assert expires <= dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=7)
-    assert altered.returncode != 0 and "LengthOrHashMismatchError" in altered.stderr, altered.stderr[-2000:]
+    assert tampered.returncode != 0 and "LengthOrHashMismatchError" in tampered.stderr, tampered.stderr[-2000:]
 
 
 def test_second_run_with_nothing_changed_recomputes_and_publishes_nothing(project):

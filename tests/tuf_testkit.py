@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.server
+import json
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from securesystemslib.signer import CryptoSigner
+from service_testkit import free_port
 from tuf.api.metadata import Metadata
 from tuf.api.serialization.json import JSONSerializer
 from tuf.ngclient import Updater
@@ -105,6 +107,20 @@ def http_server_process(folder: Path, port: int) -> Iterator[str]:
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def ngclient_then_tampered(served: Path, first_root: Path, target: str, workdir: Path) -> tuple[dict, subprocess.CompletedProcess]:
+    """``served`` under ``python -m http.server``: what ngclient (in its own process) fetched of ``target``
+    (custom fields, sha256, the timestamp's expiry; the file is ``workdir/ngclient/target``), then how a
+    second fresh client fares once the served target's bytes are zeroed (the file is changed in place)."""
+    with http_server_process(served, free_port()) as url:
+        got = ngclient_fetch(url, first_root, target, workdir / "ngclient")
+        assert got.returncode == 0, got.stderr[-3000:]
+        fetched = json.loads(got.stdout)
+        folder, _, name = target.rpartition("/")
+        path = served / "targets" / folder / f"{fetched['sha256']}.{name}"
+        path.write_bytes(bytes(path.stat().st_size))
+        return fetched, ngclient_fetch(url, first_root, target, workdir / "ngclient-tampered")
 
 
 def ngclient_fetch(url: str, first_root: Path, target: str, workdir: Path):

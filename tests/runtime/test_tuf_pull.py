@@ -17,13 +17,16 @@ from pathlib import Path
 import pytest
 from release_testkit import world
 from securesystemslib.signer import CryptoSigner
-from tuf_testkit import resign_metadata, same_length_change, serve
+from tuf_testkit import ngclient_then_tampered, resign_metadata, same_length_change, serve
 
-from runtime.contract import TUF_CHANNELS_TARGET, release_target_path
+from runtime.contract import ADAPTER_WEIGHTS, TUF_CHANNELS_TARGET, release_target_path
+from runtime.hashing import sha256_file
 from runtime.interface import read_interface
 from runtime.package import RollbackRefused, load_trusted_keys
 from runtime.tuf_pull import EXIT_CODES, UpdateRefused, tuf_pull
-from tasks.update_channel import Channel, load_state, publish_release, refresh
+from tasks import publish
+from tasks.config import PublishConfig
+from tasks.update_channel import Channel, load_state, publish_from_registry, publish_release, refresh
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -144,3 +147,21 @@ def test_older_metadata_after_newer_is_refused_and_an_unreachable_channel_instal
                           "--to", str(device / "active"), "--trusted-key", str(w["trusted_key"])],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "needs --trusted-root and --metadata-dir" in out.stderr
+
+
+def test_the_publish_step_signs_into_a_channel_ngclient_reads_in_its_own_process(w, tmp_path):
+    """What the flow runs: tasks.publish into a real git + DVC registry, then the update channel from it;
+    python-tuf's ngclient alone (python -I) refreshes from the first root over `python -m http.server`."""
+    cfg = PublishConfig(registry_dir=str(tmp_path / "registry"), remote_dir=str(tmp_path / "dvc-remote"),
+                        tuf_dir=str(tmp_path / "tuf"), tuf_keys_dir=str(tmp_path / "keys"))
+    publish.ensure_registry(Path(cfg.registry_dir), cfg.remote_dir)
+    entry = {"release_id": manifest(w["b"])["release_id"], "adapter_sha256": sha256_file(w["b"] / ADAPTER_WEIGHTS)}
+    publish.publish_release(Path(cfg.registry_dir), w["b"], "2026-11", entry, champion=True)
+    assert publish_from_registry(cfg, "2026-11") == ["targets", "snapshot", "timestamp"]
+    assert publish_from_registry(cfg, "2026-11") == []  # a rerun (reconcile) signs nothing twice
+    fetched, tampered = ngclient_then_tampered(tmp_path / "tuf", tmp_path / "tuf" / "metadata" / "1.root.json",
+                                               release_target_path("2026-11"), tmp_path)
+    assert fetched["custom"]["release_id"] == entry["release_id"]
+    expires = dt.datetime.fromisoformat(fetched["timestamp_expires"].replace("Z", "+00:00"))
+    assert expires <= dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=7)
+    assert tampered.returncode != 0 and "LengthOrHashMismatchError" in tampered.stderr, tampered.stderr[-2000:]
