@@ -32,7 +32,6 @@ from tasks.update_channel import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-NOW = dt.datetime.now(dt.timezone.utc)
 
 
 def fake_release(folder: Path, month: str) -> Path:
@@ -64,7 +63,12 @@ def served_target(channel: Channel, path: str) -> Path:
     return channel.targets / folder / f"{sha}.{name}"
 
 
+def utc_now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)  # read per test: a module-level time is stale by the time a late test runs
+
+
 def test_a_published_release_refreshes_from_the_first_root_and_downloads(channel, tmp_path):
+    started = utc_now()
     release = fake_release(tmp_path / "r", "2026-11")
     assert publish_release(channel, release, "2026-11", "2026-11") == ["targets", "snapshot", "timestamp"]
     with serve(channel.repo) as url:
@@ -79,7 +83,7 @@ def test_a_published_release_refreshes_from_the_first_root_and_downloads(channel
     assert got.read_bytes() == write_tarball(release, tmp_path / "expected.tar.gz").read_bytes()
     assert channels == {"champion": "2026-11", "candidate": "2026-11"}
     expires = device_metadata(tmp_path / "device", "timestamp").expires  # what the client verified and kept
-    assert NOW < expires <= NOW + dt.timedelta(days=1, minutes=1)
+    assert started < expires <= utc_now() + dt.timedelta(days=1)
     root = Metadata.from_bytes(first_root(channel).read_bytes()).signed
     assert root.roles["root"].threshold == ROOT_THRESHOLD < len(root.roles["root"].keyids)
     assert root.consistent_snapshot
@@ -128,7 +132,7 @@ def test_changed_target_bytes_and_an_edited_channel_pointer_are_refused(channel,
 
 
 def test_a_stale_timestamp_is_refused_until_the_daily_refresh(channel, tmp_path):
-    week_ago = NOW - dt.timedelta(days=6)
+    week_ago = utc_now() - dt.timedelta(days=6)
     publish_release(channel, fake_release(tmp_path / "r", "2026-11"), "2026-11", "2026-11", now=week_ago)
     with serve(channel.repo) as url:
         with pytest.raises(exceptions.ExpiredMetadataError, match="timestamp"):
@@ -207,7 +211,7 @@ def test_a_revoked_key_signs_nothing_a_device_accepts(channel, tmp_path):
         # whoever holds the leaked key signs a newer, fresh timestamp: refused after the rotation
         version = load_state(channel).timestamp.signed.version
         resign_metadata(channel.repo, "timestamp.json", old_timestamp, version=version + 1,
-                        expires=NOW + dt.timedelta(days=1))
+                        expires=utc_now() + dt.timedelta(days=1))
         with pytest.raises(exceptions.UnsignedMetadataError, match="timestamp"):
             updater(url, first_root(channel), tmp_path / "d2").refresh()
 
