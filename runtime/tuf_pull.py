@@ -14,15 +14,20 @@ month comes from the signed target ``channels.json``. The tarball, its length an
 by ngclient, is unpacked (``extract_tarball``) and goes through ``verify_release`` unchanged
 (``runtime.pull.install``: manifest signature, files, rollback against the installed release,
 engine checks), then is renamed into place. Torch-free, no DVC, git or Prefect.
+
+A serving device that watches the channel (``runtime.channel_watch``) takes the same steps
+(``refreshed``, ``signed_channels``, ``channel_month``, ``target_info``, ``release_tarball``) and
+loads the tarball through ``AdapterServer.load`` instead of ``install``.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from tuf.api import exceptions
+from tuf.api.metadata import TargetFile
 from tuf.ngclient import Updater, UpdaterConfig
 
 from runtime.contract import MONTH, TUF_CHANNELS, TUF_CHANNELS_TARGET, TUF_METADATA_DIR, TUF_TARGETS_DIR, release_target_path
@@ -54,7 +59,8 @@ class UpdateRefused(RefusedInput):
         self.reason, self.exit_code = reason, EXIT_CODES[reason]
 
 
-def _refusal(err: Exception, url: str) -> UpdateRefused:
+def refusal(err: Exception, url: str) -> UpdateRefused:
+    """The UpdateRefused of one of ngclient's errors (RepositoryError or DownloadError)."""
     reason = next(reason for cls, reason in REASONS if isinstance(err, cls))
     return UpdateRefused(reason, f"update channel {url}: {type(err).__name__}: {err}; nothing was installed")
 
@@ -75,31 +81,64 @@ def open_updater(url: str, trusted_root: str | Path, metadata_dir: str | Path) -
         raise UpdateRefused("untrusted_metadata", f"trusted root {trusted_root}: {err}") from None
 
 
-def _download(updater: Updater, url: str, path: str, out: Path, max_bytes: int) -> Path:
-    """The target ``path`` (length and hashes as the signed targets metadata say) saved as ``out``."""
+def refreshed(url: str, trusted_root: str | Path, metadata_dir: str | Path) -> Updater:
+    """An Updater whose top-level metadata is refreshed: fresh, verified, never older than what
+    ``metadata_dir`` saw before; UpdateRefused when it cannot be. ngclient refreshes an Updater once:
+    every pull, and every poll of a watching device, makes a new one."""
+    updater = open_updater(url, trusted_root, metadata_dir)
+    try:
+        updater.refresh()
+    except (exceptions.RepositoryError, exceptions.DownloadError) as err:
+        raise refusal(err, url) from None
+    return updater
+
+
+def target_info(updater: Updater, url: str, path: str, max_bytes: int) -> TargetFile:
+    """The signed targets metadata's entry for ``path`` (its length, hashes and custom fields)."""
     try:
         info = updater.get_targetinfo(path)
-        if info is None:
-            raise UpdateRefused("unknown_target", f"update channel {url}: the signed targets list no {path}")
-        if info.length > max_bytes:
-            raise SizeLimitExceeded(f"{url}: target {path} is {info.length} bytes, the device takes at most {max_bytes}")
+    except (exceptions.RepositoryError, exceptions.DownloadError) as err:
+        raise refusal(err, url) from None
+    if info is None:
+        raise UpdateRefused("unknown_target", f"update channel {url}: the signed targets list no {path}")
+    if info.length > max_bytes:
+        raise SizeLimitExceeded(f"{url}: target {path} is {info.length} bytes, the device takes at most {max_bytes}")
+    return info
+
+
+def download(updater: Updater, url: str, info: TargetFile, out: Path) -> Path:
+    """The target ``info`` names, saved as ``out`` once its length and hashes are the signed ones."""
+    try:
         return Path(updater.download_target(info, str(out)))
     except (exceptions.RepositoryError, exceptions.DownloadError) as err:
-        raise _refusal(err, url) from None
+        raise refusal(err, url) from None
 
 
-def channel_month(updater: Updater, url: str, channel: str, out: Path) -> str:
-    """The month the signed ``channels.json`` (saved as ``out``) names for ``channel``."""
-    path = _download(updater, url, TUF_CHANNELS_TARGET, out, MAX_CHANNELS_BYTES)
+def signed_channels(updater: Updater, url: str, workdir: Path) -> dict:
+    """The signed ``channels.json`` (downloaded into ``workdir``): channel -> month."""
+    info = target_info(updater, url, TUF_CHANNELS_TARGET, MAX_CHANNELS_BYTES)
+    path = download(updater, url, info, Path(workdir) / TUF_CHANNELS_TARGET)
     try:
         channels = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise UpdateRefused("repository", f"update channel {url}: the signed {TUF_CHANNELS_TARGET} is not JSON ({err})") from None
-    month = channels.get(channel) if isinstance(channels, dict) else None
+    if not isinstance(channels, dict):
+        raise UpdateRefused("repository", f"update channel {url}: the signed {TUF_CHANNELS_TARGET} is not an object")
+    return channels
+
+
+def channel_month(channels: dict, url: str, channel: str) -> str:
+    """The month the signed ``channels`` name for ``channel``."""
+    month = channels.get(channel)
     if not isinstance(month, str) or not MONTH.match(month):
         raise UpdateRefused("unknown_target", f"update channel {url}: {TUF_CHANNELS_TARGET} names no month for "
                             f"{channel!r} (channels: {', '.join(sorted(channels)) or 'none'}; known: {', '.join(TUF_CHANNELS)})")
     return month
+
+
+def release_tarball(updater: Updater, url: str, info: TargetFile, workdir: Path) -> Path:
+    """The release tarball ``info`` names, downloaded into ``workdir`` (ngclient checks its length and hash)."""
+    return download(updater, url, info, Path(workdir) / PurePosixPath(info.path).name)
 
 
 def tuf_pull(
@@ -124,18 +163,15 @@ def tuf_pull(
     if month is not None and not MONTH.match(month):
         raise UpdateRefused("unknown_target", f"release {month!r} is not a month YYYY-MM")
 
-    updater = open_updater(url, trusted_root, metadata_dir)
-    try:
-        updater.refresh()
-    except (exceptions.RepositoryError, exceptions.DownloadError) as err:
-        raise _refusal(err, url) from None
+    updater = refreshed(url, trusted_root, metadata_dir)
     if channel is not None:
         with tempfile.TemporaryDirectory(prefix="tuf-channels-") as tmp:
-            month = channel_month(updater, url, channel, Path(tmp) / TUF_CHANNELS_TARGET)
+            month = channel_month(signed_channels(updater, url, Path(tmp)), url, channel)
     path = release_target_path(month)
+    info = target_info(updater, url, path, max_bytes)
 
     def fetch(out: Path) -> None:
-        extract_tarball(_download(updater, url, path, out.with_name(f"{month}.tar.gz"), max_bytes), out, max_bytes)
+        extract_tarball(release_tarball(updater, url, info, out.parent), out, max_bytes)
 
     return install(fetch, f"update channel {url}: {path}", month, target, trusted_keys, iface, allow_rollback,
                    max_bytes=max_bytes, **verify_options)
