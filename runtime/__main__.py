@@ -10,7 +10,9 @@
                             [--port 8080] [--host 127.0.0.1] [--watch DIR]
                             [--candidate DIR --canary-share F] [--max-resident N]
                             [--admin-token-file FILE --release-dir DIR ...]
-                            [--state-dir DIR [--health-window S]] (python -m runtime serve --help)
+                            [--state-dir DIR [--health-window S]]
+                            [--tuf-url URL --trusted-root FILE --metadata-dir DIR [--tuf-interval S]]
+                            (python -m runtime serve --help)
     python -m runtime state --state-dir DIR       the device state: active, previous, high-water mark, reverts
     python -m runtime rollback --state-dir DIR    (serve stopped) the previous release becomes the active one
                                                   and the high-water mark comes down to it: a local, explicit act
@@ -22,7 +24,8 @@ relative paths are relative to the file); flags add to it or override it:
      "backend": "onnxruntime", "threads": 2, "max_package_bytes": 268435456,
      "admin_token_file": "admin.token", "release_dirs": ["releases"], "max_resident": 3, "canary_share": 0.0,
      "state_dir": "/var/lib/adapter", "health_window": 30,
-     "tuf_url": "http://updates.example:8000", "trusted_root": "1.root.json", "metadata_dir": "tuf-metadata"}
+     "tuf_url": "http://updates.example:8000", "trusted_root": "1.root.json", "metadata_dir": "tuf-metadata",
+     "tuf_interval": 300}
 
 Exit codes: 0 success, 1 crash (a bug), 2 bad usage or device configuration, 30 the registry
 could not give the release, 31-38 the update channel refused (``runtime.tuf_pull.EXIT_CODES``:
@@ -41,6 +44,7 @@ import logging
 import sys
 from pathlib import Path
 
+from runtime.channel_watch import DEFAULT_TUF_INTERVAL_S
 from runtime.errors import RefusedInput
 from runtime.health import DEFAULT_HEALTH_WINDOW_S
 from runtime.http_app import DECODE_MODES, DEFAULT_MAX_CONCURRENT, ServeSettings
@@ -63,7 +67,7 @@ def device_settings(args) -> dict:
                 "max_package_bytes": DEFAULT_MAX_PACKAGE_BYTES, "admin_token_file": None, "release_dirs": [],
                 "max_resident": DEFAULT_MAX_RESIDENT, "canary_share": 0.0, "state_dir": None,
                 "health_window": DEFAULT_HEALTH_WINDOW_S,
-                "tuf_url": None, "trusted_root": None, "metadata_dir": None}
+                "tuf_url": None, "trusted_root": None, "metadata_dir": None, "tuf_interval": DEFAULT_TUF_INTERVAL_S}
     if args.device_config is not None:
         path = Path(args.device_config)
         try:
@@ -82,7 +86,7 @@ def device_settings(args) -> dict:
     settings["trusted_keys"] = list(settings["trusted_keys"]) + list(getattr(args, "trusted_key", None) or [])
     settings["release_dirs"] = list(settings["release_dirs"]) + list(getattr(args, "release_dir", None) or [])
     for key in ("engine", "tokenizer", "admin_token_file", "max_resident", "canary_share", "state_dir", "health_window",
-                "tuf_url", "trusted_root", "metadata_dir"):
+                "tuf_url", "trusted_root", "metadata_dir", "tuf_interval"):
         if getattr(args, key, None) is not None:
             settings[key] = getattr(args, key)
     return settings
@@ -148,13 +152,21 @@ def cmd_pull(args, settings) -> int:
     else:
         from runtime.tuf_pull import tuf_pull
 
-        missing = [f"--{k.replace('_', '-')}" for k in ("trusted_root", "metadata_dir") if settings[k] is None]
-        if missing:
-            raise DeviceConfigError(f"pull --tuf-url needs {' and '.join(missing)} (or the device config keys)")
+        _check_channel(settings, "pull")
         verified = tuf_pull(settings["tuf_url"], settings["trusted_root"], settings["metadata_dir"], args.to, keys,
                             month=args.release, channel=args.alias, **checks)
     print(json.dumps(verified.summary() | {"installed": str(verified.path)}, indent=2, sort_keys=True))
     return 0
+
+
+def _check_channel(settings, command: str) -> None:
+    """``tuf_url`` comes with ``trusted_root`` and ``metadata_dir`` (and serve's ``tuf_interval`` is seconds)."""
+    missing = [f"--{k.replace('_', '-')}" for k in ("trusted_root", "metadata_dir") if settings[k] is None]
+    if missing:
+        raise DeviceConfigError(f"{command} --tuf-url needs {' and '.join(missing)} (or the device config keys)")
+    interval = settings["tuf_interval"]
+    if type(interval) not in (int, float) or interval <= 0:
+        raise DeviceConfigError(f"tuf_interval (--tuf-interval) {interval!r}: seconds, more than 0")
 
 
 def cmd_serve(args, settings) -> int:
@@ -173,10 +185,13 @@ def cmd_serve(args, settings) -> int:
             raise DeviceConfigError("serve needs --tokenizer: the base model's directory (with tokenizer.json); "
                                     f"the engine {settings['engine']} does not hold one")
         settings["tokenizer"] = str(default)
+    if settings["tuf_url"] is not None:
+        _check_channel(settings, "serve")
     state = _open_state(settings)
-    if args.package is None and args.watch is None and (state is None or state.record.active is None):
-        raise DeviceConfigError("serve needs --package DIR (or --watch DIR to wait for one, or a --state-dir "
-                                "holding an active release)")
+    if args.package is None and args.watch is None and settings["tuf_url"] is None and (
+            state is None or state.record.active is None):
+        raise DeviceConfigError("serve needs --package DIR (or --watch DIR or --tuf-url URL to wait for one, or a "
+                                "--state-dir holding an active release)")
     if args.candidate is not None and args.package is None:
         raise DeviceConfigError("--candidate needs --package: a candidate is compared with the champion")
     max_resident, canary_share = _resident_settings(settings)
@@ -199,7 +214,19 @@ def cmd_serve(args, settings) -> int:
         app.load(args.package)
     if args.candidate is not None:
         app.load(args.candidate, channel=CANDIDATE)
-    return serve(app, serve_settings, args.host, args.port, Path(args.watch) if args.watch else None, args.watch_interval)
+    watchers = []
+    if args.watch is not None:
+        from runtime.server import Watcher
+
+        watchers.append(Watcher(app, Path(args.watch), args.watch_interval))
+        watchers[-1].poll_once()
+    if settings["tuf_url"] is not None:
+        from runtime.channel_watch import ChannelWatcher
+
+        # its first poll runs on its thread: a channel that is down never delays serving the resumed release
+        watchers.append(ChannelWatcher(app, settings["tuf_url"], settings["trusted_root"], settings["metadata_dir"],
+                                       settings["tuf_interval"]))
+    return serve(app, serve_settings, args.host, args.port, watchers)
 
 
 def _open_state(settings, exclusive: bool = True):
@@ -256,6 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--engine", metavar="DIR", help="compiled engine directory (interface.json)")
     common.add_argument("--tokenizer", metavar="DIR", help="base model directory or tokenizer.json")
     common.add_argument("--allow-rollback", action="store_true", help="accept a release older than the active one")
+    channel = argparse.ArgumentParser(add_help=False)
+    channel.add_argument("--tuf-url", metavar="URL", help="base URL of the update channel (TUF metadata/ and "
+                         "targets/; device config tuf_url)")
+    channel.add_argument("--trusted-root", metavar="FILE", help="the update channel's root metadata given out of band")
+    channel.add_argument("--metadata-dir", metavar="DIR", help="where this device keeps the TUF metadata it has verified")
     sub = parser.add_subparsers(dest="command", required=True)
 
     v = sub.add_parser("verify", parents=[common], help="verify a release directory or tarball")
@@ -263,12 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--active-release", metavar="ID", help="release id (or month) active on the device: older ones are refused")
     v.set_defaults(run=cmd_verify)
 
-    p = sub.add_parser("pull", parents=[common], help="fetch a release (registry with dvc, or update channel with TUF), "
+    p = sub.add_parser("pull", parents=[common, channel], help="fetch a release (registry with dvc, or update channel with TUF), "
                        "verify, install")
     p.add_argument("--registry", metavar="PATH_OR_URL", help="git URL or path of the release registry (dvc get)")
-    p.add_argument("--tuf-url", metavar="URL", help="base URL of the update channel (TUF metadata/ and targets/)")
-    p.add_argument("--trusted-root", metavar="FILE", help="the update channel's root metadata given out of band")
-    p.add_argument("--metadata-dir", metavar="DIR", help="where this device keeps the TUF metadata it has verified")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--release", metavar="YYYY-MM")
     which.add_argument("--alias", metavar="NAME", help="a channel of channels.json, e.g. champion (signed, with --tuf-url)")
@@ -277,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_pull)
 
     d = ServeSettings()
-    s = sub.add_parser("serve", parents=[common], help="serve generation over HTTP and hot-swap releases",
+    s = sub.add_parser("serve", parents=[common, channel], help="serve generation over HTTP and hot-swap releases",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter, epilog=SERVE_EPILOG,
                        description="Serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, "
                                    "/v1/models), /healthz, /ready, /metrics, and the admin API (/v1/adapters).")
@@ -294,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
                    f"(device config max_resident; default {DEFAULT_MAX_RESIDENT})")
     s.add_argument("--watch", metavar="DIR", help="load as champion newer verified releases that appear in DIR")
     s.add_argument("--watch-interval", type=float, default=2.0, metavar="S", help="seconds between polls of --watch")
+    s.add_argument("--tuf-interval", type=float, default=argparse.SUPPRESS, metavar="S",
+                   help="with --tuf-url: seconds between polls of the update channel, which load as champion (and "
+                   "candidate) the newer releases its signed channels.json names; /ready stays 200 while a champion "
+                   "serves, and says the channel's state (device config tuf_interval; default "
+                   f"{DEFAULT_TUF_INTERVAL_S:g})")
     s.add_argument("--admin-token-file", metavar="FILE", help="file holding the bearer token of the admin API "
                    "(POST /v1/adapters); without it the admin API is off (404)")
     s.add_argument("--release-dir", action="append", metavar="DIR", help="directory the admin API may load "

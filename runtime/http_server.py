@@ -27,7 +27,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from runtime.http_app import ServeSettings, build_app
 from runtime.openai_api import APIError
-from runtime.server import AdapterServer, Watcher
+from runtime.server import AdapterServer
 
 log = logging.getLogger(__name__)
 
@@ -166,14 +166,12 @@ def configure_json_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, handlers=[handler], force=True)
 
 
-def serve(server: AdapterServer, settings: ServeSettings, host: str, port: int, watch=None, interval: float = 2.0) -> int:
+def serve(server: AdapterServer, settings: ServeSettings, host: str, port: int, watchers=()) -> int:
     """Serve until SIGTERM or SIGINT, then shut down gracefully; 0 once every request in flight finished
-    (or the graceful deadline cut the rest, which the log says)."""
+    (or the graceful deadline cut the rest, which the log says). ``watchers``: threads that load releases
+    (``runtime.server.Watcher``, ``runtime.channel_watch.ChannelWatcher``), started here, stopped at the end."""
     sock = listening_socket(host, port)
-    watcher = None
-    if watch is not None:
-        watcher = Watcher(server, watch, interval)
-        watcher.poll_once()
+    for watcher in watchers:
         watcher.start()
     # uvicorn re-raises the signal it shut down on once it has restored the handlers it found: with
     # these installed, that re-raise is a no-op and the process exits 0 instead of dying of SIGTERM.
@@ -185,7 +183,7 @@ def serve(server: AdapterServer, settings: ServeSettings, host: str, port: int, 
     try:
         uvicorn.Server(uvicorn_config(build_app(server, settings), settings, host, port)).run(sockets=[sock])
     finally:
-        if watcher is not None:
+        for watcher in watchers:
             watcher.stop.set()
         sock.close()
     log.info("stopped", extra={"fields": {"signal": [signal.Signals(s).name for s in stopped_by]}})

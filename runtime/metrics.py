@@ -3,7 +3,8 @@
 Every value is a counter, a gauge or a fixed-bucket histogram: memory stays bounded however long
 the device runs. Labels are bounded too: endpoints and statuses are the server's own, refusal
 reasons are ``runtime.package.EXIT_CODES``'s, channels ``runtime.residents``'s, revert reasons and
-champion states ``runtime.device_state``'s, and the request and generation-error counters' ``release_id``
+champion states ``runtime.device_state``'s, the update channel's refusal reasons ``runtime.tuf_pull``'s
+and ``runtime.package``'s, and the request and generation-error counters' ``release_id``
 grows by one per release served. What describes the resident releases
 (``release_info``, seconds to expiry, the resident count) is read from the resident set at each
 scrape (``ResidentCollector``), so an unloaded release leaves no series behind.
@@ -51,6 +52,21 @@ class ResidentCollector:
         yield info
         yield expires
         yield GaugeMetricFamily(f"{PREFIX}_resident_releases", "Releases resident now", value=len(residents))
+
+
+class ChannelMetrics:
+    """The update channel's state (``runtime.channel_watch``), in the server's registry once serve watches one;
+    ``reasons``: the refusal reasons whose counters start at 0."""
+
+    def __init__(self, registry: CollectorRegistry, reasons):
+        self.fresh = Gauge(f"{PREFIX}_update_channel_fresh", "1 when the last poll of the update channel got fresh, "
+                           "verified metadata; 0 when it could not (stale)", registry=registry)
+        self.last_success = Gauge(f"{PREFIX}_update_channel_last_success_timestamp_seconds", "Unix time of the last "
+                                  "poll that got fresh metadata (0: none yet)", registry=registry)
+        self.refusals = Counter(f"{PREFIX}_update_channel_refusals", "Polls of the update channel that ended stale "
+                                "or refused, by reason", ["reason"], registry=registry)
+        for reason in reasons:
+            self.refusals.labels(reason)
 
 
 class ServerMetrics:

@@ -17,6 +17,7 @@ mark, a release is copied there, and a new champion is health-checked, then comm
 Watch mode polls a directory for release directories or tarballs and loads as champion any verified
 one newer than the champion (never a rollback, nor a release reverted here). Publish into it atomically (write elsewhere,
 then rename), or a half-copied release is refused until its next change.
+The update channel's watch (``runtime.channel_watch``) loads what the signed channel names the same way.
 
 The HTTP side is ``runtime.http_app`` (routes) and ``runtime.http_server`` (uvicorn).
 """
@@ -46,6 +47,7 @@ from runtime.package import (
 from runtime.residents import CANDIDATE, CHAMPION, DEFAULT_MAX_RESIDENT, ResidentSet
 
 if TYPE_CHECKING:
+    from runtime.channel_watch import ChannelWatcher
     from runtime.health import ReleaseGate
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,7 @@ class AdapterServer:
         self.batcher = (Batcher(tokenizer.stop_ids, tokenizer.pad_id, self.metrics)
                         if getattr(engine, "merges_caches", False) else None)
         self.gate: ReleaseGate | None = None  # set by runtime.health.ReleaseGate: the state directory and its trials
+        self.channel: ChannelWatcher | None = None  # set by runtime.channel_watch.ChannelWatcher: the update channel
 
     @property
     def active(self) -> ActiveRelease | None:
@@ -166,7 +169,8 @@ class AdapterServer:
         return {"status": "ok" if champion else "no_release", **release_card(champion),
                 "candidate": release_card(candidate) if candidate else None,
                 "resident": len(self.residents.listing()), "weights": self.engine.interface.weight_precision} | \
-            ({"device_state": self.gate.summary()} if self.gate else {})
+            ({"device_state": self.gate.summary()} if self.gate else {}) | \
+            ({"update_channel": self.channel.summary()} if self.channel else {})
 
 
 def release_card(release: ActiveRelease | None) -> dict:
