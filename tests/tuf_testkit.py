@@ -1,16 +1,20 @@
 """Update-channel test kit: a TUF repository served over loopback HTTP, and what an attacker does to it.
 
 ``serve(folder)`` is ``python -m http.server -d folder`` in a thread (the README's way to serve the
-channel); the helpers below change the served files as a man in the middle or a compromised
-mirror would, with python-tuf's own Metadata API.
+channel); ``mirror(folder)`` is the same server whose folder can be switched at once, as a compromised
+mirror switches what it serves to a running device. The helpers below change the served files as a
+man in the middle or a compromised mirror would, with python-tuf's own Metadata API; each takes the
+served copy of a repository written by ``tasks.update_channel`` and the channel (its keys folder).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import functools
 import http.server
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -25,7 +29,8 @@ from tuf.api.metadata import Metadata
 from tuf.api.serialization.json import JSONSerializer
 from tuf.ngclient import Updater
 
-from runtime.contract import TUF_METADATA_DIR
+from runtime.contract import TUF_METADATA_DIR, release_target_path
+from tasks.update_channel import Channel, load_state, refresh
 
 
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -45,6 +50,30 @@ def serve(folder: Path) -> Iterator[str]:
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+class Mirror:
+    """What ``mirror`` serves: ``show(folder)`` switches it at once (a symlink replaced by rename)."""
+
+    def __init__(self, workdir: Path):
+        self.link = Path(workdir) / "served"
+        self.url = ""
+
+    def show(self, folder: Path) -> None:
+        tmp = self.link.with_name(f".{self.link.name}.tmp")
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(Path(folder).resolve(), target_is_directory=True)
+        os.replace(tmp, self.link)
+
+
+@contextlib.contextmanager
+def mirror(workdir: Path, folder: Path) -> Iterator[Mirror]:
+    """A loopback HTTP server showing ``folder`` until ``Mirror.show`` switches it."""
+    shown = Mirror(workdir)
+    shown.show(folder)
+    with serve(shown.link) as url:
+        shown.url = url
+        yield shown
 
 
 def updater(url: str, first_root: Path, metadata_dir: Path) -> Updater:
@@ -69,6 +98,55 @@ def same_length_change(path: Path, old: bytes, new: bytes) -> None:
     data = path.read_bytes()
     assert old in data and len(old) == len(new)
     path.write_bytes(data.replace(old, new, 1))
+
+
+def target_file(repo: Path, channel: Channel, path: str) -> Path:
+    """The served file of target ``path`` (consistent snapshots: ``targets/<dir>/<sha256>.<name>``)."""
+    sha = load_state(Channel(repo, channel.keys)).targets.signed.targets[path].hashes["sha256"]
+    folder, _, name = path.rpartition("/")
+    return repo / "targets" / folder / f"{sha}.{name}"
+
+
+def zero_tarball(repo: Path, channel: Channel, month: str = "2026-11") -> None:
+    """Arbitrary package: the served bytes of a release change (same length), its signed hash does not."""
+    path = target_file(repo, channel, release_target_path(month))
+    path.write_bytes(bytes(path.stat().st_size))
+
+
+def endless_tarball(repo: Path, channel: Channel, month: str = "2026-11") -> None:
+    """Endless data: a release tarball served with a MiB more than its signed length."""
+    with open(target_file(repo, channel, release_target_path(month)), "ab") as fh:
+        fh.write(bytes(1 << 20))
+
+
+def endless_timestamp(repo: Path, channel: Channel) -> None:
+    """Endless data: a timestamp of a MiB (ngclient reads at most 16 KiB of it)."""
+    with open(repo / TUF_METADATA_DIR / "timestamp.json", "ab") as fh:
+        fh.write(b" " * (1 << 20))
+
+
+def expire_timestamp(repo: Path, channel: Channel) -> None:
+    """Indefinite freeze: a timestamp, newer and validly signed, that expired yesterday."""
+    refresh(Channel(repo, channel.keys), now=dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=2))
+
+
+def mix_and_match(repo: Path, channel: Channel) -> None:
+    """Targets from another snapshot: the previous targets version served as the current one."""
+    version = load_state(Channel(repo, channel.keys)).targets.signed.version
+    metadata = repo / TUF_METADATA_DIR
+    (metadata / f"{version}.targets.json").write_bytes((metadata / f"{version - 1}.targets.json").read_bytes())
+
+
+def wrong_key(repo: Path, channel: Channel) -> None:
+    """A newer timestamp signed by a key the root does not name."""
+    version = load_state(Channel(repo, channel.keys)).timestamp.signed.version
+    resign_metadata(repo, "timestamp.json", CryptoSigner.generate_ed25519(), version=version + 1)
+
+
+def fast_forward(repo: Path, channel: Channel) -> None:
+    """A timestamp whose version jumps to 2**31, signed by a key the root does not name: accepted, it would
+    make every later real timestamp look like a rollback."""
+    resign_metadata(repo, "timestamp.json", CryptoSigner.generate_ed25519(), version=2**31)
 
 
 # python-tuf's ngclient in a process of its own (python -I: nothing of this project on its path but

@@ -102,6 +102,7 @@ def test_onnx_runtime_serving_path_does_not_import_torch():
         "import sys; import runtime.backends.onnxruntime, runtime.adapter, runtime.generate, runtime.package, "
         "runtime.server, runtime.residents, runtime.pull, runtime.tokenizer, runtime.sampling, runtime.metrics, runtime.openai_api, "
         "runtime.http_app, runtime.http_server, runtime.generation, runtime.batcher, runtime.tuf_pull, "
+        "runtime.channel_watch, runtime.device_state, runtime.health, "
         "runtime.__main__; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 from release_testkit import world
-from securesystemslib.signer import CryptoSigner
-from tuf_testkit import ngclient_then_tampered, resign_metadata, same_length_change, serve
+from tuf_testkit import (
+    endless_timestamp, expire_timestamp, mix_and_match, ngclient_then_tampered, same_length_change, serve, target_file,
+    wrong_key, zero_tarball,
+)
 
 from runtime.contract import ADAPTER_WEIGHTS, TUF_CHANNELS_TARGET, release_target_path
 from runtime.hashing import sha256_file
@@ -26,7 +28,7 @@ from runtime.package import RollbackRefused, load_trusted_keys
 from runtime.tuf_pull import EXIT_CODES, UpdateRefused, tuf_pull
 from tasks import publish
 from tasks.config import PublishConfig
-from tasks.update_channel import Channel, load_state, publish_from_registry, publish_release, refresh
+from tasks.update_channel import Channel, publish_from_registry, publish_release
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,36 +73,8 @@ def test_pull_by_channel_installs_the_signed_champion_and_the_existing_rollback_
     assert sorted(p.name for p in device.iterdir()) == ["1.root.json", "active", "device.json", "tuf-metadata"]
 
 
-def target_file(repo: Path, channel: Channel, path: str) -> Path:
-    sha = load_state(channel).targets.signed.targets[path].hashes["sha256"]
-    folder, _, name = path.rpartition("/")
-    return repo / "targets" / folder / f"{sha}.{name}"
-
-
-def zero_tarball(repo: Path, channel: Channel) -> None:
-    path = target_file(repo, channel, release_target_path("2026-11"))
-    path.write_bytes(bytes(path.stat().st_size))
-
-
 def edit_champion(repo: Path, channel: Channel) -> None:
     same_length_change(target_file(repo, channel, TUF_CHANNELS_TARGET), b'"champion": "2026-10"', b'"champion": "2026-11"')
-
-
-def expire_timestamp(repo: Path, channel: Channel) -> None:
-    refresh(Channel(repo, channel.keys), now=dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=2))
-
-
-def mix_and_match(repo: Path, channel: Channel) -> None:
-    shutil.copyfile(repo / "metadata" / "2.targets.json", repo / "metadata" / "3.targets.json")
-
-
-def endless_timestamp(repo: Path, channel: Channel) -> None:
-    with open(repo / "metadata" / "timestamp.json", "ab") as fh:
-        fh.write(b" " * (1 << 20))
-
-
-def wrong_key(repo: Path, channel: Channel) -> None:
-    resign_metadata(repo, "timestamp.json", CryptoSigner.generate_ed25519(), version=99)
 
 
 ATTACKS = {  # name: (change to the served repository, month or channel asked for, reason)
