@@ -5,8 +5,10 @@
     POST /v1/chat/completions   the same for messages, when the tokenizer has a chat template (else 400)
     GET  /v1/models             every resident release: id = release id, month, channel, owned_by
     GET  /healthz               liveness: always 200, with the champion (or none), the candidate and, with a
-                                state directory, the device state (``runtime.health.ReleaseGate.summary``)
-    GET  /ready                 200 once a champion is loaded, 503 before
+                                state directory, the device state (``runtime.health.ReleaseGate.summary``); with
+                                an update channel, its state (``runtime.channel_watch.ChannelWatcher.summary``)
+    GET  /ready                 200 once a champion is loaded, 503 before: the same body. A stale or refused
+                                update channel never makes it 503: the champion still answers correctly
     GET  /metrics               Prometheus text format (``runtime.metrics``)
     POST /v1/adapters           admin: verify, bind and load a release {"path", "channel": "champion" (default,
                                 a swap) or "candidate"}
