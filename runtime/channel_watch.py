@@ -61,7 +61,9 @@ from runtime.contract import format_time, release_order, release_target_path
 from runtime.metrics import ChannelMetrics
 from runtime.package import PackageError
 from runtime.residents import CANDIDATE, CHAMPION, ResidencyError
-from runtime.tuf_pull import EXIT_CODES, UpdateRefused, channel_month, refreshed, release_tarball, signed_channels, target_info
+from runtime.tuf_pull import (
+    EXIT_CODES, UpdateRefused, channel_month, refreshed, release_tarball, signed_channels, target_info,
+)
 
 if TYPE_CHECKING:
     from runtime.server import AdapterServer
@@ -156,8 +158,8 @@ class ChannelWatcher(threading.Thread):
             return None  # nothing newer to compare with the champion
         reverted = gate.state.reverted(release_id) if gate is not None else None
         if reverted is not None:
-            return Outcome(REFUSED, "reverted", f"update channel {self.url}: {channel} {release_id} was reverted on this "
-                           f"device at {reverted['at']} ({reverted['reason']}); it is never installed again")
+            return Outcome(REFUSED, "reverted", f"update channel {self.url}: {channel} {release_id} was reverted on "
+                           f"this device at {reverted['at']} ({reverted['reason']}); it is never installed again")
         floor = gate.floor(champion) if gate is not None else champion and champion.release_id
         if floor is not None and order < release_order(floor):
             return Outcome(REFUSED, "rollback", f"update channel {self.url}: {channel} {release_id} is older than "

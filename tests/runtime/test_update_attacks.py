@@ -91,7 +91,8 @@ def test_a_watching_device_follows_champion_and_candidate_and_never_installs_fro
         served.show(stale_with_b)
         for _ in range(2):
             outcome = watcher.poll_once()
-            assert (outcome.state, outcome.reason) == (STALE, "stale_metadata") and "ExpiredMetadataError" in outcome.detail
+            assert (outcome.state, outcome.reason) == (STALE, "stale_metadata")
+            assert "ExpiredMetadataError" in outcome.detail
         status, ready = call(port, "GET", "/ready")
         assert status == 200 and ready["release_id"] == a  # serving on, and saying why it is not updating
         channel = ready["update_channel"]
@@ -294,7 +295,8 @@ def test_attacks_on_the_channel_are_refused_by_a_running_device_whose_release_ke
         old_key = load_state(revoked).root.signed.roles["timestamp"].keyids[0]
         revoke_key(revoked, old_key, tmp_path / "timestamp-2.key")
         served.show(s3r)
-        until(port, lambda h: metadata_version(metadata_dir, "root") == 2 and h["update_channel"]["reason"] == "reverted")
+        until(port, lambda h: metadata_version(metadata_dir, "root") == 2
+              and h["update_channel"]["reason"] == "reverted")
         with_revoked = shutil.copytree(s3r, tmp_path / "s3-revoked-key")
         resign_metadata(with_revoked, "timestamp.json", CryptoSigner(load_private_key(key_file(revoked, "timestamp"))),
                         version=load_state(revoked).timestamp.signed.version + 1)
