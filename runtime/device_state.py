@@ -23,10 +23,12 @@ release id is never loaded again as champion (``RevertedRelease``): a fixed buil
 
 Every write goes through ``atomic_write``: a temporary file in the same folder, fsync, rename over the
 old file, fsync of the folder. A power cut at any point leaves the old record or the new one, never a
-mix: a stray temporary file is ignored and removed at the next start. A release copy is complete and
-fsynced (and verified again from its copied bytes) before the record names it. A record that cannot be
-read or does not hold these fields is an error naming the file, never silently reset: rebuilding
-trust from nothing is an operator's act (``python -m runtime rollback``, or removing the folder).
+mix: a stray temporary file is ignored and removed at the next start. A release copy is complete,
+verified again from its copied bytes and fsynced before the record names it (``install_folder``, which
+``runtime.pull`` installs its releases with too). Temporary names start with a dot, so a static HTTP
+server or a folder watcher passes over them. A record that cannot be read or does not hold these fields
+is an error naming the file, never silently reset: rebuilding trust from nothing is an operator's act
+(``python -m runtime rollback``, or removing the folder).
 """
 
 from __future__ import annotations
@@ -79,6 +81,25 @@ def atomic_write(path: Path, data: bytes) -> None:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def install_folder(staged: Path, target: Path, replaced: Path | None = None) -> None:
+    """Put the complete folder ``staged`` (beside ``target``, on its file system) at ``target`` by rename,
+    after an fsync of every file in it and of itself, and fsync ``target``'s parent: a crash leaves no
+    half-written folder at ``target``. What ``target`` held is moved to ``replaced`` first (a folder cannot
+    be renamed over a folder that has files: between the two renames ``target`` is absent, its previous
+    contents at ``replaced``)."""
+    for path in sorted(staged.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+        elif path.is_dir():
+            fsync_dir(path)
+    fsync_dir(staged)
+    if replaced is not None and target.exists():
+        os.replace(target, replaced)
+    os.replace(staged, target)
+    fsync_dir(target.parent)
 
 
 @dataclass(frozen=True)
@@ -188,8 +209,8 @@ class DeviceState:
         return self.record.reverted.get(release_id)
 
     def keep(self, release_dir: Path, release_id: str, trusted_keys: dict, max_bytes: int) -> Path:
-        """Copy the verified release at ``release_dir`` into the state directory (fsynced, then verified
-        again from the copied bytes, then renamed into place); its path."""
+        """Copy the verified release at ``release_dir`` into the state directory (verified again from the
+        copied bytes, then installed with ``install_folder``); its path."""
         from runtime.package import verify_release
 
         target = self.copy_path(release_id)
@@ -200,14 +221,9 @@ class DeviceState:
             _remove(tmp)
             tmp.mkdir()
             for src in sorted(Path(release_dir).iterdir()):
-                with open(src, "rb") as fin, open(tmp / src.name, "wb") as fout:
-                    shutil.copyfileobj(fin, fout)
-                    fout.flush()
-                    os.fsync(fout.fileno())
-            fsync_dir(tmp)
+                shutil.copyfile(src, tmp / src.name)
             verify_release(tmp, trusted_keys, max_bytes=max_bytes)  # the copy is what a restart will trust
-            os.replace(tmp, target)
-            fsync_dir(self.releases)
+            install_folder(tmp, target)
             return target
 
     def write(self, keep: set[str] = frozenset(), **changes) -> StateRecord:

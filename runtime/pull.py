@@ -11,7 +11,8 @@ default remote holds the release files:
 first gets ``channels.json`` at the registry's default branch, or ``--rev``) into a hidden
 temporary sibling of the target, verifies it there (signature, checksums, expiry, rollback
 against the release already installed in the target, and the engine checks when an engine is
-given), and only then renames it into place. A refused release leaves the target untouched.
+given), and only then renames it into place (``runtime.device_state.install_folder``: fsynced first,
+as the device state installs its copies). A refused release leaves the target untouched.
 The machine needs the runtime's dependencies and DVC (as a command, never imported here).
 """
 
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from runtime.contract import MANIFEST, MONTH, REGISTRY_CHANNELS, registry_release_path, release_order, release_tag
+from runtime.device_state import install_folder
 from runtime.errors import RefusedInput
 from runtime.package import VerifiedRelease, verify_release
 
@@ -119,7 +121,7 @@ def pull(
 def install(fetch: Callable[[Path], None], source: str, month: str, target: str | Path, trusted_keys: dict, iface=None,
             allow_rollback: bool = False, **verify_options) -> VerifiedRelease:
     """``fetch(dir)`` a release of ``month`` into a hidden staging sibling of ``target``, verify it
-    (``verify_release``, rollback against what ``target`` holds), then rename it into place.
+    (``verify_release``, rollback against what ``target`` holds), then install it there (``install_folder``).
     ``source`` names where it came from in a refusal."""
     target = Path(target).absolute()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -131,10 +133,7 @@ def install(fetch: Callable[[Path], None], source: str, month: str, target: str 
                                   allow_rollback=allow_rollback, **verify_options)
         if verified.manifest["month"] != month:
             raise PullError(f"{source} holds a release of month {verified.manifest['month']}")
-        old = staging / "previous"
-        if target.exists():
-            os.replace(target, old)
-        os.replace(fetched, target)
+        install_folder(fetched, target, replaced=staging / "previous")
         verified.path = target
         return verified
     finally:

@@ -46,6 +46,7 @@ from tuf.api.serialization.json import JSONSerializer
 from runtime.contract import (
     MANIFEST, TUF_CHANNELS_TARGET, TUF_METADATA_DIR, TUF_TARGETS_DIR, registry_release_path, release_target_path,
 )
+from runtime.device_state import atomic_write
 from runtime.package import write_tarball
 from runtime.signing import generate_key, load_private_key
 from tasks.config import PublishConfig, StageError
@@ -146,14 +147,10 @@ def _sign(md: Metadata, role: Role, available: dict[str, Signer], what: str) -> 
 # ---------------------------------------------------------------- files
 
 def _write(path: Path, data: bytes) -> None:
-    """Atomic and durable: a reader (the HTTP server) sees the old file or the new one, never part of one."""
+    """Atomic and durable: a reader (the HTTP server) sees the old file or the new one, never part of one
+    (the temporary file is a dot-file, which the device passes over)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, data)
 
 
 def _metadata_file(channel: Channel, role: str, version: int) -> Path:
