@@ -209,7 +209,7 @@ def cmd_serve(args, settings) -> int:
     if state is not None:
         from runtime.health import ReleaseGate
 
-        ReleaseGate(app, state, settings["health_window"]).resume()
+        ReleaseGate(app, state, settings["health_window"], serve_settings.decode).resume()
     if args.package is not None:
         app.load(args.package)
     if args.candidate is not None:

@@ -4,8 +4,8 @@ ArtifactRollback, without a reboot).
 With a state directory (``runtime.device_state``), every new champion starts on trial:
 
 1. its signed probes (``runtime.package.release_probes``) run on it, greedy, through
-   ``AdapterServer.start_generation``, the path clients get (batched with their requests); each answer must equal the expected one
-   (whitespace-trimmed);
+   ``AdapterServer.start_generation`` in the server's decode mode, the path clients get (batched with their
+   requests, or alone on a fork); each answer must equal the expected one (whitespace-trimmed);
 2. then, for ``window_s`` seconds, any request on it that fails with 500 (``adapter_generation_errors_total``)
    fails the check (0: commit as soon as the probes pass);
 3. passed: the release is committed (the state's high-water mark rises to it); failed: the device
@@ -46,10 +46,12 @@ POLL_S = 0.05  # how often the window looks at the error counter: a failing rele
 class ReleaseGate:
     """The trial of each new champion on ``server``, recorded in ``state``."""
 
-    def __init__(self, server: AdapterServer, state: DeviceState, window_s: float = DEFAULT_HEALTH_WINDOW_S):
+    def __init__(self, server: AdapterServer, state: DeviceState, window_s: float = DEFAULT_HEALTH_WINDOW_S,
+                 decode: str = "batched"):
         if window_s < 0:
             raise ValueError(f"health window {window_s}: seconds, 0 or more")
         self.server, self.state, self.window_s = server, state, window_s
+        self.decode = decode  # the serve's --decode: probes decode as its clients' requests do
         self._lock = threading.RLock()
         self._cancel = threading.Event()
         self._thread: threading.Thread | None = None
@@ -154,7 +156,7 @@ class ReleaseGate:
         """(reason, detail) of the first probe that answers otherwise, or None when every one passes."""
         for i, probe in enumerate(release_probes(release.manifest)):
             generation = self.server.start_generation(release, [self.server.tokenizer.encode(probe.prompt)],
-                                                      probe.max_tokens, greedy, [])
+                                                      probe.max_tokens, greedy, [], self.decode)
             text = asyncio.run(_decoded(generation))  # this thread's own loop, as a request's is the server's
             if text.strip() != probe.expected.strip():
                 return "probe_mismatch", f"probe {i} ({probe.prompt[:60]!r}): expected {probe.expected!r}, got {text!r}"

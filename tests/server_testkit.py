@@ -39,7 +39,7 @@ def running_server(w, release_dirs=(), tokenizer=None, max_resident=DEFAULT_MAX_
                                "release_dirs": tuple(Path(d).resolve() for d in release_dirs)} | settings))
     try:
         if state is not None:
-            ReleaseGate(app, state, health_window).resume()
+            ReleaseGate(app, state, health_window, config.decode).resume()
         with BackgroundServer(app, config) as background:
             yield app, background
     finally:

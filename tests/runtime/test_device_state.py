@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -19,13 +20,14 @@ from pathlib import Path
 
 import pytest
 from release_testkit import copy_release, resign, world
-from server_testkit import PROMPT, call, complete, manifest_id, running_server, sample, scrape
+from server_testkit import ADMIN_TOKEN, PROMPT, call, complete, manifest_id, running_server, sample, scrape
 
 from runtime.__main__ import main
 from runtime.contract import MANIFEST
 from runtime.device_state import STATE_FILE, DeviceState, StateError, atomic_write
 from runtime.package import MalformedPackage, load_trusted_keys, release_probes, verify_release
 from runtime.server import Watcher
+from runtime.tokenizer import DeviceTokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,6 +54,15 @@ def load(port: int, release: Path) -> tuple[int, dict]:
 
 def device_state(port: int) -> dict:
     return call(port, "GET", "/healthz")[1]["device_state"]
+
+
+def until(condition, what: str, timeout: float = 30.0) -> float:
+    """Poll ``condition`` every 20 ms until it holds; the seconds it took. Fails naming ``what`` after ``timeout``."""
+    t0 = time.monotonic()
+    while not condition():
+        assert time.monotonic() - t0 < timeout, f"{what}: not within {timeout} s"
+        time.sleep(0.02)
+    return time.monotonic() - t0
 
 
 # ---------------------------------------------------------------- the state file
@@ -209,6 +220,96 @@ def test_the_operator_rolls_back_with_the_rollback_command(w, tmp_path, capsys):
     assert "no previous release is kept" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("decode", ["batched", "fork"])
+def test_probes_decode_in_the_servers_decode_mode(w, tmp_path, decode):
+    """The probes take the path a client's request takes under ``--decode``: batched steps of the release's
+    batch (counted in adapter_decode_batch_rows), or a fork of its own (no batched step at all)."""
+    with running_server(w, state_dir=tmp_path / "state", decode=decode) as (app, background):
+        app.load(w["good"])
+        app.gate.wait(30)
+        state, samples = device_state(background.port), scrape(background.port)
+    assert (state["state"], state["last_check"]["result"]) == ("committed", "committed"), state["last_check"]
+    steps = sample(samples, "adapter_decode_batch_rows_count")
+    assert (steps > 0) if decode == "batched" else (steps == 0), steps
+    assert sample(samples, "adapter_release_requests_total", release_id=manifest_id(w["good"]), channel="champion") == 1
+
+
+def test_a_request_failing_on_a_new_champion_reverts_it(w, tmp_path):
+    """A generation that fails (500) on the new champion within the window reverts it. No release the
+    device verifies can make a generation fail (shapes, finite weights and KV scales are checked before
+    binding), so the fault is the device's: the server process's address space is capped (prlimit) while a
+    client sends 16 prompts of ~4000 tokens, whose prefill ONNX Runtime cannot allocate. With --decode fork
+    only that request fails (batched, the requests prefilled with it would share its fate); the clients'
+    small requests keep answering through the revert, then on the previous release."""
+    a, good = manifest_id(w["a"]), manifest_id(w["good"])
+    state_dir, log, token = tmp_path / "state", tmp_path / "serve.log", tmp_path / "admin.token"
+    token.write_text(ADMIN_TOKEN)
+    with running_server(w, state_dir=state_dir) as (app, background):  # A committed: the revert target
+        app.load(w["a"])
+        app.gate.wait(30)
+    proc, port = started(serve(w, state_dir, "--health-window", "30", "--decode", "fork", "--admin-token-file",
+                               str(token), "--release-dir", str(w["root"])), log)
+    try:
+        text_a = complete(port)["text"]
+        answers, stop = [], threading.Event()
+
+        def client():  # requests without model through the swap, the failure and the revert
+            while not stop.is_set():
+                answers.append(call(port, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}))
+
+        threads = [threading.Thread(target=client) for _ in range(2)]
+        for t in threads:
+            t.start()
+        assert load(port, w["good"])[0] == 200
+        time.sleep(1.0)  # its probe (6 tokens, milliseconds) has passed: the cap below is for the big request only
+        assert device_state(port)["state"] == "trial"
+        tokenizer = DeviceTokenizer(w["tokenizer"])
+        long_prompt = (PROMPT + " ") * ((4096 - 1) // len(tokenizer.encode(PROMPT + " ")))
+        assert 3500 < len(tokenizer.encode(long_prompt)) <= 4095
+        limits = resource.prlimit(proc.pid, resource.RLIMIT_AS)
+        vm_bytes = int(next(line for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+                            if line.startswith("VmSize")).split()[1]) * 1024
+        resource.prlimit(proc.pid, resource.RLIMIT_AS, (vm_bytes + (1 << 30), limits[1]))  # 1 GiB more address space
+        try:
+            status, failure = call(port, "POST", "/v1/completions", {"prompt": [long_prompt] * 16, "max_tokens": 1,
+                                                                     "temperature": 0})
+        finally:
+            resource.prlimit(proc.pid, resource.RLIMIT_AS, limits)
+        reverted_after = until(lambda: device_state(port)["release_id"] == a, "revert after the 500")
+        time.sleep(0.3)
+        stop.set()
+        for t in threads:
+            t.join()
+        state, samples, models = device_state(port), scrape(port), call(port, "GET", "/v1/models")[1]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+    assert (status, failure["error"]["type"]) == (500, "server_error") and "allocate" in failure["error"]["message"], failure
+    assert reverted_after < 30  # within the window
+    assert {s for s, _ in answers} == {200}, [b for s, b in answers if s != 200][:3]  # only the big request failed
+    assert {b["model"] for _, b in answers} == {a, good}  # the clients ran on the new champion, then on A again
+    assert {(b["model"], b["choices"][0]["text"]) for _, b in answers[-2:]} == {(a, text_a)}
+    assert (state["state"], state["release_id"], state["previous"], state["reverted"]) == ("committed", a, None, [good])
+    assert (state["last_check"]["release_id"], state["last_check"]["result"], state["last_check"]["reason"]) == \
+        (good, "reverted", "generation_errors")
+    assert state["last_check"]["detail"] == "1 request(s) failed (500) on it within the 30 s window"
+    assert json.loads((state_dir / STATE_FILE).read_text())["reverted"][good]["reason"] == "generation_errors"
+    assert sample(samples, "adapter_generation_errors_total", release_id=good) == 1
+    assert sample(samples, "adapter_requests_total", endpoint="/v1/completions", status="500") == 1
+    assert sample(samples, "adapter_release_reverts_total", reason="generation_errors") == 1
+    assert sample(samples, "adapter_release_reverts_total", reason="probe_mismatch") == 0
+    assert sample(samples, "adapter_champion_state", state="committed") == 1
+    assert [m["id"] for m in models["data"]] == [a]
+    # ONNX Runtime's own (C++) logger writes its error line to stderr as plain text, beside the JSON lines
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    events = [line for line in lines if line.get("event")]
+    assert [(e["event"], e["release_id"], e.get("reason")) for e in events] == \
+        [("release_reverted", good, "generation_errors")]
+    print(f"\nrevert of a champion whose request failed (500): {reverted_after:.3f} s after the failure, "
+          f"{len(answers)} client requests through the swap, the failure and the revert, all 200")
+
+
 # ---------------------------------------------------------------- restarts
 
 def test_a_trial_cut_by_a_restart_runs_again_with_the_previous_release_on_standby(w, tmp_path):
@@ -279,3 +380,4 @@ def test_a_restart_after_sigkill_resumes_the_release_and_refuses_an_older_one(w,
                            timeout=120)
     assert older.returncode == 20 and f"older than the active release {manifest_id(w['b'])}" in older.stderr
     print(f"\nrestart with the same state directory: answering {resumed_s:.2f} s after the start")
+
