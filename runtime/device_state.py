@@ -2,8 +2,8 @@
 
     DIR/state.json             the record below, replaced atomically
     DIR/lock                   held (flock) by the one process using the directory, with its pid
-    DIR/releases/<release id>/ verified copies of the active and the previous release (and of a
-                               resident candidate), so a restart needs no network and no --package
+    DIR/releases/<release id>/ verified copies of the active, the previous and the candidate release
+                               (and of other resident ones), so a restart needs no network and no --package
 
 ``state.json`` (sorted keys)::
 
@@ -12,6 +12,7 @@
      "status": "committed",                  "trial" while its health check runs, then "committed";
                                              "failed" when its check failed with nothing to revert to
      "previous": "2026-10+...",              the last committed champion before it: the revert target
+     "candidate": "2026-12+...",             the candidate channel's release (null without one), resumed with it
      "high_water": "2026-11+...",            the highest release ever committed: nothing older is accepted
      "reverted": {"2026-12+...": {"reason": "probe_mismatch", "detail": "...", "at": "2026-12-01T10:00:00Z"}},
      "last_check": {"release_id", "result": "committed" | "reverted" | "failed", "reason", "detail", "at"},
@@ -107,6 +108,7 @@ class StateRecord:
     active: str | None = None
     status: str | None = None
     previous: str | None = None
+    candidate: str | None = None
     high_water: str | None = None
     reverted: dict = field(default_factory=dict)
     last_check: dict | None = None
@@ -131,7 +133,7 @@ class StateRecord:
             problems.append(f"unknown field(s) {unknown}")
         if data.get("format_version") != STATE_FORMAT_VERSION:
             problems.append(f"format_version: this runtime reads {STATE_FORMAT_VERSION} (got {data.get('format_version')!r})")
-        for key in ("active", "previous", "high_water"):
+        for key in ("active", "previous", "candidate", "high_water"):
             value = data.get(key)
             if value is not None and not (isinstance(value, str) and RELEASE_ID.match(value)):
                 problems.append(f"{key}: a release id or null (got {value!r:.80})")
@@ -162,6 +164,7 @@ class DeviceState:
         self.releases = self.directory / STATE_RELEASES
         self._lock = threading.RLock()
         self._held = None
+        self._unclaimed: set[str] = set()  # new copies of loads not yet resident: no write removes them
         try:
             self.releases.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -185,7 +188,7 @@ class DeviceState:
         except OSError as err:
             raise StateError(f"{self.path}: cannot read the device state ({err.strerror})") from None
         record = StateRecord.parse(raw, self.path)
-        for key in ("active", "previous"):
+        for key in ("active", "previous", "candidate"):
             release_id = getattr(record, key)
             if release_id is not None and not self.copy_path(release_id).is_dir():
                 raise StateError(f"{self.path}: the {key} release {release_id} has no copy at "
@@ -224,18 +227,21 @@ class DeviceState:
                 shutil.copyfile(src, tmp / src.name)
             verify_release(tmp, trusted_keys, max_bytes=max_bytes)  # the copy is what a restart will trust
             install_folder(tmp, target)
+            self._unclaimed.add(release_id)
             return target
 
     def write(self, keep: set[str] = frozenset(), **changes) -> StateRecord:
         """Apply ``changes`` to the record and write it atomically; then remove release copies the record
-        no longer names (``keep``: ids of other resident releases, whose copies stay)."""
+        no longer names (``keep``: ids of other resident releases, whose copies stay; a copy ``keep`` made
+        stays until a write names it or keeps it, as its load finishes between the two)."""
         with self._lock:
             record = replace(self.record, **changes, updated_at=format_time(dt.datetime.now(dt.timezone.utc)))
             atomic_write(self.path, record.to_bytes())
             self.record = record
-            named = {record.active, record.previous} | set(keep)
+            named = {record.active, record.previous, record.candidate} | set(keep)
+            self._unclaimed -= named
             for copy in self.releases.iterdir():
-                if copy.name not in named and not copy.name.startswith(_TEMP_PREFIX):
+                if copy.name not in named | self._unclaimed and not copy.name.startswith(_TEMP_PREFIX):
                     _remove(copy)
             return record
 

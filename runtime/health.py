@@ -16,8 +16,10 @@ With a state directory (``runtime.device_state``), every new champion starts on 
 
 A new champion loaded during a trial ends that trial (the new one starts its own, and the revert
 target stays the last committed release). A trial interrupted by a restart runs again at the next
-start. With nothing to revert to (the first release of a device), a failed check leaves the release
-serving, with status ``failed`` in ``/healthz``.
+start. The candidate channel's release is recorded too (every write of the state names the candidate
+resident then) and resumed on that channel at the next start; a candidate is never on trial. With
+nothing to revert to (the first release of a device), a failed check leaves the release serving, with
+status ``failed`` in ``/healthz``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING
 from runtime.contract import format_time, release_order
 from runtime.device_state import CHAMPION_STATES, COMMITTED, FAILED, TRIAL, DeviceState, StateError, newer
 from runtime.package import RevertedRelease, release_probes
-from runtime.residents import CHAMPION, ResidencyError
+from runtime.residents import CANDIDATE, CHAMPION, ResidencyError
 from runtime.sampling import greedy
 
 if TYPE_CHECKING:
@@ -78,16 +80,24 @@ class ReleaseGate:
         with self._lock:
             record = self.state.record
             if release.release_id == record.active and record.status == COMMITTED:
-                return  # the committed release loaded again: nothing to check
+                self.record_candidate()  # the committed release loaded again: nothing to check
+                return
             previous = record.active if record.status == COMMITTED else record.previous
-            self.state.write(active=release.release_id, status=TRIAL, previous=previous, keep=self._resident_ids())
+            self._write(active=release.release_id, status=TRIAL, previous=previous)
             self._start(release)
+
+    def record_candidate(self) -> None:
+        """The candidate channel changed (a load, an unload): record the release it holds now."""
+        with self._lock:
+            if self.state.record.candidate != self._candidate_id():
+                self._write()
 
     # ------------------------------------------------------------------ start of serve
 
     def resume(self) -> None:
         """Load the state's active release from its copy (and the previous one, on standby, when the active
-        one's trial was cut by a restart, which then runs again): no network and no --package needed."""
+        one's trial was cut by a restart, which then runs again), then its candidate on that channel: no
+        network and no --package needed."""
         record = self.state.record
         if record.active is None:
             return
@@ -97,6 +107,8 @@ class ReleaseGate:
         if record.status == TRIAL and record.previous is not None:
             self.server.load(self.state.copy_path(record.previous), allow_rollback=True, trial=False)
         self.server.load(self.state.copy_path(record.active), allow_rollback=True, trial=False)
+        if record.candidate is not None:  # before the trial starts: its commit writes the candidate resident then
+            self.server.load(self.state.copy_path(record.candidate), allow_rollback=True, channel=CANDIDATE)
         if record.status == TRIAL:
             with self._lock:
                 self._start(self.server.active)
@@ -166,8 +178,7 @@ class ReleaseGate:
         record = self.state.record
         check = self._check(release, COMMITTED, None, f"{len(release_probes(release.manifest))} probe(s) passed, no "
                             f"failed request in {self.window_s:g} s")
-        self.state.write(status=COMMITTED, high_water=newer(record.high_water, release.release_id), last_check=check,
-                         keep=self._resident_ids())
+        self._write(status=COMMITTED, high_water=newer(record.high_water, release.release_id), last_check=check)
         self.server.metrics.commits.inc()
         self._show()
         log.info("release committed", extra={"fields": {"event": "release_committed", "release_id": release.release_id,
@@ -176,7 +187,7 @@ class ReleaseGate:
     def _revert(self, release: ActiveRelease, reason: str, detail: str, seconds: float) -> None:
         record = self.state.record
         if record.previous is None:
-            self.state.write(status=FAILED, last_check=self._check(release, FAILED, reason, detail))
+            self._write(status=FAILED, last_check=self._check(release, FAILED, reason, detail))
             self._show()
             log.error("release failed its health check, nothing to revert to", extra={"fields": {
                 "event": "release_check_failed", "release_id": release.release_id, "reason": reason, "detail": detail}})
@@ -191,9 +202,8 @@ class ReleaseGate:
         except ResidencyError:
             pass  # already unloaded
         check = self._check(release, "reverted", reason, detail)
-        self.state.write(active=record.previous, status=COMMITTED, previous=None, last_check=check,
-                         reverted=record.reverted | {release.release_id: {k: check[k] for k in ("reason", "detail", "at")}},
-                         keep=self._resident_ids())
+        self._write(active=record.previous, status=COMMITTED, previous=None, last_check=check,
+                    reverted=record.reverted | {release.release_id: {k: check[k] for k in ("reason", "detail", "at")}})
         self.server.metrics.reverts.labels(reason).inc()
         self._show()
         log.warning("release reverted", extra={"fields": {
@@ -206,8 +216,14 @@ class ReleaseGate:
         return {"release_id": release.release_id, "result": result, "reason": reason, "detail": detail,
                 "at": format_time(dt.datetime.now(dt.timezone.utc))}
 
-    def _resident_ids(self) -> set[str]:
-        return {r.release_id for r, _ in self.server.residents.listing()}
+    def _write(self, **changes) -> None:
+        """Write ``changes`` to the state with the candidate resident now, keeping every resident release's copy."""
+        self.state.write(candidate=self._candidate_id(), keep={r.release_id for r, _ in self.server.residents.listing()},
+                         **changes)
+
+    def _candidate_id(self) -> str | None:
+        candidate = self.server.residents.candidate
+        return candidate.release_id if candidate else None
 
     def _show(self) -> None:
         status = self.state.record.status or "none"
@@ -218,6 +234,7 @@ class ReleaseGate:
         """What ``/healthz`` says of the device state."""
         record = self.state.record
         return {"state": record.status or "none", "release_id": record.active, "previous": record.previous,
+                "candidate": record.candidate,
                 "high_water": record.high_water, "health_window_s": self.window_s, "last_check": record.last_check,
                 "reverted": sorted(record.reverted), "state_dir": str(self.state.directory)}
 

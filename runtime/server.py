@@ -89,7 +89,7 @@ class AdapterServer:
         """Verify the release at ``path``, bind it to a new handle, make it resident on ``channel``
         (never older than the champion, nor than the state's high-water mark, unless ``allow_rollback``);
         raise PackageError or ResidencyError. With a state directory (``gate``) a new champion starts its
-        health trial unless ``trial`` is False (the device's own resume and revert)."""
+        health trial unless ``trial`` is False (the device's own resume and revert), and a candidate is recorded."""
         start = time.perf_counter()
         champion = self.residents.champion
         try:
@@ -121,6 +121,8 @@ class AdapterServer:
             raise
         if self.gate is not None and channel == CHAMPION and trial:
             self.gate.begin(release)
+        elif self.gate is not None and channel == CANDIDATE:
+            self.gate.record_candidate()
         swap_ms, activate_ms = (done - start) * 1e3, (done - flip) * 1e3
         log.info("%s %s (activation %d) in %.1f ms", channel, verified.release_id, release.activation, swap_ms)
         return {"release_id": verified.release_id, "channel": channel, "activation": release.activation,
@@ -142,6 +144,8 @@ class AdapterServer:
         """Forget the resident release ``model`` names (not the champion); requests running on it finish."""
         release = self.residents.remove(model)
         self.metrics.unloads.labels("admin").inc()
+        if self.gate is not None:
+            self.gate.record_candidate()
         log.info("unloaded %s", release.release_id)
         return {"unloaded": release.release_id, "resident": self.resident_summary()}
 

@@ -25,7 +25,7 @@ from server_testkit import ADMIN_TOKEN, PROMPT, call, complete, manifest_id, run
 from runtime.__main__ import main
 from runtime.contract import MANIFEST
 from runtime.device_state import STATE_FILE, DeviceState, StateError, atomic_write
-from runtime.package import MalformedPackage, load_trusted_keys, release_probes, verify_release
+from runtime.package import DEFAULT_MAX_PACKAGE_BYTES, MalformedPackage, load_trusted_keys, release_probes, verify_release
 from runtime.server import Watcher
 from runtime.tokenizer import DeviceTokenizer
 
@@ -115,6 +115,20 @@ def test_a_damaged_state_is_an_error_naming_the_file_never_a_reset(w, tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and f"error: {path}: device state is not valid JSON" in done.stderr
     assert path.read_text() == "{not json"  # left as it was for the operator
+
+
+def test_a_copy_kept_for_a_load_stays_until_a_write_names_or_keeps_it(w, tmp_path):
+    """A load copies its release before it is resident; a write in between (another release's trial
+    committing) must not remove that copy, or the record would name a release with no copy."""
+    state, a = DeviceState(tmp_path), manifest_id(w["a"])
+    copy = state.keep(w["a"], a, load_trusted_keys([w["trusted_key"]]), DEFAULT_MAX_PACKAGE_BYTES)
+    assert sorted(p.name for p in copy.iterdir()) == sorted(p.name for p in w["a"].iterdir())
+    state.write()
+    assert copy.is_dir()
+    state.write(keep={a})  # resident now: the resident set keeps it from here on
+    state.write()
+    assert not copy.exists()
+    state.close()
 
 
 # ---------------------------------------------------------------- probes in the manifest
@@ -381,3 +395,54 @@ def test_a_restart_after_sigkill_resumes_the_release_and_refuses_an_older_one(w,
     assert older.returncode == 20 and f"older than the active release {manifest_id(w['b'])}" in older.stderr
     print(f"\nrestart with the same state directory: answering {resumed_s:.2f} s after the start")
 
+
+def test_a_candidate_is_resumed_after_sigkill_and_dropped_from_the_state_when_unloaded_or_promoted(w, tmp_path):
+    """The candidate loaded over the admin API is in the state; killed and restarted with the same state
+    directory (nothing else), the device is ready within 5 s with both channels on the same releases."""
+    a, good = manifest_id(w["a"]), manifest_id(w["good"])
+    state_dir, log, token = tmp_path / "state", tmp_path / "serve.log", tmp_path / "admin.token"
+    token.write_text(ADMIN_TOKEN)
+    admin = ("--admin-token-file", str(token), "--release-dir", str(w["root"]))
+
+    def answers(port: int) -> dict:
+        return {channel: (body["model"], body["choices"][0]["text"]) for channel in ("champion", "candidate")
+                for status, body in [call(port, "POST", "/v1/completions", {"model": channel, "prompt": PROMPT,
+                                                                             "max_tokens": 6, "temperature": 0})]
+                if status == 200}
+
+    proc, port = started(serve(w, state_dir, "--package", str(w["a"]), "--health-window", "0", *admin), log)
+    try:
+        until(lambda: device_state(port)["state"] == "committed", "A committed")
+        status, body = call(port, "POST", "/v1/adapters", {"path": str(w["good"]), "channel": "candidate"})
+        assert (status, body["channel"]) == (200, "candidate"), body
+        before = answers(port)
+        assert device_state(port)["candidate"] == good
+    finally:
+        proc.kill()  # SIGKILL: no shutdown of any kind
+        proc.wait()
+    assert [before[c][0] for c in ("champion", "candidate")] == [a, good]
+    assert json.loads((state_dir / STATE_FILE).read_text())["candidate"] == good
+
+    t0 = time.monotonic()
+    proc, port = started(serve(w, state_dir, "--health-window", "0", *admin), log)  # no --package, no --candidate
+    try:
+        until(lambda: call(port, "GET", "/ready")[0] == 200, "/ready after the restart")
+        ready_s = time.monotonic() - t0
+        after, health = answers(port), call(port, "GET", "/healthz")[1]
+        assert (health["release_id"], health["candidate"]["release_id"]) == (a, good)
+
+        assert call(port, "POST", "/v1/adapters/unload", {"model": "candidate"})[0] == 200
+        record = json.loads((state_dir / STATE_FILE).read_text())
+        assert record["candidate"] is None and not (state_dir / "releases" / good).exists()
+        assert call(port, "POST", "/v1/adapters", {"path": str(w["good"]), "channel": "candidate"})[0] == 200
+        assert json.loads((state_dir / STATE_FILE).read_text())["candidate"] == good
+        assert call(port, "POST", "/v1/adapters/promote", {})[0] == 200
+        until(lambda: device_state(port)["state"] == "committed", "the promoted candidate committed")
+        record = json.loads((state_dir / STATE_FILE).read_text())
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    assert after == before
+    assert ready_s < 5, ready_s
+    assert (record["active"], record["previous"], record["candidate"], record["high_water"]) == (good, a, None, good)
+    print(f"\nrestart after SIGKILL with a candidate: /ready 200 {ready_s:.2f} s after the start")
