@@ -32,6 +32,8 @@ from tuf.ngclient import Updater
 from runtime.contract import TUF_METADATA_DIR, release_target_path
 from tasks.update_channel import Channel, load_state, refresh
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args) -> None:
@@ -149,10 +151,12 @@ def fast_forward(repo: Path, channel: Channel) -> None:
     resign_metadata(repo, "timestamp.json", CryptoSigner.generate_ed25519(), version=2**31)
 
 
-# python-tuf's ngclient in a process of its own (python -I: nothing of this project on its path but
-# what the interpreter installs), as a device with only tuf installed would run it.
+# python-tuf's ngclient in an environment of its own (a fresh venv holding only tuf and what it
+# needs, run with -I), as a device with only tuf installed would run it: the script first proves
+# that nothing of this project can be imported there.
 NGCLIENT_SCRIPT = """
-import json, sys
+import importlib.util, json, sys
+assert all(importlib.util.find_spec(m) is None for m in ("runtime", "tasks", "onnxruntime")), "not a tuf-only environment"
 from tuf.ngclient import Updater
 url, first_root, metadata_dir, target, out = sys.argv[1:]
 updater = Updater(metadata_dir, url + "/metadata/", target_base_url=url + "/targets/",
@@ -188,21 +192,33 @@ def http_server_process(folder: Path, port: int) -> Iterator[str]:
 
 
 def ngclient_then_tampered(served: Path, first_root: Path, target: str, workdir: Path) -> tuple[dict, subprocess.CompletedProcess]:
-    """``served`` under ``python -m http.server``: what ngclient (in its own process) fetched of ``target``
+    """``served`` under ``python -m http.server``: what ngclient (in a tuf-only venv of its own, ``tuf_only_python``) fetched of ``target``
     (custom fields, sha256, the timestamp's expiry; the file is ``workdir/ngclient/target``), then how a
     second fresh client fares once the served target's bytes are zeroed (the file is changed in place)."""
+    python = tuf_only_python(workdir / "tuf-venv")
     with http_server_process(served, free_port()) as url:
-        got = ngclient_fetch(url, first_root, target, workdir / "ngclient")
+        got = ngclient_fetch(python, url, first_root, target, workdir / "ngclient")
         assert got.returncode == 0, got.stderr[-3000:]
         fetched = json.loads(got.stdout)
         folder, _, name = target.rpartition("/")
         path = served / "targets" / folder / f"{fetched['sha256']}.{name}"
         path.write_bytes(bytes(path.stat().st_size))
-        return fetched, ngclient_fetch(url, first_root, target, workdir / "ngclient-tampered")
+        return fetched, ngclient_fetch(python, url, first_root, target, workdir / "ngclient-tampered")
 
 
-def ngclient_fetch(url: str, first_root: Path, target: str, workdir: Path):
-    """Run NGCLIENT_SCRIPT: refresh from ``first_root`` and download ``target`` into ``workdir``."""
+def tuf_only_python(venv: Path) -> Path:
+    """The interpreter of a new virtual environment at ``venv`` with only python-tuf installed (at the
+    version ``constraints.txt`` pins, from the package registry)."""
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=120)
+    python = venv / "bin" / "python"
+    installed = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                                "-c", str(REPO / "constraints.txt"), "tuf"], capture_output=True, text=True, timeout=600)
+    assert installed.returncode == 0, f"pip install tuf into {venv}: {installed.stderr[-3000:]}"
+    return python
+
+
+def ngclient_fetch(python: Path, url: str, first_root: Path, target: str, workdir: Path):
+    """Run NGCLIENT_SCRIPT with ``python``: refresh from ``first_root`` and download ``target`` into ``workdir``."""
     (workdir / "metadata").mkdir(parents=True, exist_ok=True)
-    return subprocess.run([sys.executable, "-I", "-c", NGCLIENT_SCRIPT, url, str(first_root), str(workdir / "metadata"),
+    return subprocess.run([str(python), "-I", "-c", NGCLIENT_SCRIPT, url, str(first_root), str(workdir / "metadata"),
                            target, str(workdir / "target")], cwd=workdir, capture_output=True, text=True, timeout=120)

@@ -125,7 +125,7 @@ def test_older_metadata_after_newer_is_refused_and_an_unreachable_channel_instal
 
 def test_the_publish_step_signs_into_a_channel_ngclient_reads_in_its_own_process(w, tmp_path):
     """What the flow runs: tasks.publish into a real git + DVC registry, then the update channel from it;
-    python-tuf's ngclient alone (python -I) refreshes from the first root over `python -m http.server`."""
+    python-tuf's ngclient, in a venv holding only tuf, refreshes from the first root over `python -m http.server`."""
     cfg = PublishConfig(registry_dir=str(tmp_path / "registry"), remote_dir=str(tmp_path / "dvc-remote"),
                         tuf_dir=str(tmp_path / "tuf"), tuf_keys_dir=str(tmp_path / "keys"))
     publish.ensure_registry(Path(cfg.registry_dir), cfg.remote_dir)
