@@ -4,7 +4,12 @@ The request models mirror OpenAI's ``/v1/completions`` and ``/v1/chat/completion
 for the fields the device honours; any other field is an error (400 naming it), never silently
 ignored, so a client asking for ``n: 2`` or ``logprobs`` learns it does not get them. Defaults are
 OpenAI's: ``max_tokens`` 16 for completions, ``temperature`` 1 and ``top_p`` 1 (sampling;
-``temperature: 0`` is greedy).
+``temperature: 0`` is greedy). Values are checked here, before a request reaches the engine, so a
+value the sampler or the decode loop cannot take is the client's 400, never a 500 counted against
+the release: numbers and booleans are strict (``"16"``, ``true`` or ``16.5`` for ``max_tokens`` are
+errors, not coerced), ``seed`` is 0 to 2**63 - 1 (the non-negative part of OpenAI's int64 range:
+numpy's generator takes no negative seed), and a stop sequence is at most ``MAX_STOP_CHARS``
+characters (each decode step tests every prefix of every stop sequence against the text's end).
 """
 
 from __future__ import annotations
@@ -13,33 +18,47 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
 OWNED_BY = "adapter-release"
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256  # per stop sequence: a step's cost grows with its square (runtime.generation.ChoiceText)
+MAX_SEED = 2**63 - 1
 MAX_PROMPTS = 16  # prompts of one request: decoded as one batch, in one generation slot
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    include_usage: StrictBool = False
 
 
 class OpenAIRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str | None = None  # accepted for compatibility; the device serves its one active release
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict | None = None  # {"include_usage": bool}
-    n: Literal[1] = 1
-    user: str | None = None
+    model: StrictStr | None = None  # a release id, a month or a channel name; none: the champion or the canary
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2, strict=True)  # strict: an int is a float still, a bool or str is not
+    top_p: float = Field(1.0, gt=0, le=1, strict=True)
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt = Field(1, ge=1, le=1)  # one choice per prompt
+    user: StrictStr | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_range(cls, value):
+        if value is not None and not 0 <= value <= MAX_SEED:
+            raise ValueError(f"seed must be an integer from 0 to {MAX_SEED}, got {value}")
+        return value
 
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, value):
         stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
-            raise ValueError(f"up to {MAX_STOP_SEQUENCES} non-empty stop sequences")
+        if len(stops) > MAX_STOP_SEQUENCES or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"up to {MAX_STOP_SEQUENCES} stop sequences of 1 to {MAX_STOP_CHARS} characters")
         return stops
 
     @property
@@ -48,12 +67,12 @@ class OpenAIRequest(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[str]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: StrictStr | list[StrictStr]
+    max_tokens: StrictInt | None = Field(16, ge=1)
 
     @field_validator("prompt")
     @classmethod
@@ -71,13 +90,13 @@ class CompletionRequest(OpenAIRequest):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str
-    name: str | None = None
+    content: StrictStr
+    name: StrictStr | None = None
 
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
 
     @property
     def token_limit(self) -> int | None:

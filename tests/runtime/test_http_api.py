@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from release_testkit import world
-from server_testkit import ADMIN_TOKEN, PROMPT, call, complete, manifest_id, running_server, sample, scrape
+from server_testkit import ADMIN_TOKEN, PROMPT, call, complete, manifest_id, running_server, sample, scrape, summed
 
 OTHER_PROMPT = "inspect board=PCB-1201 line=L2 part=C7 temp_c=244 defect=lifted lift_um=40 verdict:"
 LONG = 1024  # tokens: the tiny world's greedy answer never reaches eos, so a LONG request decodes LONG steps
@@ -158,6 +158,35 @@ def test_every_error_is_an_openai_error_object(served):
     assert call(port, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 257})[1]["error"]["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError):  # the SDK raises its own error from our error object
         sdk(background).completions.create(model=None, prompt=PROMPT, max_tokens=257)
+
+
+def test_out_of_range_or_mistyped_request_fields_get_400_naming_the_field(served):
+    app, background = served
+    port = background.port
+    before = scrape(port)
+    with pytest.raises(openai.BadRequestError) as err:  # numpy's default_rng(-1) raised at sampling: a 500
+        sdk(background).completions.create(model=None, prompt=PROMPT, max_tokens=2, temperature=1.0, seed=-1)
+    assert err.value.status_code == 400 and err.value.param == "seed" and "9223372036854775807" in err.value.message
+    cases = [
+        ("seed", 2**64), ("seed", True), ("seed", "7"), ("seed", 7.0),
+        ("temperature", True), ("temperature", "0.5"), ("top_p", "1"),
+        ("max_tokens", True), ("max_tokens", "16"), ("max_tokens", 16.5), ("n", True), ("stream", "yes"),
+        ("stream", 1), ("stream_options", {"include_usage": "yes"}), ("stream_options", {"include_logprobs": True}),
+        ("stop", ["x" * 100_000]), ("stop", ["a", "b", "c", "d", "e"]), ("user", 5),
+    ]
+    for field, value in cases:
+        status, body = call(port, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, field: value})
+        assert (status, body["error"]["param"].split(".")[0]) == (400, field), (field, value, body)
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_completion_tokens": "2", "seed": -5}
+    status, body = call(port, "POST", "/v1/chat/completions", chat)
+    assert status == 400 and body["error"]["param"] in ("max_completion_tokens", "seed"), body
+    after = scrape(port)
+    assert summed(after, "adapter_generation_errors_total") == summed(before, "adapter_generation_errors_total")
+    assert summed(after, "adapter_requests_total", status="500") == summed(before, "adapter_requests_total", status="500")
+    assert summed(after, "adapter_release_requests_total") == summed(before, "adapter_release_requests_total")
+    seeded = {"prompt": PROMPT, "max_tokens": 4, "temperature": 1.0, "seed": 2**63 - 1}  # the range's ends are served
+    assert call(port, "POST", "/v1/completions", seeded)[0] == 200
+    assert call(port, "POST", "/v1/completions", seeded | {"seed": 0, "stop": ["x" * 256]})[0] == 200
 
 
 def test_healthz_is_liveness_and_ready_waits_for_a_release(w):
