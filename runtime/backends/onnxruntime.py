@@ -44,6 +44,7 @@ OPTIMIZED_ONNX_DATA = OPTIMIZED_ONNX + ".data"  # its initializers, when the sou
 # leaves room for what the optimization adds; smaller engines stay one file.
 EXTERNAL_DATA_MIN_BYTES = 1 << 30
 EXTERNAL_TENSOR_MIN_BYTES = 1024  # smaller initializers (scalars, shapes) stay in the graph, as ORT's default
+ORT_LOG_FATAL = 4  # ORT's log severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal
 
 
 def _onnx_bytes(path: Path) -> int:
@@ -93,6 +94,11 @@ class OrtEngine:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        # ORT's C++ logger writes plain text to stderr, where the device's log is JSON lines; every error it
+        # would log is also raised (with the same message) to the caller, which logs it. Fatal only, then,
+        # for this session's runs and for the process-wide default logger (thread pools, environment).
+        opts.log_severity_level = ORT_LOG_FATAL
+        ort.set_default_logger_severity(ORT_LOG_FATAL)
         for key, value in (session_config or {}).items():
             opts.add_session_config_entry(key, value)
         optimized = engine_dir / OPTIMIZED_ONNX
