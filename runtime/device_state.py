@@ -75,12 +75,30 @@ def fsync_dir(path: Path) -> None:
 
 def atomic_write(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` so that a crash at any point leaves the old bytes or the new ones."""
+    _replace_atomically(path, lambda fh: fh.write(data))
+
+
+def atomic_copy(source: Path, path: Path) -> None:
+    """Replace ``path`` with a copy of the file ``source``, as ``atomic_write`` does (streamed, not read whole)."""
+    def copy(fh):
+        with open(source, "rb") as src:
+            shutil.copyfileobj(src, fh)
+    _replace_atomically(path, copy)
+
+
+def _replace_atomically(path: Path, write) -> None:
+    """``write(fh)`` into a dot-file beside ``path`` (never served or listed as a finished file), fsync it,
+    rename it over ``path`` and fsync the folder; a failed write leaves ``path`` as it was and no temporary."""
     tmp = path.with_name(f"{_TEMP_PREFIX}{path.name}-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 

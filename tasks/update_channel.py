@@ -30,8 +30,6 @@ import datetime as dt
 import fcntl
 import functools
 import json
-import os
-import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -46,7 +44,7 @@ from tuf.api.serialization.json import JSONSerializer
 from runtime.contract import (
     MANIFEST, TUF_CHANNELS_TARGET, TUF_METADATA_DIR, TUF_TARGETS_DIR, registry_release_path, release_target_path,
 )
-from runtime.device_state import atomic_write
+from runtime.device_state import atomic_copy, atomic_write
 from runtime.package import write_tarball
 from runtime.signing import generate_key, load_private_key
 from tasks.config import PublishConfig, StageError
@@ -289,8 +287,7 @@ def _add_target(channel: Channel, state: State, target: TargetFile, source: Path
     dest = _target_file(channel, target.path, target.hashes["sha256"])
     if not dest.exists():
         dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, dest.with_name(f".{dest.name}.tmp"))
-        os.replace(dest.with_name(f".{dest.name}.tmp"), dest)
+        atomic_copy(source, dest)
     state.targets.signed.targets[target.path] = target
     return True
 

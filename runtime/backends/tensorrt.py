@@ -29,6 +29,7 @@ from typing import Mapping
 import numpy as np
 
 from runtime.contract import CACHE_KEY_FILE, ENGINE_ONNX
+from runtime.device_state import atomic_write
 from runtime.engine import check_lora_inputs
 from runtime.hashing import sha256_file
 from runtime.interface import EngineInterface, read_interface
@@ -112,11 +113,11 @@ def build_plan(
     plan = builder.build_serialized_network(network, config)
     if plan is None:
         raise RuntimeError("TensorRT build failed; see the logger output above")
-    _atomic_write(engine_dir / PLAN_FILE, bytes(plan))
-    _atomic_write(cache_path, bytes(config.get_timing_cache().serialize()))
+    atomic_write(engine_dir / PLAN_FILE, bytes(plan))
+    atomic_write(cache_path, bytes(config.get_timing_cache().serialize()))
     record = plan_key(engine_dir, trt.__version__, _device_name()) | {
         "profile": {"max_batch": max_batch, "max_seq": max_seq, "max_past": max_past, "opt": list(opt)}}
-    _atomic_write(engine_dir / PLAN_KEY_FILE, json.dumps(record, indent=2, sort_keys=True).encode())
+    atomic_write(engine_dir / PLAN_KEY_FILE, json.dumps(record, indent=2, sort_keys=True).encode())
     print(f"tensorrt: built {engine_dir / PLAN_FILE} in {time.perf_counter() - t0:.1f}s")
     return engine_dir / PLAN_FILE
 
@@ -176,7 +177,7 @@ def build_plan_torch_tensorrt(
         else:
             inputs.append(torch_tensorrt.Input(shape=tuple(value.shape), dtype=value.dtype))
     plan = torch_tensorrt.dynamo.convert_exported_program_to_serialized_trt_engine(program, arg_inputs=inputs)
-    _atomic_write(engine_dir / TORCH_TRT_PLAN_FILE, bytes(plan))
+    atomic_write(engine_dir / TORCH_TRT_PLAN_FILE, bytes(plan))
     return engine_dir / TORCH_TRT_PLAN_FILE
 
 
@@ -212,12 +213,6 @@ def export_flat_program(model_dir, iface: EngineInterface, device: str = "cpu"):
             Flat(), example, dynamic_shapes=(tuple(dynamic),), prefer_deferred_runtime_asserts_over_guards=True
         )
     return program, example
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
 
 
 class TensorRTEngine:

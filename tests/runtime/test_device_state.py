@@ -24,7 +24,7 @@ from server_testkit import ADMIN_TOKEN, PROMPT, call, complete, manifest_id, run
 
 from runtime.__main__ import main
 from runtime.contract import MANIFEST
-from runtime.device_state import STATE_FILE, DeviceState, StateError, atomic_write
+from runtime.device_state import STATE_FILE, DeviceState, StateError, atomic_copy, atomic_write
 from runtime.package import DEFAULT_MAX_PACKAGE_BYTES, MalformedPackage, load_trusted_keys, release_probes, verify_release
 from runtime.server import Watcher
 from runtime.tokenizer import DeviceTokenizer
@@ -94,6 +94,17 @@ def test_a_crash_mid_write_leaves_the_old_or_the_new_state(tmp_path):
     atomic_write(path, b"{}")
     with pytest.raises(StateError, match=f"{path}: invalid device state"):
         DeviceState(tmp_path)
+
+
+def test_a_copy_that_fails_leaves_the_old_file_and_no_temporary(tmp_path):
+    target, source = tmp_path / "2026-11.tar.gz", tmp_path / "source.tar.gz"
+    target.write_bytes(b"old")
+    source.write_bytes(b"new" * 100_000)
+    with pytest.raises(IsADirectoryError):  # the temporary is open when the source fails to
+        atomic_copy(tmp_path, target)
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == [target.name, source.name]
+    atomic_copy(source, target)
+    assert target.read_bytes() == source.read_bytes() and len(list(tmp_path.iterdir())) == 2
 
 
 def test_a_damaged_state_is_an_error_naming_the_file_never_a_reset(w, tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -108,6 +109,28 @@ def test_candidate_is_the_newest_month_and_champion_what_the_registry_names(chan
     assert pointer == {"candidate": "2026-11", "champion": "2026-10"}
     assert sorted(status(channel)["targets"]) == [TUF_CHANNELS_TARGET, release_target_path("2026-10"),
                                                   release_target_path("2026-11")]
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace (to see the file system calls) is not installed")
+def test_every_published_file_is_fsynced_then_renamed_into_place_then_its_folder_fsynced(channel, tmp_path):
+    """A power cut must leave a served file whole or absent: the system calls of a real publish, as strace saw them."""
+    release, trace = fake_release(tmp_path / "r", "2026-11"), tmp_path / "trace"
+    code = ("import sys; from pathlib import Path; from tasks.update_channel import Channel, publish_release; "
+            "publish_release(Channel(Path(sys.argv[1]), Path(sys.argv[2])), Path(sys.argv[3]), '2026-11', '2026-11')")
+    subprocess.run(["strace", "-f", "-y", "-qq", "-e", "trace=fsync,rename,renameat,renameat2", "-o", str(trace),
+                    sys.executable, "-c", code, str(channel.repo), str(channel.keys), str(release)],
+                   cwd=REPO, check=True, timeout=120)
+    calls = [re.search(r'(fsync)\(\d+<([^>]*)>\)|(rename\w*)\(.*?"([^"]*)", .*?"([^"]*)"\)', line)
+             for line in trace.read_text().splitlines() if " = 0" in line]
+    fsynced = [(i, m.group(2)) for i, m in enumerate(calls) if m and m.group(1)]
+    renamed = {m.group(5): (i, m.group(4)) for i, m in enumerate(calls) if m and m.group(3)}
+    published = sorted(p for folder in (channel.metadata, channel.targets) for p in folder.rglob("*") if p.is_file())
+    assert len(published) >= 8 and not [p for p in published if p.name.startswith(".")]  # no temporary is left
+    for path in published:  # targets (copied from the tarball) and metadata (written)
+        at, temporary = renamed[str(path)]
+        assert Path(temporary).name.startswith("."), temporary  # a static server never serves a half-written file
+        assert any(i < at and p == temporary for i, p in fsynced), f"{path}: renamed in before its bytes were on disk"
+        assert any(i > at and p == str(path.parent) for i, p in fsynced), f"{path}: its folder's entry not fsynced"
 
 
 def test_timestamp_expiry_is_at_most_seven_days():
