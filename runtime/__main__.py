@@ -33,7 +33,8 @@ could not give the release, 31-38 the update channel refused (``runtime.tuf_pull
 36 unreachable, 37 unknown_target, 38 repository), and one code per refusal of ``runtime.package.EXIT_CODES``:
 10 malformed, 11 checksum, 12 unlisted_file, 13 signature, 14 backbone_mismatch,
 15 interface_mismatch, 16 adapter, 17 kv_scales, 18 size_limit, 19 unsafe_path, 20 rollback,
-21 expired, 22 tokenizer_mismatch, 23 reverted (serve with --state-dir).
+21 expired, 22 tokenizer_mismatch, 23 reverted (serve with --state-dir), 24 month_mismatch (fetched by
+another month's name).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ on a thread of its own while requests are served:
 3. when it names a champion newer than the one serving here (by its target's signed custom field
    ``release_id``), not reverted on this device and not below the state's high-water mark, downloads
    its tarball (length and sha256 as signed) and loads it as champion with ``AdapterServer.load``, the
-   path of the directory watch and the admin API: ``verify_release`` unchanged, the rollback rules,
+   path of the directory watch and the admin API: ``verify_release`` unchanged (told the month the target
+   was named by, which the signed manifest must say: ``month_mismatch``), the rollback rules,
    and with ``--state-dir`` the health-gated commit of ``runtime.health`` (probes, window, revert);
 4. likewise loads as candidate the month ``candidate`` names when it is newer than the champion and
    than the candidate resident here (the publish step names the newest month published there). A
@@ -169,7 +170,7 @@ class ChannelWatcher(threading.Thread):
             return Outcome(REFUSED, rejected.reason, str(rejected))
         tarball = release_tarball(updater, self.url, info, workdir)
         try:
-            self.app.load(tarball, channel=channel)
+            self.app.load(tarball, channel=channel, month=month)  # the month it was named by: a mislabel is refused
         except PackageError as err:  # these signed bytes will never pass: not downloaded again
             self._rejected[(info.path, info.hashes["sha256"])] = err
             raise

@@ -153,6 +153,13 @@ class RevertedRelease(PackageError):
     reason, exit_code = "reverted", 23
 
 
+class MonthMismatch(PackageError):
+    """A release fetched by one month's name (``releases/<month>`` of a registry or an update channel) whose
+    signed manifest is another month's."""
+
+    reason, exit_code = "month_mismatch", 24
+
+
 EXIT_CODES = {cls.reason: cls.exit_code for cls in PackageError.__subclasses__()}
 
 
@@ -384,13 +391,15 @@ def verify_release(
     max_bytes: int = DEFAULT_MAX_PACKAGE_BYTES,
     tokenizer_sha256: str | None = None,
     stop_token_ids: tuple[int, ...] | None = None,
+    month: str | None = None,
 ) -> VerifiedRelease:
     """Verify the release directory ``path`` (tarballs: use ``unpacked_release`` first) and return it
     with its engine inputs; raise the ``PackageError`` subclass of the first failed check.
 
     ``trusted_keys``: ``load_trusted_keys`` output. ``iface``: the local engine's interface; None
     skips the engine-bound checks (and leaves ``lora`` unset). ``active_release``: the release id
-    (or bare month) the device runs now, for rollback protection.
+    (or bare month) the device runs now, for rollback protection. ``month``: the month the release was
+    fetched as (a registry's or an update channel's ``releases/<month>``), which its manifest must say.
     """
     from cryptography.exceptions import InvalidSignature
 
@@ -455,6 +464,12 @@ def verify_release(
         raise ExpiredRelease(f"{path / MANIFEST}: release {manifest['release_id']} expired at "
                              f"{manifest['expires_at']} (now {format_time(now)}); publish a fresh release")
     checks.append(f"expiry: valid until {manifest['expires_at']}")
+
+    if month is not None:
+        if manifest["month"] != month:
+            raise MonthMismatch(f"{path}: fetched as the release of {month}, but its signed manifest is release "
+                                f"{manifest['release_id']} of {manifest['month']}; refused")
+        checks.append(f"month: {month}, as fetched")
 
     if active_release is not None:
         if release_order(manifest["release_id"]) < release_order(active_release):

@@ -32,7 +32,7 @@ from pathlib import Path
 from runtime.contract import MANIFEST, MONTH, REGISTRY_CHANNELS, registry_release_path, release_order, release_tag
 from runtime.device_state import install_folder
 from runtime.errors import RefusedInput
-from runtime.package import VerifiedRelease, verify_release
+from runtime.package import PackageError, VerifiedRelease, verify_release
 
 ALIAS = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 
@@ -129,10 +129,11 @@ def install(fetch: Callable[[Path], None], source: str, month: str, target: str 
     try:
         fetched = staging / "release"
         fetch(fetched)
-        verified = verify_release(fetched, trusted_keys, iface, active_release=installed_release_id(target),
-                                  allow_rollback=allow_rollback, **verify_options)
-        if verified.manifest["month"] != month:
-            raise PullError(f"{source} holds a release of month {verified.manifest['month']}")
+        try:
+            verified = verify_release(fetched, trusted_keys, iface, active_release=installed_release_id(target),
+                                      allow_rollback=allow_rollback, month=month, **verify_options)
+        except PackageError as err:  # it names the staging folder, gone on return: say where the release came from
+            raise type(err)(f"{source}: {err}") from None
         install_folder(fetched, target, replaced=staging / "previous")
         verified.path = target
         return verified

@@ -85,8 +85,10 @@ class AdapterServer:
         """The champion: what a request that names no model gets."""
         return self.residents.champion
 
-    def load(self, path: str | Path, allow_rollback: bool = False, channel: str = CHAMPION, trial: bool = True) -> dict:
-        """Verify the release at ``path``, bind it to a new handle, make it resident on ``channel``
+    def load(self, path: str | Path, allow_rollback: bool = False, channel: str = CHAMPION, trial: bool = True,
+             month: str | None = None) -> dict:
+        """Verify the release at ``path`` (of ``month`` when it was fetched by that name), bind it to a new
+        handle, make it resident on ``channel``
         (never older than the champion, nor than the state's high-water mark, unless ``allow_rollback``);
         raise PackageError or ResidencyError. With a state directory (``gate``) a new champion starts its
         health trial unless ``trial`` is False (the device's own resume and revert), and a candidate is recorded."""
@@ -98,7 +100,7 @@ class AdapterServer:
                     d, self.trusted_keys, self.engine.interface,
                     active_release=self.gate.floor(champion) if self.gate else champion and champion.release_id,
                     allow_rollback=allow_rollback, max_bytes=self.max_bytes, tokenizer_sha256=self.tokenizer.sha256,
-                    stop_token_ids=self.tokenizer.stop_ids,
+                    stop_token_ids=self.tokenizer.stop_ids, month=month,
                 )
                 if self.gate is not None:
                     self.gate.admit(d, verified)

@@ -298,7 +298,10 @@ def publish_release(channel: Channel, release_dir: Path, month: str, champion: s
     """Make ``month``'s release a target, the channels ``champion`` (as given) and ``candidate`` (the
     newest month of the targets: a rerun of an older month never moves it back) a signed target, and
     sign new targets, snapshot and timestamp. Idempotent: the same release and channels again write
-    nothing (returns the roles written, [] then)."""
+    nothing (returns the roles written, [] then). A release of another month is refused: devices refuse it."""
+    signed_month = json.loads((Path(release_dir) / MANIFEST).read_text())["month"]
+    if signed_month != month:
+        raise UpdateChannelError(f"{release_dir}: a release of {signed_month}, not {month}; not published")
     state = ensure_repository(channel, now)
     with tempfile.TemporaryDirectory(prefix="tuf-target-") as tmp:
         tarball = write_tarball(Path(release_dir), Path(tmp) / f"{month}.tar.gz")

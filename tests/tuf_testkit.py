@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -25,12 +26,13 @@ from pathlib import Path
 
 from securesystemslib.signer import CryptoSigner
 from service_testkit import free_port
-from tuf.api.metadata import Metadata
+from tuf.api.metadata import Metadata, TargetFile, Targets
 from tuf.api.serialization.json import JSONSerializer
 from tuf.ngclient import Updater
 
-from runtime.contract import TUF_METADATA_DIR, release_target_path
-from tasks.update_channel import Channel, load_state, refresh
+from runtime.contract import TUF_CHANNELS_TARGET, TUF_METADATA_DIR, release_target_path
+from runtime.package import write_tarball
+from tasks.update_channel import Channel, _add_target, _resign, load_state, refresh, release_target, signers
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -113,6 +115,21 @@ def zero_tarball(repo: Path, channel: Channel, month: str = "2026-11") -> None:
     """Arbitrary package: the served bytes of a release change (same length), its signed hash does not."""
     path = target_file(repo, channel, release_target_path(month))
     path.write_bytes(bytes(path.stat().st_size))
+
+
+def misnamed_release(repo: Path, channel: Channel, release_dir: Path, month: str) -> None:
+    """Champion ``month`` whose signed target holds ``release_dir``, a release of another month: the steps of
+    ``publish_release`` without its month check, as a mislabelling publisher or a holder of the online keys
+    signs it. Length, hashes and signatures are genuine; only the signed manifest inside says its month."""
+    served = Channel(repo, channel.keys)
+    state = load_state(served)
+    with tempfile.TemporaryDirectory(prefix="misnamed-") as tmp:
+        tarball = write_tarball(release_dir, Path(tmp) / f"{month}.tar.gz")
+        _add_target(served, state, release_target(release_dir, tarball, month), tarball)
+        pointer = Path(tmp) / TUF_CHANNELS_TARGET
+        pointer.write_text(json.dumps({"champion": month, "candidate": month}))
+        _add_target(served, state, TargetFile.from_file(TUF_CHANNELS_TARGET, str(pointer), ["sha256"]), pointer)
+    _resign(served, state, {Targets.type}, signers(served), dt.datetime.now(dt.timezone.utc))
 
 
 def endless_tarball(repo: Path, channel: Channel, month: str = "2026-11") -> None:

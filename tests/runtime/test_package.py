@@ -21,7 +21,7 @@ from runtime.contract import parse_time
 from runtime.generate import greedy_generate
 from runtime.interface import read_interface
 from runtime.package import (
-    EXIT_CODES, BackboneMismatch, ChecksumMismatch, ExpiredRelease, InterfaceMismatch, KVScalesRefused,
+    EXIT_CODES, BackboneMismatch, ChecksumMismatch, ExpiredRelease, InterfaceMismatch, KVScalesRefused, MonthMismatch,
     RollbackRefused, SignatureRefused, SizeLimitExceeded, TokenizerMismatch, UnlistedFile, UnsafePath, bind_release,
     load_trusted_keys, verify_path, verify_release,
 )
@@ -192,6 +192,14 @@ def test_an_older_release_replayed_is_refused_unless_rollback_is_allowed(w):
     assert verify(w, w["b"], active_release=newer).release_id == newer  # the same release again is fine
     with pytest.raises(RollbackRefused):
         verify(w, w["a"], active_release="2026-11")  # a bare month works as the active release too
+
+
+def test_a_release_fetched_by_another_months_name_is_refused(w):
+    with pytest.raises(MonthMismatch, match="fetched as the release of 2026-12, but its signed manifest is release "
+                       f"{re.escape(verify(w, w['b']).release_id)} of 2026-11") as err:
+        verify(w, w["b"], month="2026-12")
+    assert (err.value.exit_code, EXIT_CODES["month_mismatch"]) == (24, 24)
+    assert "month: 2026-11, as fetched" in verify(w, w["b"], month="2026-11").checks
 
 
 def test_an_expired_manifest_is_refused(w):

@@ -31,8 +31,8 @@ from release_testkit import copy_release, resign, world
 from securesystemslib.signer import CryptoSigner
 from server_testkit import PROMPT, call, manifest_id, running_server, sample, scrape
 from tuf_testkit import (
-    endless_tarball, endless_timestamp, expire_timestamp, fast_forward, mirror, mix_and_match, resign_metadata,
-    wrong_key, zero_tarball,
+    endless_tarball, endless_timestamp, expire_timestamp, fast_forward, mirror, misnamed_release, mix_and_match,
+    resign_metadata, wrong_key, zero_tarball,
 )
 
 from runtime.channel_watch import FRESH, REFUSED, STALE, ChannelWatcher, Outcome
@@ -118,6 +118,26 @@ def test_a_watching_device_follows_champion_and_candidate_and_never_installs_fro
         assert sample(scrape(port), "adapter_update_channel_fresh") == 1
         assert [r.fields["state"] for r in caplog.records if r.name == "runtime.channel_watch"
                 and r.levelno == logging.INFO] == [FRESH]
+
+
+def test_a_target_holding_another_months_release_is_refused_once_and_never_loaded(w, tmp_path):
+    a = manifest_id(w["a"])
+    misnamed = variant(w, w["s1"], tmp_path / "s1-misnamed", lambda repo, channel: misnamed_release(
+        repo, channel, w["b"], "2026-12"))  # B (2026-11, newer than A) signed as the target of 2026-12
+    with mirror(tmp_path, w["s1"]) as served, running_server(w) as (app, background):
+        watcher = ChannelWatcher(app, served.url, w["first_root"], tmp_path / "metadata", interval=60)  # polled by hand
+        assert watcher.poll_once() == Outcome(FRESH) and app.active.release_id == a
+        served.show(misnamed)
+        refused = watcher.poll_once()
+        assert (refused.state, refused.reason) == (REFUSED, "month_mismatch")
+        assert f"release {manifest_id(w['b'])} of 2026-11" in refused.detail and "of 2026-12" in refused.detail
+        assert watcher.poll_once() == refused  # remembered: not downloaded and verified again
+        samples = scrape(background.port)
+        assert [(m["id"], m["channel"]) for m in call(background.port, "GET", "/v1/models")[1]["data"]] == [
+            (a, "champion")]
+    assert sample(samples, "adapter_refusals_total", reason="month_mismatch") == 1
+    assert sample(samples, "adapter_update_channel_refusals_total", reason="month_mismatch") == 2
+    assert sample(samples, "adapter_swaps_total") == 1
 
 
 # ---------------------------------------------------------------- a running device under attack

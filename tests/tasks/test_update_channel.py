@@ -133,6 +133,12 @@ def test_every_published_file_is_fsynced_then_renamed_into_place_then_its_folder
         assert any(i > at and p == str(path.parent) for i, p in fsynced), f"{path}: its folder's entry not fsynced"
 
 
+def test_a_release_of_another_month_is_not_published(channel, tmp_path):
+    with pytest.raises(UpdateChannelError, match=r"a release of 2026-11, not 2026-12; not published"):
+        publish_release(channel, fake_release(tmp_path / "r", "2026-11"), "2026-12", "2026-12")
+    assert not channel.metadata.exists() and not channel.targets.exists()  # refused before anything is written
+
+
 def test_timestamp_expiry_is_at_most_seven_days():
     assert PublishConfig().timestamp_expiry_days == 1
     assert parse_config({"publish": {"timestamp_expiry_days": 7}}).publish.timestamp_expiry_days == 7
