@@ -44,7 +44,8 @@ balancer that took it out would turn an update outage into a serving outage. Ale
 ``adapter_update_channel_fresh`` and on the age of its last success instead.
 
 A release ``verify_release`` refused is remembered by its target's path and sha256 and not downloaded
-again; a download ngclient refused is tried again at the next poll (a mirror may be repaired).
+again (the last ``MAX_REJECTED`` of them: a channel that names ever new refused targets cannot grow the
+device's memory); a download ngclient refused is tried again at the next poll (a mirror may be repaired).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import logging
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -73,6 +75,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TUF_INTERVAL_S = 300.0  # a fleet polling a static server every 5 min; the timestamp lives a day
 FRESH, STALE, REFUSED = "fresh", "stale", "refused"
 NOT_CHECKED = "not_checked"
+MAX_REJECTED = 32  # refused signed targets remembered; each holds its refusal's message
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,8 @@ class ChannelWatcher(threading.Thread):
         self.last_poll: float | None = None
         self.last_success: float | None = None
         self.named: dict[str, str] = {}  # channel -> month, as the last fresh channels.json said
-        self._rejected: dict[tuple[str, str], PackageError] = {}  # (target path, sha256) -> refusal
+        self._rejected: OrderedDict[tuple[str, str], PackageError] = OrderedDict()  # (target path, sha256) -> refusal
+        self.max_rejected = MAX_REJECTED
         self._lock = threading.Lock()  # one poll at a time: the thread's, or a test's poll_once
         app.channel = self
 
@@ -173,6 +177,8 @@ class ChannelWatcher(threading.Thread):
             self.app.load(tarball, channel=channel, month=month)  # the month it was named by: a mislabel is refused
         except PackageError as err:  # these signed bytes will never pass: not downloaded again
             self._rejected[(info.path, info.hashes["sha256"])] = err
+            while len(self._rejected) > self.max_rejected:
+                self._rejected.popitem(last=False)  # the oldest: named again, it is downloaded and refused again
             raise
         return None
 

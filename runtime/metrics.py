@@ -4,16 +4,23 @@ Every value is a counter, a gauge or a fixed-bucket histogram: memory stays boun
 the device runs. Labels are bounded too: endpoints and statuses are the server's own, refusal
 reasons are ``runtime.package.EXIT_CODES``'s, channels ``runtime.residents``'s, revert reasons and
 champion states ``runtime.device_state``'s, the update channel's refusal reasons ``runtime.tuf_pull``'s
-and ``runtime.package``'s, and the request and generation-error counters' ``release_id``
-grows by one per release served. What describes the resident releases
-(``release_info``, seconds to expiry, the resident count) is read from the resident set at each
-scrape (``ResidentCollector``), so an unloaded release leaves no series behind.
+and ``runtime.package``'s. What describes the resident releases (``release_info``, seconds to
+expiry, the resident count) is read from the resident set at each scrape (``ResidentCollector``), so
+an unloaded release leaves no series behind. The counters labelled by release (requests per release
+and channel, generation errors) are swept at each load and unload (``sweep_releases``): a release's
+series stay while it is resident and while it is one of the last ``RETAINED_UNLOADED`` releases to
+leave, then are removed. Removing them at once would lose the requests counted between the last
+scrape and the unload (a scrape after it would find no series); kept for the next few departures,
+a scrape at any usual interval reads the final count, and a release loaded again later starts at 0
+(a counter reset, which ``rate`` and ``increase`` handle).
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -31,6 +38,8 @@ FIRST_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 SWAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # Rows (prompts) in one batched decode step: up to max_concurrent requests of up to 16 prompts each.
 BATCH_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Unloaded releases whose per-release series are kept: a scrape a few unloads late still reads their final counts.
+RETAINED_UNLOADED = 8
 
 
 class ResidentCollector:
@@ -107,10 +116,31 @@ class ServerMetrics:
         self.champion_state = Gauge(f"{PREFIX}_champion_state", "The champion's health state (1: this one): none, "
                                     "trial, committed, failed; absent without a state directory", ["state"], registry=r)
         r.register(ResidentCollector(residents))
+        self.per_release = (self.by_release, self.generation_errors)  # their first label is the release id
+        self._left: OrderedDict[str, None] = OrderedDict()  # releases no longer resident, in the order seen gone
+        self._sweep_lock = threading.Lock()
 
     def loaded(self, seconds: float) -> None:
         self.swaps.inc()
         self.swap_seconds.observe(seconds)
+
+    def sweep_releases(self, resident: Iterable[str]) -> None:
+        """Remove the per-release series of the releases not in ``resident`` (release ids), but the last
+        ``RETAINED_UNLOADED`` of them to leave. Memory stays bounded however many releases come and go."""
+        resident = set(resident)
+        with self._sweep_lock:
+            labelled = {(counter, tuple(s.labels.values())) for counter in self.per_release
+                        for family in counter.collect() for s in family.samples}
+            for release_id in sorted({labels[0] for _, labels in labelled} - resident - set(self._left)):
+                self._left[release_id] = None
+            for release_id in resident & set(self._left):  # loaded again
+                del self._left[release_id]
+            gone = set()
+            while len(self._left) > RETAINED_UNLOADED:
+                gone.add(self._left.popitem(last=False)[0])
+            for counter, labels in labelled:
+                if labels[0] in gone:
+                    counter.remove(*labels)
 
     def exposition(self) -> tuple[bytes, str]:
         """The text format a Prometheus scrape reads, and its content type."""

@@ -118,6 +118,7 @@ class AdapterServer:
                 done = time.perf_counter()
             self.metrics.loaded(done - start)
             self.metrics.unloads.labels("lru").inc(len(unloaded))
+            self.metrics.sweep_releases(r.release_id for r, _ in self.residents.listing())
         except PackageError as err:
             self.metrics.refusals.labels(err.reason).inc()
             raise
@@ -146,6 +147,7 @@ class AdapterServer:
         """Forget the resident release ``model`` names (not the champion); requests running on it finish."""
         release = self.residents.remove(model)
         self.metrics.unloads.labels("admin").inc()
+        self.metrics.sweep_releases(r.release_id for r, _ in self.residents.listing())
         if self.gate is not None:
             self.gate.record_candidate()
         log.info("unloaded %s", release.release_id)

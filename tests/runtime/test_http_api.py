@@ -15,8 +15,10 @@ import time
 import httpx
 import openai
 import pytest
-from release_testkit import world
+from release_testkit import copy_release, resign, world
 from server_testkit import ADMIN_TOKEN, PROMPT, call, complete, manifest_id, running_server, sample, scrape, summed
+
+from runtime.metrics import RETAINED_UNLOADED
 
 OTHER_PROMPT = "inspect board=PCB-1201 line=L2 part=C7 temp_c=244 defect=lifted lift_um=40 verdict:"
 LONG = 1024  # tokens: the tiny world's greedy answer never reaches eos, so a LONG request decodes LONG steps
@@ -338,6 +340,31 @@ def test_metrics_parse_as_prometheus_and_follow_the_active_release(w):
             if name == "adapter_release_info"}
     assert info == {(b, "champion"), (a, "standby")} and sample(second, "adapter_swaps_total") == 2
     assert sample(second, "adapter_swap_duration_seconds_count") == 2
+
+
+def test_per_release_series_stay_bounded_however_many_releases_come_and_go(w, tmp_path):
+    stamp, resident = manifest_id(w["b"]).partition("+")[2], 2
+    months = [f"2027-{m:02d}" for m in range(1, 13)] + ["2028-01", "2028-02"]
+    assert len(months) > resident + RETAINED_UNLOADED
+    per_release = ("adapter_release_requests_total", "adapter_generation_errors_total")
+    with running_server(w, release_dirs=(tmp_path,), max_resident=resident) as (app, background):
+        port, counted = background.port, []
+        for month in months:
+            release = copy_release(w["b"], tmp_path / month)
+            resign(release, w["key"], month=month, release_id=f"{month}+{stamp}")
+            assert call(port, "POST", "/v1/adapters", {"path": str(release)})[0] == 200
+            complete(port)
+            samples = scrape(port)
+            counted.append({dict(labels)["release_id"] for (name, labels) in samples if name in per_release})
+        first, last = f"{months[0]}+{stamp}", f"{months[-1]}+{stamp}"
+        assert first in counted[resident]  # unloaded (lru) by the load before this scrape: its count still reads
+        assert call(port, "POST", "/v1/adapters/unload", {"model": months[-2]})[0] == 200
+        after_unload = scrape(port)
+    assert [len(ids) for ids in counted] == [min(n, resident + RETAINED_UNLOADED) for n in range(1, len(months) + 1)]
+    assert first not in counted[-1] and sample(samples, "adapter_release_requests_total", release_id=last,
+                                               channel="champion") == 1
+    assert sample(after_unload, "adapter_release_requests_total", release_id=f"{months[-2]}+{stamp}",
+                  channel="champion") == 1  # an admin unload keeps it among the retained too
 
 
 def test_a_client_that_leaves_a_stream_stops_its_decode_and_frees_its_slot(w):

@@ -140,6 +140,26 @@ def test_a_target_holding_another_months_release_is_refused_once_and_never_loade
     assert sample(samples, "adapter_swaps_total") == 1
 
 
+def test_the_refused_targets_a_watcher_remembers_are_bounded(w, tmp_path):
+    """A channel naming ever new refused targets: the watcher remembers the last ``max_rejected`` refusals."""
+    repos, base = [], w["s1"]
+    for month in ("2026-12", "2027-01", "2027-02", "2026-12"):  # each a newer signed state; the last names the first again
+        base = variant(w, base, tmp_path / f"misnamed-{len(repos)}", lambda repo, channel, month=month: misnamed_release(
+            repo, channel, w["b"], month))
+        repos.append(base)
+    with mirror(tmp_path, w["s1"]) as served, running_server(w) as (app, background):
+        watcher = ChannelWatcher(app, served.url, w["first_root"], tmp_path / "metadata", interval=60)
+        watcher.max_rejected = 2
+        assert watcher.poll_once() == Outcome(FRESH)
+        verified = []
+        for repo in repos:
+            served.show(repo)
+            assert watcher.poll_once().reason == "month_mismatch"
+            verified.append(sample(scrape(background.port), "adapter_refusals_total", reason="month_mismatch"))
+        assert app.active.release_id == manifest_id(w["a"])
+    assert verified == [1, 2, 3, 4]  # 2026-12's refusal was forgotten (two came after it): verified again
+
+
 # ---------------------------------------------------------------- a running device under attack
 
 def serve_command(w, state_dir: Path, metadata_dir: Path, url: str, interval: str = str(POLL_S)) -> list[str]:
