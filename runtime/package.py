@@ -68,6 +68,7 @@ from runtime.contract import (
     read_kv_scales,
     release_order,
 )
+from runtime.device_state import atomic_write
 from runtime.errors import RefusedInput
 from runtime.hashing import sha256_file
 from runtime.interface import EngineInterface
@@ -178,10 +179,10 @@ def write_tarball(release_dir: Path, out: Path) -> Path:
             info.size, info.mode, info.mtime = path.stat().st_size, 0o644, 0
             with open(path, "rb") as fh:
                 tar.addfile(info, fh)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
+    packed = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=packed, mtime=0) as gz:
         gz.write(buf.getvalue())
-    os.replace(tmp, out)
+    atomic_write(out, packed.getvalue())
     return out
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from runtime.device_state import atomic_write
 from tasks.config import ReleaseConfig, StageError, changed_settings, dotted, parse_config
 from tasks.progress import PROGRESS_ENV, ProgressReader
 
@@ -220,9 +221,7 @@ def write_params_file(cfg: ReleaseConfig, path: Path) -> list[str]:
     new_text = out.getvalue()
     if parse_config(yaml.safe_load(new_text) or {}, str(path)) != cfg:
         raise PipelineError(f"{path}: could not write the run's parameters without changing its meaning")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(new_text)
-    os.replace(tmp, path)
+    atomic_write(path, new_text.encode())
     return list(changed)
 
 
@@ -267,8 +266,8 @@ def params_for_run(cfg: ReleaseConfig, path: Path) -> Iterator[list[str]]:
     if saved.exists():
         os.replace(saved, path)
     before = path.read_text() if path.exists() else None
-    if before is not None:
-        saved.write_text(before)
+    if before is not None:  # whole or absent, even if killed while writing it: it is what the next run restores
+        atomic_write(saved, before.encode())
     try:
         changed = write_params_file(cfg, path)
         yield changed
