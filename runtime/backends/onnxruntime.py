@@ -28,6 +28,7 @@ from typing import Any, Mapping
 
 import numpy as np
 import onnxruntime as ort
+from onnxruntime.capi import _pybind_state as _C
 
 from runtime.contract import ENGINE_ONNX
 from runtime.engine import check_lora_inputs, kv_scale_inputs
@@ -59,12 +60,16 @@ def _ort(array: np.ndarray) -> ort.OrtValue:
 def _left_pad_concat(arrays: list[np.ndarray], axis: int) -> np.ndarray:
     """``arrays`` concatenated along the batch axis, each left-padded with zeros along ``axis`` to the longest."""
     width = max(a.shape[axis] for a in arrays)
-    padded = []
+    shape = list(arrays[0].shape)
+    shape[0], shape[axis] = sum(a.shape[0] for a in arrays), width
+    out = np.zeros(shape, dtype=arrays[0].dtype)  # written in place: np.pad per array cost more than the copy
+    row = 0
     for a in arrays:
-        widths = [(0, 0)] * a.ndim
-        widths[axis] = (width - a.shape[axis], 0)
-        padded.append(np.pad(a, widths))
-    return np.ascontiguousarray(np.concatenate(padded))
+        index = [slice(row, row + a.shape[0])] + [slice(None)] * (a.ndim - 1)
+        index[axis] = slice(width - a.shape[axis], None)
+        out[tuple(index)] = a
+        row += a.shape[0]
+    return out
 
 
 @dataclass
@@ -140,6 +145,8 @@ class OrtEngine:
         self._lora: dict[str, ort.OrtValue] = {}
         self._kv_static: dict[str, ort.OrtValue] = {}  # quantized engines: bound by set_adapter(..., kv_scales)
         self._binding = self.session.io_binding()
+        self._cpu = ort.OrtDevice.make("cpu", 0)._get_c_device()
+        self._array_inputs = ("input_ids", "position_ids", "attention_mask", "past_positions")  # bound from numpy each step
         self._bind_lora(None)
 
     def set_adapter(self, lora: Mapping[str, np.ndarray] | None, kv_scales=None) -> None:
@@ -170,7 +177,7 @@ class OrtEngine:
         """
         twin = copy.copy(self)
         twin._binding = self.session.io_binding()
-        twin._step_inputs = {}
+        twin._step_inputs = ()
         for name, value in (self._lora | self._kv_static).items():
             twin._binding.bind_ortvalue_input(name, value)
         return twin
@@ -219,29 +226,32 @@ class OrtEngine:
             raise RefusedInput("quantized KV engine without KV scales: call set_adapter(lora, kv_scales=...) first")
         if past is None:
             past = self.empty_cache(input_ids.shape[0])
+        # The binding's and session's pybind objects directly: the Python wrappers' per-call checks,
+        # OrtDevice objects and bookkeeping cost ~0.06 ms a step (6% of a batch-8 decode step on the
+        # tiny engine, measured against the wrapper calls, with identical logits).
+        binding, cpu = self._binding._iobinding, self._cpu
         position_ids = np.ascontiguousarray(position_ids, dtype=np.int64)
-        feeds = {
-            "input_ids": ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)),
-            "position_ids": ort.OrtValue.ortvalue_from_numpy(position_ids),
-            "attention_mask": ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(attention_mask, dtype=np.int64)),
-        }
+        arrays = [np.ascontiguousarray(input_ids, dtype=np.int64), position_ids,
+                  np.ascontiguousarray(attention_mask, dtype=np.int64)]
         if self.kv_spec is None:
-            feeds.update(zip(self._kv_names, past))
+            cache = zip(self._kv_names, past)
         else:
-            feeds.update(past.body)
-            feeds.update(past.sink)
+            cache = [*past.body.items(), *past.sink.items()]
             if self.kv_spec["pre_rope_keys"]:
-                feeds["past_positions"] = ort.OrtValue.ortvalue_from_numpy(past.positions)
-        for name, value in feeds.items():
-            self._binding.bind_ortvalue_input(name, value)
-        self._binding.clear_binding_outputs()
+                arrays.append(past.positions)
+        for name, array in zip(self._array_inputs, arrays):
+            binding.bind_ortvalue_input(name, _C.OrtValue.ortvalue_from_numpy(array, cpu))
+        for name, value in cache:
+            binding.bind_ortvalue_input(name, value._ortvalue)
+        binding.clear_binding_outputs()
         for name in self._outputs:  # unallocated: ORT sizes them for this step (the cache grows)
-            self._binding.bind_output(name, "cpu")
-        self.session.run_with_iobinding(self._binding)
-        out = self._binding.get_outputs()
-        self._step_inputs = feeds  # keep this step's buffers alive while they are bound
+            binding.bind_output(name, cpu)
+        self.session._sess.run_with_iobinding(binding, None)
+        outputs = binding.get_outputs()
+        out = [ort.OrtValue(outputs[i]) for i in range(len(outputs))]
+        self._step_inputs = arrays, past  # what the bound inputs' memory belongs to, until the next step rebinds
         if self.kv_spec is None:
-            return out[0].numpy(), list(out[1:])
+            return out[0].numpy(), out[1:]
         return out[0].numpy(), self._next_cache(past, dict(zip(self._outputs, out)), position_ids)
 
     def _next_cache(self, past: PackedCache, out: dict, position_ids: np.ndarray) -> PackedCache:
