@@ -21,9 +21,9 @@ batch. Each turn of the loop:
 
 Every row's real slots are the last ``lengths[b]`` of the batch's past, so the past is as long as
 the longest row and a row's next position is its length: it decodes as it would alone, up to float
-rounding. The thread runs while there is work and ends when there is none; the next request starts
-another. An engine whose cache cannot be merged (fp16 sink tokens) is served per request instead
-(``runtime.generation.ForkedGeneration``).
+rounding. The thread runs while there is work and ends once there has been none for ``IDLE_S``; the
+next request starts another. An engine whose cache cannot be merged (fp16 sink tokens) is served per
+request instead (``runtime.generation.ForkedGeneration``).
 """
 
 from __future__ import annotations
@@ -37,14 +37,19 @@ import numpy as np
 
 from runtime.generate import left_padded
 from runtime.generation import Choice, Generation, StopText
+from runtime.sampling import greedy
 from runtime.tracing import MAX_BATCH
 
 log = logging.getLogger(__name__)
+# The scheduler thread waits this long for a request once it has no work, then ends (the next request
+# starts another): a client's next request, sent when its answer ended, finds it running. Starting a
+# thread took 0.2-0.8 ms on the 2 shared cores, paid by every request at 1 client.
+IDLE_S = 0.5
 
 
 class BatchedGeneration(Generation):
     """A request decoded by the ``Batcher``: submitted when its consumer first asks for choices (it
-    holds an admission slot by then); the scheduler thread puts each step's choices in its queue.
+    holds an admission slot by then); the scheduler thread hands it each step's choices.
     A consumer slower than the decode gets what queued up meanwhile as one list: each choice's new
     text joined (one streamed chunk for several tokens instead of a backlog of one per token)."""
 
@@ -54,19 +59,31 @@ class BatchedGeneration(Generation):
         self.batcher, self.prompts, self.sample = batcher, prompts, sample
         self.cancelled = False  # set by the event loop (the client left), read by the scheduler thread
         self.loop: asyncio.AbstractEventLoop | None = None
-        # Each step's choices, None once every choice has finished, or the error that ended the decode.
-        self.queue: asyncio.Queue | None = None
+        # Each step's choices, None once every choice has finished, or the error that ended the decode:
+        # what the scheduler handed over and the consumer has not taken yet. A list and a future, not an
+        # asyncio.Queue: its get and put call get_running_loop(), a getpid syscall each on Python 3.11.
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
         self._ended = False
 
+    def put(self, item) -> None:
+        """On the event loop: one hand-over item; wakes the consumer."""
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
     async def next_choices(self) -> list[Choice] | None:
-        if self.queue is None:
-            self.loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
             self.batcher.submit(self)
         if self._ended:
             return None
-        items = [await self.queue.get()]
-        while not self.queue.empty():
-            items.append(self.queue.get_nowait())
+        if not self._items:
+            self._waiter = self.loop.create_future()
+            await self._waiter
+        items, self._items = self._items, []
+        if len(items) == 1 and isinstance(items[0], list):  # the consumer kept up: one step's choices
+            return items[0]
         merged: dict[int, Choice] = {}
         for item in items:
             if isinstance(item, BaseException):
@@ -110,10 +127,11 @@ class Batcher:
         self.stop_ids, self.pad_id, self.metrics = frozenset(int(t) for t in stop_ids), pad_id, metrics
         self.max_rows = max_rows
         self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # notified when a request arrives for a waiting thread
         self._arrivals: list[BatchedGeneration] = []
         self._thread: threading.Thread | None = None
         self._batches: list[ReleaseBatch] = []  # the scheduler thread's alone
-        self._outbox: list[tuple[BatchedGeneration, object]] = []  # (generation, queue item) of this step
+        self._outbox: list[tuple[BatchedGeneration, object]] = []  # (generation, hand-over item) of this step
         self._handover_lock = threading.Lock()
         self._handed: dict[asyncio.AbstractEventLoop, list] = {}  # items an event loop has yet to take
 
@@ -123,6 +141,8 @@ class Batcher:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="batcher", daemon=True)
                 self._thread.start()
+            else:
+                self._work.notify()
 
     def _run(self) -> None:
         try:
@@ -140,12 +160,13 @@ class Batcher:
                 self._thread = None
 
     def _turn(self) -> bool:
-        """Admit the arrivals, then one decode step per release; False (the thread ends) when there is no work."""
+        """Admit the arrivals, then one decode step per release; False (the thread ends) when there has
+        been no work for ``IDLE_S``."""
         with self._lock:
-            arrivals, self._arrivals = self._fitting(self._arrivals)
-            if not arrivals and not self._batches:
+            if not self._arrivals and not self._batches and not self._work.wait_for(lambda: self._arrivals, IDLE_S):
                 self._thread = None
                 return False
+            arrivals, self._arrivals = self._fitting(self._arrivals)
         self._admit([g for g in arrivals if not g.cancelled])
         self._hand_over()
         for batch in list(self._batches):
@@ -187,9 +208,9 @@ class Batcher:
                     g.cancelled = True
 
     def _take(self, loop) -> None:
-        """On ``loop``: every item handed to it since it was woken, into the requests' queues."""
+        """On ``loop``: every item handed to it since it was woken, to its request."""
         for g, item in self._take_items(loop):
-            g.queue.put_nowait(item)
+            g.put(item)
 
     def _take_items(self, loop) -> list:
         with self._handover_lock:
@@ -264,14 +285,19 @@ class Batcher:
         by_request: dict[int, list[int]] = {}
         for b, r in enumerate(rows):
             by_request.setdefault(id(r.generation), []).append(b)
+        argmax = None  # the greedy rows': one argmax over the batch, which is each row's own argmax
         for positions in by_request.values():
             g = rows[positions[0]].generation
             if g.cancelled:
                 continue
-            sampled = g.sample(logits[positions])  # (n,): the request's draws do not depend on the batch
+            if g.sample is greedy:
+                argmax = logits.argmax(-1) if argmax is None else argmax
+                sampled = argmax[positions]
+            else:
+                sampled = g.sample(logits[positions])  # (n,): the request's draws do not depend on the batch
             tokens[positions] = sampled
-            choices = g.accept({rows[b].index: None if int(t) in self.stop_ids else int(t)
-                                for b, t in zip(positions, sampled)})
+            choices = g.accept({rows[b].index: None if t in self.stop_ids else t
+                                for b, t in zip(positions, sampled.tolist())})
             if choices:
                 self._deliver(g, choices)
             if all(g.finished):
