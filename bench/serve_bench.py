@@ -36,7 +36,10 @@ writes what llama.cpp writes).
 Reported per server and client count, pooled over the rounds: aggregate generated tokens/s (the
 tokens of ``usage.completion_tokens`` over the round's wall time, first send to last answer),
 time to first token p50/p99 (from the request's send to its first streamed event with a choice),
-inter-token latency p50/p99 (gaps between consecutive streamed events), errors. The reference is our
+inter-token latency p50/p99 (gaps between consecutive streamed events), errors, and the server
+process's CPU (user + system, every thread) per generated token: on a machine shared with other work
+tokens/s swing with the load, CPU per token much less (spin-waiting threads, ONNX Runtime's and
+llama.cpp's, count as busy). The reference is our
 own batch-1 sequential rate: one client, one request at a time, on our servers (the better of fork
 and batched at 1 client); beside it, as information, the engine's bare batch-1 rate (the same
 prompts through ``runtime.generate.decode_steps`` on a fork of the release, in this process, no
@@ -57,6 +60,8 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+
+import psutil
 
 from bench.hotswap_bench import build_tiny_world, existing_world
 from bench.report import write_report
@@ -159,6 +164,11 @@ class ServerProcess:
                 raise RuntimeError(f"{self.name} not ready after {timeout} s")
             time.sleep(0.2)
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU the server process has used so far, every thread's."""
+        times = psutil.Process(self.proc.pid).cpu_times()
+        return times.user + times.system
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -227,13 +237,15 @@ def run_round(port: int, bodies: list[dict], clients: int, requests: int) -> tup
     return flat, max(a.done for a in flat) - min(a.sent for a in flat)
 
 
-def pooled(rounds: list[tuple[list[Answer], float]]) -> dict:
-    answers = [a for r, _ in rounds for a in r]
+def pooled(rounds: list[tuple[list[Answer], float, float]]) -> dict:
+    """The rounds' (answers, wall seconds, server CPU seconds) as one result."""
+    answers = [a for r, _, _ in rounds for a in r]
     ok = [a for a in answers if a.complete]
-    tokens, wall = sum(a.tokens for a in ok), sum(w for _, w in rounds)
+    tokens, wall, cpu = sum(a.tokens for a in ok), sum(w for _, w, _ in rounds), sum(c for _, _, c in rounds)
     return {"requests": len(answers), "complete": len(ok), "errors": len(answers) - len(ok),
             "error_examples": [a.error or f"status {a.status}" for a in answers if not a.complete][:3],
             "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": tokens / wall if wall else 0.0,
+            "server_cpu_s": round(cpu, 3), "server_cpu_us_per_token": cpu / tokens * 1e6 if tokens else None,
             "mean_completion_tokens": tokens / len(ok) if ok else 0.0,
             "mean_prompt_tokens": sum(a.prompt_tokens for a in ok) / len(ok) if ok else 0.0,
             "ttft": summary_ms([a.first - a.sent for a in ok if a.first is not None]),
@@ -282,7 +294,9 @@ def measure(world: dict, names: list[str], clients: list[int], rounds: int, requ
             timed: dict[str, list] = {name: [] for name in names}
             for r in range(rounds):
                 for name, server in servers.items():
-                    timed[name].append(run_round(server.port, bodies[name], n, requests))
+                    cpu = server.cpu_seconds()
+                    answers, wall = run_round(server.port, bodies[name], n, requests)
+                    timed[name].append((answers, wall, server.cpu_seconds() - cpu))
                 print(f"[{n} clients] round {r + 1}/{rounds} done (1-min load average {os.getloadavg()[0]:.2f})",
                       flush=True)
         finally:
@@ -321,12 +335,12 @@ def print_table(result: dict) -> None:
     e = result["engine_batch1"]
     print(f"engine bare batch-1 (no HTTP): {e['tokens_per_s']:.1f} tokens/s")
     print(f"{'clients':>7} {'server':<8} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
-          f" {'tok/req':>7} {'errors':>6}   (ms)")
+          f" {'tok/req':>7} {'errors':>6} {'cpu/tok':>8}   (ms; server CPU per token in us)")
     for n, row in result["by_clients"].items():
         for name, r in row.items():
             print(f"{n:>7} {name:<8} {r['tokens_per_s']:>9.1f} {r['ttft']['p50_ms'] or 0:>9.1f} "
                   f"{r['ttft']['p99_ms'] or 0:>9.1f} {r['itl']['p50_ms'] or 0:>8.2f} {r['itl']['p99_ms'] or 0:>8.2f}"
-                  f" {r['mean_completion_tokens']:>7.1f} {r['errors']:>6}")
+                  f" {r['mean_completion_tokens']:>7.1f} {r['errors']:>6} {r['server_cpu_us_per_token'] or 0:>8.0f}")
     print("targets at 8 clients: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                                                 for k, v in result["acceptance"].items()))
 
