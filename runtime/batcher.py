@@ -244,9 +244,10 @@ class Batcher:
         ids, pos, mask = left_padded([p for g in gens for p in g.prompts], self.pad_id)  # (n, L) each
         logits, cache = batch.engine.forward(ids, pos, mask, None)
         rows = [Row(g, i) for g in gens for i in range(len(g.prompts))]
-        tokens, keep = self._emit(rows, logits[:, -1])
-        if not keep.any():
+        tokens, decoding = self._emit(rows, logits[:, -1])
+        if not any(decoding):
             return
+        keep = np.array(decoding)
         lengths = mask.sum(axis=1)  # (n,)
         drop = ids.shape[1] - int(lengths[keep].max())
         if drop or not keep.all():
@@ -259,7 +260,7 @@ class Batcher:
     # ------------------------------------------------------------------ decode
 
     def _step(self, batch: ReleaseBatch) -> None:
-        self._keep(batch, np.array([not r.generation.cancelled for r in batch.rows]))
+        self._keep(batch, [not r.generation.cancelled for r in batch.rows])
         if not batch.rows:
             return
         B, W = len(batch.rows), int(batch.lengths.max())
@@ -278,9 +279,9 @@ class Batcher:
         batch.tokens, keep = self._emit(batch.rows, logits[:, -1])
         self._keep(batch, keep)
 
-    def _emit(self, rows: list[Row], logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _emit(self, rows: list[Row], logits: np.ndarray) -> tuple[np.ndarray, list[bool]]:
         """Sample every row's next token from ``logits`` (B, V), each request's rows with its own
-        sampler, hand each request its choices; (tokens (B,), which rows decode on (B,) bool)."""
+        sampler, hand each request its choices; (tokens (B,), per row whether it decodes on)."""
         tokens = np.zeros(len(rows), dtype=np.int64)
         by_request: dict[int, list[int]] = {}
         for b, r in enumerate(rows):
@@ -302,16 +303,16 @@ class Batcher:
                 self._deliver(g, choices)
             if all(g.finished):
                 self._deliver(g, None)
-        keep = np.array([not (r.generation.cancelled or r.generation.finished[r.index]) for r in rows], dtype=bool)
-        return tokens, keep
+        return tokens, [not (r.generation.cancelled or r.generation.finished[r.index]) for r in rows]
 
-    def _keep(self, batch: ReleaseBatch, keep: np.ndarray) -> None:
-        """Only the rows where ``keep``; the past slots masked in all of them are dropped."""
-        if keep.all():
+    def _keep(self, batch: ReleaseBatch, keep: list[bool]) -> None:
+        """Only the rows where ``keep`` (one bool per row); the past slots masked in all of them are dropped."""
+        if all(keep):  # a Python list: most steps keep every row, and numpy's all() on it costs more
             return
-        if not keep.any():
+        if not any(keep):
             self._batches.remove(batch)
             return
+        keep = np.array(keep)
         drop = int(batch.lengths.max() - batch.lengths[keep].max())
         batch.cache = batch.engine.take_cache_rows(batch.cache, np.flatnonzero(keep), drop)
         batch.rows = [r for r, k in zip(batch.rows, keep) if k]

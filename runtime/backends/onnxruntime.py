@@ -247,18 +247,18 @@ class OrtEngine:
         for name in self._outputs:  # unallocated: ORT sizes them for this step (the cache grows)
             binding.bind_output(name, cpu)
         self.session._sess.run_with_iobinding(binding, None)
-        outputs = binding.get_outputs()
-        out = [ort.OrtValue(outputs[i]) for i in range(len(outputs))]
+        outputs = binding.get_outputs()  # pybind values: wrapped (ort.OrtValue) only where they become the cache
         self._step_inputs = arrays, past  # what the bound inputs' memory belongs to, until the next step rebinds
         if self.kv_spec is None:
-            return out[0].numpy(), out[1:]
-        return out[0].numpy(), self._next_cache(past, dict(zip(self._outputs, out)), position_ids)
+            return outputs[0].numpy(), [ort.OrtValue(outputs[i]) for i in range(1, len(outputs))]
+        # indexed, not iterated: iterating the vector gives views of its slots, which the next step reuses
+        return outputs[0].numpy(), self._next_cache(past, {n: outputs[i] for i, n in enumerate(self._outputs)}, position_ids)
 
     def _next_cache(self, past: PackedCache, out: dict, position_ids: np.ndarray) -> PackedCache:
         """The graph appended every new token to the packed cache. While the sink is not full
         (only before any token was quantized: the sink holds the *first* tokens), the first
         new tokens move to the fp16 sink instead, as in ``kernels.kv_quant.QuantizedKVCache``."""
-        body = {n: out["present_" + n[len("past_"):]] for n in self._kv_names}
+        body = {n: ort.OrtValue(out["present_" + n[len("past_"):]]) for n in self._kv_names}
         positions = np.concatenate([past.positions, position_ids], axis=1)  # (B, P + T)
         take = min(self.kv_spec["sink_tokens"] - past.sink_len, position_ids.shape[1])
         if take <= 0:
