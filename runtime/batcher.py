@@ -6,7 +6,8 @@ batch. Each turn of the loop:
 
 1. admits the requests that arrived (a free ``Admission`` slot submitted them), as many as fit the
    release's batch of at most ``max_rows`` rows (the rest wait, in order): the arrivals of one
-   release are prefilled together, left-padded as ``runtime.generate`` pads prompts, their first
+   release are prefilled together (each alone if the engine refuses them together, so a request
+   that cannot be prefilled fails alone), left-padded as ``runtime.generate`` pads prompts, their first
    tokens sampled, and their rows merged into the release's running batch (``concat_caches``:
    every cache left-padded along the past axis to the longest, the padding masked);
 2. runs one decode step of each release's batch in turn (the releases take turns on the session's
@@ -231,18 +232,36 @@ class Batcher:
             if batch is None:
                 batch = ReleaseBatch(release)
                 self._batches.append(batch)
-            try:
-                self._prefill(batch, gens)
-            except Exception as err:  # the engine refused these prompts: their requests fail, the batch runs on
-                log.exception("prefill failed")
-                for g in gens:
-                    self._deliver(g, err)
-                if not batch.rows:
-                    self._batches.remove(batch)
+            self._prefill(batch, gens)
+            if not batch.rows:
+                self._batches.remove(batch)
 
     def _prefill(self, batch: ReleaseBatch, gens: list[BatchedGeneration]) -> None:
-        ids, pos, mask = left_padded([p for g in gens for p in g.prompts], self.pad_id)  # (n, L) each
-        logits, cache = batch.engine.forward(ids, pos, mask, None)
+        """Prefill ``gens`` together and join their rows to ``batch``. When the engine refuses them
+        together (it cannot allocate the padded batch, say), each is prefilled alone: only a request
+        that fails alone fails, not the ones that arrived with it; the batch runs on."""
+        try:
+            ids, pos, mask = left_padded([p for g in gens for p in g.prompts], self.pad_id)  # (n, L) each
+            logits, cache = batch.engine.forward(ids, pos, mask, None)
+        except Exception as err:
+            if len(gens) > 1:
+                log.warning("prefill of %d requests together failed (%s: %s); prefilling each alone",
+                            len(gens), type(err).__name__, err)
+                for g in gens:
+                    self._prefill(batch, [g])
+                return
+            log.exception("prefill failed")
+            self._deliver(gens[0], err)
+            return
+        try:
+            self._join(batch, gens, ids, mask, logits, cache)
+        except Exception as err:  # a bug past the engine: these requests fail, the batch runs on
+            log.exception("joining the prefilled rows failed")
+            for g in gens:
+                self._deliver(g, err)
+
+    def _join(self, batch: ReleaseBatch, gens: list[BatchedGeneration], ids, mask, logits, cache) -> None:
+        """Sample the first tokens of the prefilled ``gens`` and merge their rows into ``batch``."""
         rows = [Row(g, i) for g in gens for i in range(len(g.prompts))]
         tokens, decoding = self._emit(rows, logits[:, -1])
         if not any(decoding):

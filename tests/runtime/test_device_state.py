@@ -259,20 +259,21 @@ def test_probes_decode_in_the_servers_decode_mode(w, tmp_path, decode):
     assert sample(samples, "adapter_release_requests_total", release_id=manifest_id(w["good"]), channel="champion") == 1
 
 
-def test_a_request_failing_on_a_new_champion_reverts_it(w, tmp_path):
+@pytest.mark.parametrize("decode", ["fork", "batched"])
+def test_a_request_failing_on_a_new_champion_reverts_it(w, tmp_path, decode):
     """A generation that fails (500) on the new champion within the window reverts it. No release the
     device verifies can make a generation fail (shapes, finite weights and KV scales are checked before
     binding), so the fault is the device's: the server process's address space is capped (prlimit) while a
-    client sends 16 prompts of ~4000 tokens, whose prefill ONNX Runtime cannot allocate. With --decode fork
-    only that request fails (batched, the requests prefilled with it would share its fate); the clients'
-    small requests keep answering through the revert, then on the previous release."""
+    client sends 16 prompts of ~4000 tokens, whose prefill ONNX Runtime cannot allocate. Only that request
+    fails, in either decode mode (batched, the small requests that arrived with it are prefilled again
+    without it); the clients' small requests keep answering through the revert, then on the previous release."""
     a, good = manifest_id(w["a"]), manifest_id(w["good"])
     state_dir, log, token = tmp_path / "state", tmp_path / "serve.log", tmp_path / "admin.token"
     token.write_text(ADMIN_TOKEN)
     with running_server(w, state_dir=state_dir) as (app, background):  # A committed: the revert target
         app.load(w["a"])
         app.gate.wait(30)
-    proc, port = started(serve(w, state_dir, "--health-window", "30", "--decode", "fork", "--admin-token-file",
+    proc, port = started(serve(w, state_dir, "--health-window", "30", "--decode", decode, "--admin-token-file",
                                str(token), "--release-dir", str(w["root"])), log)
     try:
         text_a = complete(port)["text"]
