@@ -34,8 +34,11 @@ is an error naming the file, never silently reset: rebuilding trust from nothing
 
 from __future__ import annotations
 
+import ctypes
 import datetime as dt
+import errno
 import fcntl
+import functools
 import json
 import os
 import shutil
@@ -105,9 +108,10 @@ def _replace_atomically(path: Path, write) -> None:
 def install_folder(staged: Path, target: Path, replaced: Path | None = None) -> None:
     """Put the complete folder ``staged`` (beside ``target``, on its file system) at ``target`` by rename,
     after an fsync of every file in it and of itself, and fsync ``target``'s parent: a crash leaves no
-    half-written folder at ``target``. What ``target`` held is moved to ``replaced`` first (a folder cannot
-    be renamed over a folder that has files: between the two renames ``target`` is absent, its previous
-    contents at ``replaced``)."""
+    half-written folder at ``target``. What ``target`` held ends at ``replaced``. The two folders are
+    swapped in one step (``renameat2(RENAME_EXCHANGE)``), so ``target`` is never absent; where the kernel
+    or file system cannot swap, what ``target`` held is moved to ``replaced`` first (a folder cannot be
+    renamed over one that has files), leaving ``target`` absent between the two renames."""
     for path in sorted(staged.rglob("*")):
         if path.is_file():
             with open(path, "rb") as fh:
@@ -116,9 +120,41 @@ def install_folder(staged: Path, target: Path, replaced: Path | None = None) -> 
             fsync_dir(path)
     fsync_dir(staged)
     if replaced is not None and target.exists():
+        if _exchange(staged, target):
+            os.replace(staged, replaced)  # the previous contents, which the swap left at ``staged``
+            fsync_dir(target.parent)
+            return
         os.replace(target, replaced)
     os.replace(staged, target)
     fsync_dir(target.parent)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+@functools.cache
+def _renameat2():
+    """glibc's ``renameat2`` (2.28 and later), or None."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the paths ``a`` and ``b`` atomically; False where the kernel, file system or libc cannot."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -63,3 +65,24 @@ def test_pull_of_an_unknown_alias_or_month_fails_with_its_own_exit_code(w, tmp_p
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 30 and "dvc get" in out.stderr
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace (to see the file system calls) is not installed")
+def test_replacing_an_installed_release_swaps_it_in_one_step_so_the_target_is_never_absent(tmp_path):
+    """``install_folder`` over an installed release: one renameat2(RENAME_EXCHANGE) of the staged and the
+    installed folder, as strace saw it, never a rename of the installed folder away (a crash between two
+    renames would leave the device with no release at its path)."""
+    target, staged, replaced, trace = tmp_path / "active", tmp_path / ".staged", tmp_path / ".previous", tmp_path / "trace"
+    for folder, text in ((target, "old"), (staged, "new")):
+        folder.mkdir()
+        (folder / "manifest.json").write_text(text)
+    code = ("import sys; from pathlib import Path; from runtime.device_state import install_folder; "
+            "install_folder(*map(Path, sys.argv[1:]))")
+    subprocess.run(["strace", "-f", "-qq", "-e", "trace=rename,renameat,renameat2", "-o", str(trace),
+                    sys.executable, "-c", code, str(staged), str(target), str(replaced)], cwd=REPO, check=True, timeout=60)
+    renames = [line for line in trace.read_text().splitlines() if "rename" in line and line.rstrip().endswith("= 0")]
+    exchanges = [line for line in renames if "RENAME_EXCHANGE" in line]
+    assert len(exchanges) == 1 and f'"{staged}"' in exchanges[0] and f'"{target}"' in exchanges[0], renames
+    assert not [line for line in renames if re.search(rf'rename\w*\((AT_FDCWD, )?"{re.escape(str(target))}"', line)], renames
+    assert (target / "manifest.json").read_text() == "new" and (replaced / "manifest.json").read_text() == "old"
+    assert not staged.exists()
