@@ -11,6 +11,8 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export TOKENIZERS_PARALLELISM := false
+# Prefect's defaults, its server start-up deadline among them (180 s, not 20: a busy machine needs it), are set
+# in flows/__init__.py, which every flow entry point below imports before Prefect; the environment overrides them.
 
 PREFECT_PORT ?= 4200
 
