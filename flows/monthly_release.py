@@ -102,7 +102,7 @@ def reproduce(name: str, force: bool = False) -> pipeline.StageRun:
     logger = get_run_logger()
     # The stage's progress bars and losses reach this task's page as progress artifacts and log lines.
     run = pipeline.reproduce_stage(Path.cwd(), name, force=force, on_progress=StageProgress(name, logger))
-    logger.info("%s: %s in %.1f s", name, "ran" if run.reproduced else "up to date", run.seconds)
+    logger.info(run.describe())
     return run
 
 
