@@ -75,10 +75,11 @@ deploy: $(STAMP)
 	PREFECT_API_URL=$(PROD_API_URL) $(PY) -m flows.deploy --params params.yaml --work-pool $(WORK_POOL) \
 	  --set publish.tracking_uri=http://$(HOST):$(MLFLOW_PORT) --set publish.remote_dir=$(DVC_REMOTE)
 
-# Every benchmark of bench/, one after another (21 min on 2 busy cores): bench/results/latest.{json,md} + plots.
+# Every benchmark of bench/, one after another (21 min on 2 busy cores): bench/results/latest.{json,md} + plots,
+# then docs/benchmarks.md from every stamped JSON in bench/results/ (also those of benchmarks run by hand).
 .PHONY: bench
 bench: $(STAMP)
-	$(PY) -m bench.run_all
+	$(PY) -m bench.run_all; status=$$?; $(PY) -m bench.benchmarks_page && exit $$status
 
 # The llama.cpp peer benchmark (not in `make bench`, not in CI): llama.cpp and our engines on the same
 # backbone in one run (bench/llama_cpp_bench.py). The `peer` extra compiles llama.cpp from the
