@@ -21,6 +21,7 @@ import urllib.request
 
 import pytest
 
+from flows import startup_timeout
 from flows.local_server import descendants, wait_http
 from project_testkit import ENV, REPO
 from service_testkit import free_port, kill_pids, live
@@ -52,7 +53,7 @@ def test_a_server_on_a_free_port_serves_a_ui_calling_that_port_and_a_stop_signal
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     started = []
     try:
-        wait_http(f"{base}/api/health", 120, make, f"make {target}")
+        wait_http(f"{base}/api/health", startup_timeout(), make, f"make {target}")  # the deadline the server itself gets
         assert get_json(f"{base}/ui-settings")["api_url"] == f"{base}/api"
         if target == "prefect":
             served_deployment_has_the_four_fields(base, make, log)
@@ -77,7 +78,7 @@ def test_a_server_on_a_free_port_serves_a_ui_calling_that_port_and_a_stop_signal
 
 
 def served_deployment_has_the_four_fields(base: str, make: subprocess.Popen, log) -> None:
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + startup_timeout()  # flows.serve starting and registering the deployment
     while (deployment := get_json(f"{base}/api/deployments/name/monthly-release/monthly-release")) is None:
         assert make.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(1)
