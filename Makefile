@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM := false
 
 PREFECT_PORT ?= 4200
 
-# Production mode (README "Production mode"): long-lived servers and a worker, on loopback by default.
+# Production mode (docs/production.md): long-lived servers and a worker, on loopback by default.
 HOST ?= 127.0.0.1
 MLFLOW_PORT ?= 5000
 WORK_POOL ?= adapter-release

@@ -89,7 +89,7 @@ def served_deployment_has_the_four_fields(base: str, make: subprocess.Popen, log
 
 
 def prefect_deployment_run_takes_the_fields(base: str, env: dict) -> None:
-    """`prefect deployment run -p ...` as the README shows it; the run starts in an hour, after this test."""
+    """`prefect deployment run -p ...` as docs/production.md shows it; the run starts in an hour, after this test."""
     done = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "monthly-release/monthly-release",
                            "-p", "month=2026-12", "-p", "dry_run=true", "-p", 'overrides={"gates.min_accuracy_new": 0.97}',
                            "--start-in", "1 hour"], env=env | {"PREFECT_API_URL": f"{base}/api"},
