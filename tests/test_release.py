@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from project_testkit import ENV, MODEL, REPO, copy_project, git
-from service_testkit import free_port, start_service
+from service_testkit import free_port, run_in_group, start_service
 from tuf_testkit import http_server_process, ngclient_then_tampered
 
 pytestmark = pytest.mark.slow  # the real monthly flow, end to end: minutes per test
@@ -44,8 +44,8 @@ def run_flow(project, name: str, **overrides) -> subprocess.CompletedProcess:
     params = root.parent / f"params-{name}.yaml"
     params.write_text(yaml.safe_dump(raw))
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "flows.monthly_release", "--params", str(params)], cwd=root,
-                          env=project["env"], capture_output=True, text=True, timeout=1500)
+    done = run_in_group([sys.executable, "-m", "flows.monthly_release", "--params", str(params)], timeout=1500, cwd=root,
+                        env=project["env"])
     project["seconds"][name] = time.perf_counter() - start
     print(f"{name}: rc {done.returncode} in {project['seconds'][name]:.1f} s")
     return done
