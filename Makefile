@@ -11,10 +11,12 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export TOKENIZERS_PARALLELISM := false
+# Prefect's defaults, its server start-up deadline among them (180 s, not 20: a busy machine needs it), are set
+# in flows/__init__.py, which every flow entry point below imports before Prefect; the environment overrides them.
 
 PREFECT_PORT ?= 4200
 
-# Production mode (README "Production mode"): long-lived servers and a worker, on loopback by default.
+# Production mode (docs/production.md): long-lived servers and a worker, on loopback by default.
 HOST ?= 127.0.0.1
 MLFLOW_PORT ?= 5000
 WORK_POOL ?= adapter-release
@@ -78,10 +80,11 @@ deploy: $(STAMP)
 	PREFECT_API_URL=$(PROD_API_URL) $(PY) -m flows.deploy --params params.yaml --work-pool $(WORK_POOL) \
 	  --set publish.tracking_uri=http://$(HOST):$(MLFLOW_PORT) --set publish.remote_dir=$(DVC_REMOTE)
 
-# Every benchmark of bench/, one after another (21 min on 2 busy cores): bench/results/latest.{json,md} + plots.
+# Every benchmark of bench/, one after another (21 min on 2 busy cores): bench/results/latest.{json,md} + plots,
+# then docs/benchmarks.md from every stamped JSON in bench/results/ (also those of benchmarks run by hand).
 .PHONY: bench
 bench: $(STAMP)
-	$(PY) -m bench.run_all
+	$(PY) -m bench.run_all; status=$$?; $(PY) -m bench.benchmarks_page && exit $$status
 
 # The llama.cpp peer benchmark (not in `make bench`, not in CI): llama.cpp and our engines on the same
 # backbone in one run (bench/llama_cpp_bench.py). The `peer` extra compiles llama.cpp from the

@@ -296,7 +296,7 @@ def table_rows(records: list[dict]) -> list[dict]:
     return rows
 
 
-def _cell(text: str) -> str:
+def table_cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
@@ -317,10 +317,10 @@ def render_markdown(report: dict) -> str:
         "|---|---|---:|---|",
     ]
     for rec in report["benches"]:
-        lines.append(f"| {rec['name']} | {rec['status']} | {rec.get('seconds', 0):.0f} | {_cell(rec['mode'])} |")
+        lines.append(f"| {rec['name']} | {rec['status']} | {rec.get('seconds', 0):.0f} | {table_cell(rec['mode'])} |")
     lines += ["", "| benchmark | figure | value | command |", "|---|---|---|---|"]
     for row in report["figures"]:
-        lines.append(f"| {row['bench']} | {_cell(row['figure'])} | {_cell(row['text'])} | `{_cell(row['command'])}` |")
+        lines.append(f"| {row['bench']} | {table_cell(row['figure'])} | {table_cell(row['text'])} | `{table_cell(row['command'])}` |")
     if report["plots"]:
         lines += ["", "## Plots", ""]
         for title, path in report["plots"]:

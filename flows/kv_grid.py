@@ -20,19 +20,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from prefect import flow, task  # after flows/__init__.py set Prefect's environment
+from prefect.cache_policies import NO_CACHE
 
-from prefect import flow, task  # noqa: E402
-from prefect.cache_policies import NO_CACHE  # noqa: E402
-
-from tasks.calibrate import DEFAULT_CLIP_PERCENTILE  # noqa: E402
+from tasks.calibrate import DEFAULT_CLIP_PERCENTILE
 
 FLOAT = "float"
 

@@ -22,6 +22,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from flows import ServerStartupTimeout, startup_timeout, startup_timeout_advice
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -67,9 +69,11 @@ def start_server(port: int, env: dict, host: str = "127.0.0.1") -> tuple[subproc
         env=env, start_new_session=True,
     )
     try:
-        wait_http(f"{env['PREFECT_API_URL']}/health", 120, server, "prefect server")
-    except BaseException:
+        wait_http(f"{env['PREFECT_API_URL']}/health", startup_timeout(), server, "prefect server")
+    except BaseException as err:
         stop_server(server)
+        if isinstance(err, TimeoutError):
+            raise ServerStartupTimeout(startup_timeout_advice(f"prefect server on port {port}")) from err
         raise
     return server, env["PREFECT_API_URL"]
 

@@ -16,30 +16,26 @@ wires things together: stages are ``dvc.yaml``'s, decisions are in ``tasks/relea
 # No `from __future__ import annotations` here: Prefect builds the parameter form from the flow's
 # annotations, and a served flow is loaded from its file, where a string annotation cannot be resolved.
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("DVC_NO_ANALYTICS", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import yaml
+from prefect import flow, get_run_logger, task  # after flows/__init__.py set Prefect's environment
+from prefect.artifacts import create_markdown_artifact
+from prefect.context import FlowRunContext
+from prefect.runtime import deployment, flow_run
+from prefect.transactions import get_transaction, transaction
+from prefect.variables import Variable
 
-import yaml  # noqa: E402
-from prefect import flow, get_run_logger, task  # noqa: E402
-from prefect.artifacts import create_markdown_artifact  # noqa: E402
-from prefect.context import FlowRunContext  # noqa: E402
-from prefect.runtime import deployment, flow_run  # noqa: E402
-from prefect.transactions import get_transaction, transaction  # noqa: E402
-from prefect.variables import Variable  # noqa: E402
-
-from flows.progress import StageProgress  # noqa: E402
-from tasks import pipeline, publish, release, tracking, update_channel  # noqa: E402
-from tasks.config import (  # noqa: E402
+from flows import ServerStartupTimeout, naming_the_startup_timeout
+from flows.progress import StageProgress
+from tasks import pipeline, publish, release, tracking, update_channel
+from tasks.config import (
     ConfigError, ReleaseConfig, StageError, changed_settings, load_config, parse_config, with_settings,
 )
-from tasks.gates import GateFailed, failed_reason  # noqa: E402
-from tasks.release_notes import describe_trigger  # noqa: E402
+from tasks.gates import GateFailed, failed_reason
+from tasks.release_notes import describe_trigger
 
 
 # A deployment's defaults: the registered params.yaml, as JSON (flows/serve.py and flows/deploy.py write it).
@@ -106,7 +102,7 @@ def reproduce(name: str, force: bool = False) -> pipeline.StageRun:
     logger = get_run_logger()
     # The stage's progress bars and losses reach this task's page as progress artifacts and log lines.
     run = pipeline.reproduce_stage(Path.cwd(), name, force=force, on_progress=StageProgress(name, logger))
-    logger.info("%s: %s in %.1f s", name, "ran" if run.reproduced else "up to date", run.seconds)
+    logger.info(run.describe())
     return run
 
 
@@ -260,10 +256,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="the run's parameters; written into ./params.yaml, which the DVC stages read")
     args = parser.parse_args(argv)
     try:
-        result = monthly_release(**flow_parameters(load_config(args.params), ReleaseConfig()))
+        with naming_the_startup_timeout():
+            result = monthly_release(**flow_parameters(load_config(args.params), ReleaseConfig()))
     except (GateFailed, StageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except ServerStartupTimeout as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     print(result["outcome"])
     return 0
 

@@ -12,16 +12,14 @@ to be noticed before devices refuse the channel as stale.
 
 # No `from __future__ import annotations`: Prefect builds the parameter form from the annotations.
 import argparse
-import os
 import sys
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+from prefect import flow, get_run_logger, task  # after flows/__init__.py set Prefect's environment
 
-from prefect import flow, get_run_logger, task  # noqa: E402
-
-from flows.monthly_release import run_defaults  # noqa: E402
-from tasks import update_channel  # noqa: E402
-from tasks.config import StageError, load_config  # noqa: E402
+from flows import ServerStartupTimeout, naming_the_startup_timeout
+from flows.monthly_release import run_defaults
+from tasks import update_channel
+from tasks.config import StageError, load_config
 
 REFRESH_DEPLOYMENT = "refresh-update-channel"
 REFRESH_CRON = "0 */6 * * *"
@@ -55,10 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     try:
-        result = refresh_update_channel(args.params)
+        with naming_the_startup_timeout():
+            result = refresh_update_channel(args.params)
     except StageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except ServerStartupTimeout as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     print(f"timestamp v{result['timestamp_version']} expires {result['timestamp_expires']}")
     return 0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +28,8 @@ from tasks.config import ReleaseConfig, StageError, changed_settings, dotted, pa
 from tasks.progress import PROGRESS_ENV, ProgressReader
 
 DVC_ENV = {"DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+DVC_LOGGERS = ("dvc", "dvc_objects", "dvc_data")
+DVC_STAGE_START_LOGGER = "dvc.stage.run"  # logs "Running stage 'x':" and "> its command"
 REMOTE_NAME = "storage"
 PARAMS_FILE = "params.yaml"  # what dvc.yaml's stages read
 
@@ -42,6 +45,13 @@ class StageRun:
     seconds: float
     started: float  # wall clock (Unix seconds) when the stage began and ended
     ended: float
+    outputs: tuple[str, ...] = ()  # what it wrote (its dvc.yaml outs, metrics and plots); () when up to date
+
+    def describe(self) -> str:
+        """One line for the flow's log: name, what happened, wall time, what it wrote."""
+        if not self.reproduced:
+            return f"{self.name}: up to date ({self.seconds:.1f} s)"
+        return f"{self.name}: ran in {self.seconds:.1f} s, wrote {', '.join(self.outputs) or 'nothing'}"
 
 
 def stage_names(root: Path) -> list[str]:
@@ -52,10 +62,31 @@ def stage_names(root: Path) -> list[str]:
 
 def _env() -> None:
     os.environ.update(DVC_ENV)
+    _dvc_logs_once()
     # Stage commands run `python -m tasks.<stage>`: the interpreter running the pipeline must be first.
     bindir = str(Path(os.sys.executable).parent)
     if os.environ.get("PATH", "").split(os.pathsep)[0] != bindir:
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+
+
+def _dvc_logs_once() -> None:
+    """DVC's messages in this process, each once: where a stage begins, warnings and errors.
+
+    ``import dvc`` gives its loggers the console handlers of its CLI, and they also propagate to the
+    root logger, where Prefect's console handler prints them a second time. Only the root's path is
+    kept (Prefect's console under the flow; Python's last-resort stderr handler elsewhere). Of DVC's
+    information, "Running stage 'x':" and the stage's command stay (a stage runs for minutes; the fault
+    tests wait for that line); its lock-file, skip and push chatter goes, since the flow logs one line
+    per stage instead (``StageRun.describe``). ``dvc repro`` on the command line is its own process.
+    """
+    from dvc.logger import LoggerHandler
+
+    for name in DVC_LOGGERS:
+        logger = logging.getLogger(name)
+        for handler in [h for h in logger.handlers if isinstance(h, LoggerHandler)]:
+            logger.removeHandler(handler)
+        logger.setLevel(logging.WARNING)
+    logging.getLogger(DVC_STAGE_START_LOGGER).setLevel(logging.INFO)
 
 
 def remote_url(root: Path, remote: str) -> str:
@@ -108,7 +139,11 @@ def reproduce_stage(root: Path, name: str, force: bool = False,
         os.environ[PROGRESS_ENV] = str(reader.path.resolve())
     try:
         with contextlib.chdir(root), Repo(str(root)) as repo:  # DVC resolves stage paths against the cwd
+            # Not its advice to `git add dvc.lock` / set core.autostage after each stage: the flow commits
+            # nothing in the project, and autostage would stage files a release must leave unstaged.
+            repo.scm_context.quiet = True
             ran = repo.reproduce(targets=[name], single_item=True, force=force)
+            outputs = tuple(out.def_path for stage in ran for out in stage.outs)
     except DvcException as err:
         cause = err.__cause__ or err
         raise PipelineError(f"DVC stage '{name}' failed: {cause}") from err
@@ -116,7 +151,7 @@ def reproduce_stage(root: Path, name: str, force: bool = False,
         if reader is not None:
             os.environ.pop(PROGRESS_ENV, None)
             reader.close()
-    return StageRun(name, bool(ran), time.perf_counter() - start, started, time.time())
+    return StageRun(name, bool(ran), time.perf_counter() - start, started, time.time(), outputs)
 
 
 def push_outputs(root: Path) -> int:

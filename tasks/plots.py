@@ -5,7 +5,7 @@
 - the held-out perplexity increase of the quantized KV cache against its bits: ``kv_bits.png``.
 
 The stages write them beside their CSVs; the flow attaches both to MLflow; ``docs/img/`` holds
-the default month's, shown in the README.
+the default month's, shown in docs/release.md.
 """
 
 from __future__ import annotations

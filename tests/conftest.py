@@ -1,9 +1,19 @@
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import flows  # noqa: F401  (first: Prefect's environment, its start-up deadline among it, before anything imports Prefect)
 
 import pytest
+
+
+@pytest.fixture
+def process_groups():
+    """Long-lived processes a test starts, each in its own process group (``service_testkit.start_service``,
+    ``flows.local_server.start_server``): every group is stopped when the test ends, passed or failed,
+    the last started first (a command before the server it talks to)."""
+    from service_testkit import stop_group
+
+    started = []
+    yield started
+    for process in reversed(started):
+        stop_group(process)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ The project copy itself comes from ``project_testkit.copy_project``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -21,6 +22,20 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def run_in_group(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=...)`` in a process group of its own,
+    which is SIGKILLed when the command ends, times out or the test is interrupted: a flow's ephemeral
+    Prefect server and its running stage are children that ``subprocess.run`` would leave running."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def start_service(cmd: list[str], cwd: Path, env: dict, log: Path) -> subprocess.Popen:

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from project_testkit import ENV, copy_project
-from service_testkit import free_port, kill_group_when, start_service, stop_group
+from service_testkit import free_port, kill_group_when, run_in_group, start_service, stop_group
 from tasks.data import SPLITS, rulebook, sample_examples
 
 pytestmark = pytest.mark.slow  # the real monthly flow, end to end: minutes per test
@@ -130,8 +130,8 @@ def test_a_run_killed_during_fine_tuning_leaves_the_users_files_as_they_were(pro
 
 
 def test_a_run_refused_by_a_gate_names_it_and_leaves_the_users_files_as_they_were(project, user):
-    done = subprocess.run(flow_command(params_file(project, user, "refused", min_accuracy=1.01)), cwd=project["root"],
-                          env=project["env"], capture_output=True, text=True, timeout=1500)
+    done = run_in_group(flow_command(params_file(project, user, "refused", min_accuracy=1.01)), timeout=1500,
+                        cwd=project["root"], env=project["env"])
     assert done.returncode == 2, done.stderr[-4000:]
     assert f"release {MONTH} not published: accuracy = " in done.stderr and "needs >= 1.01" in done.stderr
     assert "overall test accuracy on the engine (the rows carry no 'changed' field)" in done.stderr
@@ -146,8 +146,8 @@ def test_a_run_refused_by_a_gate_names_it_and_leaves_the_users_files_as_they_wer
 
 def test_a_published_release_of_the_users_model_answers_on_the_device_as_peft_does(project, user):
     root = project["root"]
-    done = subprocess.run(flow_command(params_file(project, user, "published")), cwd=root, env=project["env"],
-                          capture_output=True, text=True, timeout=1500)
+    done = run_in_group(flow_command(params_file(project, user, "published")), timeout=1500, cwd=root,
+                        env=project["env"])
     assert done.returncode == 0, done.stderr[-4000:]
     assert_user_files_untouched(user)
     gates = json.loads((root / "artifacts" / MONTH / "gates" / "gates.json").read_text())

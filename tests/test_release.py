@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from project_testkit import ENV, MODEL, REPO, copy_project, git
-from service_testkit import free_port
+from service_testkit import free_port, run_in_group, start_service
 from tuf_testkit import http_server_process, ngclient_then_tampered
 
 pytestmark = pytest.mark.slow  # the real monthly flow, end to end: minutes per test
@@ -44,8 +44,8 @@ def run_flow(project, name: str, **overrides) -> subprocess.CompletedProcess:
     params = root.parent / f"params-{name}.yaml"
     params.write_text(yaml.safe_dump(raw))
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "flows.monthly_release", "--params", str(params)], cwd=root,
-                          env=project["env"], capture_output=True, text=True, timeout=1500)
+    done = run_in_group([sys.executable, "-m", "flows.monthly_release", "--params", str(params)], timeout=1500, cwd=root,
+                        env=project["env"])
     project["seconds"][name] = time.perf_counter() - start
     print(f"{name}: rc {done.returncode} in {project['seconds'][name]:.1f} s")
     return done
@@ -251,38 +251,39 @@ def test_next_month_reuses_the_engine_and_becomes_champion(project):
     assert latest.info.run_id in notes and "2026-12.RELEASE_NOTES.md" in git(root / "registry", "ls-files", "releases")
 
 
-def test_a_real_prefect_server_runs_the_deployment_with_other_parameters(project):
-    from flows.local_server import start_server, stop_server
+def test_a_real_prefect_server_runs_the_deployment_with_other_parameters(project, process_groups, tmp_path):
+    from flows import startup_timeout
+    from flows.local_server import start_server
 
     root, env = project["root"], project["env"]
     server, api_url = start_server(free_port(), env)
-    served = None
-    try:
-        env = env | {"PREFECT_API_URL": api_url}
-        served = subprocess.Popen([sys.executable, "-m", "flows.serve", "--params", "params.yaml"], cwd=root, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        trigger = (
-            "import json, sys, time\n"
-            "from prefect.deployments import run_deployment\n"
-            "from prefect.exceptions import ObjectNotFound\n"
-            "for _ in range(60):\n"
-            "    try:\n"
-            "        run = run_deployment('monthly-release/monthly-release', parameters={'month': '2026-12', 'dry_run': True},\n"
-            "                             timeout=600)\n"
-            "        break\n"
-            "    except ObjectNotFound:  # the deployment appears once serve has registered it\n"
-            "        time.sleep(2)\n"
-            "print(json.dumps({'state': run.state.type.value, 'params': run.parameters}))\n"
-        )
-        done = subprocess.run([sys.executable, "-c", trigger], cwd=root, env=env, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stderr[-3000:]
-        result = json.loads(done.stdout.strip().splitlines()[-1])
-        assert result == {"state": "COMPLETED",
-                          "params": {"month": "2026-12", "dry_run": True, "force": False, "overrides": {}}}
-    finally:
-        if served is not None:
-            served.terminate()
-            served.wait(timeout=30)
-        stop_server(server)
+    process_groups.append(server)
+    env = env | {"PREFECT_API_URL": api_url}
+    process_groups.append(start_service([sys.executable, "-m", "flows.serve", "--params", "params.yaml"], cwd=root, env=env,
+                                        log=tmp_path / "serve.log"))
+    # The deployment appears once flows.serve has started and registered it: a process start, given the
+    # deadline of a server start (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS).
+    trigger = (
+        "import json, sys, time\n"
+        "from prefect.deployments import run_deployment\n"
+        "from prefect.exceptions import ObjectNotFound\n"
+        "deadline = time.monotonic() + float(sys.argv[1])\n"
+        "while True:\n"
+        "    try:\n"
+        "        run = run_deployment('monthly-release/monthly-release', parameters={'month': '2026-12', 'dry_run': True},\n"
+        "                             timeout=600)\n"
+        "        break\n"
+        "    except ObjectNotFound:\n"
+        "        if time.monotonic() > deadline:\n"
+        "            raise\n"
+        "        time.sleep(2)\n"
+        "print(json.dumps({'state': run.state.type.value, 'params': run.parameters}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", trigger, str(startup_timeout())], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:] + (tmp_path / "serve.log").read_text()[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"state": "COMPLETED",
+                      "params": {"month": "2026-12", "dry_run": True, "force": False, "overrides": {}}}
     # A dry run moves nothing.
     assert json.loads((root / "registry" / "channels.json").read_text()) == {"champion": "2026-12"}

@@ -74,7 +74,7 @@ def test_the_kv_grid_on_a_dask_local_cluster_equals_the_sequential_computation(r
 
     from flows.kv_grid import dask_runner, run_grid
 
-    with prefect_test_harness(server_startup_timeout=60):
+    with prefect_test_harness(server_startup_timeout=None):  # None: PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
         result = run_grid(dask_runner(workers=2, processes=False), spec=PRE_ROPE_SCHEME.to_dict(), both_ropes=True,
                           **release)
 

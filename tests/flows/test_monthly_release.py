@@ -75,7 +75,7 @@ def test_flow_parameters_resolve_back_to_the_config():
 def prefect_server():
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness():
+    with prefect_test_harness(server_startup_timeout=None):  # None: PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
         yield
 
 

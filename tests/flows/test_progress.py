@@ -62,7 +62,7 @@ def test_stage_progress_reaches_the_prefect_task_run_as_artifact_and_log_lines(r
         return reproduce("toy"), flow_run.id
 
     last = "train toy: step 12/12 (100%), loss 0.0833"
-    with prefect_test_harness(server_startup_timeout=60):
+    with prefect_test_harness(server_startup_timeout=None):  # None: PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
         run, flow_run_id = one_stage()
         APILogHandler().flush()  # logs reach the server in background batches
         with get_client(sync_client=True) as client:

@@ -18,7 +18,7 @@ from tasks.update_channel import Channel, ensure_repository, load_state
 def prefect_server():
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness():
+    with prefect_test_harness(server_startup_timeout=None):  # None: PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
         yield
 
 

@@ -129,9 +129,12 @@ def test_a_stage_runs_once_then_is_up_to_date_until_its_params_change(tmp_path):
     remote = ensure_dvc_repo(repo, tmp_path / "remote")
     assert Path(remote).is_dir() and remote in (repo / ".dvc" / "config.local").read_text()
     assert stage_names(repo) == ["make", "shout"]
-    assert [reproduce_stage(repo, s).reproduced for s in ("make", "shout")] == [True, True]
+    first = [reproduce_stage(repo, s) for s in ("make", "shout")]
+    assert [(r.reproduced, r.outputs) for r in first] == [(True, ("out.txt",)), (True, ("loud.txt",))]
     assert (repo / "loud.txt").read_text() == "HELLO"
-    assert [reproduce_stage(repo, s).reproduced for s in ("make", "shout")] == [False, False]
+    again = [reproduce_stage(repo, s) for s in ("make", "shout")]
+    assert [(r.reproduced, r.outputs) for r in again] == [(False, ()), (False, ())]
+    assert again[0].describe() == f"make: up to date ({again[0].seconds:.1f} s)"
     (repo / "params.yaml").write_text("greeting: bye\n")
     assert [reproduce_stage(repo, s).reproduced for s in ("make", "shout")] == [True, True]
     assert (repo / "loud.txt").read_text() == "BYE"

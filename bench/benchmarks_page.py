@@ -1,0 +1,114 @@
+"""docs/benchmarks.md, written from the benchmarks' own JSON, never by hand.
+
+    python -m bench.benchmarks_page [--results bench/results] [--out docs/benchmarks.md]
+
+`make bench` (``bench.run_all``) ends with this; run alone it rewrites the page from what
+``bench/results/`` holds, after a benchmark run by hand (``python -m bench.serve_bench``...).
+Every benchmark's JSON is stamped by ``bench.report`` with its command, start and end and the load
+averages at both. For each benchmark the newest stamped file (its default ``bench/results/<name>.json``
+or ``bench.run_all``'s ``bench/results/latest/<name>.json``) gives one row per figure, and every row
+names the command, the date and the load. The figures are ``bench.run_all.FIGURES``'; a benchmark
+without a figure list there shows the numbers of its JSON by key. A JSON without the stamp (written
+before it existed) is named at the end, not quoted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from bench.report import RECORDED
+from bench.run_all import FIGURES, REPO, table_cell
+
+PAGE = REPO / "docs" / "benchmarks.md"
+RESULTS = REPO / "bench" / "results"
+REPORT_FILES = {"latest.json"}  # bench.run_all's summary of a run, not a benchmark's payload
+MAX_KEYED_ROWS = 60
+
+
+def newest_results(results_dir: Path) -> tuple[dict[str, tuple[Path, dict]], list[Path]]:
+    """{benchmark: (file, payload)} of the newest stamped JSON per benchmark, and the unstamped files."""
+    newest: dict[str, tuple[Path, dict]] = {}
+    unstamped = []
+    files = sorted(results_dir.glob("*.json")) + sorted(results_dir.glob("latest/*.json"))
+    for path in files:
+        if path.name in REPORT_FILES:
+            continue
+        payload = json.loads(path.read_text())
+        stamp = payload.get(RECORDED) if isinstance(payload, dict) else None
+        if stamp is None:
+            unstamped.append(path)
+        elif path.stem not in newest or stamp["finished_at"] > newest[path.stem][1][RECORDED]["finished_at"]:
+            newest[path.stem] = (path, payload)
+    return newest, unstamped
+
+
+def keyed_numbers(value, key: str = "") -> list[tuple[str, float, str]]:
+    """(dotted key, number, text) of every number in a payload, for a benchmark without a figure list."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return []
+    if isinstance(value, (int, float)):
+        return [(key, value, f"{value:,.4g}")]
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else []
+    return [row for k, v in items if k != RECORDED for row in keyed_numbers(v, f"{key}.{k}" if key else str(k))]
+
+
+def load_text(stamp: dict) -> str:
+    start, end = stamp["loadavg_start"], stamp["loadavg_end"]
+    return f"{start[0]:.2f} → {end[0]:.2f} (1 min; 15 min {end[2]:.2f}), {stamp['cpus']} CPUs"
+
+
+def figure_rows(name: str, payload: dict) -> list[tuple[str, str]]:
+    if name in FIGURES:
+        try:
+            return [(figure, text) for figure, _, text in FIGURES[name](payload)]
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:
+            return [("figures", f"**not readable**: {type(err).__name__}: {err}")]
+    rows = keyed_numbers(payload)
+    shown = [(key, text) for key, _, text in rows[:MAX_KEYED_ROWS]]
+    if len(rows) > MAX_KEYED_ROWS:
+        shown.append(("…", f"{len(rows) - MAX_KEYED_ROWS} more numbers in its JSON"))
+    return shown
+
+
+def render_page(results_dir: Path) -> str:
+    newest, unstamped = newest_results(results_dir)
+    lines = [
+        "# Benchmarks",
+        "",
+        "Written by `make bench` (`python -m bench.benchmarks_page` rewrites it from `bench/results/`); do not edit.",
+        "Every figure names the command that measured it, when it finished (UTC) and the load average of the",
+        "machine at its start and end: on shared cores a timing means little without it. How each benchmark measures, and past runs quoted",
+        "before this page was generated: [measuring.md](measuring.md).",
+        "",
+    ]
+    if not newest:
+        lines += ["No benchmark results in `bench/results/` yet: run `make bench`.", ""]
+    for name, (path, payload) in sorted(newest.items()):
+        stamp = payload[RECORDED]
+        shown_path = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+        lines += [f"## {name}", "", f"From `{shown_path}`.", "", "| figure | value | command | finished | load average |", "|---|---|---|---|---|"]
+        cells = (f"`{table_cell(stamp['command'])}`", stamp["finished_at"], load_text(stamp))
+        for figure, text in figure_rows(name, payload):
+            lines.append("| " + " | ".join((table_cell(figure), table_cell(text), *cells)) + " |")
+        lines.append("")
+    if unstamped:
+        lines += ["Not quoted (written before benchmarks stamped their command, date and load): "
+                  + ", ".join(f"`{p.name}`" for p in unstamped), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="write docs/benchmarks.md from the benchmarks' JSON")
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=PAGE)
+    args = ap.parse_args(argv)
+    args.out.write_text(render_page(args.results))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

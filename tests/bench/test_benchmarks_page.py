@@ -1,0 +1,58 @@
+"""docs/benchmarks.md is written from the benchmarks' JSON: every figure with the command, date and load
+the benchmark stamped into its JSON (bench.report), the newest run of each benchmark, nothing unstamped."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from bench.benchmarks_page import render_page
+from project_testkit import ENV, REPO
+
+
+def stamp(command: str, finished: str, start: list[float], end: list[float]) -> dict:
+    return {"command": command, "started_at": finished, "finished_at": finished, "loadavg_start": start,
+            "loadavg_end": end, "cpus": 2, "machine": "x86_64", "python": "3.11.7"}
+
+
+def kv_engine_payload(t: float) -> dict:
+    rows = {name: {"decode_512_ms": t * f, "decode_512_p10_ms": t * f, "kv_bytes_per_token_512": b}
+            for name, f, b in (("float32", 1.0, 4096.0), ("K4/V4", 1.2, 512.0))}
+    return {"results": {"rows": rows, "ratios_vs_float": {"K4/V4": {"decode_512": 1.2}}}}
+
+
+def test_a_benchmark_writes_its_command_dates_and_load_into_its_json(tmp_path):
+    script = ("import sys; from bench.report import write_report\n"
+              "sys.argv = ['/x/bench/engine_bench.py', '--iters', '3']\n"
+              f"write_report({str(tmp_path / 'e.json')!r}, {{'results': {{}}}})\n")
+    subprocess.run([sys.executable, "-c", script], check=True, env=ENV, cwd=REPO, capture_output=True)
+    recorded = json.loads((tmp_path / "e.json").read_text())["recorded"]
+    assert recorded["command"] == "python -m bench.engine_bench --iters 3"
+    assert recorded["started_at"] <= recorded["finished_at"] and recorded["finished_at"].endswith("Z")
+    assert len(recorded["loadavg_start"]) == len(recorded["loadavg_end"]) == 3 and recorded["cpus"] >= 1
+
+
+def test_every_figure_names_its_command_date_and_load_from_the_newest_stamped_run(tmp_path):
+    (tmp_path / "latest").mkdir()
+    older = kv_engine_payload(9.0) | {"recorded": stamp("python -m bench.kv_engine_bench", "2026-11-01T10:00:00Z",
+                                                        [0.5, 0.4, 0.3], [0.7, 0.5, 0.3])}
+    newer = kv_engine_payload(1.0) | {"recorded": stamp("python -m bench.kv_engine_bench --out $RESULTS/kv_engine_bench.json",
+                                                        "2026-12-01T10:00:00Z", [1.25, 1.0, 0.9], [2.5, 1.5, 1.1])}
+    (tmp_path / "kv_engine_bench.json").write_text(json.dumps(older))
+    (tmp_path / "latest" / "kv_engine_bench.json").write_text(json.dumps(newer))
+    (tmp_path / "serve_bench.json").write_text(json.dumps({"clients": {"8": {"tokens_per_s": 2959.0}},
+                                                           "recorded": stamp("python -m bench.serve_bench", "2026-12-01T11:00:00Z",
+                                                                             [1.0, 1.0, 1.0], [1.0, 1.0, 1.0])}))
+    (tmp_path / "scale_bench.json").write_text(json.dumps({"flow_seconds": 1350.0}))  # before the stamp existed
+    (tmp_path / "latest.json").write_text(json.dumps({"benches": []}))  # run_all's summary, not a benchmark
+
+    page = render_page(tmp_path)
+    rows = [line for line in page.splitlines() if line.startswith("| ") and not line.startswith("| figure")]
+    assert "| decode ms/token, past 512, float32 KV cache | 1.000 ms | `python -m bench.kv_engine_bench --out " \
+           "$RESULTS/kv_engine_bench.json` | 2026-12-01T10:00:00Z | 1.25 → 2.50 (1 min; 15 min 1.10), 2 CPUs |" in rows
+    assert "9.000 ms" not in page  # the older run of the same benchmark
+    assert "| clients.8.tokens_per_s | 2,959 | `python -m bench.serve_bench` | 2026-12-01T11:00:00Z |" in page
+    assert all(row.count(" | ") == 4 and "CPUs |" in row for row in rows)  # every number: command, date, load
+    assert "Not quoted (written before benchmarks stamped their command, date and load): `scale_bench.json`" in page
+    assert "latest.json" not in page
