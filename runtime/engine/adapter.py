@@ -1,7 +1,7 @@
 """PEFT LoRA directory -> the engine's LoRA inputs, checked before any inference.
 
 Every problem is collected and reported at once. The result is a dict keyed by the
-interface's input names, one A and one B per layer and fused linear (``runtime.interface.lora_groups``):
+interface's input names, one A and one B per layer and fused linear (``runtime.engine.interface.lora_groups``):
 ``lora_A.{layer}.{targets}`` (n r_max, in) stacks the targets' A matrices, ``lora_B...`` (out of the
 fused linear, n r_max) holds each target's ``scale * B`` in its own rows and rank columns, zero
 elsewhere; float32 numpy arrays ready to feed any backend.
@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-from runtime.contract import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PROVENANCE, AdapterError, read_adapter_config
-from runtime.interface import EngineInterface, lora_group_name, lora_groups
+from runtime.engine.adapter_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PROVENANCE, AdapterError, read_adapter_config
+from runtime.engine.interface import EngineInterface, lora_group_name, lora_groups
 
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (an adapter name may sit before .weight)
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
@@ -122,3 +122,19 @@ def load_adapter(adapter_dir: str | Path, iface: EngineInterface, require_proven
     if problems:
         raise AdapterError(f"{adapter_dir}: refused before inference:\n  - " + "\n  - ".join(problems))
     return inputs
+
+
+def check_lora_inputs(iface: EngineInterface, lora: Mapping[str, np.ndarray]) -> None:
+    """Every LoRA input present, with the interface's shape and finite values, nothing extra."""
+    expected = {t.name: tuple(t.shape) for t in iface.inputs if t.name.startswith("lora_")}
+    problems = [f"missing {n}" for n in expected if n not in lora]
+    problems += [f"unexpected {n}" for n in lora if n not in expected]
+    for name, shape in expected.items():
+        if name in lora:
+            value = np.asarray(lora[name])
+            if tuple(value.shape) != shape:
+                problems.append(f"{name} has shape {tuple(value.shape)}, interface says {shape}")
+            elif not np.isfinite(value).all():
+                problems.append(f"{name} has non-finite values")
+    if problems:
+        raise ValueError("LoRA inputs do not match the engine interface: " + "; ".join(problems))

@@ -10,9 +10,9 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from runtime.engine import Engine
-from runtime.sampling import TokenSampler, greedy
-from runtime.tokenizer import encode_prompt
+from runtime.engine.engine import Engine
+from runtime.engine.sampling import TokenSampler, greedy
+from runtime.engine.tokenizer import encode_prompt
 
 
 def greedy_generate(

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kernels.kv_spec import packed_size
-from runtime.errors import RefusedInput
+from runtime.engine.errors import RefusedInput
 
 if TYPE_CHECKING:  # the ONNX Runtime side reads interfaces without importing torch
-    from runtime.model import BackboneConfig
+    from runtime.engine.model import BackboneConfig
 
 # 1: ids/positions/mask + per-layer past K/V (B, nkv, P, d) + unmerged LoRA A/B/scale inputs per module.
 # 2: version 1 with the KV cache quantized and bit-packed as ``kv_spec`` (a kernels.kv_spec.KVQuantSpec
@@ -28,11 +28,13 @@ INTERFACE_VERSION = 3
 QUANT_KV_INTERFACE_VERSION = 4
 SUPPORTED_VERSIONS = (INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSION)
 INTERFACE_FILE = "interface.json"
+ENGINE_ONNX = "model.onnx"  # beside it in an engine folder (tasks/compile.py)
+CACHE_KEY_FILE = "cache_key.json"  # what the engine was built from; its presence means the build completed
 KV_LAYOUT = "B,num_kv_heads,past_len,head_dim"  # one key and one value tensor per layer
 QUANT_KV_DTYPE = "packed-uint8"
 
 
-# The backbone's fused linears (runtime.model): the modules of one read the same input through one matmul.
+# The backbone's fused linears (runtime.engine.model): the modules of one read the same input through one matmul.
 FUSED_LINEARS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 

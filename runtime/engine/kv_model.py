@@ -1,6 +1,6 @@
 """The backbone with a quantized KV cache, in standard ONNX ops: what the quantized engine exports.
 
-``QuantizedKVBackbone`` reuses ``runtime.model.Backbone``'s weights and its block pieces
+``QuantizedKVBackbone`` reuses ``runtime.engine.model.Backbone``'s weights and its block pieces
 (``project_qkv``, ``finish``); only attention differs. Slots are [sink | quantized past | new]:
 
   1. scores: q against the fp16 sink, the quantized past and the new tokens' float keys,
@@ -24,7 +24,7 @@ no contrib op, so the graph stays parseable by TensorRT's ONNX parser (not yet r
 
 Not in the graph: the fp16 *window* of recent tokens (``window_tokens`` must be 0) and the
 choice of which new tokens fill the sink, which the runtime makes (it only matters while the
-first ``sink_tokens`` tokens arrive; see ``runtime.backends.onnxruntime``).
+first ``sink_tokens`` tokens arrive; see ``runtime.engine.backends.onnxruntime``).
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ from kernels.kv_quant import (
 )
 from kernels.kv_spec import KVQuantSpec
 from kernels.rope import apply_rope, rope_cos_sin, rope_rotate
-from runtime.model import Backbone
+from runtime.engine.model import Backbone
 
 # How the engine reads its quantized cache: "standard" = the ONNX ops below (TensorRT can parse
 # them); "gqa" = ONNX Runtime's fused GroupQueryAttention (kernels/gqa_attention.py), for the
 # schemes that op supports.
 KV_ATTENTION = ("standard", "gqa")
 
-# Positions the pre-RoPE key table covers: runtime.tracing's MAX_PAST + MAX_SEQ (4 MiB at d = 64).
+# Positions the pre-RoPE key table covers: runtime.engine.tracing's MAX_PAST + MAX_SEQ (4 MiB at d = 64).
 ROPE_TABLE = 8192
 
 
@@ -71,7 +71,7 @@ def check_engine_spec(spec: KVQuantSpec, attention: str = "standard") -> None:
 class QuantizedKVBackbone(nn.Module):
     """forward(input_ids, position_ids, attention_mask, cache, static, lora) -> (logits, *outputs).
 
-    cache, static: flat lists in the order of ``runtime.interface.quantized_kv_tensors``;
+    cache, static: flat lists in the order of ``runtime.engine.interface.quantized_kv_tensors``;
     outputs: per layer the present_* tensors then new_key, new_value, in that order too.
     """
 

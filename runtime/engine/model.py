@@ -12,9 +12,9 @@ whatever it would compute differently from transformers (a sliding window in use
 mixture of experts, MLP bias, quantized weights, another model_type or activation).
 
 LoRA is applied *unmerged*: for every layer and every fused linear with a target module
-(q/k/v, o, gate/up, down: ``runtime.interface.lora_groups``) the graph takes ``A (n r_max, in)``
+(q/k/v, o, gate/up, down: ``runtime.engine.interface.lora_groups``) the graph takes ``A (n r_max, in)``
 and ``B (out, n r_max)`` as runtime inputs, ``y + (x A^T) B^T``, so one compiled engine serves
-every monthly adapter. ``runtime.adapter`` stacks the targets' A matrices, places each ``scale * B``
+every monthly adapter. ``runtime.engine.adapter`` stacks the targets' A matrices, places each ``scale * B``
 block-diagonally, and zero-pads a lower rank; a target the adapter does not touch gets zeros (its
 delta is then exactly 0).
 
@@ -34,8 +34,8 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from kernels.rope import apply_rope, rope_cos_sin
-from runtime.errors import RefusedInput
-from runtime.interface import lora_group_name, lora_groups
+from runtime.engine.errors import RefusedInput
+from runtime.engine.interface import lora_group_name, lora_groups
 
 
 # Every linear a LoRA may target, in the order its inputs appear in the engine interface.
@@ -404,7 +404,7 @@ class Backbone(nn.Module):
     input_ids, position_ids: (B, T) int64; attention_mask: (B, S) int64, 1 = real token,
     0 = padding (left padding for batched prompts). past_kv: flat tuple
     (past_key.0, past_value.0, past_key.1, ...), each (B, nkv, P, d); P may be 0.
-    lora: flat tuple in ``runtime.interface.lora_input_names`` order; empty when built with no lora_modules.
+    lora: flat tuple in ``runtime.engine.interface.lora_input_names`` order; empty when built with no lora_modules.
     """
 
     linear = staticmethod(float_linear)  # the LM head's; see Block.linear

@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from runtime.errors import RefusedInput
-from runtime.hashing import sha256_file
+from runtime.engine.errors import RefusedInput
+from runtime.engine.hashing import sha256_file
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -56,7 +56,7 @@ def _read_json(file: Path) -> dict:
 
 
 def until_stop(ids: list[int], stop_ids) -> list[int]:
-    """``ids`` up to, not including, the first stop id: what ``runtime.generate.greedy_generate`` returns."""
+    """``ids`` up to, not including, the first stop id: what ``runtime.engine.generate.greedy_generate`` returns."""
     stop = set(stop_ids)
     return ids[: next((i for i, t in enumerate(ids) if t in stop), len(ids))]
 

@@ -1,14 +1,14 @@
 """What the backbone is traced with: example inputs in interface order and the dynamic axes' bounds.
 
 Both exporters use them: ``tasks.compile`` (torch.onnx, the ONNX graph every backend runs) and the
-torch-tensorrt builder in ``runtime.backends.tensorrt``. The bounds are also the TensorRT
+torch-tensorrt builder in ``runtime.engine.backends.tensorrt``. The bounds are also the TensorRT
 optimization-profile maxima. torch is imported inside the functions: the ONNX Runtime serving path
 imports nothing from here.
 """
 
 from __future__ import annotations
 
-from runtime.interface import quantized_kv_tensors
+from runtime.engine.interface import quantized_kv_tensors
 
 # Sizes used to trace: deliberately not 0 or 1, which torch.export would specialize to constants.
 TRACE_BATCH, TRACE_SEQ, TRACE_PAST, TRACE_SINK = 2, 3, 5, 2

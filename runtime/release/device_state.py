@@ -18,7 +18,7 @@
      "last_check": {"release_id", "result": "committed" | "reverted" | "failed", "reason", "detail", "at"},
      "updated_at": "..."}
 
-A release raises the high-water mark once its health check commits it (``runtime.health``), so a
+A release raises the high-water mark once its health check commits it (``runtime.serve.health``), so a
 release that was reverted never lifted the floor above the one the device went back to. A reverted
 release id is never loaded again as champion (``RevertedRelease``): a fixed build has a new id.
 
@@ -26,7 +26,7 @@ Every write goes through ``atomic_write``: a temporary file in the same folder, 
 old file, fsync of the folder. A power cut at any point leaves the old record or the new one, never a
 mix: a stray temporary file is ignored and removed at the next start. A release copy is complete,
 verified again from its copied bytes and fsynced before the record names it (``install_folder``, which
-``runtime.pull`` installs its releases with too). Temporary names start with a dot, so a static HTTP
+``runtime.release.pull`` installs its releases with too). Temporary names start with a dot, so a static HTTP
 server or a folder watcher passes over them. A record that cannot be read or does not hold these fields
 is an error naming the file, never silently reset: rebuilding trust from nothing is an operator's act
 (``python -m runtime rollback``, or removing the folder).
@@ -46,8 +46,9 @@ import threading
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from runtime.contract import RELEASE_ID, format_time, release_order
-from runtime.errors import RefusedInput
+from runtime.engine.atomic_files import TEMP_PREFIX, atomic_write, fsync_dir
+from runtime.engine.errors import RefusedInput
+from runtime.release.contract import RELEASE_ID, format_time, release_order
 
 STATE_FILE = "state.json"
 STATE_LOCK = "lock"
@@ -59,50 +60,12 @@ CHAMPION_STATES = ("none",) + STATUSES  # the champion_state gauge's labels: "no
 # Why a health check reverted a champion: a probe answered otherwise, a probe could not run, or a request
 # on the new champion failed (500) within the window.
 REVERT_REASONS = ("probe_mismatch", "probe_error", "generation_errors")
-_TEMP_PREFIX = ".tmp-"
 
 
 class StateError(RefusedInput):
     """A state directory this device cannot trust or use; the CLI exits 2 (device configuration)."""
 
     exit_code = 2
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` so that a crash at any point leaves the old bytes or the new ones."""
-    _replace_atomically(path, lambda fh: fh.write(data))
-
-
-def atomic_copy(source: Path, path: Path) -> None:
-    """Replace ``path`` with a copy of the file ``source``, as ``atomic_write`` does (streamed, not read whole)."""
-    def copy(fh):
-        with open(source, "rb") as src:
-            shutil.copyfileobj(src, fh)
-    _replace_atomically(path, copy)
-
-
-def _replace_atomically(path: Path, write) -> None:
-    """``write(fh)`` into a dot-file beside ``path`` (never served or listed as a finished file), fsync it,
-    rename it over ``path`` and fsync the folder; a failed write leaves ``path`` as it was and no temporary."""
-    tmp = path.with_name(f"{_TEMP_PREFIX}{path.name}-{os.getpid()}-{threading.get_ident()}")
-    try:
-        with open(tmp, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
 
 
 def install_folder(staged: Path, target: Path, replaced: Path | None = None) -> None:
@@ -233,7 +196,7 @@ class DeviceState:
 
     def _read(self, exclusive: bool) -> StateRecord:
         if exclusive:
-            for leftover in [*self.directory.glob(_TEMP_PREFIX + "*"), *self.releases.glob(_TEMP_PREFIX + "*")]:
+            for leftover in [*self.directory.glob(TEMP_PREFIX + "*"), *self.releases.glob(TEMP_PREFIX + "*")]:
                 _remove(leftover)  # what a crash left half written; the record never names it
         try:
             raw = self.path.read_bytes()
@@ -268,13 +231,13 @@ class DeviceState:
     def keep(self, release_dir: Path, release_id: str, trusted_keys: dict, max_bytes: int) -> Path:
         """Copy the verified release at ``release_dir`` into the state directory (verified again from the
         copied bytes, then installed with ``install_folder``); its path."""
-        from runtime.package import verify_release
+        from runtime.release.package import verify_release
 
         target = self.copy_path(release_id)
         with self._lock:
             if target.is_dir():
                 return target
-            tmp = self.releases / f"{_TEMP_PREFIX}{release_id}-{os.getpid()}"
+            tmp = self.releases / f"{TEMP_PREFIX}{release_id}-{os.getpid()}"
             _remove(tmp)
             tmp.mkdir()
             for src in sorted(Path(release_dir).iterdir()):
@@ -295,7 +258,7 @@ class DeviceState:
             named = {record.active, record.previous, record.candidate} | set(keep)
             self._unclaimed -= named
             for copy in self.releases.iterdir():
-                if copy.name not in named | self._unclaimed and not copy.name.startswith(_TEMP_PREFIX):
+                if copy.name not in named | self._unclaimed and not copy.name.startswith(TEMP_PREFIX):
                     _remove(copy)
             return record
 

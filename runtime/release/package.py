@@ -1,7 +1,7 @@
 """Release packages on the device side: safe packing and unpacking, and verification.
 
 A release is a flat directory (or a ``.tar.gz`` of its files) holding only data; its files and
-their formats are ``runtime/contract.py``'s (the PEFT files unchanged, provenance, KV scales when
+their formats are ``runtime/release/contract.py``'s (the PEFT files unchanged, provenance, KV scales when
 calibrated, ``manifest.json`` with sorted keys, ``manifest.sig`` the raw 64-byte Ed25519
 signature of manifest.json).
 
@@ -14,17 +14,17 @@ Order of the checks, cheapest and most fundamental first: layout (regular files 
 links, no unlisted names) -> signature over the manifest bytes (nothing in the manifest is
 trusted before this) -> manifest fields -> size limits -> sha256 of every file -> expiry ->
 rollback -> backbone and interface hashes against the local engine -> tokenizer -> adapter
-rank, modules, shapes, finite values (``runtime.adapter.load_adapter``) -> KV-scale sanity.
+rank, modules, shapes, finite values (``runtime.engine.adapter.load_adapter``) -> KV-scale sanity.
 
 Rollback protection: a candidate whose release id sorts before the active release's
-(``runtime.contract.release_order``) is refused unless rollback is explicitly allowed; the same
+(``runtime.release.contract.release_order``) is refused unless rollback is explicitly allowed; the same
 release again is accepted. A serving device with a state directory passes the higher of its
-champion and its high-water mark (``runtime.device_state``).
+champion and its high-water mark (``runtime.release.device_state``).
 
 Health probes: ``probes`` in the manifest (covered by the signature) lists up to MAX_PROBES test
 prompts with the answer the evaluated engine gave, ``{"prompt", "expected", "max_tokens"}``;
 ``release_probes`` reads them. A manifest without the field (releases packaged before probes
-existed) has none, and a device then commits it on its error window alone (``runtime.health``).
+existed) has none, and a device then commits it on its error window alone (``runtime.serve.health``).
 """
 
 from __future__ import annotations
@@ -45,33 +45,26 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.adapter import load_adapter
-from runtime.contract import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
+from runtime.engine.adapter import load_adapter
+from runtime.engine.adapter_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PROVENANCE, AdapterError, read_adapter_config
+from runtime.engine.atomic_files import atomic_write
+from runtime.engine.errors import RefusedInput
+from runtime.engine.hashing import sha256_file
+from runtime.engine.interface import EngineInterface
+from runtime.engine.kv_scales import KV_SCALES_FILES, KVScales, KVScalesError, read_kv_scales
+from runtime.release.contract import (
     FORMAT,
     FORMAT_VERSION,
-    KV_SCALES_FILES,
     MANIFEST,
     MONTH,
-    PROVENANCE,
     RELEASE_ID,
     SIGNATURE,
     STAMP_FORMAT,
     TIME_FORMAT,
-    AdapterError,
-    KVScales,
-    KVScalesError,
     format_time,
     parse_time,
-    read_adapter_config,
-    read_kv_scales,
     release_order,
 )
-from runtime.device_state import atomic_write
-from runtime.errors import RefusedInput
-from runtime.hashing import sha256_file
-from runtime.interface import EngineInterface
 
 DATA_SUFFIXES = (".json", ".safetensors")  # data formats only: no pickle, no code, no native libraries
 # A LoRA release of a 0.5B backbone at r=8 is ~4.3 MB and of the tiny default ~0.2 MB; a
@@ -149,7 +142,7 @@ class TokenizerMismatch(PackageError):
 
 
 class RevertedRelease(PackageError):
-    """A release this device reverted after its health check failed (``runtime.device_state``)."""
+    """A release this device reverted after its health check failed (``runtime.release.device_state``)."""
 
     reason, exit_code = "reverted", 23
 
@@ -370,7 +363,7 @@ def _parses(text: str) -> bool:
 
 def load_trusted_keys(paths) -> dict:
     """{key id: public key} of every trusted key file; refuses an empty trust list."""
-    from runtime.signing import key_id, load_public_key
+    from runtime.release.signing import key_id, load_public_key
 
     keys = {}
     for p in paths or ():
@@ -404,7 +397,7 @@ def verify_release(
     """
     from cryptography.exceptions import InvalidSignature
 
-    from runtime.signing import verify_detached
+    from runtime.release.signing import verify_detached
 
     path = Path(path)
     now = now or dt.datetime.now(dt.timezone.utc)
@@ -527,7 +520,7 @@ def verify_release(
         if manifest["kv_format"] != iface.kv_spec:
             raise KVScalesRefused(f"{path}: the engine quantizes its KV cache as {iface.kv_spec}; the release brings "
                                   f"scales for {manifest['kv_format']}")
-        from runtime.engine import kv_scale_inputs
+        from runtime.engine.kv_scales import kv_scale_inputs
 
         try:
             kv_scale_inputs(iface, verified.kv_scales)

@@ -3,7 +3,7 @@
 The registry (written by the pipeline's publish stage) is a git repository with DVC, whose
 default remote holds the release files:
 
-  releases/<month>.dvc   DVC pointer of the directory releases/<month>/ (a release, runtime/package.py)
+  releases/<month>.dvc   DVC pointer of the directory releases/<month>/ (a release, runtime/release/package.py)
   channels.json          git-tracked aliases: {"champion": "2026-11", ...}
   tag release/<month>    the commit that published <month>
 
@@ -11,7 +11,7 @@ default remote holds the release files:
 first gets ``channels.json`` at the registry's default branch, or ``--rev``) into a hidden
 temporary sibling of the target, verifies it there (signature, checksums, expiry, rollback
 against the release already installed in the target, and the engine checks when an engine is
-given), and only then renames it into place (``runtime.device_state.install_folder``: fsynced first,
+given), and only then renames it into place (``runtime.release.device_state.install_folder``: fsynced first,
 as the device state installs its copies). A refused release leaves the target untouched.
 The machine needs the runtime's dependencies and DVC (as a command, never imported here).
 """
@@ -29,10 +29,17 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from runtime.contract import MANIFEST, MONTH, REGISTRY_CHANNELS, registry_release_path, release_order, release_tag
-from runtime.device_state import install_folder
-from runtime.errors import RefusedInput
-from runtime.package import PackageError, VerifiedRelease, verify_release
+from runtime.engine.errors import RefusedInput
+from runtime.release.contract import (
+    MANIFEST,
+    MONTH,
+    REGISTRY_CHANNELS,
+    registry_release_path,
+    release_order,
+    release_tag,
+)
+from runtime.release.device_state import install_folder
+from runtime.release.package import PackageError, VerifiedRelease, verify_release
 
 ALIAS = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 

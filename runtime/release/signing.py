@@ -24,7 +24,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from runtime.errors import RefusedInput
+from runtime.engine.errors import RefusedInput
 
 SIGNATURE_BYTES = 64
 PUBLIC_KEY_SUFFIX = ".pub"

@@ -1,7 +1,7 @@
 """Pull a release from the update channel with python-tuf's ngclient, verify it, install it.
 
 The update channel (``tasks/update_channel.py``) is a TUF repository of static files at a URL:
-``<url>/metadata/`` and ``<url>/targets/`` (``runtime/contract.py``). The device is given its
+``<url>/metadata/`` and ``<url>/targets/`` (``runtime/release/contract.py``). The device is given its
 first root out of band (``--trusted-root FILE``, device config ``trusted_root``) and keeps what
 ngclient has verified in ``--metadata-dir`` (newer roots after a rotation, the last timestamp,
 snapshot and targets: metadata never goes back in version). ``refresh`` walks the root chain,
@@ -12,10 +12,10 @@ lengths, hashes and expiry; metadata it cannot get fresh is never used: the pull
 The release target is ``releases/<month>.tar.gz``; by channel (``champion``, ``candidate``) the
 month comes from the signed target ``channels.json``. The tarball, its length and sha256 checked
 by ngclient, is unpacked (``extract_tarball``) and goes through ``verify_release`` unchanged
-(``runtime.pull.install``: manifest signature, files, rollback against the installed release,
+(``runtime.release.pull.install``: manifest signature, files, rollback against the installed release,
 engine checks), then is renamed into place. Torch-free, no DVC, git or Prefect.
 
-A serving device that watches the channel (``runtime.channel_watch``) takes the same steps
+A serving device that watches the channel (``runtime.serve.channel_watch``) takes the same steps
 (``refreshed``, ``signed_channels``, ``channel_month``, ``target_info``, ``release_tarball``) and
 loads the tarball through ``AdapterServer.load`` instead of ``install``.
 """
@@ -30,10 +30,17 @@ from tuf.api import exceptions
 from tuf.api.metadata import TargetFile
 from tuf.ngclient import Updater, UpdaterConfig
 
-from runtime.contract import MONTH, TUF_CHANNELS, TUF_CHANNELS_TARGET, TUF_METADATA_DIR, TUF_TARGETS_DIR, release_target_path
-from runtime.errors import RefusedInput
-from runtime.package import DEFAULT_MAX_PACKAGE_BYTES, SizeLimitExceeded, VerifiedRelease, extract_tarball
-from runtime.pull import install
+from runtime.engine.errors import RefusedInput
+from runtime.release.contract import (
+    MONTH,
+    TUF_CHANNELS,
+    TUF_CHANNELS_TARGET,
+    TUF_METADATA_DIR,
+    TUF_TARGETS_DIR,
+    release_target_path,
+)
+from runtime.release.package import DEFAULT_MAX_PACKAGE_BYTES, SizeLimitExceeded, VerifiedRelease, extract_tarball
+from runtime.release.pull import install
 
 # reason -> exit code of ``python -m runtime pull --tuf-url`` (30 is the registry's PullError)
 EXIT_CODES = {"stale_metadata": 31, "untrusted_metadata": 32, "metadata_rollback": 33, "hash_mismatch": 34,
@@ -157,7 +164,7 @@ def tuf_pull(
     """Install ``month`` (or the month ``channel`` names) from the update channel at ``url`` into ``target``.
 
     Raises UpdateRefused (stale, unsigned, rolled-back, altered or oversized metadata or target),
-    or what ``runtime.pull.install`` raises (a PackageError subclass, PullError)."""
+    or what ``runtime.release.pull.install`` raises (a PackageError subclass, PullError)."""
     if (month is None) == (channel is None):
         raise UpdateRefused("unknown_target", "give exactly one of a release month or a channel")
     if month is not None and not MONTH.match(month):

@@ -1,13 +1,13 @@
 """Continuous batching: one scheduler thread decodes every running request, one step at a time, batched per release.
 
-A request picked its release (``runtime.server.ActiveRelease``) once, when it started; its rows (one
+A request picked its release (``runtime.serve.server.ActiveRelease``) once, when it started; its rows (one
 per prompt) run every step on that release's batch, and rows of two releases are never in one
 batch. Each turn of the loop:
 
 1. admits the requests that arrived (a free ``Admission`` slot submitted them), as many as fit the
    release's batch of at most ``max_rows`` rows (the rest wait, in order): the arrivals of one
    release are prefilled together (each alone if the engine refuses them together, so a request
-   that cannot be prefilled fails alone), left-padded as ``runtime.generate`` pads prompts, their first
+   that cannot be prefilled fails alone), left-padded as ``runtime.engine.generate`` pads prompts, their first
    tokens sampled, and their rows merged into the release's running batch (``concat_caches``:
    every cache left-padded along the past axis to the longest, the padding masked);
 2. runs one decode step of each release's batch in turn (the releases take turns on the session's
@@ -24,7 +24,7 @@ Every row's real slots are the last ``lengths[b]`` of the batch's past, so the p
 the longest row and a row's next position is its length: it decodes as it would alone, up to float
 rounding. The thread runs while there is work and ends once there has been none for ``IDLE_S``; the
 next request starts another. An engine whose cache cannot be merged (fp16 sink tokens) is served per
-request instead (``runtime.generation.ForkedGeneration``).
+request instead (``runtime.serve.generation.ForkedGeneration``).
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.generate import left_padded
-from runtime.generation import Choice, Generation, StopText
-from runtime.sampling import greedy
-from runtime.tracing import MAX_BATCH
+from runtime.engine.generate import left_padded
+from runtime.engine.sampling import greedy
+from runtime.engine.tracing import MAX_BATCH
+from runtime.serve.generation import Choice, Generation, StopText
 
 log = logging.getLogger(__name__)
 # The scheduler thread waits this long for a request once it has no work, then ends (the next request

@@ -3,7 +3,7 @@
 Every ``interval`` seconds (``--tuf-interval``, device config ``tuf_interval``; 300 by default) a poll,
 on a thread of its own while requests are served:
 
-1. refreshes the TUF metadata from the device's trusted root (``runtime.tuf_pull.refreshed``: the root
+1. refreshes the TUF metadata from the device's trusted root (``runtime.release.tuf_pull.refreshed``: the root
    chain, then timestamp, snapshot and targets, with their signatures, thresholds, versions, lengths,
    hashes and expiry checked; nothing older than what ``--metadata-dir`` saw before);
 2. reads the signed ``channels.json`` (``signed_channels``);
@@ -12,7 +12,7 @@ on a thread of its own while requests are served:
    its tarball (length and sha256 as signed) and loads it as champion with ``AdapterServer.load``, the
    path of the directory watch and the admin API: ``verify_release`` unchanged (told the month the target
    was named by, which the signed manifest must say: ``month_mismatch``), the rollback rules,
-   and with ``--state-dir`` the health-gated commit of ``runtime.health`` (probes, window, revert);
+   and with ``--state-dir`` the health-gated commit of ``runtime.serve.health`` (probes, window, revert);
 4. likewise loads as candidate the month ``candidate`` names when it is newer than the champion and
    than the candidate resident here (the publish step names the newest month published there). A
    candidate gets the requests that name it and the canary share; it becomes champion when the
@@ -32,9 +32,9 @@ log line (``"event": "update_channel"``; a warning unless fresh):
 - ``stale``: no fresh metadata: ngclient refused the refresh (``stale_metadata``: an expired
   timestamp, a frozen channel; ``unreachable``; ``untrusted_metadata``: a wrong or revoked key;
   ``metadata_rollback``; ``too_large``; ``hash_mismatch``: metadata of another snapshot; see
-  ``runtime.tuf_pull.EXIT_CODES``), or no poll has finished yet (``not_checked``);
+  ``runtime.release.tuf_pull.EXIT_CODES``), or no poll has finished yet (``not_checked``);
 - ``refused``: the metadata is fresh, but what it names was refused: the target's bytes
-  (``hash_mismatch``, ``too_large``), the release itself (a ``runtime.package`` reason), a release
+  (``hash_mismatch``, ``too_large``), the release itself (a ``runtime.release.package`` reason), a release
   this device ``reverted``, or one older than it runs (``rollback``).
 
 Nothing is installed from metadata ngclient did not verify as fresh: a stale channel leaves every
@@ -60,16 +60,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runtime.contract import format_time, release_order, release_target_path
-from runtime.metrics import ChannelMetrics
-from runtime.package import PackageError
-from runtime.residents import CANDIDATE, CHAMPION, ResidencyError
-from runtime.tuf_pull import (
+from runtime.release.contract import format_time, release_order, release_target_path
+from runtime.release.package import PackageError
+from runtime.release.tuf_pull import (
     EXIT_CODES, UpdateRefused, channel_month, refreshed, release_tarball, signed_channels, target_info,
 )
+from runtime.serve.metrics import ChannelMetrics
+from runtime.serve.residents import CANDIDATE, CHAMPION, ResidencyError
 
 if TYPE_CHECKING:
-    from runtime.server import AdapterServer
+    from runtime.serve.server import AdapterServer
 
 log = logging.getLogger(__name__)
 DEFAULT_TUF_INTERVAL_S = 300.0  # a fleet polling a static server every 5 min; the timestamp lives a day

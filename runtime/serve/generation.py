@@ -5,9 +5,9 @@ A request (one prompt or a list) is a ``Generation``: per step its rows' new tok
 ``ServeSettings.decode``:
 
 * ``ForkedGeneration`` (``fork``): the request decodes alone on its own fork of its release's
-  engine handle, one ``runtime.generate.decode_steps`` step per ``next_choices()``, each in a
+  engine handle, one ``runtime.engine.generate.decode_steps`` step per ``next_choices()``, each in a
   worker thread.
-* ``runtime.batcher.BatchedGeneration`` (``batched``): the device's scheduler thread decodes it
+* ``runtime.serve.batcher.BatchedGeneration`` (``batched``): the device's scheduler thread decodes it
   together with every other request on the same release and hands it each step's choices.
 """
 
@@ -74,7 +74,7 @@ class Choice:
 
 
 class Generation:
-    """A request's choices on its release (``release``: the ``runtime.server.ActiveRelease`` it read
+    """A request's choices on its release (``release``: the ``runtime.serve.server.ActiveRelease`` it read
     once, when it started). ``next_choices()`` (async) gives the choices that changed in the next
     step, None once every choice has finished; ``close()`` ends the decode (a client that left)."""
 

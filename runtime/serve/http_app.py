@@ -1,29 +1,29 @@
-"""The device's HTTP API: an ASGI app (Starlette) over ``runtime.server.AdapterServer``.
+"""The device's HTTP API: an ASGI app (Starlette) over ``runtime.serve.server.AdapterServer``.
 
     POST /v1/completions        OpenAI completions: prompt (string or list), max_tokens, stop, temperature,
                                 top_p, seed, stream (server-sent events ending in ``data: [DONE]``)
     POST /v1/chat/completions   the same for messages, when the tokenizer has a chat template (else 400)
     GET  /v1/models             every resident release: id = release id, month, channel, owned_by
     GET  /healthz               liveness: always 200, with the champion (or none), the candidate and, with a
-                                state directory, the device state (``runtime.health.ReleaseGate.summary``); with
-                                an update channel, its state (``runtime.channel_watch.ChannelWatcher.summary``)
+                                state directory, the device state (``runtime.serve.health.ReleaseGate.summary``); with
+                                an update channel, its state (``runtime.serve.channel_watch.ChannelWatcher.summary``)
     GET  /ready                 200 once a champion is loaded, 503 before: the same body. A stale or refused
                                 update channel never makes it 503: the champion still answers correctly
-    GET  /metrics               Prometheus text format (``runtime.metrics``)
+    GET  /metrics               Prometheus text format (``runtime.serve.metrics``)
     POST /v1/adapters           admin: verify, bind and load a release {"path", "channel": "champion" (default,
                                 a swap) or "candidate"}
     POST /v1/adapters/promote   admin: the candidate becomes the champion, the champion goes to standby
     POST /v1/adapters/unload    admin: {"model"}: forget a resident release that is not the champion
 
-A request's ``model`` picks a resident release (``runtime.residents``): a release id, a month, or a channel,
+A request's ``model`` picks a resident release (``runtime.serve.residents``): a release id, a month, or a channel,
 ``champion`` or ``candidate``; an unknown one is 404 ``model_not_found``, with the resident list. Without
 ``model`` a request gets the champion, or the candidate for the ``canary_share`` of such requests
-(``runtime.residents.CanarySplit``: an exact, even split, no coin flip).
+(``runtime.serve.residents.CanarySplit``: an exact, even split, no coin flip).
 
 Every answer other than 2xx is OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``.
 Generation is CPU-bound and runs off the event loop, which stays free to answer health checks, metrics
 and refusals: by default (``decode="batched"``) the requests on one release are decoded together by
-one scheduler thread (``runtime.batcher``), each step's choices handed to the loop; with
+one scheduler thread (``runtime.serve.batcher``), each step's choices handed to the loop; with
 ``decode="fork"`` each request decodes alone, one step per worker-thread call. At most
 ``max_concurrent`` generations run at once, ``max_queue`` more wait; beyond that a request gets 503
 with ``Retry-After`` at once. A client that leaves (streamed or not) ends its decode at the next step.
@@ -51,8 +51,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from runtime.generation import Generation
-from runtime.openai_api import (
+from runtime.engine.sampling import make_sampler
+from runtime.engine.tokenizer import NoChatTemplate
+from runtime.engine.tracing import MAX_SEQ
+from runtime.release.package import PackageError, RollbackRefused
+from runtime.serve.generation import Generation
+from runtime.serve.openai_api import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -64,12 +68,8 @@ from runtime.openai_api import (
     usage,
     usage_chunk,
 )
-from runtime.package import PackageError, RollbackRefused
-from runtime.residents import CHAMPION, CHANNELS, CanarySplit, ResidencyError
-from runtime.sampling import make_sampler
-from runtime.server import AdapterServer
-from runtime.tokenizer import NoChatTemplate
-from runtime.tracing import MAX_SEQ
+from runtime.serve.residents import CHAMPION, CHANNELS, CanarySplit, ResidencyError
+from runtime.serve.server import AdapterServer
 
 log = logging.getLogger(__name__)
 REQUEST_ID = "x-request-id"
@@ -100,7 +100,7 @@ class ServeSettings:
     max_concurrent: int | None = None  # generations decoding at once; None: DEFAULT_MAX_CONCURRENT[decode]
     max_queue: int = 16  # generations waiting for a slot; beyond them, 503
     retry_after_s: int = 1
-    header_timeout_s: float = 10.0  # request line + headers must arrive within this (runtime.http_server)
+    header_timeout_s: float = 10.0  # request line + headers must arrive within this (runtime.serve.http_server)
     body_timeout_s: float = 10.0  # the body must arrive within this once the headers have
     keep_alive_s: int = 5  # an idle keep-alive connection is closed after this
     graceful_shutdown_s: int = 30  # on SIGTERM, requests in flight get this long to finish

@@ -1,4 +1,4 @@
-"""Serving the device's ASGI app (``runtime.http_app``) with uvicorn, hardened for an open port.
+"""Serving the device's ASGI app (``runtime.serve.http_app``) with uvicorn, hardened for an open port.
 
 uvicorn's h11 protocol already answers malformed HTTP (a bad request line, ``Content-Length: -1``)
 with 400 at once, closes idle keep-alive connections after ``timeout_keep_alive``, and on SIGTERM
@@ -25,9 +25,9 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from runtime.http_app import ServeSettings, build_app
-from runtime.openai_api import APIError
-from runtime.server import AdapterServer
+from runtime.serve.http_app import ServeSettings, build_app
+from runtime.serve.openai_api import APIError
+from runtime.serve.server import AdapterServer
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def configure_json_logging(level: int = logging.INFO) -> None:
 def serve(server: AdapterServer, settings: ServeSettings, host: str, port: int, watchers=()) -> int:
     """Serve until SIGTERM or SIGINT, then shut down gracefully; 0 once every request in flight finished
     (or the graceful deadline cut the rest, which the log says). ``watchers``: threads that load releases
-    (``runtime.server.Watcher``, ``runtime.channel_watch.ChannelWatcher``), started here, stopped at the end."""
+    (``runtime.serve.server.Watcher``, ``runtime.serve.channel_watch.ChannelWatcher``), started here, stopped at the end."""
     sock = listening_socket(host, port)
     for watcher in watchers:
         watcher.start()

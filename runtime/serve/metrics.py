@@ -2,9 +2,9 @@
 
 Every value is a counter, a gauge or a fixed-bucket histogram: memory stays bounded however long
 the device runs. Labels are bounded too: endpoints and statuses are the server's own, refusal
-reasons are ``runtime.package.EXIT_CODES``'s, channels ``runtime.residents``'s, revert reasons and
-champion states ``runtime.device_state``'s, the update channel's refusal reasons ``runtime.tuf_pull``'s
-and ``runtime.package``'s. What describes the resident releases (``release_info``, seconds to
+reasons are ``runtime.release.package.EXIT_CODES``'s, channels ``runtime.serve.residents``'s, revert reasons and
+champion states ``runtime.release.device_state``'s, the update channel's refusal reasons ``runtime.release.tuf_pull``'s
+and ``runtime.release.package``'s. What describes the resident releases (``release_info``, seconds to
 expiry, the resident count) is read from the resident set at each scrape (``ResidentCollector``), so
 an unloaded release leaves no series behind. The counters labelled by release (requests per release
 and channel, generation errors) are swept at each load and unload (``sweep_releases``): a release's
@@ -26,9 +26,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import GaugeMetricFamily
 
-from runtime.contract import parse_time
-from runtime.device_state import REVERT_REASONS
-from runtime.residents import UNLOAD_REASONS
+from runtime.release.contract import parse_time
+from runtime.release.device_state import REVERT_REASONS
+from runtime.serve.residents import UNLOAD_REASONS
 
 PREFIX = "adapter"
 # Seconds. A request is a prefill plus up to max_tokens decode steps of a few ms each on CPU.
@@ -64,7 +64,7 @@ class ResidentCollector:
 
 
 class ChannelMetrics:
-    """The update channel's state (``runtime.channel_watch``), in the server's registry once serve watches one;
+    """The update channel's state (``runtime.serve.channel_watch``), in the server's registry once serve watches one;
     ``reasons``: the refusal reasons whose counters start at 0."""
 
     def __init__(self, registry: CollectorRegistry, reasons):

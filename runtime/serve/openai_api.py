@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 OWNED_BY = "adapter-release"
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
-MAX_STOP_CHARS = 256  # per stop sequence: a step's cost grows with its square (runtime.generation.ChoiceText)
+MAX_STOP_CHARS = 256  # per stop sequence: a step's cost grows with its square (runtime.serve.generation.ChoiceText)
 MAX_SEED = 2**63 - 1
 MAX_PROMPTS = 16  # prompts of one request: decoded as one batch, in one generation slot
 

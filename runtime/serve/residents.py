@@ -1,7 +1,7 @@
 """The releases resident on a device, their channels, and which one a request gets.
 
 A device holds up to ``max_resident`` verified releases at once, each bound to its own engine handle
-(``runtime.server.ActiveRelease``). Two channels name one release each:
+(``runtime.serve.server.ActiveRelease``). Two channels name one release each:
 
 - ``champion``: what a request without ``model`` gets; loading a release as champion is a swap, and
   it is refused when older than the champion (``RollbackRefused``) unless rollback is allowed (a
@@ -24,12 +24,12 @@ from collections import OrderedDict
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from runtime.contract import release_order
-from runtime.errors import RefusedInput
-from runtime.package import RollbackRefused
+from runtime.engine.errors import RefusedInput
+from runtime.release.contract import release_order
+from runtime.release.package import RollbackRefused
 
 if TYPE_CHECKING:
-    from runtime.server import ActiveRelease
+    from runtime.serve.server import ActiveRelease
 
 CHAMPION, CANDIDATE, STANDBY = "champion", "candidate", "standby"
 CHANNELS = (CHAMPION, CANDIDATE)  # what a release can be loaded as; STANDBY is what a replaced one becomes

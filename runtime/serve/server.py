@@ -2,24 +2,24 @@
 
 The engine (one ONNX Runtime session) is opened once. Each verified release becomes an
 immutable ``ActiveRelease``: its own engine handle (``OrtEngine.fork``) with the release's LoRA
-inputs and KV scales bound, plus its manifest. Several stay resident at once (``runtime.residents``:
+inputs and KV scales bound, plus its manifest. Several stay resident at once (``runtime.serve.residents``:
 the ``champion``, a ``candidate``, and standby releases up to ``max_resident``, least recently used
 unloaded first). A generation gets its release once, when it starts (``AdapterServer.start_generation``),
 and runs every step, prefill to last token, on that release's handle: in the release's batch
-(``runtime.batcher``) or on its own fork of the handle (``runtime.generation``); a
+(``runtime.serve.batcher``) or on its own fork of the handle (``runtime.serve.generation``); a
 load, promotion or unload only changes which releases new requests can get (under a lock, after
 verification and binding are done), while requests in flight finish on theirs. A release that fails
 verification raises its ``PackageError`` (``reason``, ``exit_code``); the resident ones keep serving.
 
-With a state directory (``gate``: ``runtime.health``), a load is also checked against the high-water
+With a state directory (``gate``: ``runtime.serve.health``), a load is also checked against the high-water
 mark, a release is copied there, and a new champion is health-checked, then committed or reverted.
 
 Watch mode polls a directory for release directories or tarballs and loads as champion any verified
 one newer than the champion (never a rollback, nor a release reverted here). Publish into it atomically (write elsewhere,
 then rename), or a half-copied release is refused until its next change.
-The update channel's watch (``runtime.channel_watch``) loads what the signed channel names the same way.
+The update channel's watch (``runtime.serve.channel_watch``) loads what the signed channel names the same way.
 
-The HTTP side is ``runtime.http_app`` (routes) and ``runtime.http_server`` (uvicorn).
+The HTTP side is ``runtime.serve.http_app`` (routes) and ``runtime.serve.http_server`` (uvicorn).
 """
 
 from __future__ import annotations
@@ -31,12 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runtime.batcher import BatchedGeneration, Batcher
-from runtime.contract import MANIFEST
-from runtime.generate import decode_steps
-from runtime.generation import ForkedGeneration, Generation, StopText
-from runtime.metrics import ServerMetrics
-from runtime.package import (
+from runtime.engine.generate import decode_steps
+from runtime.release.contract import MANIFEST
+from runtime.release.package import (
     DEFAULT_MAX_PACKAGE_BYTES,
     PackageError,
     RollbackRefused,
@@ -44,11 +41,14 @@ from runtime.package import (
     unpacked_release,
     verify_release,
 )
-from runtime.residents import CANDIDATE, CHAMPION, DEFAULT_MAX_RESIDENT, ResidentSet
+from runtime.serve.batcher import BatchedGeneration, Batcher
+from runtime.serve.generation import ForkedGeneration, Generation, StopText
+from runtime.serve.metrics import ServerMetrics
+from runtime.serve.residents import CANDIDATE, CHAMPION, DEFAULT_MAX_RESIDENT, ResidentSet
 
 if TYPE_CHECKING:
-    from runtime.channel_watch import ChannelWatcher
-    from runtime.health import ReleaseGate
+    from runtime.serve.channel_watch import ChannelWatcher
+    from runtime.serve.health import ReleaseGate
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,8 @@ class AdapterServer:
         # One scheduler for every release's batch; None where the cache cannot be merged (fp16 sink tokens).
         self.batcher = (Batcher(tokenizer.stop_ids, tokenizer.pad_id, self.metrics)
                         if getattr(engine, "merges_caches", False) else None)
-        self.gate: ReleaseGate | None = None  # set by runtime.health.ReleaseGate: the state directory and its trials
-        self.channel: ChannelWatcher | None = None  # set by runtime.channel_watch.ChannelWatcher: the update channel
+        self.gate: ReleaseGate | None = None  # set by runtime.serve.health.ReleaseGate: the state directory and its trials
+        self.channel: ChannelWatcher | None = None  # set by runtime.serve.channel_watch.ChannelWatcher: the update channel
 
     @property
     def active(self) -> ActiveRelease | None:
@@ -160,7 +160,7 @@ class AdapterServer:
                          stops: list[str], decode: str = "batched") -> Generation:
         """A generation of ``prompts`` (token ids) on ``release`` (read once from ``active`` when the
         request started), for every step of it; a swap cannot reach it. ``decode="batched"``: decoded
-        with the other requests on ``release`` (``runtime.batcher``) when the engine's cache can be
+        with the other requests on ``release`` (``runtime.serve.batcher``) when the engine's cache can be
         merged, else, and with ``"fork"``, alone on a fork of the release's handle."""
         self.metrics.by_release.labels(release.release_id, self.residents.channel_of(release)).inc()
         texts = [StopText(self.tokenizer, stops) for _ in prompts]

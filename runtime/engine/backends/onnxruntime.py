@@ -30,10 +30,10 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as _C
 
-from runtime.contract import ENGINE_ONNX
-from runtime.engine import check_lora_inputs, kv_scale_inputs
-from runtime.errors import RefusedInput
-from runtime.interface import read_interface
+from runtime.engine.adapter import check_lora_inputs, zero_lora_inputs
+from runtime.engine.errors import RefusedInput
+from runtime.engine.interface import ENGINE_ONNX, read_interface
+from runtime.engine.kv_scales import kv_scale_inputs
 
 # Per ORT version: an optimized graph from another version may hold kernels this one lacks.
 # ORT_ENABLE_ALL also bakes in CPU-specific layouts (NCHWc), so it belongs to this machine's engine dir.
@@ -151,12 +151,12 @@ class OrtEngine:
 
     def set_adapter(self, lora: Mapping[str, np.ndarray] | None, kv_scales=None) -> None:
         """Bind an adapter's LoRA inputs (None = base model) and, on a quantized-KV engine, the
-        release's KV scales (``runtime.contract.read_kv_scales`` output); both are checked first."""
+        release's KV scales (``runtime.engine.kv_scales.read_kv_scales`` output); both are checked first."""
         static = None
         if self.kv_spec is not None:
             if kv_scales is None:
                 raise RefusedInput("this engine has a quantized KV cache: set_adapter needs the release's kv_scales "
-                                   "(runtime.contract.read_kv_scales); they are never defaulted to 1.0")
+                                   "(runtime.engine.kv_scales.read_kv_scales); they are never defaulted to 1.0")
             static = kv_scale_inputs(self.interface, kv_scales)
         elif kv_scales is not None:
             raise ValueError("this engine has a float KV cache; it takes no kv_scales")
@@ -184,8 +184,6 @@ class OrtEngine:
 
     def _bind_lora(self, lora: Mapping[str, np.ndarray] | None) -> None:
         if lora is None:
-            from runtime.adapter import zero_lora_inputs
-
             lora = zero_lora_inputs(self.interface)
         check_lora_inputs(self.interface, lora)
         # Copied (the engine keeps a snapshot, not the caller's arrays) into one contiguous buffer
@@ -280,7 +278,7 @@ class OrtEngine:
 
     def concat_caches(self, caches: list):
         """One cache of every row of ``caches``, in order, each left-padded with zero slots along the
-        past axis to the longest: the caller masks those slots (attention mask 0), as ``runtime.generate``
+        past axis to the longest: the caller masks those slots (attention mask 0), as ``runtime.engine.generate``
         left-pads prompts, so every row decodes as it would alone (up to float rounding)."""
         if not self.merges_caches:
             raise ValueError(f"a cache with {self.kv_spec['sink_tokens']} fp16 sink tokens cannot be merged")

@@ -28,11 +28,10 @@ from typing import Mapping
 
 import numpy as np
 
-from runtime.contract import CACHE_KEY_FILE, ENGINE_ONNX
-from runtime.device_state import atomic_write
-from runtime.engine import check_lora_inputs
-from runtime.hashing import sha256_file
-from runtime.interface import EngineInterface, read_interface
+from runtime.engine.adapter import check_lora_inputs, zero_lora_inputs
+from runtime.engine.atomic_files import atomic_write
+from runtime.engine.hashing import sha256_file
+from runtime.engine.interface import CACHE_KEY_FILE, ENGINE_ONNX, EngineInterface, read_interface
 
 PLAN_FILE = "model.plan"
 PLAN_KEY_FILE = "plan_key.json"  # which graph, TensorRT version and GPU the plan was built for
@@ -185,8 +184,8 @@ def export_flat_program(model_dir, iface: EngineInterface, device: str = "cpu"):
     """torch.export of the backbone behind a flat positional signature in interface order."""
     import torch
 
-    from runtime.model import load_backbone
-    from runtime.tracing import MAX_BATCH, MAX_PAST, MAX_SEQ, TRACE_BATCH, TRACE_PAST, TRACE_SEQ, example_inputs
+    from runtime.engine.model import load_backbone
+    from runtime.engine.tracing import MAX_BATCH, MAX_PAST, MAX_SEQ, TRACE_BATCH, TRACE_PAST, TRACE_SEQ, example_inputs
 
     model = load_backbone(model_dir, iface.target_modules).to(device)
     n_kv = 2 * iface.num_layers
@@ -247,8 +246,6 @@ class TensorRTEngine:
 
     def set_adapter(self, lora: Mapping[str, np.ndarray] | None) -> None:
         if lora is None:
-            from runtime.adapter import zero_lora_inputs
-
             lora = zero_lora_inputs(self.interface)
         check_lora_inputs(self.interface, lora)
         torch = self._torch

@@ -8,9 +8,9 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from runtime.engine import check_lora_inputs
-from runtime.interface import EngineInterface, read_interface
-from runtime.model import load_backbone
+from runtime.engine.adapter import check_lora_inputs, zero_lora_inputs
+from runtime.engine.interface import EngineInterface, read_interface
+from runtime.engine.model import load_backbone
 
 
 
@@ -31,8 +31,6 @@ class TorchEngine:
 
     def set_adapter(self, lora: Mapping[str, np.ndarray] | None) -> None:
         if lora is None:
-            from runtime.adapter import zero_lora_inputs
-
             lora = zero_lora_inputs(self.interface)
         check_lora_inputs(self.interface, lora)
         self._lora = tuple(torch.tensor(np.asarray(lora[n], dtype=np.float32)) for n in self.interface.lora_names)  # copies
