@@ -235,7 +235,7 @@ def test_the_same_scales_are_the_same_bytes_in_every_process(release, tmp_path):
     """safetensors writes its metadata map in hash order, which changes per process; DVC hashes the
     file, so equal scales written by two runs must be equal bytes (else every later stage re-runs)."""
     code = (
-        "import sys; from pathlib import Path; from runtime.release.contract import read_kv_scales, write_kv_scales; "
+        "import sys; from pathlib import Path; from runtime.engine.kv_scales import read_kv_scales, write_kv_scales; "
         "s = read_kv_scales(Path(sys.argv[1]), sys.argv[2], sys.argv[3]); out = Path(sys.argv[4]); out.mkdir(); "
         "write_kv_scales(out, s)"
     )
