@@ -1,7 +1,8 @@
 """The layering of docs/architecture.md, enforced on every import of every source module.
 
-The scan reads each module's AST, so imports inside functions (the lazy ones) count as much as
-module-level ones; relative imports are resolved to absolute names first.
+The scan (``import_graph_testkit``) reads each module's AST, so imports inside functions (the lazy ones)
+count as much as module-level ones, and so do type-only ones here; relative imports are resolved to
+absolute names first.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-
 from pathlib import Path
 
 from import_graph_testkit import PACKAGES, ROOT, imports, module_name, source_modules
