@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from bench.report import write_report
-from runtime.contract import ENGINE_ONNX
+from runtime.engine.interface import ENGINE_ONNX
 
 CONFIGS = {
     # The default backbone of the foundation issue.
@@ -45,8 +45,8 @@ def make_backbone_and_adapter(root: Path, dims: dict) -> tuple[Path, Path]:
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from runtime.contract import PROVENANCE
-    from runtime.hashing import backbone_hash
+    from runtime.engine.adapter_config import PROVENANCE
+    from runtime.engine.hashing import backbone_hash
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**dims, max_position_embeddings=4096))
@@ -128,11 +128,11 @@ def measure(engine, cfg, iters: int, pasts=(128, 512), prefill: int = 128) -> di
 
 
 def bench_config(name: str, dims: dict, iters: int, threads: int, work: Path) -> dict:
-    from runtime.adapter import load_adapter
-    from runtime.backends.onnxruntime import OrtEngine
-    from runtime.backends.torch_eager import TorchEngine
-    from runtime.interface import INTERFACE_FILE, write_interface
-    from runtime.model import read_config
+    from runtime.engine.adapter import load_adapter
+    from runtime.engine.backends.onnxruntime import OrtEngine
+    from runtime.engine.backends.torch_eager import TorchEngine
+    from runtime.engine.interface import INTERFACE_FILE, write_interface
+    from runtime.engine.model import read_config
     from tasks.compile import compile_engine, export_backbone
 
     root = work / name

@@ -37,13 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from bench.engine_bench import CONFIGS, make_backbone_and_adapter, measure
-    from runtime.adapter import load_adapter
-    from runtime.backends.onnxruntime import OrtEngine
-    from runtime.backends.tensorrt import (
+    from runtime.engine.adapter import load_adapter
+    from runtime.engine.backends.onnxruntime import OrtEngine
+    from runtime.engine.backends.tensorrt import (
         TensorRTEngine, TensorRTUnavailable, build_plan, build_plan_torch_tensorrt, require_tensorrt,
     )
-    from runtime.generate import greedy_generate
-    from runtime.model import read_config
+    from runtime.engine.generate import greedy_generate
+    from runtime.engine.model import read_config
     from tasks.compile import compile_engine
     from tasks.weight_engines import open_on_cpu, quantize_engine_dir
 

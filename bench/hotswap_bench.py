@@ -42,7 +42,7 @@ from pathlib import Path
 
 from bench.report import write_report
 from bench.serve_client import Client, summary_ms
-from runtime.contract import MANIFEST
+from runtime.release.contract import MANIFEST
 
 RESULTS = Path(__file__).parent / "results" / "hotswap_bench.json"
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -87,9 +87,9 @@ def make_tiny_adapter(base: Path, out: Path, engine_dir: Path | None = None, r: 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from runtime.contract import PROVENANCE
-    from runtime.hashing import backbone_hash
-    from runtime.interface import read_interface
+    from runtime.engine.adapter_config import PROVENANCE
+    from runtime.engine.hashing import backbone_hash
+    from runtime.engine.interface import read_interface
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
@@ -154,7 +154,7 @@ def build_tiny_world(root: Path) -> dict:
 def existing_world(count: int = 2) -> dict | None:
     """The last ``count`` packaged releases of the pipeline (and their PEFT adapters), if ``make
     release`` ran for that many months."""
-    from runtime.signing import public_key_path
+    from runtime.release.signing import public_key_path
     from tasks.config import load_config
     from tasks.layout import ADAPTER_DIR, FINETUNE, PACKAGE, RELEASE_DIR
 
@@ -226,12 +226,12 @@ class OpenLoop:
 
 def run_load_test(world: dict, rates: list[float], before: float, during: float, after: float, swap_every: float,
                   max_new_tokens: int, threads: int, arrivals: str = "poisson", workers: int = 64) -> dict:
-    from runtime.backends.onnxruntime import OrtEngine
-    from runtime.latency import percentile
-    from runtime.package import PackageError, load_trusted_keys
-    from runtime.http_server import BackgroundServer
-    from runtime.server import AdapterServer
-    from runtime.tokenizer import DeviceTokenizer
+    from runtime.engine.backends.onnxruntime import OrtEngine
+    from runtime.engine.latency import percentile
+    from runtime.engine.tokenizer import DeviceTokenizer
+    from runtime.release.package import PackageError, load_trusted_keys
+    from runtime.serve.http_server import BackgroundServer
+    from runtime.serve.server import AdapterServer
 
     engine = OrtEngine(world["engine"], threads=threads)
     app = AdapterServer(engine, DeviceTokenizer(world["tokenizer"]), load_trusted_keys([world["trusted_key"]]))

@@ -4,7 +4,7 @@ One run, interleaved (float, quantized, float, ...; see ``bench.engine_bench.int
 batch 1, 2 threads, on the tiny default backbone with a rank-8 LoRA as inputs:
   decode latency per token with a past of 512 and of 2048 tokens, and the KV bytes stored per token.
 
-Engines (``runtime/kv_model.py``):
+Engines (``runtime/engine/kv_model.py``):
   float32            the float-KV engine of issue 3 (the cache is fp32 ORT values)
   K4pre/V4t sink1    standard ONNX ops, kernels.kv_spec.PRE_ROPE_SCHEME: per-channel asymmetric keys before
                      RoPE, per-token symmetric values, one fp16 sink token (RoPE re-applied at every step)
@@ -42,7 +42,7 @@ PASTS = (512, 2048)
 
 
 def calibrate_random(model_dir: Path, lora: dict, spec):
-    from runtime.model import load_backbone
+    from runtime.engine.model import load_backbone
     from tasks.calibrate import collect_kv_stats, kv_scales_from_stats
 
     model = load_backbone(model_dir, merged_lora={k: torch.from_numpy(v) for k, v in lora.items()})
@@ -58,9 +58,9 @@ def cache_bytes_per_token(engine, cache, past: int) -> float:
 
 
 def run(iters: int, threads: int, work: Path) -> dict:
-    from runtime.adapter import load_adapter
-    from runtime.backends.onnxruntime import OrtEngine
-    from runtime.model import read_config
+    from runtime.engine.adapter import load_adapter
+    from runtime.engine.backends.onnxruntime import OrtEngine
+    from runtime.engine.model import read_config
     from tasks.compile import compile_engine
 
     dims = CONFIGS["tiny"]

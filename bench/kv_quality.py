@@ -20,7 +20,7 @@ its own float keys and hide the error of reading quantized ones back.
 
 The "GQA op" row (what ONNX Runtime's fused GroupQueryAttention implements, the fast engine path)
 is measured twice: in the grid through the reference cache like every row, and exactly as the
-engine computes it (``GQA_ROW``: ``runtime.kv_model``'s eager GQA module, where the prompt and every
+engine computes it (``GQA_ROW``: ``runtime.engine.kv_model``'s eager GQA module, where the prompt and every
 new token also read themselves back quantized), two-pass and decode-like.
 """
 
@@ -154,7 +154,7 @@ GQA_ROW = "K4/V4 static per-channel K+V sym (GQA op)"
 def gqa_engine_exact(backbone, ids: torch.Tensor, prefix_len: int, scales: dict, float_row: dict, chunk: int) -> dict:
     """Perplexity of ``GQA_ROW`` computed as the GQA engine computes it: prefix, then the suffix in
     one pass and in ``chunk``-token steps, through ``QuantizedKVBackbone(..., "gqa")``; deltas vs the float row."""
-    from runtime.kv_model import QuantizedKVBackbone
+    from runtime.engine.kv_model import QuantizedKVBackbone
 
     module = QuantizedKVBackbone(backbone, grid()[GQA_ROW], "gqa")
     static = [t for i in range(backbone.cfg.num_layers) for t in (scales["k_scale"][i], scales["v_scale"][i])]
@@ -205,10 +205,10 @@ def attention_outputs(backbone, ids: torch.Tensor, prefix_len: int, past: tuple)
     """Per layer, the attention output of the float run's suffix queries over ``past`` + the float
     suffix K/V: isolates each layer's cache error from the error carried in by earlier layers.
 
-    Reads Block weights by their runtime/model.py names (ln1, qkv_w, qkv_b); see the report.
+    Reads Block weights by their runtime/engine/model.py names (ln1, qkv_w, qkv_b); see the report.
     """
     from kernels.rope import apply_rope
-    from runtime.model import rms_norm
+    from runtime.engine.model import rms_norm
 
     cfg = backbone.cfg
     B, T = ids.shape
@@ -353,7 +353,7 @@ def _scales_for(stats_by_rope: dict):
 
 
 def text_case(cache_dir: Path, quick: bool, steps: int, context_len: int) -> dict:
-    from runtime.model import load_backbone
+    from runtime.engine.model import load_backbone
     from tasks.base_model import load_tokenizer
     from tasks.calibrate import collect_kv_stats, key_outlier_ratio
 
@@ -389,12 +389,13 @@ def text_case(cache_dir: Path, quick: bool, steps: int, context_len: int) -> dic
 def default_case(base: Path, adapter: Path, data: Path, out_dir: Path, quick: bool, context_len: int,
                  engine: Path | None = None) -> dict:
     """The default month: calibration through the real stage, perplexity and task accuracy through the cache."""
-    from runtime.contract import ADAPTER_WEIGHTS, read_kv_scales
-    from runtime.hashing import backbone_hash, sha256_file
+    from runtime.engine.adapter_config import ADAPTER_WEIGHTS
+    from runtime.engine.hashing import backbone_hash, sha256_file
+    from runtime.engine.kv_scales import read_kv_scales
     from tasks.base_model import load_tokenizer
     from tasks.calibrate import cache_kwargs, calibrate_kv_scales, collect_kv_stats, jsonl_batches, load_release_backbone
     from tasks.data import read_jsonl
-    from tasks.evaluate import accuracy_report
+    from tasks.scoring import accuracy_report
 
     # An adapter fine-tuned against the compiled engine records its interface: check it against that engine.
     backbone, base_hash, _ = load_release_backbone(base, adapter, engine)

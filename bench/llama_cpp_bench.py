@@ -82,8 +82,8 @@ import numpy as np
 from bench.engine_bench import engine_steps, interleaved
 from bench.report import write_report
 from bench.weight_quant_bench import CONFIGS, build_variants
+from runtime.engine.interface import ENGINE_ONNX
 from tasks.weight_graph import DEFAULT_BLOCK_SIZE
-from runtime.contract import ENGINE_ONNX
 
 PEER_VERSION = "0.3.36"  # llama-cpp-python, pinned in pyproject.toml's `peer` extra
 SRC_ENV = "LLAMA_CPP_SRC"  # the sdist (.tar.gz) or a directory holding convert_hf_to_gguf.py
@@ -412,7 +412,7 @@ def quantized_kv_variants(root: Path, lora: dict, threads: int) -> dict:
     compile stage does, its weights quantized, the adapter and calibrated scales bound."""
     from bench.engine_bench import RANK, TARGETS
     from bench.kv_engine_bench import calibrate_random
-    from runtime.backends.onnxruntime import OrtEngine
+    from runtime.engine.backends.onnxruntime import OrtEngine
     from tasks.compile import compile_engine
     from tasks.config import EngineConfig, KVConfig
     from tasks.weight_engines import quantize_engine_dir
@@ -434,7 +434,7 @@ def bench_config(llama_cpp, llama_dir: Path, name: str, pasts: list[int], iters:
                  flash_attn: bool) -> dict:
     import onnx
 
-    from runtime.adapter import load_adapter
+    from runtime.engine.adapter import load_adapter
 
     dims = CONFIGS[name]
     t0 = time.perf_counter()

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.report import write_report
-from runtime.contract import ADAPTER_CONFIG
+from runtime.engine.adapter_config import ADAPTER_CONFIG
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",

@@ -85,7 +85,7 @@ STAGES = ("data", "base_model", "compile", "finetune", "calibrate", "evaluate", 
 # is the process's own high-water mark (KiB on Linux); RUSAGE_CHILDREN that of any process it waited for.
 STAGE_HOOK = '''\
 import atexit, json, os, resource, sys, time
-from runtime.contract import CACHE_KEY_FILE
+from runtime.engine.interface import CACHE_KEY_FILE
 
 _START = time.time()
 
@@ -254,9 +254,10 @@ def serving_dirs(project: Path, cfg) -> dict:
 
 def open_serving(engine_dir: Path, project: Path, cfg, threads: int):
     """An engine with the release's adapter and KV scales bound, as the device serves it."""
-    from runtime.adapter import load_adapter
-    from runtime.contract import ADAPTER_WEIGHTS, read_kv_scales
-    from runtime.hashing import backbone_hash, sha256_file
+    from runtime.engine.adapter import load_adapter
+    from runtime.engine.adapter_config import ADAPTER_WEIGHTS
+    from runtime.engine.hashing import backbone_hash, sha256_file
+    from runtime.engine.kv_scales import read_kv_scales
     from tasks.weight_engines import open_on_cpu
 
     adapter_dir = project / cfg.layout.adapter_dir
@@ -335,7 +336,7 @@ def decode(dirs: dict, ggufs: dict, project: Path, cfg, iters: int, threads: int
     timed in one interleaved loop, then closed before the next group opens (memory: ``DECODE_GROUPS``)."""
     from bench.engine_bench import engine_steps, interleaved
     from bench.llama_cpp_bench import llama_steps
-    from runtime.model import read_config
+    from runtime.engine.model import read_config
 
     model_cfg = read_config(Path(cfg.base_model.path))
     rows = {}

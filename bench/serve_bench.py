@@ -42,7 +42,7 @@ tokens/s swing with the load, CPU per token much less (spin-waiting threads, ONN
 llama.cpp's, count as busy). The reference is our
 own batch-1 sequential rate: one client, one request at a time, on our servers (the better of fork
 and batched at 1 client); beside it, as information, the engine's bare batch-1 rate (the same
-prompts through ``runtime.generate.decode_steps`` on a fork of the release, in this process, no
+prompts through ``runtime.engine.generate.decode_steps`` on a fork of the release, in this process, no
 HTTP: the fork path's decode loop). Targets (issue 17, at 8 clients): tokens/s at least 3x the batch-1 sequential rate and at least llama-server's, p99 time to
 first token no worse than llama-server's. Writes ``bench/results/serve_bench.json``.
 """
@@ -66,7 +66,7 @@ import psutil
 from bench.hotswap_bench import build_tiny_world, existing_world
 from bench.report import write_report
 from bench.serve_client import Answer, Client, summary_ms
-from runtime.http_app import DECODE_MODES
+from runtime.serve.http_app import DECODE_MODES
 
 RESULTS = Path(__file__).parent / "results" / "serve_bench.json"
 SERVER_ENV = "LLAMA_SERVER"  # path of the llama-server binary
@@ -116,12 +116,12 @@ def convert_for_llama(world: dict, work: Path, src: str | None) -> tuple[Path, P
 def serve_child(argv: list[str]) -> int:
     """``python -m bench.serve_bench serve DECODE SLOTS MAX_TOKENS THREADS ENGINE TOKENIZER KEY RELEASE``:
     our device server as ``python -m runtime serve`` runs it, with ``ServeSettings(decode=DECODE)``."""
-    from runtime.engine import open_engine
-    from runtime.http_app import ServeSettings
-    from runtime.http_server import configure_json_logging, serve
-    from runtime.package import load_trusted_keys
-    from runtime.server import AdapterServer
-    from runtime.tokenizer import DeviceTokenizer
+    from runtime.engine.engine import open_engine
+    from runtime.engine.tokenizer import DeviceTokenizer
+    from runtime.release.package import load_trusted_keys
+    from runtime.serve.http_app import ServeSettings
+    from runtime.serve.http_server import configure_json_logging, serve
+    from runtime.serve.server import AdapterServer
 
     decode, slots, max_tokens, threads, engine, tokenizer, key, release = argv
     configure_json_logging()
@@ -255,11 +255,11 @@ def pooled(rounds: list[tuple[list[Answer], float, float]]) -> dict:
 
 def engine_batch1(world: dict, prompt_ids: list[list[int]], max_tokens: int, threads: int, repeats: int) -> dict:
     """Tokens/s of the bare engine, batch 1, one prompt after another (no HTTP), the release bound."""
-    from runtime.engine import open_engine
-    from runtime.generate import decode_steps
-    from runtime.package import load_trusted_keys
-    from runtime.server import AdapterServer
-    from runtime.tokenizer import DeviceTokenizer
+    from runtime.engine.engine import open_engine
+    from runtime.engine.generate import decode_steps
+    from runtime.engine.tokenizer import DeviceTokenizer
+    from runtime.release.package import load_trusted_keys
+    from runtime.serve.server import AdapterServer
 
     tokenizer = DeviceTokenizer(world["tokenizer"])
     app = AdapterServer(open_engine(world["engine"], "onnxruntime", threads=threads), tokenizer,
@@ -280,7 +280,7 @@ def engine_batch1(world: dict, prompt_ids: list[list[int]], max_tokens: int, thr
 
 def measure(world: dict, names: list[str], clients: list[int], rounds: int, requests: int, max_tokens: int,
             threads: int, gguf, binary, logs: Path) -> dict:
-    from runtime.tokenizer import DeviceTokenizer
+    from runtime.engine.tokenizer import DeviceTokenizer
 
     tokenizer = DeviceTokenizer(world["tokenizer"])
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]

@@ -17,10 +17,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from runtime.latency import percentile
+from runtime.engine.latency import percentile
 
 COMPLETIONS = "/v1/completions"
-REQUEST_ID = "X-Request-Id"  # echoed by the device; its log lines carry it (runtime.http_app.RequestLog)
+REQUEST_ID = "X-Request-Id"  # echoed by the device; its log lines carry it (runtime.serve.http_app.RequestLog)
 
 
 @dataclass

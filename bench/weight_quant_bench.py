@@ -26,8 +26,8 @@ import torch
 
 from bench.engine_bench import RANK, TARGETS, engine_steps, interleaved, make_backbone_and_adapter
 from bench.report import write_report
+from runtime.engine.interface import ENGINE_ONNX
 from tasks.weight_graph import DEFAULT_BLOCK_SIZE
-from runtime.contract import ENGINE_ONNX
 
 CONFIGS = {
     "tiny": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024,
@@ -54,10 +54,10 @@ VARIANTS = {
 
 
 def build_variants(name: str, dims: dict, threads: int, work: Path, variants: list[str]):
-    from runtime.adapter import load_adapter
-    from runtime.backends.onnxruntime import OrtEngine
-    from runtime.interface import INTERFACE_FILE, write_interface
-    from runtime.model import read_config
+    from runtime.engine.adapter import load_adapter
+    from runtime.engine.backends.onnxruntime import OrtEngine
+    from runtime.engine.interface import INTERFACE_FILE, write_interface
+    from runtime.engine.model import read_config
     from tasks.compile import compile_engine, export_backbone
     from tasks.weight_engines import quantize_engine_dir
 

@@ -22,18 +22,18 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.engine.interface import ENGINE_ONNX
 from tasks.config import WeightAccuracyDrop, load_config
 from tasks.gates import weights_accuracy_gate
 from tasks.weight_engines import WEIGHTS_FILE, open_on_cpu, quantize_engine_dir
 from tasks.weight_graph import DEFAULT_BLOCK_SIZE, WeightQuantError, calibrate_activations
-from runtime.contract import ENGINE_ONNX
 
 log = logging.getLogger(__name__)
 
 
 def open_with_adapter(engine_dir: Path, adapter_dir: Path, threads: int = 2):
     """``open_on_cpu`` with the adapter's LoRA inputs bound (refuses an adapter made for another interface)."""
-    from runtime.adapter import load_adapter
+    from runtime.engine.adapter import load_adapter
 
     engine = open_on_cpu(engine_dir, threads)
     engine.set_adapter(load_adapter(adapter_dir, engine.interface))
@@ -43,9 +43,10 @@ def open_with_adapter(engine_dir: Path, adapter_dir: Path, threads: int = 2):
 def engine_quality(engine, tokenizer, data_dir: Path, max_new_tokens: int = 8, batch_size: int = 64) -> dict:
     """Accuracy (all / new / regression rules) on ``test`` and perplexity on held-out text of an
     engine with the adapter bound (``open_with_adapter``)."""
-    from runtime.generate import generate_text
+    from runtime.engine.generate import generate_text
     from tasks.data import HELDOUT_TEXT, read_jsonl, read_text_corpus
-    from tasks.evaluate import accuracy_report, engine_perplexity
+    from tasks.evaluate import engine_perplexity
+    from tasks.scoring import accuracy_report
 
     test = read_jsonl(Path(data_dir) / "test.jsonl")
     report = accuracy_report(test, generate_text(engine, tokenizer, [ex.prompt for ex in test], max_new_tokens, batch_size))

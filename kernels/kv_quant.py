@@ -12,7 +12,7 @@ u in [0, 2^b - 1] and read back as ``x = (u - zero) * scale``.
 
 The scheme (widths, granularity, symmetry, keys before or after RoPE, fp16 sink and window) is a
 ``kernels.kv_spec.KVQuantSpec``; its docstring says what each choice means and measured. Keys
-quantized before RoPE: the backbone in ``runtime/model.py`` hands out post-RoPE keys; the reference
+quantized before RoPE: the backbone in ``runtime/engine/model.py`` hands out post-RoPE keys; the reference
 cache below un-rotates them exactly (RoPE is orthogonal) before quantizing and re-rotates them at
 every read.
 
@@ -176,7 +176,7 @@ class _Quantized:
 
 
 class QuantizedKVCache:
-    """Reference quantized KV cache for all layers of ``runtime.model.Backbone``.
+    """Reference quantized KV cache for all layers of ``runtime.engine.model.Backbone``.
 
     ``append(layer, k, v, positions)`` takes the post-RoPE k and v (B, nkv, T, d) that the
     backbone returns and the positions (B, T) of those tokens; ``get(layer)`` returns the

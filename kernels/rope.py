@@ -1,10 +1,10 @@
 """Rotary position embedding (RoPE, Su et al. 2021): the one implementation every path shares.
 
-The backbone (``runtime/model.py``) rotates queries and keys with it; the quantized-KV engine
-(``runtime/kv_model.py``) re-rotates the pre-RoPE keys it reads from its cache; the reference cache
+The backbone (``runtime/engine/model.py``) rotates queries and keys with it; the quantized-KV engine
+(``runtime/engine/kv_model.py``) re-rotates the pre-RoPE keys it reads from its cache; the reference cache
 (``kernels/kv_quant.py``) and the calibration (``tasks/calibrate.py``) undo it to quantize keys
 before RoPE. Channel i pairs with channel i + d/2 and both share an angle (Hugging Face's
-``rotate_half`` layout); the inverse frequencies come from ``runtime.model.rope_inv_freq``.
+``rotate_half`` layout); the inverse frequencies come from ``runtime.engine.model.rope_inv_freq``.
 
 ``rotate_half``'s sign is carried by the sine table instead of a Neg on every rotated tensor:
 x cos + rotate_half(x) sin = x cos + swap_halves(x) sin_signed with sin_signed = (-sin, sin) per

@@ -28,9 +28,9 @@ relative paths are relative to the file); flags add to it or override it:
      "tuf_interval": 300}
 
 Exit codes: 0 success, 1 crash (a bug), 2 bad usage or device configuration, 30 the registry
-could not give the release, 31-38 the update channel refused (``runtime.tuf_pull.EXIT_CODES``:
+could not give the release, 31-38 the update channel refused (``runtime.release.tuf_pull.EXIT_CODES``:
 31 stale_metadata, 32 untrusted_metadata, 33 metadata_rollback, 34 hash_mismatch, 35 too_large,
-36 unreachable, 37 unknown_target, 38 repository), and one code per refusal of ``runtime.package.EXIT_CODES``:
+36 unreachable, 37 unknown_target, 38 repository), and one code per refusal of ``runtime.release.package.EXIT_CODES``:
 10 malformed, 11 checksum, 12 unlisted_file, 13 signature, 14 backbone_mismatch,
 15 interface_mismatch, 16 adapter, 17 kv_scales, 18 size_limit, 19 unsafe_path, 20 rollback,
 21 expired, 22 tokenizer_mismatch, 23 reverted (serve with --state-dir), 24 month_mismatch (fetched by
@@ -45,12 +45,12 @@ import logging
 import sys
 from pathlib import Path
 
-from runtime.channel_watch import DEFAULT_TUF_INTERVAL_S
-from runtime.errors import RefusedInput
-from runtime.health import DEFAULT_HEALTH_WINDOW_S
-from runtime.http_app import DECODE_MODES, DEFAULT_MAX_CONCURRENT, ServeSettings
-from runtime.package import DEFAULT_MAX_PACKAGE_BYTES, EXIT_CODES, PackageError
-from runtime.residents import CANDIDATE, CHANNELS, DEFAULT_MAX_RESIDENT
+from runtime.engine.errors import RefusedInput
+from runtime.release.package import DEFAULT_MAX_PACKAGE_BYTES, EXIT_CODES, PackageError
+from runtime.serve.channel_watch import DEFAULT_TUF_INTERVAL_S
+from runtime.serve.health import DEFAULT_HEALTH_WINDOW_S
+from runtime.serve.http_app import DECODE_MODES, DEFAULT_MAX_CONCURRENT, ServeSettings
+from runtime.serve.residents import CANDIDATE, CHANNELS, DEFAULT_MAX_RESIDENT
 
 EXIT_USAGE = 2
 SERVE_EPILOG = ("exit codes: 0 stopped by SIGTERM or SIGINT after a graceful shutdown, 1 crash (a bug), 2 bad usage or "
@@ -105,7 +105,7 @@ def _resident_settings(settings) -> tuple[int, float]:
 
 
 def _open_interface(engine_dir):
-    from runtime.interface import read_interface
+    from runtime.engine.interface import read_interface
 
     return read_interface(engine_dir) if engine_dir is not None else None
 
@@ -114,15 +114,15 @@ def _tokenizer_checks(settings) -> dict:
     """What a release is checked against on this device's tokenizer: its file hash and stop ids."""
     if settings.get("tokenizer") is None:
         return {}
-    from runtime.tokenizer import DeviceTokenizer
+    from runtime.engine.tokenizer import DeviceTokenizer
 
     tokenizer = DeviceTokenizer(settings["tokenizer"])
     return {"tokenizer_sha256": tokenizer.sha256, "stop_token_ids": tokenizer.stop_ids}
 
 
 def cmd_verify(args, settings) -> int:
-    from runtime.contract import release_order
-    from runtime.package import load_trusted_keys, verify_path
+    from runtime.release.contract import release_order
+    from runtime.release.package import load_trusted_keys, verify_path
 
     if args.active_release is not None:
         try:
@@ -139,7 +139,7 @@ def cmd_verify(args, settings) -> int:
 
 
 def cmd_pull(args, settings) -> int:
-    from runtime.package import load_trusted_keys
+    from runtime.release.package import load_trusted_keys
 
     if (args.registry is None) == (settings["tuf_url"] is None):
         raise DeviceConfigError("pull needs exactly one source: --registry (dvc get) or --tuf-url (update channel)")
@@ -147,11 +147,11 @@ def cmd_pull(args, settings) -> int:
                   max_bytes=settings["max_package_bytes"], **_tokenizer_checks(settings))
     keys = load_trusted_keys(settings["trusted_keys"])
     if args.registry is not None:
-        from runtime.pull import pull
+        from runtime.release.pull import pull
 
         verified = pull(args.registry, args.to, keys, month=args.release, alias=args.alias, rev=args.rev, **checks)
     else:
-        from runtime.tuf_pull import tuf_pull
+        from runtime.release.tuf_pull import tuf_pull
 
         _check_channel(settings, "pull")
         verified = tuf_pull(settings["tuf_url"], settings["trusted_root"], settings["metadata_dir"], args.to, keys,
@@ -171,11 +171,11 @@ def _check_channel(settings, command: str) -> None:
 
 
 def cmd_serve(args, settings) -> int:
-    from runtime.engine import open_engine
-    from runtime.package import load_trusted_keys
-    from runtime.http_server import configure_json_logging, serve
-    from runtime.server import AdapterServer
-    from runtime.tokenizer import TOKENIZER_FILE, DeviceTokenizer
+    from runtime.engine.engine import open_engine
+    from runtime.engine.tokenizer import TOKENIZER_FILE, DeviceTokenizer
+    from runtime.release.package import load_trusted_keys
+    from runtime.serve.http_server import configure_json_logging, serve
+    from runtime.serve.server import AdapterServer
 
     configure_json_logging()  # every line of a serving device is JSON, the first release's load included
     if settings["engine"] is None:
@@ -208,7 +208,7 @@ def cmd_serve(args, settings) -> int:
     app = AdapterServer(engine, DeviceTokenizer(settings["tokenizer"]), keys, settings["max_package_bytes"],
                         max_resident)
     if state is not None:
-        from runtime.health import ReleaseGate
+        from runtime.serve.health import ReleaseGate
 
         ReleaseGate(app, state, settings["health_window"], serve_settings.decode).resume()
     if args.package is not None:
@@ -217,12 +217,12 @@ def cmd_serve(args, settings) -> int:
         app.load(args.candidate, channel=CANDIDATE)
     watchers = []
     if args.watch is not None:
-        from runtime.server import Watcher
+        from runtime.serve.server import Watcher
 
         watchers.append(Watcher(app, Path(args.watch), args.watch_interval))
         watchers[-1].poll_once()
     if settings["tuf_url"] is not None:
-        from runtime.channel_watch import ChannelWatcher
+        from runtime.serve.channel_watch import ChannelWatcher
 
         # its first poll runs on its thread: a channel that is down never delays serving the resumed release
         watchers.append(ChannelWatcher(app, settings["tuf_url"], settings["trusted_root"], settings["metadata_dir"],
@@ -237,7 +237,7 @@ def _open_state(settings, exclusive: bool = True):
         raise DeviceConfigError(f"health_window (--health-window) {window!r}: seconds, 0 or more")
     if settings["state_dir"] is None:
         return None
-    from runtime.device_state import DeviceState
+    from runtime.release.device_state import DeviceState
 
     return DeviceState(settings["state_dir"], exclusive)
 

@@ -13,7 +13,7 @@ import random
 import sys
 from pathlib import Path
 
-from runtime.hashing import sha256_file
+from runtime.engine.hashing import sha256_file
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
 from tasks.config import BaseModelConfig, DataConfig, ReleaseConfig, StageError, TrainConfig
@@ -29,11 +29,11 @@ class BaseModelError(StageError, ValueError):
 
 def check_base_model_dir(path: Path) -> dict:
     """Refuse, before anything heavy is loaded, a directory the engine cannot reproduce or the device
-    cannot serve: a config key it does not compute (``runtime.model.BackboneConfig.from_hf``), weights
+    cannot serve: a config key it does not compute (``runtime.engine.model.BackboneConfig.from_hf``), weights
     that are pickled only, a missing shard or tensor, a tokenizer without tokenizer.json or eos. Reads
     JSON and safetensors headers only; returns config.json."""
-    from runtime.model import CONFIG_FILE, BackboneConfig, ModelFormatError, read_hf_config, weight_files
-    from runtime.tokenizer import TOKENIZER_FILE, DeviceTokenizer, TokenizerError
+    from runtime.engine.model import CONFIG_FILE, BackboneConfig, ModelFormatError, read_hf_config, weight_files
+    from runtime.engine.tokenizer import TOKENIZER_FILE, DeviceTokenizer, TokenizerError
 
     path = Path(path)
     try:
@@ -58,11 +58,11 @@ _PROBE = "inspect board=PCB-0042 offset_um=37 verdict: PASS"  # letters, digits,
 
 def load_tokenizer(path: Path):
     """The transformers tokenizer of a model directory, with ``stop_ids`` set as the device's
-    (``runtime.tokenizer.DeviceTokenizer``). Refused when it encodes a prompt or names eos otherwise
+    (``runtime.engine.tokenizer.DeviceTokenizer``). Refused when it encodes a prompt or names eos otherwise
     than the device's tokenizer would: training and evaluation must see the device's token ids."""
     from transformers import AutoTokenizer
 
-    from runtime.tokenizer import DeviceTokenizer, TokenizerError, encode_prompt
+    from runtime.engine.tokenizer import DeviceTokenizer, TokenizerError, encode_prompt
 
     try:
         device = DeviceTokenizer(path)
@@ -123,7 +123,7 @@ def build_base_model(
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from runtime.hashing import backbone_hash
+    from runtime.engine.hashing import backbone_hash
     from tasks.training import TrainSettings, train_completions, write_loss_curve
 
     torch.set_num_threads(train_cfg.threads)
@@ -186,7 +186,7 @@ def record_local_model(path: Path, out_dir: Path) -> Path:
     included): the stages that read the model depend on the card, so DVC re-runs them exactly
     when the checkpoint changed, without the checkpoint ever being a DVC output. It is only read.
     """
-    from runtime.hashing import backbone_hash
+    from runtime.engine.hashing import backbone_hash
 
     path = Path(path)
     config = check_base_model_dir(path)

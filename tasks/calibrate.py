@@ -3,7 +3,7 @@
 The adapter changes K and V (it targets k_proj and v_proj), so scales belong to a release:
 a new adapter gets new scales. The stage runs base + adapter over the ``calib`` split,
 collects per-channel ranges of keys (before RoPE when ``spec.pre_rope_keys``) and values, and
-writes into ``out_dir`` (format: ``runtime.contract.write_kv_scales``):
+writes into ``out_dir`` (format: ``runtime.engine.kv_scales.write_kv_scales``):
 
   kv_scales.safetensors  ``layer.{i}.k_scale`` (nkv, d), ``layer.{i}.k_zero`` (asymmetric keys only),
                          ``layer.{i}.v_scale``, ``layer.{i}.v_zero`` (per-channel values; written
@@ -12,7 +12,7 @@ writes into ``out_dir`` (format: ``runtime.contract.write_kv_scales``):
   kv_scales.json         how they were computed: split, rows, tokens, clipping, spec,
                          base_model_hash, adapter_sha256, interface, key outlier ratios.
 
-``runtime.contract.read_kv_scales`` refuses, with a distinct ``KVScalesError.reason``, a file that
+``runtime.engine.kv_scales.read_kv_scales`` refuses, with a distinct ``KVScalesError.reason``, a file that
 is missing, malformed, non-finite, zero or made for another adapter, backbone, interface or spec.
 There is no fallback to 1.0: an uncalibrated cache would silently clip every key.
 
@@ -25,8 +25,9 @@ import math
 import sys
 from pathlib import Path
 
-from runtime.contract import ADAPTER_WEIGHTS, KV_SCALES_FILE, KV_SCALES_FORMAT_VERSION, KVScales, write_kv_scales
-from runtime.hashing import sha256_file
+from runtime.engine.adapter_config import ADAPTER_WEIGHTS
+from runtime.engine.hashing import sha256_file
+from runtime.engine.kv_scales import KV_SCALES_FILE, KV_SCALES_FORMAT_VERSION, KVScales, write_kv_scales
 from tasks.artifacts import atomic_output_dir
 from tasks.cli import stage_main
 from tasks.config import ReleaseConfig
@@ -137,18 +138,18 @@ def cache_kwargs(scales: KVScales) -> dict:
 def load_release_backbone(base_dir: Path, adapter_dir: Path, engine_dir: Path | None = None):
     """Backbone with the adapter merged (calibration runs eagerly; merging is exact to fp32).
 
-    The adapter is validated by ``runtime.adapter.load_adapter`` (provenance included) against
+    The adapter is validated by ``runtime.engine.adapter.load_adapter`` (provenance included) against
     the compiled engine's interface when ``engine_dir`` is given, else against an interface
     shaped after the adapter itself; an adapter made for another backbone is refused either way.
     Returns (backbone, base hash, interface hash of the engine or "").
     """
     import torch
 
-    from runtime.adapter import load_adapter
-    from runtime.contract import read_adapter_config
-    from runtime.hashing import backbone_hash
-    from runtime.interface import build_interface, read_interface
-    from runtime.model import load_backbone, read_config
+    from runtime.engine.adapter import load_adapter
+    from runtime.engine.adapter_config import read_adapter_config
+    from runtime.engine.hashing import backbone_hash
+    from runtime.engine.interface import build_interface, read_interface
+    from runtime.engine.model import load_backbone, read_config
 
     if engine_dir is not None:
         iface = read_interface(engine_dir)
@@ -178,7 +179,7 @@ def jsonl_batches(tokenizer, calib_jsonl: Path, batch_size: int, max_seq_len: in
 
 def save_kv_scales(out_dir: Path, scales: KVScales) -> Path:
     """Write ``scales`` as the all-or-nothing folder ``out_dir``; bad scales are refused before it
-    exists (``runtime.contract.KVScalesError``). Returns the .safetensors path."""
+    exists (``runtime.engine.kv_scales.KVScalesError``). Returns the .safetensors path."""
     with atomic_output_dir(Path(out_dir)) as tmp:
         write_kv_scales(tmp, scales)
     return Path(out_dir) / KV_SCALES_FILE
@@ -231,7 +232,7 @@ def calibrate_kv_scales(
 
 def run_stage(cfg: ReleaseConfig) -> Path:
     """The calibrate stage: scales for this release's base + adapter, bound to the engine interface."""
-    from runtime.interface import INTERFACE_FILE
+    from runtime.engine.interface import INTERFACE_FILE
 
     kv = cfg.kv
     spec = kv.spec()

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from runtime.errors import RefusedInput
+from runtime.engine.errors import RefusedInput
 from tasks.config import ReleaseConfig, StageError, load_config
 
 # Exit code of a refused input or config: distinct from 1, which is a crash (a bug).

@@ -18,8 +18,7 @@ import time
 import warnings
 from pathlib import Path
 
-from runtime.contract import CACHE_KEY_FILE, ENGINE_ONNX
-from runtime.interface import INTERFACE_FILE
+from runtime.engine.interface import CACHE_KEY_FILE, ENGINE_ONNX, INTERFACE_FILE
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
 from tasks.config import ReleaseConfig, StageError
@@ -42,7 +41,7 @@ def exporter_version() -> dict:
 
 
 # The code that defines the exported graph: editing any of it must rebuild the engine.
-GRAPH_SOURCES = ("runtime/model.py", "runtime/kv_model.py", "runtime/interface.py", "kernels/kv_spec.py",
+GRAPH_SOURCES = ("runtime/engine/model.py", "runtime/engine/kv_model.py", "runtime/engine/interface.py", "kernels/kv_spec.py",
                  "kernels/rope.py", "kernels/kv_quant.py", "kernels/gqa_attention.py")
 
 
@@ -56,7 +55,7 @@ def graph_source_hash() -> str:
 
 def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], opset: int, kv_spec: dict | None = None,
               kv_attention: str = "standard") -> dict:
-    from runtime.interface import INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSION
+    from runtime.engine.interface import INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSION
 
     key = {
         "backbone_hash": backbone_hash,
@@ -117,15 +116,15 @@ def export_backbone(
     ``target_modules=()`` exports a graph without LoRA inputs; with ``merged_lora`` (engine
     LoRA inputs as numpy) the adapter is merged into the weights first (the merged baseline).
     ``kv_spec`` (a ``kernels.kv_spec.KVQuantSpec`` dict) exports the quantized-KV engine
-    (``runtime.kv_model``) instead of the float-KV one, its attention as ``kv_attention`` says
-    (``runtime.kv_model.KV_ATTENTION``: standard ONNX ops, or ONNX Runtime's GroupQueryAttention).
+    (``runtime.engine.kv_model``) instead of the float-KV one, its attention as ``kv_attention`` says
+    (``runtime.engine.kv_model.KV_ATTENTION``: standard ONNX ops, or ONNX Runtime's GroupQueryAttention).
     """
     import torch
 
-    from runtime.hashing import backbone_hash
-    from runtime.interface import build_interface
-    from runtime.model import load_backbone
-    from runtime.tracing import TRACE_BATCH, TRACE_PAST, TRACE_SEQ, example_inputs, export_dynamic_shapes
+    from runtime.engine.hashing import backbone_hash
+    from runtime.engine.interface import build_interface
+    from runtime.engine.model import load_backbone
+    from runtime.engine.tracing import TRACE_BATCH, TRACE_PAST, TRACE_SEQ, example_inputs, export_dynamic_shapes
 
     merged = None if merged_lora is None else {k: torch.from_numpy(v) for k, v in merged_lora.items()}
     model = load_backbone(model_dir, tuple(target_modules), merged_lora=merged)
@@ -133,7 +132,7 @@ def export_backbone(
     if kv_spec is not None:
         from kernels.gqa_attention import onnx_translation
         from kernels.kv_spec import KVQuantSpec
-        from runtime.kv_model import QuantizedKVBackbone
+        from runtime.engine.kv_model import QuantizedKVBackbone
 
         model = QuantizedKVBackbone(model, KVQuantSpec.from_dict(kv_spec), kv_attention).eval()
     args = example_inputs(model.backbone if kv_spec else model, iface, TRACE_BATCH, TRACE_SEQ, TRACE_PAST)
@@ -154,7 +153,7 @@ def export_backbone(
             optimize=True,
             custom_translation_table=onnx_translation() if kv_spec and kv_attention == "gqa" else None,
         )
-    from runtime.backends import onnxruntime as ort_backend
+    from runtime.engine.backends import onnxruntime as ort_backend
 
     # Protobuf caps one file at 2 GiB: a large backbone's weights go to model.onnx.data beside the graph.
     big = sum(p.numel() * p.element_size() for p in model.parameters()) > ort_backend.EXTERNAL_DATA_MIN_BYTES
@@ -185,14 +184,14 @@ def compile_engine(
     The new engine is written into a temporary sibling and renamed into place only when the
     export, the interface check and the ORT optimization all succeeded.
     """
-    from runtime.hashing import backbone_hash
-    from runtime.interface import read_interface, write_interface
+    from runtime.engine.hashing import backbone_hash
+    from runtime.engine.interface import read_interface, write_interface
 
     model_dir, engine_dir = Path(model_dir), Path(engine_dir)
     bhash = backbone_hash(model_dir)
     if kv_spec is not None:
         from kernels.kv_spec import KVQuantSpec
-        from runtime.kv_model import check_engine_spec
+        from runtime.engine.kv_model import check_engine_spec
 
         spec = KVQuantSpec.from_dict(dict(kv_spec))
         check_engine_spec(spec, kv_attention)
@@ -214,7 +213,7 @@ def compile_engine(
             # (measured on the 0.5B shape: the compile stage's peak RSS 10.5 -> 8.4 GB).
             gc.collect()
             write_interface(iface, tmp / INTERFACE_FILE, exporter=key["exporter"])
-            from runtime.backends.onnxruntime import OrtEngine
+            from runtime.engine.backends.onnxruntime import OrtEngine
 
             OrtEngine(tmp, threads=ort_threads)  # writes the optimized model next to the graph
             write_json(tmp / CACHE_KEY_FILE, key)  # last: its presence means "complete"

@@ -147,7 +147,7 @@ class EngineConfig(_Section):
         return "qdq_fp16" if self.backend == "tensorrt" else "matmulnbits"
 
     def kv_attention(self, spec) -> str:
-        """How the quantized-KV engine reads its cache (``runtime.kv_model.KV_ATTENTION``): ONNX Runtime's
+        """How the quantized-KV engine reads its cache (``runtime.engine.kv_model.KV_ATTENTION``): ONNX Runtime's
         fused GroupQueryAttention when the backend is ORT and the scheme is one that op implements,
         else standard ONNX ops (the only ones TensorRT's parser takes)."""
         from kernels.gqa_attention import gqa_problems

@@ -2,8 +2,8 @@
 
 Two numbers: the max abs logit difference over every test prompt's prefill (must be
 <= 1e-4 in fp32) and whether greedy completions are identical on the whole split (the
-PyTorch side is ``tasks.evaluate.greedy_completions``, the engine side
-``runtime.generate.generate_text``, with the same batch size and max new tokens).
+PyTorch side is ``tasks.scoring.greedy_completions``, the engine side
+``runtime.engine.generate.generate_text``, with the same batch size and max new tokens).
 
     python -m tasks.engine_parity --base-dir B --adapter-dir A --engine-dir E --test test.jsonl
 """
@@ -45,16 +45,16 @@ MAX_KV_CODE_MISMATCH = 1e-4
 
 
 def quantized_prefill_parity(engine, backbone, kv_scales, attention: str, tokenizer, prompts: list[str]) -> dict:
-    """Prefill of a quantized-KV engine vs its PyTorch module (``runtime.kv_model.QuantizedKVBackbone``
+    """Prefill of a quantized-KV engine vs its PyTorch module (``runtime.engine.kv_model.QuantizedKVBackbone``
     on ``backbone``, the adapter merged, the same scales), prompt by prompt: the stored bytes, and
     the logits of the prompts whose bytes all agree (a flipped code moves logits by ~1e-2, by design
     of a 4-bit cache, so the arithmetic is compared where the codes agree and the codes are counted)."""
     import torch
 
     from kernels.kv_spec import KVQuantSpec
-    from runtime.engine import kv_scale_inputs
-    from runtime.interface import quantized_kv_tensors
-    from runtime.kv_model import QuantizedKVBackbone
+    from runtime.engine.interface import quantized_kv_tensors
+    from runtime.engine.kv_model import QuantizedKVBackbone
+    from runtime.engine.kv_scales import kv_scale_inputs
 
     iface = engine.interface
     module = QuantizedKVBackbone(backbone, KVQuantSpec.from_dict(kv_scales.spec), attention).eval()
@@ -119,12 +119,12 @@ def engine_parity(
 ) -> dict:
     from peft import PeftModel
 
-    from runtime.adapter import load_adapter
-    from runtime.backends.onnxruntime import OrtEngine
-    from runtime.generate import generate_text
+    from runtime.engine.adapter import load_adapter
+    from runtime.engine.backends.onnxruntime import OrtEngine
+    from runtime.engine.generate import generate_text
     from tasks.base_model import load_base_model
     from tasks.data import read_jsonl
-    from tasks.evaluate import greedy_completions
+    from tasks.scoring import greedy_completions
 
     prompts = [ex.prompt for ex in read_jsonl(Path(test_jsonl))]
     engine = OrtEngine(engine_dir, threads=threads)

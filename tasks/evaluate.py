@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections import defaultdict
 from pathlib import Path
 
-from runtime.latency import percentile
-from runtime.tokenizer import encode_prompt, until_stop
+from runtime.engine.latency import percentile
+from runtime.engine.tokenizer import encode_prompt
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.base_model import load_base_model
 from tasks.cli import stage_main
@@ -25,53 +24,7 @@ from tasks.layout import METRICS_FILE, PREDICTIONS_FILE, serving_engine_dir
 from tasks.plots import (KV_BITS_PNG, KV_GRID_CSV, LATENCY_CSV, LATENCY_PNG, kv_bits_figure, latency_figure, read_rows,
                          save_figure)
 from tasks.progress import Progress
-
-
-def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[str]:
-    """Greedy-decode each prompt (left-padded batches) and return the text before the first of the
-    tokenizer's ``stop_ids``: the prompt ids and the stop rule of ``runtime.generate.generate_text``."""
-    import torch
-    from tqdm import tqdm
-
-    tokenizer.padding_side = "left"
-    outputs: list[str] = []
-    for start in tqdm(range(0, len(prompts), batch_size), desc="greedy decode", unit="batch", leave=False):
-        rows = [encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
-        batch = tokenizer.pad({"input_ids": rows}, return_tensors="pt")
-        with torch.no_grad():
-            generated = model.generate(
-                **batch,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                eos_token_id=list(tokenizer.stop_ids),
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        # A stop id need not be a special token, so cut at it rather than rely on skip_special_tokens.
-        for row in generated[:, batch["input_ids"].shape[1] :].tolist():
-            outputs.append(tokenizer.decode(until_stop(row, tokenizer.stop_ids), skip_special_tokens=True))
-    return outputs
-
-
-def accuracy_report(examples: list[Example], predictions: list[str]) -> dict:
-    """Exact match (whitespace-trimmed) overall, on new and regression rules, and per rule."""
-    hits = [pred.strip() == ex.completion.strip() for ex, pred in zip(examples, predictions, strict=True)]
-
-    def rate(selected: list[bool]) -> float | None:
-        return sum(selected) / len(selected) if selected else None
-
-    per_rule: dict[str, list[bool]] = defaultdict(list)
-    for ex, hit in zip(examples, hits, strict=True):
-        if ex.rule is not None:
-            per_rule[ex.rule].append(hit)
-    return {
-        "accuracy": rate(hits),
-        "accuracy_new": rate([h for ex, h in zip(examples, hits) if ex.changed is True]),
-        "accuracy_regression": rate([h for ex, h in zip(examples, hits) if ex.changed is False]),
-        "count": len(hits),
-        "count_new": sum(ex.changed is True for ex in examples),
-        "count_regression": sum(ex.changed is False for ex in examples),
-        "per_rule": {rule: rate(h) for rule, h in sorted(per_rule.items())},
-    }
+from tasks.scoring import accuracy_report, greedy_completions
 
 
 def document_ids(tokenizer, text: str) -> list[int]:
@@ -165,9 +118,9 @@ def _score_on_engine(
     parity with PyTorch + merged PEFT (a quantized-KV engine: with its own PyTorch module, the
     release's scales on both sides; ``release_backbone`` is the adapter-merged backbone from
     ``tasks.calibrate.load_release_backbone``). The last item is every timed decode step (``decode_latency``)."""
-    from runtime.adapter import load_adapter
-    from runtime.engine import open_engine
-    from runtime.generate import generate_text
+    from runtime.engine.adapter import load_adapter
+    from runtime.engine.engine import open_engine
+    from runtime.engine.generate import generate_text
     from tasks.engine_parity import parity_report, prefill_logit_diff, quantized_prefill_parity
 
     engine = open_engine(serving_engine_dir(engine_cfg), backend=engine_cfg.backend, threads=engine_cfg.threads)
@@ -179,8 +132,9 @@ def _score_on_engine(
         diff = prefill_logit_diff(engine, merged_model, tokenizer, prompts)
     else:
         from kernels.kv_spec import KVQuantSpec
-        from runtime.contract import ADAPTER_WEIGHTS, read_kv_scales
-        from runtime.hashing import backbone_hash, sha256_file
+        from runtime.engine.adapter_config import ADAPTER_WEIGHTS
+        from runtime.engine.hashing import backbone_hash, sha256_file
+        from runtime.engine.kv_scales import read_kv_scales
 
         scales = read_kv_scales(kv_dir, sha256_file(adapter_dir / ADAPTER_WEIGHTS), backbone_hash(base_dir),
                                 spec=engine.interface.kv_spec)

@@ -11,7 +11,7 @@ import platform
 import sys
 from pathlib import Path
 
-from runtime.contract import PROVENANCE
+from runtime.engine.adapter_config import PROVENANCE
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.base_model import load_base_model
 from tasks.cli import stage_main
@@ -52,8 +52,8 @@ def finetune(
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from runtime.hashing import backbone_hash
-    from runtime.interface import INTERFACE_FILE, read_interface
+    from runtime.engine.hashing import backbone_hash
+    from runtime.engine.interface import INTERFACE_FILE, read_interface
     from tasks.training import TrainSettings, train_completions, write_loss_curve
 
     base_hash = backbone_hash(base_dir)

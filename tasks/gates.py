@@ -15,7 +15,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from runtime.contract import REGISTRY_CHANNELS, REGISTRY_INDEX
+from runtime.release.contract import REGISTRY_CHANNELS, REGISTRY_INDEX
 from tasks.artifacts import write_json
 from tasks.cli import stage_main
 from tasks.config import GatesConfig, ReleaseConfig, StageError, WeightAccuracyDrop

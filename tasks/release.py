@@ -14,13 +14,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.hashing import sha256_file
+from runtime.engine.adapter_config import ADAPTER_WEIGHTS
+from runtime.engine.hashing import sha256_file
+from runtime.engine.kv_scales import KV_SCALES_JSON
+from runtime.release.contract import MANIFEST
 from tasks.base_model import CARD
 from tasks.config import ReleaseConfig
 from tasks.gates import accuracy_measure, gate_report, package_gates, render_gate_table, scored_metrics
 from tasks.pipeline import StageRun, push_outputs
 from tasks.plots import KV_BITS_PNG, KV_GRID_CSV, LATENCY_CSV, LATENCY_PNG, LOSS_CSV, LOSS_PNG, VAL_LOSS_CSV
-from runtime.contract import ADAPTER_WEIGHTS, KV_SCALES_JSON, MANIFEST
 
 GATES_STAGE, PACKAGE_STAGE = "gates", "package"
 SUMMARY_KEY = "monthly-release-summary"  # stable Prefect artifact key: the UI shows its history
@@ -225,7 +227,7 @@ def registry_entry(cfg: ReleaseConfig, recorded: Recorded | None) -> dict:
 
 def already_published(cfg: ReleaseConfig) -> dict | None:
     """The registry's entry for this month if it holds this very package (same adapter bytes)."""
-    from runtime.contract import release_tag
+    from runtime.release.contract import release_tag
     from tasks.publish import read_index, tag_exists
 
     registry = Path(cfg.publish.registry_dir)

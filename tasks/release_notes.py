@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from runtime.contract import MANIFEST
+from runtime.release.contract import MANIFEST
 from tasks.config import ReleaseConfig
 from tasks.data import RULEBOOK
 from tasks.gates import failed_reason, scored_metrics

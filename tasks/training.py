@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.tokenizer import encode_prompt
+from runtime.engine.tokenizer import encode_prompt
 from tasks.config import StageError
 from tasks.data import Example
 from tasks.progress import Progress
@@ -41,7 +41,7 @@ class TrainSettings:
 def encode_example(tokenizer, ex: Example, max_seq_len: int) -> tuple[list[int], int]:
     """Token ids of prompt+completion+eos, and where the completion starts. The prompt carries the
     tokenizer's special tokens (a Llama BOS), as evaluation and the device encode it
-    (``runtime.tokenizer.encode_prompt``); the completion none but the eos it must learn to stop with."""
+    (``runtime.engine.tokenizer.encode_prompt``); the completion none but the eos it must learn to stop with."""
     prompt_ids = encode_prompt(tokenizer, ex.prompt)
     completion_ids = tokenizer(ex.completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return (prompt_ids + completion_ids)[:max_seq_len], len(prompt_ids)

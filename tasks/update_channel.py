@@ -1,8 +1,8 @@
 """The update channel: a TUF repository of the published releases, written with python-tuf's Metadata API.
 
-Plain static files (names: ``runtime/contract.py``) that any HTTP server, object store or the DVC
+Plain static files (names: ``runtime/release/contract.py``) that any HTTP server, object store or the DVC
 remote can serve, e.g. ``python -m http.server -d tuf 8000``; devices pull with python-tuf's
-ngclient (``runtime/tuf_pull.py``):
+ngclient (``runtime/release/tuf_pull.py``):
 
 - ``metadata/<n>.root.json`` every root version (a device walks them from the root it was given);
 - ``metadata/<n>.targets.json``: every release tarball ``releases/<month>.tar.gz`` (custom fields
@@ -12,7 +12,7 @@ ngclient (``runtime/tuf_pull.py``):
   state; a crash before it leaves the previous state served);
 - ``targets/<dir>/<sha256>.<name>`` (consistent snapshots: a file once written never changes).
 
-Keys (Ed25519 PEM, ``runtime.signing``; created if missing, never overwritten or deleted) are the
+Keys (Ed25519 PEM, ``runtime.release.signing``; created if missing, never overwritten or deleted) are the
 files ``<role>-<n>.key`` in ``publish.tuf_keys_dir``: root ``ROOT_KEYS`` keys with threshold
 ``ROOT_THRESHOLD``, one online key each for targets, snapshot and timestamp. The root keys are only
 needed to create the repository and to change keys (``rotate-root``, ``revoke-key``): keep them
@@ -41,12 +41,12 @@ from tuf.api.metadata import (
 )
 from tuf.api.serialization.json import JSONSerializer
 
-from runtime.contract import (
+from runtime.engine.atomic_files import atomic_copy, atomic_write
+from runtime.release.contract import (
     MANIFEST, TUF_CHANNELS_TARGET, TUF_METADATA_DIR, TUF_TARGETS_DIR, registry_release_path, release_target_path,
 )
-from runtime.device_state import atomic_copy, atomic_write
-from runtime.package import write_tarball
-from runtime.signing import generate_key, load_private_key
+from runtime.release.package import write_tarball
+from runtime.release.signing import generate_key, load_private_key
 from tasks.config import PublishConfig, StageError
 
 ROOT_KEYS, ROOT_THRESHOLD = 3, 2

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.contract import CACHE_KEY_FILE, ENGINE_ONNX
-from runtime.interface import INTERFACE_FILE
+from runtime.engine.interface import CACHE_KEY_FILE, ENGINE_ONNX, INTERFACE_FILE
 from tasks.weight_graph import (
     DEFAULT_ACCURACY_LEVEL,
     DEFAULT_BLOCK_SIZE,
@@ -86,7 +85,7 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
     """
     import dataclasses
 
-    from runtime.interface import read_interface, write_interface
+    from runtime.engine.interface import read_interface, write_interface
 
     if weights not in WEIGHT_BITS:
         raise WeightQuantError(f"weights must be one of {sorted(WEIGHT_BITS)}, got {weights!r}")
@@ -141,8 +140,8 @@ def open_on_cpu(engine_dir: Path, threads: int = 2):
     """An ``OrtEngine`` on any engine directory this module writes. A Q/DQ graph (TensorRT's form)
     runs with exact fp32 dequantization (``QDQ_EXACT_ORT_CONFIG``), as TensorRT computes it,
     not with ONNX Runtime's int8 activation rounding."""
-    from runtime.backends.onnxruntime import OrtEngine
-    from runtime.interface import read_interface
+    from runtime.engine.backends.onnxruntime import OrtEngine
+    from runtime.engine.interface import read_interface
 
     stored = read_interface(engine_dir).weights  # the format is recorded in the interface
     qdq = stored is not None and stored["format"] != "matmulnbits"

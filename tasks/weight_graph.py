@@ -218,7 +218,7 @@ def quantize_engine_weights(
         for o in model.opset_import:
             if o.domain in ("", "ai.onnx"):
                 o.version = max(o.version, QDQ_OPSET)
-    from runtime.backends import onnxruntime as ort_backend
+    from runtime.engine.backends import onnxruntime as ort_backend
 
     # Protobuf caps one file at 2 GiB: a large graph's initializers go to <name>.data beside it, and
     # the checker then reads it by path (the in-memory form refuses a message over the cap).

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.hashing import backbone_hash
+from runtime.engine.hashing import backbone_hash
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -60,11 +60,11 @@ def make_adapter(model_dir: Path, out_dir: Path, r: int = 4, alpha: float = 8.0,
 
 
 def calibrate(model_dir: Path, spec, lora: dict | None = None):
-    """KV scales (``runtime.contract.KVScales``) for ``spec`` from random text through the eager
+    """KV scales (``runtime.engine.kv_scales.KVScales``) for ``spec`` from random text through the eager
     backbone (the calibration stage's statistics), for a quantized-KV engine of ``model_dir``."""
     import numpy as np
 
-    from runtime.model import load_backbone
+    from runtime.engine.model import load_backbone
     from tasks.calibrate import collect_kv_stats, kv_scales_from_stats
 
     model = load_backbone(model_dir, merged_lora=None if lora is None else {k: torch.from_numpy(v) for k, v in lora.items()})

@@ -17,9 +17,16 @@ import sys
 from pathlib import Path
 
 from bench.hotswap_bench import build_tiny_world
-from runtime.contract import MANIFEST, REGISTRY_CHANNELS, SIGNATURE, manifest_bytes, registry_release_path, release_tag
-from runtime.hashing import sha256_file
-from runtime.signing import key_id, load_private_key, sign
+from runtime.engine.hashing import sha256_file
+from runtime.release.contract import (
+    MANIFEST,
+    REGISTRY_CHANNELS,
+    SIGNATURE,
+    manifest_bytes,
+    registry_release_path,
+    release_tag,
+)
+from runtime.release.signing import key_id, load_private_key, sign
 
 DVC = str(Path(sys.executable).parent / "dvc")
 ENV = os.environ | {"DVC_NO_ANALYTICS": "1", "GIT_TERMINAL_PROMPT": "0"}

@@ -1,9 +1,9 @@
 """Device server test kit: the real app under uvicorn in this process, HTTP calls, and a Prometheus scrape.
 
-``running_server`` starts ``runtime.http_server.BackgroundServer`` (uvicorn in a thread, a free loopback
+``running_server`` starts ``runtime.serve.http_server.BackgroundServer`` (uvicorn in a thread, a free loopback
 port) on the tiny world's engine, tokenizer and key, with the admin API on (``ADMIN_TOKEN``), the
 given release directories and at most ``max_resident`` resident releases; with ``state_dir``, the device state
-and health-gated commit of ``runtime.health`` (``health_window`` seconds), resumed from that directory. ``scrape`` reads ``/metrics`` with ``prometheus_client``'s own parser.
+and health-gated commit of ``runtime.serve.health`` (``health_window`` seconds), resumed from that directory. ``scrape`` reads ``/metrics`` with ``prometheus_client``'s own parser.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.backends.onnxruntime import OrtEngine
-from runtime.device_state import DeviceState
-from runtime.health import ReleaseGate
-from runtime.http_app import ServeSettings
-from runtime.http_server import BackgroundServer
-from runtime.package import load_trusted_keys
-from runtime.residents import DEFAULT_MAX_RESIDENT
-from runtime.server import AdapterServer
-from runtime.tokenizer import DeviceTokenizer
+from runtime.engine.backends.onnxruntime import OrtEngine
+from runtime.engine.tokenizer import DeviceTokenizer
+from runtime.release.device_state import DeviceState
+from runtime.release.package import load_trusted_keys
+from runtime.serve.health import ReleaseGate
+from runtime.serve.http_app import ServeSettings
+from runtime.serve.http_server import BackgroundServer
+from runtime.serve.residents import DEFAULT_MAX_RESIDENT
+from runtime.serve.server import AdapterServer
 
 ADMIN_TOKEN = "test-admin-token-0123456789"
 PROMPT = "inspect board=PCB-3310 line=L1 part=R12 temp_c=251 defect=void void_pct=18 verdict:"

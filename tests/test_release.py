@@ -166,7 +166,7 @@ def test_first_month_publishes_and_records_everything(project):
 def check_update_channel(root, package):
     """python-tuf's ngclient, in a process of its own, refreshes from the channel's first root over
     ``python -m http.server`` and downloads the release target; altered bytes on the server are refused."""
-    from runtime.package import write_tarball
+    from runtime.release.package import write_tarball
 
     served = shutil.copytree(root / "tuf", root.parent / "tuf-served")  # the tampering must not touch the project's
     fetched, tampered = ngclient_then_tampered(served, root / "tuf" / "metadata" / "1.root.json",

@@ -30,8 +30,8 @@ from tuf.api.metadata import Metadata, TargetFile, Targets
 from tuf.api.serialization.json import JSONSerializer
 from tuf.ngclient import Updater
 
-from runtime.contract import TUF_CHANNELS_TARGET, TUF_METADATA_DIR, release_target_path
-from runtime.package import write_tarball
+from runtime.release.contract import TUF_CHANNELS_TARGET, TUF_METADATA_DIR, release_target_path
+from runtime.release.package import write_tarball
 from tasks.update_channel import Channel, _add_target, _resign, load_state, refresh, release_target, signers
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Test kit, the PyTorch side of weight-only quantization: ``runtime.model.Backbone`` with the dequantized
+"""Test kit, the PyTorch side of weight-only quantization: ``runtime.engine.model.Backbone`` with the dequantized
 weights of the same integer codes the quantized engine stores (``tasks/weight_graph.py``), and
 optionally its activations rounded as MatMulNBits rounds them at int8 compute. The engine must
 match it (tests/tasks/test_weight_reference.py).
@@ -23,7 +23,7 @@ def reference_weights(
     head_bits: int | None = None,
 ) -> dict:
     """Hugging Face-named weights with every projection replaced by what the quantized engine
-    multiplies by (``fake_quantize``); the input of ``runtime.model.Backbone``."""
+    multiplies by (``fake_quantize``); the input of ``runtime.engine.model.Backbone``."""
     out = dict(weights)
     for i in range(num_layers):
         for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
@@ -39,12 +39,12 @@ def reference_weights(
 
 
 def int8_rounded_linear(x, w, b=None, block_size: int = DEFAULT_BLOCK_SIZE):
-    """``runtime.model.float_linear`` after rounding each row of ``x`` as MatMulNBits does at accuracy
+    """``runtime.engine.model.float_linear`` after rounding each row of ``x`` as MatMulNBits does at accuracy
     level 4: per block of ``block_size`` input channels, symmetric int8 with scale amax / 127,
     round half to even. Everything after the rounding is float, as in the kernel's int32 sums."""
     import torch
 
-    from runtime.model import float_linear
+    from runtime.engine.model import float_linear
 
     N, K = x.shape
     pad = -K % block_size  # a partial last block: zeros change neither its amax nor the sums
@@ -58,13 +58,13 @@ def int8_rounded_linear(x, w, b=None, block_size: int = DEFAULT_BLOCK_SIZE):
 def reference_backbone(model_dir: str | Path, bits: int, block_size: int = DEFAULT_BLOCK_SIZE, fold_norms: bool = False,
                        keep: tuple[str, ...] = ("lm_head", "embed"), lora_modules: tuple[str, ...] = (),
                        symmetric: bool = False, accuracy_level: int = 0, head_bits: int | None = None):
-    """``runtime.model.Backbone`` with the dequantized weights of the same quantization; at
+    """``runtime.engine.model.Backbone`` with the dequantized weights of the same quantization; at
     ``accuracy_level`` 4 every quantized projection also rounds its input (``int8_rounded_linear``),
     as the engine does. The LoRA path reads the unrounded input, as in the engine."""
     import dataclasses
     import functools
 
-    from runtime.model import Backbone, read_config, read_weights
+    from runtime.engine.model import Backbone, read_config, read_weights
 
     if accuracy_level == INT8_COMPUTE_LEVEL and fold_norms:
         # The folded engine rounds the norm output before its scale; this reference applies the

@@ -6,7 +6,7 @@ import torch
 from bench.kv_quality import grid, inject_key_outliers, measure, two_pass_logits
 from engine_testkit import tiny_qwen  # noqa: F401  (fixture)
 from kernels.kv_spec import KVQuantSpec
-from runtime.model import load_backbone
+from runtime.engine.model import load_backbone
 from tasks.calibrate import collect_kv_stats, key_outlier_ratio, scales_from_stats
 
 

@@ -117,11 +117,11 @@ def test_gguf_f32_is_the_same_model_as_our_fp32_engine_with_and_without_the_adap
     except SystemExit as err:
         pytest.skip(f"llama-cpp-python sdist not found: {err}")
     from bench.engine_bench import RANK, TARGETS, make_backbone_and_adapter
-    from runtime.backends.onnxruntime import OrtEngine
+    from runtime.engine.backends.onnxruntime import OrtEngine
     from tasks.compile import compile_engine
 
     peer.require_llama_cpp()
-    from runtime.adapter import load_adapter
+    from runtime.engine.adapter import load_adapter
 
     model_dir, adapter_dir = make_backbone_and_adapter(tmp_path, peer.CONFIGS["tiny"])
     compile_engine(model_dir, tmp_path / "engine", RANK, TARGETS, ort_threads=2)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.weight_quant import dequantize_groups, fake_quantize, pack_codes, quantize_groups
-from runtime.model import rms_norm
+from runtime.engine.model import rms_norm
 
 
 def test_norm_fold_is_exact_in_float():

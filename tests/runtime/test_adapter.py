@@ -9,11 +9,11 @@ import pytest
 from engine_testkit import make_adapter, make_model
 from safetensors.numpy import load_file, save_file
 
-from runtime.adapter import load_adapter
-from runtime.contract import AdapterError
-from runtime.hashing import backbone_hash
-from runtime.interface import build_interface
-from runtime.model import read_config
+from runtime.engine.adapter import load_adapter
+from runtime.engine.adapter_config import AdapterError
+from runtime.engine.hashing import backbone_hash
+from runtime.engine.interface import build_interface
+from runtime.engine.model import read_config
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 

@@ -1,8 +1,8 @@
 """Continuous batched decode: a request decodes in company as it would alone, and keeps to its release.
 
-Requests are driven through the real scheduler (``runtime.batcher``) on real ORT engines of the tiny
+Requests are driven through the real scheduler (``runtime.serve.batcher``) on real ORT engines of the tiny
 world: its float engine, and a quantized-KV engine (the shipped GroupQueryAttention scheme) compiled
-from the same base. What a request gets alone is ``runtime.generate.decode_steps`` on its own fork
+from the same base. What a request gets alone is ``runtime.engine.generate.decode_steps`` on its own fork
 of the release's handle, the ``fork`` decode mode. Requests arrive while others decode, so their
 caches are merged at other past lengths, and leave at other steps.
 """
@@ -21,16 +21,16 @@ from release_testkit import world
 from server_testkit import PROMPT, call, complete, running_server, sample, scrape
 
 from kernels.kv_spec import KVQuantSpec
-from runtime.backends.onnxruntime import OrtEngine
-from runtime.batcher import BatchedGeneration, Batcher
-from runtime.generate import decode_steps
-from runtime.generation import StopText
-from runtime.http_app import ServeSettings
-from runtime.metrics import ServerMetrics
-from runtime.package import load_trusted_keys
-from runtime.sampling import Sampler, greedy
-from runtime.server import ActiveRelease, AdapterServer
-from runtime.tokenizer import DeviceTokenizer
+from runtime.engine.backends.onnxruntime import OrtEngine
+from runtime.engine.generate import decode_steps
+from runtime.engine.sampling import Sampler, greedy
+from runtime.engine.tokenizer import DeviceTokenizer
+from runtime.release.package import load_trusted_keys
+from runtime.serve.batcher import BatchedGeneration, Batcher
+from runtime.serve.generation import StopText
+from runtime.serve.http_app import ServeSettings
+from runtime.serve.metrics import ServerMetrics
+from runtime.serve.server import ActiveRelease, AdapterServer
 
 OTHER_PROMPT = "inspect board=PCB-1201 line=L2 part=C7 temp_c=244 defect=lifted lift_um=40 verdict:"
 SHORT_PROMPT = "verdict:"

@@ -1,7 +1,8 @@
 """The layering of docs/architecture.md, enforced on every import of every source module.
 
-The scan reads each module's AST, so imports inside functions (the lazy ones) count as much as
-module-level ones; relative imports are resolved to absolute names first.
+The scan (``import_graph_testkit``) reads each module's AST, so imports inside functions (the lazy ones)
+count as much as module-level ones, and so do type-only ones here; relative imports are resolved to
+absolute names first.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("runtime", "kernels", "tasks", "flows", "bench")
+from import_graph_testkit import PACKAGES, ROOT, imports, module_name, source_modules
+
 ORCHESTRATION = ("prefect", "mlflow", "dvc")
 # What each package may never import, directly or lazily.
 FORBIDDEN = {
@@ -21,31 +22,15 @@ FORBIDDEN = {
     "tasks": ("flows", "bench"),  # stages are plain functions; flows wire them, bench measures them
     "flows": ("bench",),
 }
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def imports(path: Path) -> list[tuple[int, str, list[tuple[str, str]]]]:
-    """(line, absolute module, [(name taken from it, local name)]) for every import statement in ``path``."""
-    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name, []) for alias in node.names if not alias.asname]
-            found += [(node.lineno, alias.name.rpartition(".")[0], [(alias.name.rpartition(".")[2], alias.asname)])
-                      for alias in node.names if alias.asname]  # import a.b as c: c is a.b
-        elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
-            module = ".".join([*base, node.module] if node.module else base)
-            found.append((node.lineno, module, [(alias.name, alias.asname or alias.name) for alias in node.names]))
-    return found
-
-
-def source_modules() -> list[Path]:
-    return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+# runtime's three packages, lowest first: each may import only those below it.
+RUNTIME_PACKAGES = ("runtime.engine", "runtime.release", "runtime.serve")
+# What verifying a release needs of the engine: the formats of the files a release carries (the adapter and
+# its LoRA inputs, KV scales, the interface it was made for), their hashes, and the errors and atomic writes
+# every layer shares. The decode loop, sampling, the tokenizer and the backends are the server's business.
+RELEASE_USES_OF_ENGINE = {
+    "runtime.engine.adapter", "runtime.engine.adapter_config", "runtime.engine.atomic_files", "runtime.engine.errors",
+    "runtime.engine.hashing", "runtime.engine.interface", "runtime.engine.kv_scales",
+}
 
 
 def private(name: str) -> bool:
@@ -86,24 +71,76 @@ def test_no_private_name_crosses_a_module_boundary():
     assert offenders == []
 
 
-def test_the_scan_resolves_relative_and_lazy_imports(tmp_path, monkeypatch):
+def runtime_package(module: str) -> str | None:
+    return next((pkg for pkg in RUNTIME_PACKAGES if module == pkg or module.startswith(pkg + ".")), None)
+
+
+def runtime_package_offences(root: Path = ROOT) -> list[str]:
+    """Every import (type-only ones included) from one of runtime's packages into one above it, and every
+    import of the engine by the release beyond ``RELEASE_USES_OF_ENGINE``."""
+    files = {module_name(p, root) for p in (root / "runtime").rglob("*.py")}
+    offences = []
+    for path in sorted((root / "runtime").rglob("*.py")):
+        here = runtime_package(module_name(path, root))
+        if here is None:  # runtime/__init__.py and the command line (__main__) sit above all three
+            continue
+        for line, module, names in imports(path, root):
+            for target in [f"{module}.{n}" for n, _ in names if f"{module}.{n}" in files] or [module]:
+                there = runtime_package(target)
+                where = f"{path.relative_to(root)}:{line} imports {target}"
+                if there is not None and RUNTIME_PACKAGES.index(there) > RUNTIME_PACKAGES.index(here):
+                    offences.append(f"{where}, above {here}")
+                elif here == "runtime.release" and there == "runtime.engine" and target not in RELEASE_USES_OF_ENGINE:
+                    offences.append(f"{where}, not needed to verify a release")
+    return offences
+
+
+def test_runtime_holds_only_its_three_packages_and_its_command():
+    entries = {p.name for p in (ROOT / "runtime").iterdir() if p.name != "__pycache__"}
+    assert entries == {"engine", "release", "serve", "__init__.py", "__main__.py"}
+
+
+def test_each_runtime_package_imports_only_the_ones_below_it():
+    """engine imports neither release nor serve; release imports of the engine only what verifying needs; serve both."""
+    assert runtime_package_offences() == []
+
+
+def test_the_package_rule_catches_an_import_up_and_a_release_reaching_into_the_decode_loop(tmp_path):
+    for folder, text in {"engine": "from runtime.serve.server import X\n", "release": "from runtime.engine import generate\n",
+                         "serve": "from runtime.release.contract import MANIFEST\nfrom runtime.engine.generate import g\n"}.items():
+        (tmp_path / "runtime" / folder).mkdir(parents=True)
+        (tmp_path / "runtime" / folder / "m.py").write_text(text)
+    (tmp_path / "runtime" / "engine" / "generate.py").write_text("")
+    assert runtime_package_offences(tmp_path) == [
+        "runtime/engine/m.py:1 imports runtime.serve.server, above runtime.engine",
+        "runtime/release/m.py:1 imports runtime.engine.generate, not needed to verify a release",
+    ]
+
+
+def test_the_scan_resolves_relative_and_lazy_imports(tmp_path):
     """The checker itself: a lazy import inside a function and a relative import are both seen."""
     pkg = tmp_path / "runtime" / "backends"
     pkg.mkdir(parents=True)
     (pkg / "x.py").write_text("def f():\n    from ..engine import _check\n    import tasks.compile\n    import tasks.data as d\n")
-    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    assert imports(pkg / "x.py") == [
+    assert imports(pkg / "x.py", tmp_path) == [
         (2, "runtime.engine", [("_check", "_check")]), (3, "tasks.compile", []), (4, "tasks", [("data", "d")])
     ]
 
 
+# Every module the ONNX Runtime serving path loads: `python -m runtime serve` and everything it verifies,
+# pulls and serves with. Only the eager and TensorRT backends, the exported forward and its tracing take torch.
+SERVING_PATH = (
+    "runtime.__main__",
+    *(f"runtime.engine.{m}" for m in ("adapter", "adapter_config", "atomic_files", "engine", "errors", "generate",
+                                      "hashing", "interface", "kv_scales", "latency", "sampling", "tokenizer",
+                                      "backends.onnxruntime")),
+    *(f"runtime.release.{m}" for m in ("contract", "device_state", "package", "pull", "signing", "tuf_pull")),
+    *(f"runtime.serve.{m}" for m in ("batcher", "channel_watch", "generation", "health", "http_app", "http_server",
+                                     "metrics", "openai_api", "residents", "server")),
+)
+
+
 def test_onnx_runtime_serving_path_does_not_import_torch():
-    code = (
-        "import sys; import runtime.backends.onnxruntime, runtime.adapter, runtime.generate, runtime.package, "
-        "runtime.server, runtime.residents, runtime.pull, runtime.tokenizer, runtime.sampling, runtime.metrics, runtime.openai_api, "
-        "runtime.http_app, runtime.http_server, runtime.generation, runtime.batcher, runtime.tuf_pull, "
-        "runtime.channel_watch, runtime.device_state, runtime.health, "
-        "runtime.__main__; print('torch' in sys.modules)"
-    )
+    code = f"import sys; import {', '.join(SERVING_PATH)}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -23,11 +23,18 @@ from release_testkit import copy_release, resign, world
 from server_testkit import ADMIN_TOKEN, PROMPT, call, complete, manifest_id, running_server, sample, scrape
 
 from runtime.__main__ import main
-from runtime.contract import MANIFEST
-from runtime.device_state import STATE_FILE, DeviceState, StateError, atomic_copy, atomic_write
-from runtime.package import DEFAULT_MAX_PACKAGE_BYTES, MalformedPackage, load_trusted_keys, release_probes, verify_release
-from runtime.server import Watcher
-from runtime.tokenizer import DeviceTokenizer
+from runtime.engine.atomic_files import atomic_copy, atomic_write
+from runtime.engine.tokenizer import DeviceTokenizer
+from runtime.release.contract import MANIFEST
+from runtime.release.device_state import STATE_FILE, DeviceState, StateError
+from runtime.release.package import (
+    DEFAULT_MAX_PACKAGE_BYTES,
+    MalformedPackage,
+    load_trusted_keys,
+    release_probes,
+    verify_release,
+)
+from runtime.serve.server import Watcher
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,7 +77,7 @@ def until(condition, what: str, timeout: float = 30.0) -> float:
 def test_a_crash_mid_write_leaves_the_old_or_the_new_state(tmp_path):
     """A writer killed with SIGKILL at random moments: the record always parses and is one that was written.
     A temporary file a crash left behind never replaces the record and is removed at the next open."""
-    writer = ("import sys\nfrom runtime.device_state import DeviceState\ns = DeviceState(sys.argv[1])\ni = 0\n"
+    writer = ("import sys\nfrom runtime.release.device_state import DeviceState\ns = DeviceState(sys.argv[1])\ni = 0\n"
               "while True:\n    i += 1\n    s.write(reverted={'2026-01': {'reason': str(i), 'detail': 'x' * 200000}})\n"
               "    if i == 1:\n        print('written', flush=True)\n")
     for delay in (0.0, 0.05, 0.1, 0.2, 0.3):

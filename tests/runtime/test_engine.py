@@ -10,12 +10,12 @@ import pytest
 import torch
 from engine_testkit import make_adapter
 
-from runtime.adapter import load_adapter
-from runtime.backends.onnxruntime import OrtEngine
-from runtime.backends.torch_eager import TorchEngine
-from runtime.engine import Engine, open_engine
-from runtime.generate import greedy_generate
-from runtime.interface import InterfaceError, read_interface
+from runtime.engine.adapter import load_adapter
+from runtime.engine.backends.onnxruntime import OrtEngine
+from runtime.engine.backends.torch_eager import TorchEngine
+from runtime.engine.engine import Engine, open_engine
+from runtime.engine.generate import greedy_generate
+from runtime.engine.interface import InterfaceError, read_interface
 
 
 def hf_logits(model_dir, adapter_dir, ids: np.ndarray) -> np.ndarray:
@@ -159,7 +159,7 @@ def test_interface_of_another_version_is_refused(tiny_engine, tmp_path):
 def test_graph_that_disagrees_with_its_interface_is_refused(tiny_engine, tmp_path):
     copy = tmp_path / "engine"
     shutil.copytree(tiny_engine, copy)
-    from runtime.backends.onnxruntime import OPTIMIZED_ONNX
+    from runtime.engine.backends.onnxruntime import OPTIMIZED_ONNX
 
     (copy / OPTIMIZED_ONNX).unlink()
     shutil.copy(tiny_engine / "model.onnx", copy / "model.onnx")
@@ -187,7 +187,7 @@ def test_bound_adapter_is_a_snapshot_not_the_callers_arrays(engine, qwen_adapter
 
 def test_lora_inputs_are_bound_from_one_buffer_in_graph_order(engine, qwen_adapter):
     # One buffer read front to back as the layers run, instead of an allocation per input (measured
-    # in runtime/backends/onnxruntime.py: fewer cold-read stalls per token)
+    # in runtime/engine/backends/onnxruntime.py: fewer cold-read stalls per token)
     engine.set_adapter(load_adapter(qwen_adapter, engine.interface))
     values = [engine._lora[n] for n in engine.interface.lora_names]
     ends = [v.data_ptr() + v.numpy().nbytes for v in values[:-1]]
@@ -214,7 +214,7 @@ def test_optimized_graph_of_a_large_engine_keeps_its_initializers_in_a_data_file
     # 0.5B-shape engine does at the real 1 GiB: its optimized graph would pass protobuf's 2 GiB cap)
     import onnx
 
-    from runtime.backends import onnxruntime as ort_backend
+    from runtime.engine.backends import onnxruntime as ort_backend
 
     copy = tmp_path / "engine"
     copy.mkdir()

@@ -18,7 +18,7 @@ import pytest
 from release_testkit import copy_release, resign, world
 from server_testkit import ADMIN_TOKEN, PROMPT, call, complete, manifest_id, running_server, sample, scrape, summed
 
-from runtime.metrics import RETAINED_UNLOADED
+from runtime.serve.metrics import RETAINED_UNLOADED
 
 OTHER_PROMPT = "inspect board=PCB-1201 line=L2 part=C7 temp_c=244 defect=lifted lift_um=40 verdict:"
 LONG = 1024  # tokens: the tiny world's greedy answer never reaches eos, so a LONG request decodes LONG steps

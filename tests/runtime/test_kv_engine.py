@@ -11,13 +11,13 @@ import torch
 
 from kernels.kv_quant import QuantizedKVCache
 from kernels.kv_spec import PRE_ROPE_SCHEME, KVQuantSpec
-from runtime.adapter import load_adapter
-from runtime.backends.onnxruntime import OrtEngine
-from runtime.errors import RefusedInput
-from runtime.generate import greedy_generate
-from runtime.interface import INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSION, read_interface
-from runtime.model import load_backbone
-from runtime.contract import KVScales
+from runtime.engine.adapter import load_adapter
+from runtime.engine.backends.onnxruntime import OrtEngine
+from runtime.engine.errors import RefusedInput
+from runtime.engine.generate import greedy_generate
+from runtime.engine.interface import INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSION, read_interface
+from runtime.engine.kv_scales import KVScales
+from runtime.engine.model import load_backbone
 from tasks.calibrate import cache_kwargs
 from engine_testkit import TARGETS, calibrate
 
@@ -186,7 +186,7 @@ def gqa_engine(tiny_qwen, tmp_path_factory):
 
 def eager_gqa_run(model_dir, iface, lora: dict, scales: KVScales, ids: np.ndarray, split: int):
     """The same steps through the PyTorch module the engine was exported from (the op's eager reference)."""
-    from runtime.kv_model import QuantizedKVBackbone
+    from runtime.engine.kv_model import QuantizedKVBackbone
 
     module = QuantizedKVBackbone(load_backbone(model_dir, iface.target_modules), GQA, "gqa")
     static = [torch.from_numpy(t[i]) for i in range(iface.num_layers) for t in (scales.k_scale, scales.v_scale)]

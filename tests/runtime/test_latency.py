@@ -1,6 +1,6 @@
-"""runtime.latency.percentile: the one definition of the decode gate's p95 and the server's p50/p99."""
+"""runtime.engine.latency.percentile: the one definition of the decode gate's p95 and the server's p50/p99."""
 
-from runtime.latency import percentile
+from runtime.engine.latency import percentile
 
 
 def test_percentile_is_the_sorted_sample_at_floor_n_q_over_100():

@@ -12,10 +12,10 @@ from engine_testkit import make_adapter, make_model
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from runtime.adapter import load_adapter
-from runtime.hashing import backbone_hash
-from runtime.interface import build_interface
-from runtime.model import ModelFormatError, load_backbone, read_config, read_weights
+from runtime.engine.adapter import load_adapter
+from runtime.engine.hashing import backbone_hash
+from runtime.engine.interface import build_interface
+from runtime.engine.model import ModelFormatError, load_backbone, read_config, read_weights
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 

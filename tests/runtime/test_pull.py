@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from release_testkit import make_registry, world
 
-from runtime.interface import read_interface
-from runtime.package import RollbackRefused, load_trusted_keys
-from runtime.pull import PullError, pull
+from runtime.engine.interface import read_interface
+from runtime.release.package import RollbackRefused, load_trusted_keys
+from runtime.release.pull import PullError, pull
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -76,7 +76,7 @@ def test_replacing_an_installed_release_swaps_it_in_one_step_so_the_target_is_ne
     for folder, text in ((target, "old"), (staged, "new")):
         folder.mkdir()
         (folder / "manifest.json").write_text(text)
-    code = ("import sys; from pathlib import Path; from runtime.device_state import install_folder; "
+    code = ("import sys; from pathlib import Path; from runtime.release.device_state import install_folder; "
             "install_folder(*map(Path, sys.argv[1:]))")
     subprocess.run(["strace", "-f", "-qq", "-e", "trace=rename,renameat,renameat2", "-o", str(trace),
                     sys.executable, "-c", code, str(staged), str(target), str(replaced)], cwd=REPO, check=True, timeout=60)

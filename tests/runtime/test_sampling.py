@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.sampling import Sampler, greedy, make_sampler
+from runtime.engine.sampling import Sampler, greedy, make_sampler
 
 LOGITS = np.log(np.array([[0.6, 0.25, 0.1, 0.05], [0.05, 0.1, 0.25, 0.6]]))  # (B=2, V=4), softmax = these
 

@@ -24,9 +24,9 @@ import pytest
 from release_testkit import copy_release, resign, world
 from server_testkit import PROMPT, as_generation, call, complete, manifest_id, refusals, running_server, sample, scrape, summed
 
-from runtime.contract import parse_time
-from runtime.server import Watcher
-from runtime.signing import generate_key
+from runtime.release.contract import parse_time
+from runtime.release.signing import generate_key
+from runtime.serve.server import Watcher
 
 REPO = Path(__file__).resolve().parents[2]
 

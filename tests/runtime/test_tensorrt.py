@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.interface import read_interface
+from runtime.engine.interface import read_interface
 
 HAS_TRT = importlib.util.find_spec("tensorrt") is not None
 needs_gpu = pytest.mark.skipif(
@@ -19,13 +19,13 @@ needs_gpu = pytest.mark.skipif(
 
 
 def test_importing_the_backend_needs_neither_tensorrt_nor_cuda():
-    import runtime.backends.tensorrt as backend
+    import runtime.engine.backends.tensorrt as backend
 
     assert backend.PLAN_FILE == "model.plan"
 
 
 def test_optimization_profile_covers_prefill_and_decode(tiny_engine):
-    from runtime.backends.tensorrt import profile_shapes
+    from runtime.engine.backends.tensorrt import profile_shapes
 
     shapes = profile_shapes(read_interface(tiny_engine), max_batch=8, max_seq=1024, max_past=2048, opt=(1, 1, 512))
 
@@ -37,7 +37,7 @@ def test_optimization_profile_covers_prefill_and_decode(tiny_engine):
 
 @pytest.mark.skipif(HAS_TRT and torch.cuda.is_available(), reason="checks the CPU-machine error path")
 def test_tensorrt_engine_refuses_clearly_without_gpu(tiny_engine):
-    from runtime.backends.tensorrt import TensorRTEngine, TensorRTUnavailable
+    from runtime.engine.backends.tensorrt import TensorRTEngine, TensorRTUnavailable
 
     with pytest.raises(TensorRTUnavailable, match="tensorrt is not installed|no CUDA device"):
         TensorRTEngine(tiny_engine)
@@ -45,8 +45,8 @@ def test_tensorrt_engine_refuses_clearly_without_gpu(tiny_engine):
 
 def _plan_and_onnx_runtime_logits(engine_dir, adapter_dir):
     """Build the plan of ``engine_dir``, then prefill logits of TensorRT and of ONNX Runtime on the same graph."""
-    from runtime.adapter import load_adapter
-    from runtime.backends.tensorrt import TensorRTEngine, build_plan
+    from runtime.engine.adapter import load_adapter
+    from runtime.engine.backends.tensorrt import TensorRTEngine, build_plan
     from tasks.weight_engines import open_on_cpu
 
     build_plan(engine_dir, max_batch=4, max_seq=64, max_past=128, opt=(1, 1, 32))
@@ -81,7 +81,7 @@ def test_tensorrt_weight_only_int4_plan_matches_onnx_runtime_on_the_same_graph(t
 def test_a_plan_is_stale_once_its_graph_tensorrt_or_gpu_changes(tmp_path):
     import json
 
-    from runtime.backends.tensorrt import PLAN_FILE, PLAN_KEY_FILE, plan_is_current, plan_key
+    from runtime.engine.backends.tensorrt import PLAN_FILE, PLAN_KEY_FILE, plan_is_current, plan_key
 
     # Given an engine directory whose plan was built for its cache key on one TensorRT and GPU
     (tmp_path / "cache_key.json").write_text(json.dumps({"key": "abc"}))

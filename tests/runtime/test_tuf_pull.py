@@ -21,11 +21,12 @@ from tuf_testkit import (
     wrong_key, zero_tarball,
 )
 
-from runtime.contract import ADAPTER_WEIGHTS, TUF_CHANNELS_TARGET, release_target_path
-from runtime.hashing import sha256_file
-from runtime.interface import read_interface
-from runtime.package import RollbackRefused, load_trusted_keys
-from runtime.tuf_pull import EXIT_CODES, UpdateRefused, tuf_pull
+from runtime.engine.adapter_config import ADAPTER_WEIGHTS
+from runtime.engine.hashing import sha256_file
+from runtime.engine.interface import read_interface
+from runtime.release.contract import TUF_CHANNELS_TARGET, release_target_path
+from runtime.release.package import RollbackRefused, load_trusted_keys
+from runtime.release.tuf_pull import EXIT_CODES, UpdateRefused, tuf_pull
 from tasks import publish
 from tasks.config import PublishConfig
 from tasks.update_channel import Channel, publish_from_registry, publish_release

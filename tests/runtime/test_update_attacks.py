@@ -8,8 +8,8 @@ attack must be refused with its own reason (``/ready``'s ``update_channel``, ``/
 release serving before answers the same greedy completion through the ``openai`` SDK. The suite's
 table (attack, reason, result) is written to ``attack_table.json`` in the test's folder and printed.
 
-The pull-level refusals of ``runtime.tuf_pull`` are ``test_tuf_pull.py``'s; here the watch of a serving
-device (``runtime.channel_watch``), the health-gated revert and the restart are what is checked.
+The pull-level refusals of ``runtime.release.tuf_pull`` are ``test_tuf_pull.py``'s; here the watch of a serving
+device (``runtime.serve.channel_watch``), the health-gated revert and the restart are what is checked.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from tuf_testkit import (
     resign_metadata, wrong_key, zero_tarball,
 )
 
-from runtime.channel_watch import FRESH, REFUSED, STALE, ChannelWatcher, Outcome
-from runtime.contract import TUF_METADATA_DIR
-from runtime.signing import load_private_key
+from runtime.release.contract import TUF_METADATA_DIR
+from runtime.release.signing import load_private_key
+from runtime.serve.channel_watch import FRESH, REFUSED, STALE, ChannelWatcher, Outcome
 from tasks.update_channel import Channel, key_file, load_state, publish_release, revoke_key
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,7 +87,7 @@ def test_a_watching_device_follows_champion_and_candidate_and_never_installs_fro
         swaps = sample(scrape(port), "adapter_swaps_total")
         assert watcher.poll_once() == Outcome(FRESH) and sample(scrape(port), "adapter_swaps_total") == swaps == 2
 
-        caplog.set_level(logging.INFO, logger="runtime.channel_watch")
+        caplog.set_level(logging.INFO, logger="runtime.serve.channel_watch")
         served.show(stale_with_b)
         for _ in range(2):
             outcome = watcher.poll_once()
@@ -107,7 +107,7 @@ def test_a_watching_device_follows_champion_and_candidate_and_never_installs_fro
 
         served.show(empty)  # the mirror answers 404
         assert (watcher.poll_once().state, watcher.poll_once().reason) == (STALE, "unreachable")
-        records = [r for r in caplog.records if r.name == "runtime.channel_watch"]
+        records = [r for r in caplog.records if r.name == "runtime.serve.channel_watch"]
         warnings = [(r.fields["state"], r.fields["reason"]) for r in records if r.levelno == logging.WARNING]
         assert warnings == [(STALE, "stale_metadata"), (STALE, "unreachable")]  # once per change, not per poll
 
@@ -116,7 +116,7 @@ def test_a_watching_device_follows_champion_and_candidate_and_never_installs_fro
         app.gate.wait(30)
         assert call(port, "GET", "/ready")[1]["release_id"] == b
         assert sample(scrape(port), "adapter_update_channel_fresh") == 1
-        assert [r.fields["state"] for r in caplog.records if r.name == "runtime.channel_watch"
+        assert [r.fields["state"] for r in caplog.records if r.name == "runtime.serve.channel_watch"
                 and r.levelno == logging.INFO] == [FRESH]
 
 

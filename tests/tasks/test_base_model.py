@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from runtime.hashing import backbone_hash
+from runtime.engine.hashing import backbone_hash
 from tasks.base_model import BaseModelError, check_base_model_dir, load_base_model, prepare_base_model
 from tasks.config import parse_config
 

@@ -17,9 +17,9 @@ from safetensors.torch import load_file, save_file
 from engine_testkit import make_adapter
 from kernels.kv_quant import QuantizedKVCache
 from kernels.kv_spec import PRE_ROPE_SCHEME, KVQuantSpec
-from runtime.contract import (ADAPTER_WEIGHTS, KV_SCALES_FILE, KV_SCALES_JSON, AdapterError, KVScales, KVScalesError,
-                              read_kv_scales)
-from runtime.hashing import backbone_hash, sha256_file
+from runtime.engine.adapter_config import ADAPTER_WEIGHTS, AdapterError
+from runtime.engine.hashing import backbone_hash, sha256_file
+from runtime.engine.kv_scales import KV_SCALES_FILE, KV_SCALES_JSON, KVScales, KVScalesError, read_kv_scales
 from tasks.calibrate import cache_kwargs, calibrate_kv_scales, main, save_kv_scales
 from tasks.data import rulebook, sample_examples, write_jsonl
 
@@ -211,7 +211,7 @@ def test_cli_refuses_bad_kv_settings_naming_the_key(tmp_path, capsys):
 
 def test_calibration_binds_scales_to_the_compiled_engine_interface(release, tmp_path):
     """An adapter bound to a compiled engine is checked against that engine, and so are its scales."""
-    from runtime.interface import read_interface
+    from runtime.engine.interface import read_interface
     from tasks.compile import compile_engine
 
     engine_dir = tmp_path / "engine"
@@ -235,7 +235,7 @@ def test_the_same_scales_are_the_same_bytes_in_every_process(release, tmp_path):
     """safetensors writes its metadata map in hash order, which changes per process; DVC hashes the
     file, so equal scales written by two runs must be equal bytes (else every later stage re-runs)."""
     code = (
-        "import sys; from pathlib import Path; from runtime.contract import read_kv_scales, write_kv_scales; "
+        "import sys; from pathlib import Path; from runtime.engine.kv_scales import read_kv_scales, write_kv_scales; "
         "s = read_kv_scales(Path(sys.argv[1]), sys.argv[2], sys.argv[3]); out = Path(sys.argv[4]); out.mkdir(); "
         "write_kv_scales(out, s)"
     )

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.generate import generate_text
-from runtime.tokenizer import DeviceTokenizer, encode_prompt
+from runtime.engine.generate import generate_text
+from runtime.engine.tokenizer import DeviceTokenizer, encode_prompt
 from tasks.base_model import BaseModelError, check_base_model_dir, load_tokenizer
 from tasks.data import Example
-from tasks.evaluate import greedy_completions
+from tasks.scoring import greedy_completions
 from tasks.kv_quality import greedy_through_cache
 from tasks.training import encode_example
 
@@ -211,7 +211,7 @@ def test_engine_and_pytorch_decoding_stop_at_the_second_eos_id(tiny_llama_bos_di
 
 
 class SpyBackbone:
-    """The part of runtime.model.Backbone greedy_through_cache calls; records the prefill ids."""
+    """The part of runtime.engine.model.Backbone greedy_through_cache calls; records the prefill ids."""
 
     def __init__(self, cfg, stop):
         self.cfg, self.stop, self.prefill = cfg, stop, None
@@ -228,7 +228,7 @@ class SpyBackbone:
 
 
 def test_training_evaluation_engine_and_device_see_the_same_prompt_ids_bos_first(tiny_llama_bos_dir):
-    from runtime.model import read_config
+    from runtime.engine.model import read_config
 
     tokenizer = load_tokenizer(tiny_llama_bos_dir)
     device = DeviceTokenizer(tiny_llama_bos_dir)
@@ -272,7 +272,7 @@ def test_transformers_tokenizer_that_disagrees_with_tokenizer_json_is_refused(ti
 
 
 def test_compiled_engine_of_the_bos_llama3_checkpoint_matches_pytorch(tiny_llama_bos_dir, tmp_path):
-    from runtime.backends.onnxruntime import OrtEngine
+    from runtime.engine.backends.onnxruntime import OrtEngine
     from tasks.base_model import load_base_model
     from tasks.compile import compile_engine
     from tasks.evaluate import engine_perplexity, perplexity

@@ -9,8 +9,8 @@ import pytest
 from engine_testkit import make_model, tiny_engine, tiny_qwen  # noqa: F401  (fixtures)
 
 import tasks.compile as compile_stage
-from runtime.hashing import backbone_hash
-from runtime.interface import INTERFACE_VERSION, read_interface
+from runtime.engine.hashing import backbone_hash
+from runtime.engine.interface import INTERFACE_VERSION, read_interface
 from tasks.compile import compile_engine
 
 
@@ -79,7 +79,7 @@ def test_large_backbone_is_exported_with_its_weights_beside_every_graph(tiny_qwe
     # (protobuf caps one file at 2 GiB; its float graph is 1.98 GB before ORT's optimization adds to it)
     import numpy as np
 
-    from runtime.backends import onnxruntime as ort_backend
+    from runtime.engine.backends import onnxruntime as ort_backend
 
     monkeypatch.setattr(ort_backend, "EXTERNAL_DATA_MIN_BYTES", 0)
 

@@ -5,7 +5,8 @@ from transformers import AutoModelForCausalLM
 
 from tasks.base_model import load_tokenizer
 from tasks.data import Example
-from tasks.evaluate import accuracy_report, perplexity
+from tasks.evaluate import perplexity
+from tasks.scoring import accuracy_report
 
 
 def test_accuracy_splits_new_and_regression_rules_and_reports_each_rule():
@@ -40,7 +41,7 @@ def test_perplexity_of_an_untrained_model_is_near_the_vocabulary_size(tiny_llama
 
 
 def test_perplexity_on_the_engine_equals_perplexity_in_pytorch(tiny_llama_dir, tmp_path):
-    from runtime.backends.onnxruntime import OrtEngine
+    from runtime.engine.backends.onnxruntime import OrtEngine
     from tasks.compile import compile_engine
     from tasks.evaluate import engine_perplexity
 
@@ -54,7 +55,7 @@ def test_perplexity_on_the_engine_equals_perplexity_in_pytorch(tiny_llama_dir, t
 
 
 def test_decode_latency_rows_carry_the_past_length_each_step_attends_to(tiny_llama_dir, tmp_path):
-    from runtime.backends.onnxruntime import OrtEngine
+    from runtime.engine.backends.onnxruntime import OrtEngine
     from tasks.compile import compile_engine
     from tasks.evaluate import decode_latency
     from tasks.plots import latency_by_past_length, latency_figure, read_rows, save_figure

@@ -7,10 +7,9 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from runtime.hashing import backbone_hash
-from tasks.config import LoraSection, TrainConfig
+from runtime.engine.hashing import backbone_hash
+from tasks.config import DataConfig, LoraSection, TrainConfig
 from tasks.data import generate_month
-from tasks.config import DataConfig
 from tasks.finetune import finetune
 from tasks.training import TrainingDiverged
 
@@ -74,7 +73,7 @@ def test_target_module_missing_from_the_model_is_a_config_error(tmp_path, tiny_l
 
 
 def test_adapter_is_bound_to_the_compiled_engine_and_a_foreign_engine_is_refused(tmp_path, tiny_llama_dir, month_dir):
-    from runtime.interface import read_interface
+    from runtime.engine.interface import read_interface
     from tasks.compile import compile_engine
 
     compile_engine(tiny_llama_dir, tmp_path / "engine", max_rank=4, ort_threads=1)

@@ -4,7 +4,7 @@ import pytest
 
 from tasks.config import GatesConfig, ReleaseConfig, parse_config
 from tasks.data import Example
-from tasks.evaluate import accuracy_report
+from tasks.scoring import accuracy_report
 from tasks.gates import (current_champion, evaluation_gates, failed_reason, gate_report, package_gates,
                          render_gate_table, run_stage, weights_accuracy_gate)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runtime.interface import INTERFACE_FILE
+from runtime.engine.interface import INTERFACE_FILE
 from tasks.config import load_config, parse_config
 from tasks.layout import ArtifactLayout
 

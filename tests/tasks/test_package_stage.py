@@ -14,8 +14,8 @@ import pytest
 import yaml
 from release_testkit import world
 
-from runtime.package import load_trusted_keys, verify_release
-from runtime.signing import generate_key, key_id, load_private_key
+from runtime.release.package import load_trusted_keys, verify_release
+from runtime.release.signing import generate_key, key_id, load_private_key
 from tasks.package import build_release, main
 
 GATES = {"passed": True, "gates": [

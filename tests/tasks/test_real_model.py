@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from runtime.model import load_backbone
-from runtime.tokenizer import DeviceTokenizer
+from runtime.engine.model import load_backbone
+from runtime.engine.tokenizer import DeviceTokenizer
 from tasks.base_model import check_base_model_dir, load_tokenizer
 from tasks.real_model import BUILD_RECORD, WHEEL_SHA256, build_real_model, is_built
 

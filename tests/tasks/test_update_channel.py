@@ -23,9 +23,9 @@ from tuf.api import exceptions
 from tuf.api.metadata import Metadata
 from tuf_testkit import resign_metadata, same_length_change, serve, updater
 
-from runtime.contract import TUF_CHANNELS_TARGET, release_target_path
-from runtime.package import write_tarball
-from runtime.signing import load_private_key
+from runtime.release.contract import TUF_CHANNELS_TARGET, release_target_path
+from runtime.release.package import write_tarball
+from runtime.release.signing import load_private_key
 from tasks.config import ConfigError, PublishConfig, parse_config
 from tasks.update_channel import (
     ROOT_THRESHOLD, Channel, UpdateChannelError, ensure_repository, key_file, load_state, publish_release, refresh,

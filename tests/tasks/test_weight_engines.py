@@ -10,7 +10,7 @@ import pytest
 from engine_testkit import tiny_engine, tiny_qwen  # noqa: F401  (fixtures)
 from weight_testkit import external_copy
 
-from runtime.backends.onnxruntime import OrtEngine
+from runtime.engine.backends.onnxruntime import OrtEngine
 from tasks.weight_engines import ensure_quantized_engine, quantize_engine_dir
 from tasks.weight_graph import DEFAULT_BLOCK_SIZE, WeightQuantError
 
@@ -57,7 +57,7 @@ def test_refuses_unknown_precision_and_bad_block(tiny_engine, tmp_path):
 def test_compile_stage_builds_the_int8_serving_engine_once_inside_the_float_ones_folder(tiny_llama_dir, tmp_path):
     import yaml
 
-    from runtime.interface import read_interface
+    from runtime.engine.interface import read_interface
     from tasks import compile as compile_stage
     from tasks.config import load_config
 
@@ -123,7 +123,7 @@ def _locations(onnx_file) -> set[str]:
 def test_copy_of_a_large_engine_keeps_its_weights_in_a_data_file(tiny_engine, tmp_path, monkeypatch, weights):
     # Given: an engine whose weights are in a data file, and a size threshold every graph exceeds
     # (as the 0.5B shape's do at the real one), beside the inline copy of the same engine
-    from runtime.backends import onnxruntime as ort_backend
+    from runtime.engine.backends import onnxruntime as ort_backend
 
     quantize_engine_dir(tiny_engine, tmp_path / "inline", weights)
     source = external_copy(tiny_engine, tmp_path / "source")

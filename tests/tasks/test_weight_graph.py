@@ -9,8 +9,8 @@ import onnx
 from engine_testkit import qwen_adapter, tiny_engine, tiny_qwen  # noqa: F401  (fixtures)
 from weight_testkit import external_copy, prefill_and_decode
 
-from runtime.adapter import load_adapter
-from runtime.backends.onnxruntime import OrtEngine
+from runtime.engine.adapter import load_adapter
+from runtime.engine.backends.onnxruntime import OrtEngine
 from tasks.weight_engines import open_on_cpu, quantize_engine_dir
 from tasks.weight_graph import calibrate_activations
 

@@ -12,8 +12,8 @@ from engine_testkit import TARGETS, qwen_adapter, tiny_engine, tiny_qwen  # noqa
 from weight_testkit import prefill_and_decode
 
 from kernels.weight_quant import dequantize_groups, quantize_groups
-from runtime.adapter import load_adapter
-from runtime.backends.onnxruntime import OrtEngine
+from runtime.engine.adapter import load_adapter
+from runtime.engine.backends.onnxruntime import OrtEngine
 from tasks.weight_engines import open_on_cpu, quantize_engine_dir
 from weight_reference import reference_backbone
 

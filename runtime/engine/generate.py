@@ -1,0 +1,94 @@
+"""Generation on any Engine: one prefill, then one decode step per token with the cache.
+
+Batched prompts are left-padded: padding slots are masked out of attention and positions
+count real tokens only, so a row decodes exactly as it would alone (up to float rounding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from runtime.engine.engine import Engine
+from runtime.engine.sampling import TokenSampler, greedy
+from runtime.engine.tokenizer import encode_prompt
+
+
+def greedy_generate(
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    stop_tokens: Iterable[int] = (),
+    pad_id: int = 0,
+    batch_size: int = 8,
+) -> list[list[int]]:
+    """Generated token ids per prompt, the stop token excluded; batch_size=1 decodes per row."""
+    results: list[list[int]] = []
+    for start in range(0, len(prompts), batch_size):
+        rows: list[list[int]] = [[] for _ in prompts[start : start + batch_size]]
+        for step in decode_steps(engine, prompts[start : start + batch_size], max_new_tokens, stop_tokens, pad_id):
+            for row, token in zip(rows, step):
+                if token is not None:
+                    row.append(token)
+        results += rows
+    return results
+
+
+def left_padded(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A prefill's ids, positions and attention mask, each (B, L), prompts left-padded to the longest."""
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = np.full((B, L), pad_id, dtype=np.int64)
+    mask = np.zeros((B, L), dtype=np.int64)  # 1 = real token
+    for b, p in enumerate(prompts):
+        ids[b, L - len(p) :] = p
+        mask[b, L - len(p) :] = 1
+    pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)  # 0 at each row's first real token
+    return ids, pos, mask
+
+
+def decode_steps(
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    stop_tokens: Iterable[int] = (),
+    pad_id: int = 0,
+    sample: TokenSampler = greedy,
+) -> Iterator[list[int | None]]:
+    """One prefill, then one decode step per token: yields, per step, each row's new token, or None
+    for a row that has stopped (its stop token is never yielded). Ends when every row has stopped or
+    after ``max_new_tokens`` steps. A consumer that stops iterating stops the decode (streaming)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    stop = set(int(t) for t in stop_tokens)
+    B = len(prompts)
+    ids, pos, mask = left_padded(prompts, pad_id)
+    logits, cache = engine.forward(ids, pos, mask, None)  # prefill
+    done = np.zeros(B, dtype=bool)
+    next_pos = pos[:, -1:] + 1  # (B, 1)
+    for step in range(max_new_tokens):
+        token = sample(logits[:, -1])  # (B,)
+        out: list[int | None] = []
+        for b in range(B):
+            if not done[b] and int(token[b]) in stop:
+                done[b] = True
+            out.append(None if done[b] else int(token[b]))
+        if done.all():
+            return
+        yield out
+        if step == max_new_tokens - 1:
+            return
+        mask = np.concatenate([mask, np.ones((B, 1), dtype=np.int64)], axis=1)  # (B, S + 1)
+        logits, cache = engine.forward(token[:, None].astype(np.int64), next_pos, mask, cache)  # decode
+        next_pos = next_pos + 1
+
+
+def generate_text(engine: Engine, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int = 8) -> list[str]:
+    """Text in, text out with a tokenizer from ``tasks.base_model.load_tokenizer``; stops at any of its
+    ``stop_ids``, as the device does. For evaluation."""
+    encoded = [encode_prompt(tokenizer, p) for p in prompts]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    tokens = greedy_generate(engine, encoded, max_new_tokens, tokenizer.stop_ids, pad, batch_size)
+    return [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]

@@ -1,0 +1,262 @@
+"""The engine interface: the versioned contract between a compiled engine and its adapters.
+
+Written as ``engine/interface.json`` next to the engine. Every adapter and release manifest
+records the ``interface_hash`` it was made for, and the runtime refuses a mismatch before
+any inference. Bump ``INTERFACE_VERSION`` whenever the meaning of an input changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kernels.kv_spec import packed_size
+from runtime.engine.errors import RefusedInput
+
+if TYPE_CHECKING:  # the ONNX Runtime side reads interfaces without importing torch
+    from runtime.engine.model import BackboneConfig
+
+# 1: ids/positions/mask + per-layer past K/V (B, nkv, P, d) + unmerged LoRA A/B/scale inputs per module.
+# 2: version 1 with the KV cache quantized and bit-packed as ``kv_spec`` (a kernels.kv_spec.KVQuantSpec
+#    dict) describes; see ``quantized_kv_tensors``.
+# 3 and 4: versions 1 and 2 with the LoRA inputs of each fused linear stacked into one A and one
+#    block-diagonal B, the scale folded into B (``lora_input_names``).
+INTERFACE_VERSION = 3
+QUANT_KV_INTERFACE_VERSION = 4
+SUPPORTED_VERSIONS = (INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSION)
+INTERFACE_FILE = "interface.json"
+ENGINE_ONNX = "model.onnx"  # beside it in an engine folder (tasks/compile.py)
+CACHE_KEY_FILE = "cache_key.json"  # what the engine was built from; its presence means the build completed
+KV_LAYOUT = "B,num_kv_heads,past_len,head_dim"  # one key and one value tensor per layer
+QUANT_KV_DTYPE = "packed-uint8"
+
+
+# The backbone's fused linears (runtime.engine.model): the modules of one read the same input through one matmul.
+FUSED_LINEARS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+
+
+def lora_groups(modules: tuple[str, ...]) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+    """(targeted modules, all modules) of every fused linear with a LoRA target, in layer order.
+
+    A fused linear takes one LoRA: A stacks the targets' A matrices (n r_max, in), B is block-diagonal
+    (out of the whole fused linear, n r_max) with each target's scale folded in; the rows of an
+    untargeted member are zero. Two graph ops per fused linear instead of three per module: at
+    0.5B width with int4 weights the per-module inputs cost 7-9% of a decode step (bench.weight_quant_bench).
+    """
+    return [(tuple(m for m in fused if m in modules), fused) for fused in FUSED_LINEARS if any(m in modules for m in fused)]
+
+
+def lora_group_name(targeted: tuple[str, ...]) -> str:
+    return "+".join(targeted)
+
+
+def lora_input_names(num_layers: int, modules: tuple[str, ...]) -> list[str]:
+    """Flat order of the LoRA inputs: per layer, per fused linear with a target, A then B."""
+    return [f"lora_{kind}.{i}.{lora_group_name(targeted)}" for i in range(num_layers)
+            for targeted, _ in lora_groups(modules) for kind in ("A", "B")]
+
+
+class InterfaceError(RefusedInput):
+    """An engine, adapter or manifest that does not match the interface it claims."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # numpy spelling: "float32", "int64"
+    shape: tuple  # ints for fixed axes, strings for dynamic ones ("batch", "seq", "past", "total")
+
+
+@dataclass(frozen=True)
+class EngineInterface:
+    version: int
+    backbone_hash: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_rank: int
+    target_modules: tuple[str, ...]
+    module_shapes: dict  # module -> [in_features, out_features], every member of a fused linear with a target
+    kv_layout: str
+    kv_dtype: str  # "float32", or QUANT_KV_DTYPE with kv_spec set (version 2)
+    inputs: tuple[TensorSpec, ...] = field(default_factory=tuple)
+    outputs: tuple[TensorSpec, ...] = field(default_factory=tuple)
+    kv_spec: dict | None = None  # KVQuantSpec.to_dict() of a quantized cache; None = float cache
+    # Hash of the same engine with a float cache: the LoRA contract an adapter was made for is
+    # identical, so an adapter bound to the float engine also runs on the quantized one.
+    float_interface_hash: str | None = None
+    # How the graph stores the backbone weights, e.g. {"precision": "int4", "format": "matmulnbits",
+    # "block_size": 128}; None = fp32. Recorded, not hashed: the LoRA contract is the same, so an
+    # adapter made for the float engine binds to its weight-quantized copy.
+    weights: dict | None = None
+
+    @property
+    def weight_precision(self) -> str:
+        return self.weights["precision"] if self.weights else "fp32"
+
+    @property
+    def quantized_kv(self) -> bool:
+        return self.kv_spec is not None
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+    @property
+    def lora_names(self) -> list[str]:
+        return lora_input_names(self.num_layers, self.target_modules)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if self.kv_spec is None:  # absent, not null: float engines keep the hash they had before version 2
+            del d["kv_spec"], d["float_interface_hash"]
+        if self.weights is None:
+            del d["weights"]
+        d["target_modules"] = list(self.target_modules)
+        for key in ("inputs", "outputs"):
+            d[key] = [{"name": t["name"], "dtype": t["dtype"], "shape": list(t["shape"])} for t in d[key]]
+        return d
+
+    @property
+    def interface_hash(self) -> str:
+        """sha256 of the canonical JSON of everything above but ``weights`` (backbone hash included)."""
+        d = self.to_dict()
+        d.pop("weights", None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineInterface":
+        d = dict(d)
+        claimed = d.pop("interface_hash", None)
+        d.pop("exporter", None)
+        d["target_modules"] = tuple(d["target_modules"])
+        for key in ("inputs", "outputs"):
+            d[key] = tuple(TensorSpec(t["name"], t["dtype"], tuple(t["shape"])) for t in d[key])
+        iface = cls(**d)
+        if claimed is not None and claimed != iface.interface_hash:
+            raise InterfaceError(
+                f"interface hash {claimed[:12]} does not match its content ({iface.interface_hash[:12]}); "
+                "the file was edited or corrupted"
+            )
+        return iface
+
+
+def quantized_kv_tensors(num_layers: int, num_kv_heads: int, head_dim: int, spec: dict) -> tuple[list, list, list]:
+    """(cache inputs, static-scale inputs, cache outputs) of a quantized-KV engine, as TensorSpecs.
+
+    Per layer i, for kind in (key, value):
+      past_{kind}.i        uint8 (batch, nkv, past, packed d): quantized tokens, bit-packed (kernels.kv_quant.pack_bits)
+      past_{kind}_scale.i  float16 (batch, nkv, past, 1): per-token scale (token granularity only)
+      past_{kind}_zero.i   float16 (batch, nkv, past, 1): per-token zero point (token granularity, asymmetric only)
+    then sink_key.i / sink_value.i float16 (batch, nkv, sink, d): the first ``sink_tokens`` tokens
+    kept unquantized (post-RoPE keys). Once: past_positions int64 (batch, past), the position of
+    every quantized slot, when keys are quantized before RoPE (RoPE is re-applied at read).
+    Static inputs (channel granularity): k_scale.i, k_zero.i (asymmetric), v_scale.i, v_zero.i, float32 (nkv, d).
+    Outputs per layer: present_* (present = past + seq) = past_* with the new tokens appended (all quantized;
+    the runtime moves the first ones into the sink while it fills), new_key.i / new_value.i
+    float16 (batch, nkv, seq, d): the new tokens unquantized, for the sink.
+    The attention mask covers sink + past + seq slots, in that order.
+    """
+    L, nkv, d = num_layers, num_kv_heads, head_dim
+    cache, static, outputs = [], [], []
+    if spec["pre_rope_keys"]:
+        cache.append(TensorSpec("past_positions", "int64", ("batch", "past")))
+    for i in range(L):
+        layer_out = []
+        for kind, short in (("key", "k"), ("value", "v")):
+            bits, gran, sym = spec[f"{short}_bits"], spec[f"{short}_granularity"], spec[f"{short}_symmetric"]
+            names = [(f"{kind}", "uint8", packed_size(d, bits))]
+            if gran == "token":
+                names += [(f"{kind}_scale", "float16", 1)] + ([] if sym else [(f"{kind}_zero", "float16", 1)])
+            else:
+                static += [TensorSpec(f"{short}_scale.{i}", "float32", (nkv, d))]
+                static += [] if sym else [TensorSpec(f"{short}_zero.{i}", "float32", (nkv, d))]
+            for name, dtype, last in names:
+                cache.append(TensorSpec(f"past_{name}.{i}", dtype, ("batch", nkv, "past", last)))
+                layer_out.append(TensorSpec(f"present_{name}.{i}", dtype, ("batch", nkv, "present", last)))
+        cache += [TensorSpec(f"sink_{kind}.{i}", "float16", ("batch", nkv, "sink", d)) for kind in ("key", "value")]
+        outputs += layer_out + [TensorSpec(f"new_{kind}.{i}", "float16", ("batch", nkv, "seq", d)) for kind in ("key", "value")]
+    return cache, static, outputs
+
+
+def build_interface(
+    cfg: "BackboneConfig", backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], kv_spec: dict | None = None
+) -> EngineInterface:
+    """The interface of the float-KV engine, or with ``kv_spec`` of the quantized-KV engine."""
+    L, nkv, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    inputs = [
+        TensorSpec("input_ids", "int64", ("batch", "seq")),
+        TensorSpec("position_ids", "int64", ("batch", "seq")),
+        TensorSpec("attention_mask", "int64", ("batch", "total")),
+    ]
+    if kv_spec is not None:
+        cache, static, kv_outputs = quantized_kv_tensors(L, nkv, d, kv_spec)
+        inputs += cache + static
+    for i in range(L if kv_spec is None else 0):
+        inputs += [
+            TensorSpec(f"past_key.{i}", "float32", ("batch", nkv, "past", d)),
+            TensorSpec(f"past_value.{i}", "float32", ("batch", nkv, "past", d)),
+        ]
+    groups = lora_groups(tuple(target_modules))
+    for i in range(L):
+        for targeted, fused in groups:
+            name, rank = lora_group_name(targeted), len(targeted) * max_rank
+            fan_in, fan_out = cfg.module_shape(fused[0])[0], sum(cfg.module_shape(m)[1] for m in fused)
+            inputs += [TensorSpec(f"lora_A.{i}.{name}", "float32", (rank, fan_in)),
+                       TensorSpec(f"lora_B.{i}.{name}", "float32", (fan_out, rank))]
+    outputs = [TensorSpec("logits", "float32", ("batch", "seq", cfg.vocab_size))]
+    if kv_spec is not None:
+        float_iface = build_interface(cfg, backbone_hash, max_rank, target_modules)
+        return EngineInterface(
+            **{**float_iface.__dict__, "version": QUANT_KV_INTERFACE_VERSION, "kv_dtype": QUANT_KV_DTYPE,
+               "inputs": tuple(inputs), "outputs": tuple(outputs + kv_outputs), "kv_spec": dict(kv_spec),
+               "float_interface_hash": float_iface.interface_hash}
+        )
+    for i in range(L):
+        outputs += [
+            TensorSpec(f"present_key.{i}", "float32", ("batch", nkv, "total", d)),
+            TensorSpec(f"present_value.{i}", "float32", ("batch", nkv, "total", d)),
+        ]
+    return EngineInterface(
+        version=INTERFACE_VERSION,
+        backbone_hash=backbone_hash,
+        num_layers=L,
+        num_kv_heads=nkv,
+        head_dim=d,
+        vocab_size=cfg.vocab_size,
+        max_rank=max_rank,
+        target_modules=tuple(target_modules),
+        module_shapes={m: list(cfg.module_shape(m)) for _, fused in groups for m in fused},
+        kv_layout=KV_LAYOUT,
+        kv_dtype="float32",
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+    )
+
+
+def write_interface(iface: EngineInterface, path: Path, exporter: dict | None = None) -> None:
+    payload = iface.to_dict() | {"interface_hash": iface.interface_hash, "exporter": exporter or {}}
+    Path(path).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+def read_interface(path: Path) -> EngineInterface:
+    path = Path(path)
+    if path.is_dir():
+        path = path / INTERFACE_FILE
+    if not path.exists():
+        raise InterfaceError(f"{path}: no engine interface; compile the engine first")
+    d = json.loads(path.read_text())
+    if d.get("version") not in SUPPORTED_VERSIONS:
+        raise InterfaceError(
+            f"{path}: interface version {d.get('version')} but this runtime speaks "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))}; recompile"
+        )
+    return EngineInterface.from_dict(d)

@@ -1,0 +1,504 @@
+"""The backbone forward we export: a small, readable Qwen2/Llama decoder.
+
+Why not export transformers' own modules: measured on this project, their exported graph
+decodes 2.6-4.7x slower in ONNX Runtime than this hand-written forward (cache classes,
+mask helpers and dtype juggling all end up in the graph). This file reads the Hugging
+Face weights by name from ``config.json`` + ``*.safetensors`` and nothing else.
+
+Checkpoints: Qwen2/Qwen2.5 (q/k/v bias, tied or untied head) and Llama 2/3 (untied head,
+``attention_bias``, RoPE scaling ``linear`` and ``llama3``), fp32/fp16/bf16 weights in one file or
+sharded with ``model.safetensors.index.json``. ``BackboneConfig.from_hf`` refuses, naming the key,
+whatever it would compute differently from transformers (a sliding window in use, other RoPE types,
+mixture of experts, MLP bias, quantized weights, another model_type or activation).
+
+LoRA is applied *unmerged*: for every layer and every fused linear with a target module
+(q/k/v, o, gate/up, down: ``runtime.engine.interface.lora_groups``) the graph takes ``A (n r_max, in)``
+and ``B (out, n r_max)`` as runtime inputs, ``y + (x A^T) B^T``, so one compiled engine serves
+every monthly adapter. ``runtime.engine.adapter`` stacks the targets' A matrices, places each ``scale * B``
+block-diagonally, and zero-pads a lower rank; a target the adapter does not touch gets zeros (its
+delta is then exactly 0).
+
+Shapes: B batch, T new tokens, P past tokens, S = P + T, H hidden, nh/nkv query/kv
+heads, d head dim, g = nh // nkv queries per kv head, r max LoRA rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+
+from kernels.rope import apply_rope, rope_cos_sin
+from runtime.engine.errors import RefusedInput
+from runtime.engine.interface import lora_group_name, lora_groups
+
+
+# Every linear a LoRA may target, in the order its inputs appear in the engine interface.
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class ModelFormatError(RefusedInput):
+    """A model directory this forward cannot reproduce exactly; the message names the file and key."""
+
+
+CONFIG_FILE = "config.json"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # save_pretrained(max_shard_size=...) writes it beside the shards
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+WEIGHT_DTYPES = ("F32", "F16", "BF16")  # upcast to fp32 on load, as load_base_model does in PyTorch
+# Keys by which a mixture-of-experts config announces itself; this forward has one dense MLP.
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE frequency scaling of ``rope_inv_freq``; plain RoPE has none."""
+
+    rope_type: str  # "linear" or "llama3"
+    factor: float  # linear: every frequency / factor (positions / factor); llama3: the low frequencies'
+    low_freq_factor: float = 0.0  # llama3: wavelengths above original / low_freq_factor are divided by factor
+    high_freq_factor: float = 0.0  # llama3: wavelengths below original / high_freq_factor are kept
+    original_max_position_embeddings: int = 0  # llama3: the pre-training context the bands are measured in
+
+
+def _rope_scaling(hf: dict, problems: list[str]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) as transformers 5 reads them (``RotaryEmbeddingConfigMixin``): a 4.x
+    ``rope_scaling`` dict, when present, replaces ``rope_parameters``; a ``rope_theta`` inside the
+    dict wins over the top-level one; the legacy ``type`` spells ``rope_type``."""
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params = dict(hf.get(key) or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    nested = [k for k, v in params.items() if isinstance(v, dict)]
+    if nested:
+        problems.append(f"{key}.{nested[0]}: RoPE parameters per layer type are not supported")
+        return theta, None
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial not in (None, 1.0):
+        problems.append(f"partial_rotary_factor {partial!r} is not supported (RoPE on the whole head, 1.0)")
+    type_key = "rope_type" if "rope_type" in params else "type"
+    rope_type = params.get(type_key, "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        problems.append(f"{key}.{type_key} {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE_TYPES)})")
+        return theta, None
+    if rope_type == "default":
+        return theta, None
+    needed = ("factor",) if rope_type == "linear" else _LLAMA3_KEYS
+    missing = [k for k in needed if k not in params]
+    if missing:
+        problems.append(f"{key}.{missing[0]} is missing (rope_type {rope_type!r} needs {', '.join(needed)})")
+        return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(params["factor"]))
+    # transformers' own precedence: a top-level original_max_position_embeddings (Phi-3 style) first,
+    # then the dict's, then max_position_embeddings.
+    default_max = 32768 if hf.get("model_type") == "qwen2" else 2048  # the config classes' defaults
+    original = hf.get("original_max_position_embeddings",
+                      params.get("original_max_position_embeddings", hf.get("max_position_embeddings", default_max)))
+    return theta, RopeScaling("llama3", float(params["factor"]), float(params["low_freq_factor"]),
+                              float(params["high_freq_factor"]), int(original))
+
+
+def _sliding_window_problem(hf: dict) -> str | None:
+    """Qwen2's sliding window, where transformers would apply it (Qwen2Config.__post_init__): with
+    use_sliding_window, on the layers ``layer_types`` marks (default: index >= max_window_layers).
+    A window no shorter than max_position_embeddings never drops a key, so it computes full attention."""
+    window = hf.get("sliding_window")
+    if hf.get("model_type") != "qwen2" or not hf.get("use_sliding_window") or window is None:
+        return None
+    layers = hf.get("num_hidden_layers", 0)
+    types = hf.get("layer_types") or [
+        "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention" for i in range(layers)
+    ]
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    max_pos = hf.get("max_position_embeddings", 32768)
+    if not sliding or window >= max_pos:
+        return None
+    return (f"use_sliding_window true with sliding_window {window} < max_position_embeddings {max_pos} "
+            f"on layers {sliding[0]}-{sliding[-1]}: sliding-window attention is not supported")
+
+
+@dataclass(frozen=True)
+class BackboneConfig:
+    model_type: str  # "qwen2" or "llama": same block, Qwen2 adds a bias to q/k/v
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int  # < num_heads means grouped-query attention
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool  # lm_head reuses embed_tokens (no lm_head.weight in the file)
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
+    attention_bias: bool = False  # Llama's attention_bias: q/k/v and o_proj all carry a bias
+
+    @classmethod
+    def from_hf(cls, hf: dict, source: str = CONFIG_FILE) -> "BackboneConfig":
+        """Map a Hugging Face config.json; refuse, naming ``source`` and every offending key at once,
+        each feature this forward does not compute exactly as transformers does."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:  # the other keys mean nothing for another architecture
+            raise ModelFormatError(f"{source}: model_type {model_type!r} is not supported; "
+                                   f"expected one of {', '.join(SUPPORTED_MODEL_TYPES)}")
+        problems = [f"{k} is missing" for k in _REQUIRED_KEYS if k not in hf]
+        if hf.get("hidden_act", "silu") != "silu":
+            problems.append(f"hidden_act {hf.get('hidden_act')!r} is not supported (silu)")
+        rope_theta, rope_scaling = _rope_scaling(hf, problems)
+        sliding = _sliding_window_problem(hf)
+        if sliding:
+            problems.append(sliding)
+        problems += [f"{k} {hf[k]!r}: mixture-of-experts is not supported" for k in MOE_KEYS if hf.get(k)]
+        if hf.get("mlp_bias"):
+            problems.append("mlp_bias true is not supported (the MLP has no bias)")
+        if hf.get("quantization_config"):
+            method = (hf["quantization_config"] or {}).get("quant_method")
+            problems.append(f"quantization_config (quant_method {method!r}) is not supported: "
+                            "give the unquantized weights")
+        heads = hf.get("num_attention_heads", 0)
+        kv_heads = hf.get("num_key_value_heads") or heads
+        if heads and heads % kv_heads:
+            problems.append(f"num_attention_heads {heads} do not split evenly over num_key_value_heads {kv_heads}")
+        if problems:
+            raise ModelFormatError(f"{source}: " + "; ".join(problems))
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            intermediate_size=hf["intermediate_size"],
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rope_scaling=rope_scaling,
+            attention_bias=model_type == "llama" and bool(hf.get("attention_bias")),
+        )
+
+    def module_shape(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of a LoRA-targetable linear."""
+        H, d, I = self.hidden_size, self.head_dim, self.intermediate_size
+        return {
+            "q_proj": (H, self.num_heads * d),
+            "k_proj": (H, self.num_kv_heads * d),
+            "v_proj": (H, self.num_kv_heads * d),
+            "o_proj": (self.num_heads * d, H),
+            "gate_proj": (H, I),
+            "up_proj": (H, I),
+            "down_proj": (I, H),
+        }[module]
+
+    def weight_names(self) -> list[str]:
+        """Every tensor the forward reads, by Hugging Face name; anything else in the files is not loaded."""
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        names += [] if self.tie_word_embeddings else ["lm_head.weight"]
+        biased = ("q_proj", "k_proj", "v_proj") if self.model_type == "qwen2" else _ATTN if self.attention_bias else ()
+        for i in range(self.num_layers):
+            layer = f"model.layers.{i}."
+            names += [layer + "input_layernorm.weight", layer + "post_attention_layernorm.weight"]
+            names += [f"{layer}{'self_attn' if m in _ATTN else 'mlp'}.{m}.weight" for m in LORA_MODULES]
+            names += [f"{layer}self_attn.{m}.bias" for m in biased]
+        return names
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    """config.json of a model directory as a dict; refused, naming the file, when absent or not JSON."""
+    file = Path(model_dir) / CONFIG_FILE
+    if not file.is_file():
+        raise ModelFormatError(f"{model_dir}: not a Hugging Face model directory (no {CONFIG_FILE})")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ModelFormatError(f"{file}: not valid JSON ({err.msg})") from None
+
+
+def read_config(model_dir: str | Path) -> BackboneConfig:
+    return BackboneConfig.from_hf(read_hf_config(model_dir), str(Path(model_dir) / CONFIG_FILE))
+
+
+def weight_files(model_dir: str | Path, cfg: BackboneConfig) -> dict[str, Path]:
+    """{tensor name: safetensors file holding it} for every tensor of ``cfg.weight_names``, read from
+    the shard index when there is one, else from the headers of every ``*.safetensors``. Only headers
+    are read, so this checks a checkpoint (shards present, tensors present, float dtypes) before any load."""
+    model_dir = Path(model_dir)
+    index = model_dir / WEIGHTS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        missing = sorted({shard for shard in weight_map.values() if not (model_dir / shard).is_file()})
+        if missing:
+            raise ModelFormatError(f"{index}: shard {missing[0]} listed in weight_map is missing"
+                                   + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        where = {name: model_dir / shard for name, shard in weight_map.items()}
+        source = index
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ModelFormatError(f"{model_dir}: no *.safetensors weights")
+        where = {}
+        for file in files:
+            with safe_open(file, framework="pt") as fh:
+                where.update((name, file) for name in fh.keys())
+        source = files[0] if len(files) == 1 else model_dir
+    needed = cfg.weight_names()
+    absent = [n for n in needed if n not in where]
+    if absent:
+        more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
+        raise ModelFormatError(f"{source}: tensor {absent[0]}{more} is missing, which {CONFIG_FILE} needs")
+    chosen = {n: where[n] for n in needed}
+    for file, fh, names in _open_by_file(chosen):
+        present = set(fh.keys())
+        for name in names:
+            if name not in present:  # an index that lists a tensor its shard does not hold
+                raise ModelFormatError(f"{index}: weight_map puts tensor {name} in {file.name}, which does not hold it")
+            dtype = fh.get_slice(name).get_dtype()
+            if dtype not in WEIGHT_DTYPES:
+                raise ModelFormatError(f"{file}: tensor {name} is {dtype}; expected one of {', '.join(WEIGHT_DTYPES)}")
+    return chosen
+
+
+def _open_by_file(chosen: dict[str, Path]):
+    """(file, open safetensors handle, names to read from it) for each file once."""
+    for file in sorted(set(chosen.values())):
+        with safe_open(file, framework="pt") as fh:
+            yield file, fh, [n for n, f in chosen.items() if f == file]
+
+
+def read_weights(model_dir: str | Path, cfg: BackboneConfig | None = None) -> dict[str, torch.Tensor]:
+    """The tensors the forward reads (``BackboneConfig.weight_names``), as fp32, keyed by Hugging Face
+    name. Whatever else the files hold (another head, stale rotary buffers) is never loaded."""
+    cfg = cfg or read_config(model_dir)
+    weights = {}
+    for _, fh, names in _open_by_file(weight_files(model_dir, cfg)):
+        for name in names:
+            weights[name] = fh.get_tensor(name).float()
+    return weights
+
+
+def rope_inv_freq(cfg: BackboneConfig) -> torch.Tensor:
+    """(d/2,) inverse frequencies of RoPE, op for op as transformers 5 computes them
+    (modeling_rope_utils: default, ``_compute_linear_scaling_rope_parameters``,
+    ``_compute_llama3_parameters``), so every angle is the same float32 number."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    if s.rope_type == "linear":  # positions / factor, folded into the frequencies
+        return inv_freq / s.factor
+    # llama3 (Llama 3.1): keep short wavelengths, divide long ones by factor, interpolate in between.
+    original = s.original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = original / s.low_freq_factor, original / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (original / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Written as x / sqrt(...) rather than x * rsqrt(...): the division form is the pattern ONNX
+    # Runtime fuses into one SimplifiedLayerNormalization kernel (7 ops -> 1 per norm).
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def float_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return x @ w.t() if b is None else torch.addmm(b, x, w.t())  # (N, in) -> (N, out)
+
+
+class Block(nn.Module):
+    """One decoder layer. q/k/v and gate/up are concatenated into one matmul each: fewer,
+    larger GEMMs decode faster on every backend, and the split is exact."""
+
+    # Every base projection goes through this; the PyTorch reference of a quantized engine
+    # (tests/weight_reference.py, reference_backbone) swaps in one that rounds the input as the engine's kernel does.
+    linear = staticmethod(float_linear)
+
+    def __init__(self, cfg: BackboneConfig, w: dict[str, torch.Tensor], prefix: str, lora_modules: tuple[str, ...]):
+        super().__init__()
+        self.cfg, self.lora_modules = cfg, lora_modules
+        p = nn.Parameter
+        att, mlp = prefix + "self_attn.", prefix + "mlp."
+        self.qkv_w = p(torch.cat([w[att + f"{m}.weight"] for m in ("q_proj", "k_proj", "v_proj")]), requires_grad=False)
+        biases = [w.get(att + f"{m}.bias") for m in ("q_proj", "k_proj", "v_proj")]
+        self.qkv_b = None
+        if any(b is not None for b in biases):
+            outs = [cfg.module_shape(m)[1] for m in ("q_proj", "k_proj", "v_proj")]
+            filled = [b if b is not None else torch.zeros(n) for b, n in zip(biases, outs)]
+            self.qkv_b = p(torch.cat(filled), requires_grad=False)
+        self.o_w = p(w[att + "o_proj.weight"], requires_grad=False)
+        self.o_b = p(w[att + "o_proj.bias"], requires_grad=False) if att + "o_proj.bias" in w else None
+        self.gate_up_w = p(torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]), requires_grad=False)
+        self.down_w = p(w[mlp + "down_proj.weight"], requires_grad=False)
+        self.ln1 = p(w[prefix + "input_layernorm.weight"], requires_grad=False)
+        self.ln2 = p(w[prefix + "post_attention_layernorm.weight"], requires_grad=False)
+
+    def _lora(self, first: str, x: torch.Tensor, y: torch.Tensor, lora: dict[str, tuple]) -> torch.Tensor:
+        """y + (x A^T) B^T for the fused linear whose first module is ``first``, the add folded into
+        the second GEMM (one ONNX Gemm)."""
+        if first not in lora:
+            return y
+        a, b = lora[first]  # (n r, in), (out, n r)
+        return torch.addmm(y, x @ a.t(), b.t())  # (N, n r) -> (N, out)
+
+    def forward(self, x, B: int, T: int, cos, sin, mask, past_k, past_v, lora: dict[str, tuple]):
+        """x: (N, H) with N = B * T: the linears run on 2-D activations so each one, bias or
+        LoRA add included, exports as a single Gemm."""
+        cfg = self.cfg
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        g = nh // nkv
+
+        q, k, v = self.project_qkv(x, B, T, cos, sin, lora)
+        k = torch.cat([past_k, k], dim=2)  # (B, nkv, S, d)
+        v = torch.cat([past_v, v], dim=2)  # (B, nkv, S, d)
+
+        # GQA without copying K/V: fold the g query heads of each kv head into the row axis.
+        qg = q.reshape(B, nkv, g * T, d)  # (B, nkv, g T, d)
+        att = (qg @ k.transpose(-1, -2)) * (1.0 / math.sqrt(d)) + mask  # (B, nkv, g T, S) + (B, 1, g T, S)
+        att = torch.softmax(att, dim=-1)
+        y = att @ v  # (B, nkv, g T, d)
+        return self.finish(x, y, B, T, lora), k, v
+
+    def project_qkv(self, x, B: int, T: int, cos, sin, lora: dict[str, tuple]):
+        """(q (B, nh, T, d), k (B, nkv, T, d), v (B, nkv, T, d)) of the new tokens, q and k after RoPE."""
+        cfg = self.cfg
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = rms_norm(x, self.ln1, cfg.rms_norm_eps)  # (N, H)
+        qkv = self._lora("q_proj", h, self.linear(h, self.qkv_w, self.qkv_b), lora)  # (N, (nh + 2 nkv) d)
+        qk, v = qkv.split([(nh + nkv) * d, nkv * d], dim=-1)
+        # RoPE on queries and keys in one pass: half the rotate/multiply ops of two passes.
+        qk = qk.view(B, T, nh + nkv, d).transpose(1, 2)  # (B, nh + nkv, T, d)
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk.split([nh, nkv], dim=1)  # (B, nh, T, d), (B, nkv, T, d)
+        v = v.view(B, T, nkv, d).transpose(1, 2)  # (B, nkv, T, d)
+        return q, k, v
+
+    def finish(self, x, y, B: int, T: int, lora: dict[str, tuple]):
+        """Attention output y (B, nkv, g T, d) -> o_proj, residual, MLP: the layer's output (N, H)."""
+        cfg = self.cfg
+        nh, d = cfg.num_heads, cfg.head_dim
+        y = y.view(B, nh, T, d).transpose(1, 2).reshape(B * T, nh * d)  # (N, nh d)
+        x = x + self._lora("o_proj", y, self.linear(y, self.o_w, self.o_b), lora)  # (N, H)
+
+        h = rms_norm(x, self.ln2, cfg.rms_norm_eps)  # (N, H)
+        gu = self._lora("gate_proj", h, self.linear(h, self.gate_up_w), lora)  # (N, 2 I)
+        gate, up = gu.split([cfg.intermediate_size, cfg.intermediate_size], dim=-1)
+        m = nn.functional.silu(gate) * up  # (N, I)
+        down = self.linear(m, self.down_w)  # (N, H)
+        return x + self._lora("down_proj", m, down, lora)
+
+
+class Backbone(nn.Module):
+    """forward(input_ids, position_ids, attention_mask, past_kv, lora) -> (logits, present_kv).
+
+    input_ids, position_ids: (B, T) int64; attention_mask: (B, S) int64, 1 = real token,
+    0 = padding (left padding for batched prompts). past_kv: flat tuple
+    (past_key.0, past_value.0, past_key.1, ...), each (B, nkv, P, d); P may be 0.
+    lora: flat tuple in ``runtime.engine.interface.lora_input_names`` order; empty when built with no lora_modules.
+    """
+
+    linear = staticmethod(float_linear)  # the LM head's; see Block.linear
+
+    def __init__(self, cfg: BackboneConfig, weights: dict[str, torch.Tensor], lora_modules: tuple[str, ...] = ()):
+        super().__init__()
+        unknown = [m for m in lora_modules if m not in LORA_MODULES]
+        if unknown:
+            raise ValueError(f"unknown LoRA target modules {unknown}; supported: {list(LORA_MODULES)}")
+        self.cfg, self.lora_modules = cfg, tuple(lora_modules)
+        self.lora_groups = lora_groups(self.lora_modules)
+        p = nn.Parameter
+        self.embed = p(weights["model.embed_tokens.weight"], requires_grad=False)  # (V, H)
+        self.blocks = nn.ModuleList(
+            Block(cfg, weights, f"model.layers.{i}.", self.lora_modules) for i in range(cfg.num_layers)
+        )
+        self.norm = p(weights["model.norm.weight"], requires_grad=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = p(weights["lm_head.weight"], requires_grad=False)  # (V, H)
+        # The one inv_freq of this backbone: the exported graph, the KV-cache paths and calibration all read it.
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)  # (d/2,)
+
+    def forward(self, input_ids, position_ids, attention_mask, past_kv: tuple, lora: tuple = ()):
+        x, cos, sin, mask = self.prepare(input_ids, position_ids, attention_mask, past_kv[0].shape[2])
+        B, T = input_ids.shape
+        present = []
+        for i, block in enumerate(self.blocks):
+            x, k, v = block(x, B, T, cos, sin, mask, past_kv[2 * i], past_kv[2 * i + 1], self.layer_lora(lora, i))
+            present += [k, v]
+        return self.head(x, B, T), tuple(present)
+
+    def prepare(self, input_ids, position_ids, attention_mask, P):
+        """Embeddings x (N, H), RoPE cos/sin (B, 1, T, d) of the new tokens, additive mask (B, 1, g T, P + T)."""
+        cfg = self.cfg
+        B, T = input_ids.shape
+        x = nn.functional.embedding(input_ids, self.embed).reshape(B * T, -1)  # (N, H); one Gather
+
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq)  # (B, 1, T, d), rotate_half's sign in sin
+
+        # Causal by cache slot (not by position id, which skips left padding), and never
+        # attend to a padded slot. A finite minimum, not -inf, so a fully padded row stays finite.
+        q_slot = torch.arange(T, device=input_ids.device) + P  # (T,)
+        k_slot = torch.arange(P + T, device=input_ids.device)  # (S,)
+        allowed = (k_slot[None, :] <= q_slot[:, None])[None] & (attention_mask[:, None, :] > 0)  # (B, T, S)
+        zero = torch.zeros((), dtype=x.dtype)
+        mask = torch.where(allowed, zero, torch.finfo(x.dtype).min)  # (B, T, S)
+        # Rows repeated once per query head of a kv group, built once here instead of a 5-D
+        # view + broadcast in every layer.
+        g = cfg.num_heads // cfg.num_kv_heads
+        mask = mask.unsqueeze(1).expand(B, g, T, P + T).reshape(B, 1, g * T, P + T)  # (B, 1, g T, S)
+        return x, cos, sin, mask
+
+    def layer_lora(self, lora: tuple, i: int) -> dict[str, tuple]:
+        """{first module of a fused linear: (A, B)} of layer i."""
+        groups = self.lora_groups
+        layer = lora[2 * len(groups) * i : 2 * len(groups) * (i + 1)]
+        return {fused[0]: tuple(layer[2 * j : 2 * j + 2]) for j, (_, fused) in enumerate(groups)}
+
+    def head(self, x, B: int, T: int):
+        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)  # (N, H)
+        return self.linear(x, self.lm_head).view(B, T, -1)  # (B, T, V)
+
+    def empty_past(self, batch: int) -> tuple[torch.Tensor, ...]:
+        shape = (batch, self.cfg.num_kv_heads, 0, self.cfg.head_dim)
+        return tuple(torch.zeros(shape) for _ in range(2 * self.cfg.num_layers))
+
+
+def merge_lora(
+    weights: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], num_layers: int, modules: tuple[str, ...]
+) -> dict[str, torch.Tensor]:
+    """W + B @ A (the scale is inside B) for every layer and fused linear, cut back into the
+    modules' weights: the merged-weights reference/baseline."""
+    merged = dict(weights)
+    for i in range(num_layers):
+        for targeted, fused in lora_groups(modules):
+            name = lora_group_name(targeted)
+            delta = lora[f"lora_B.{i}.{name}"] @ lora[f"lora_A.{i}.{name}"]  # (out of the fused linear, in)
+            row = 0
+            for m in fused:  # an untargeted member's rows are zero
+                key = f"model.layers.{i}.{'self_attn' if m in _ATTN else 'mlp'}.{m}.weight"
+                merged[key] = weights[key] + delta[row : row + weights[key].shape[0]]
+                row += weights[key].shape[0]
+    return merged
+
+
+def load_backbone(
+    model_dir: str | Path, lora_modules: tuple[str, ...] = (), merged_lora: dict[str, torch.Tensor] | None = None
+) -> Backbone:
+    """Backbone from a Hugging Face directory, optionally with a LoRA merged into its weights."""
+    cfg = read_config(model_dir)
+    weights = read_weights(model_dir, cfg)
+    if merged_lora is not None:
+        modules = tuple(sorted({m for k in merged_lora if k.startswith("lora_A.") for m in k.split(".")[-1].split("+")}))
+        weights = merge_lora(weights, merged_lora, cfg.num_layers, modules)
+    return Backbone(cfg, weights, lora_modules).eval()

@@ -1,0 +1,68 @@
+"""What the backbone is traced with: example inputs in interface order and the dynamic axes' bounds.
+
+Both exporters use them: ``tasks.compile`` (torch.onnx, the ONNX graph every backend runs) and the
+torch-tensorrt builder in ``runtime.engine.backends.tensorrt``. The bounds are also the TensorRT
+optimization-profile maxima. torch is imported inside the functions: the ONNX Runtime serving path
+imports nothing from here.
+"""
+
+from __future__ import annotations
+
+from runtime.engine.interface import quantized_kv_tensors
+
+# Sizes used to trace: deliberately not 0 or 1, which torch.export would specialize to constants.
+TRACE_BATCH, TRACE_SEQ, TRACE_PAST, TRACE_SINK = 2, 3, 5, 2
+# Upper bounds of the dynamic axes.
+MAX_BATCH, MAX_SEQ, MAX_PAST = 64, 4096, 4096
+
+
+def example_inputs(model, iface, batch: int, seq: int, past: int):
+    """Random inputs in interface order: ids, positions, mask, the cache (float or packed), LoRA."""
+    import torch
+
+    cfg = model.cfg
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))  # (B, T)
+    pos = (torch.arange(seq) + past).expand(batch, seq).contiguous()  # (B, T)
+    shapes = {t.name: t.shape for t in iface.inputs}
+    lora = [torch.randn(*shapes[n]) * 0.05 for n in iface.lora_names]
+    if iface.quantized_kv:
+        cache, static = quantized_example_inputs(iface, batch, past)
+        mask = torch.ones(batch, TRACE_SINK + past + seq, dtype=torch.long)  # (B, sink + P + T)
+        return ids, pos, mask, cache, static, lora
+    mask = torch.ones(batch, past + seq, dtype=torch.long)  # (B, S)
+    kv = [torch.randn(batch, cfg.num_kv_heads, past, cfg.head_dim) for _ in range(2 * cfg.num_layers)]
+    return ids, pos, mask, kv, lora
+
+
+def quantized_example_inputs(iface, batch: int, past: int):
+    """Random packed cache, fp16 scales and sink, static scales; shapes from the interface."""
+    import torch
+
+    cache_specs, static_specs, _ = quantized_kv_tensors(iface.num_layers, iface.num_kv_heads, iface.head_dim, iface.kv_spec)
+    sizes = {"batch": batch, "past": past, "sink": TRACE_SINK}
+    cache = []
+    for t in cache_specs:
+        shape = [sizes.get(a, a) for a in t.shape]
+        if t.dtype == "uint8":
+            cache.append(torch.randint(0, 256, shape, dtype=torch.uint8))
+        elif t.dtype == "int64":
+            cache.append(torch.arange(past).expand(batch, past).contiguous())
+        else:
+            cache.append((torch.rand(shape) * 0.1 + 0.01).to(torch.float16))
+    static = [torch.rand(*t.shape) * 0.1 + 0.01 for t in static_specs]
+    return cache, static
+
+
+def export_dynamic_shapes(iface, args, Dim):
+    """torch.export ``dynamic_shapes`` for ``args`` (as ``example_inputs`` returns them), with ``Dim`` given."""
+    batch = Dim("batch", min=1, max=MAX_BATCH)
+    seq = Dim("seq", min=1, max=MAX_SEQ)
+    past = Dim("past", min=0, max=MAX_PAST)  # 0 = prefill with an empty cache
+    head = ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: Dim.DYNAMIC})  # total = past + seq: derived
+    if not iface.quantized_kv:
+        return head + ([{0: batch, 2: past} for _ in args[3]], [None for _ in args[4]])
+    sink = Dim("sink", min=0, max=MAX_PAST)  # up to sink_tokens; traced at 2 so it is not specialized
+    cache_specs, _, _ = quantized_kv_tensors(iface.num_layers, iface.num_kv_heads, iface.head_dim, iface.kv_spec)
+    cache = [{0: batch, 1: past} if t.name == "past_positions" else {0: batch, 2: sink if t.name.startswith("sink_") else past}
+             for t in cache_specs]
+    return head + (cache, [None for _ in args[4]], [None for _ in args[5]])

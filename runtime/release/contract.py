@@ -1,0 +1,97 @@
+"""The train-to-device contract: the release's and the registry's file names and formats, defined once.
+
+The pipeline (``tasks/``) writes with these definitions and the device (``runtime/``) reads with
+them; neither has another copy. The formats the engine itself reads live in ``runtime.engine``, below
+this package, and are named here only to say where each is: the adapter's (``runtime.engine.adapter_config``),
+the KV scales' (``runtime.engine.kv_scales``) and the engine folder's (``runtime.engine.interface``).
+Torch-free, so the ONNX Runtime serving path can import it. Folders and their files:
+
+  adapter   (tasks/finetune.py)   adapter_config.json, adapter_model.safetensors (PEFT, unchanged),
+                                  provenance.json (backbone hash, params hash, library versions)
+  KV scales (tasks/calibrate.py)  kv_scales.safetensors, kv_scales.json
+  release   (tasks/package.py;    the adapter's and the KV-scale files, manifest.json (sorted keys),
+   verified:                      manifest.sig (Ed25519 over the manifest bytes, runtime/release/signing.py)
+   runtime/release/package.py)
+  engine    (tasks/compile.py)    model.onnx, interface.json, cache_key.json
+  registry  (tasks/publish.py;    releases/<month>/ (a release, tracked by DVC), releases/index.json,
+   pulled:                        channels.json, and a git tag release/<month> per published month
+   runtime/release/pull.py)
+
+Release ids, for rollback protection: ``<month>+<created UTC YYYYMMDDTHHMMSSZ>``; releases compare
+by (month, created stamp), a later month always wins and within a month the later build.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+
+# ---------------------------------------------------------------- file names
+
+MANIFEST = "manifest.json"
+SIGNATURE = "manifest.sig"
+REGISTRY_CHANNELS = "channels.json"  # alias -> month
+REGISTRY_RELEASES = "releases"  # one release directory per published month, and the index
+REGISTRY_INDEX = f"{REGISTRY_RELEASES}/index.json"  # month -> release id, adapter sha256, headline metrics
+RELEASE_NOTES = "RELEASE_NOTES.md"  # beside each published release: releases/<month>.RELEASE_NOTES.md
+
+
+def registry_release_path(month: str) -> str:
+    """Where a published month's release directory sits in the registry (relative, ``/``-separated)."""
+    return f"{REGISTRY_RELEASES}/{month}"
+
+
+def release_tag(month: str) -> str:
+    """The registry's git tag on the commit that published ``month``."""
+    return f"release/{month}"
+
+
+# The update channel's TUF repository: metadata/<version>.root.json, metadata/timestamp.json,
+# metadata/<version>.{snapshot,targets}.json (consistent snapshots), targets/<dir>/<sha256>.<name>.
+TUF_METADATA_DIR = "metadata"
+TUF_TARGETS_DIR = "targets"
+TUF_CHANNELS_TARGET = REGISTRY_CHANNELS  # {"champion": month, "candidate": month}, a signed target
+TUF_CHANNELS = ("champion", "candidate")
+# The ``custom`` fields of a release target: what a device can check before downloading it.
+TUF_TARGET_CUSTOM = ("month", "release_id", "base_model_hash", "engine_interface_hash")
+
+
+def release_target_path(month: str) -> str:
+    """The TUF target path of a published month's release tarball."""
+    return f"{REGISTRY_RELEASES}/{month}.tar.gz"
+
+
+# ---------------------------------------------------------------- manifest bytes and release ids
+
+FORMAT = "adapter-release"
+FORMAT_VERSION = 1
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+STAMP_FORMAT = "%Y%m%dT%H%M%SZ"
+MONTH = re.compile(r"^\d{4}-(?:0[1-9]|1[0-2])$")
+RELEASE_ID = re.compile(r"^(\d{4}-(?:0[1-9]|1[0-2]))(?:\+(\d{8}T\d{6}Z))?$")
+
+
+def manifest_bytes(manifest: dict) -> bytes:
+    """The canonical bytes that are signed: sorted keys, 2-space indent, trailing newline."""
+    return (json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+
+
+def format_time(t: dt.datetime) -> str:
+    return t.astimezone(dt.timezone.utc).strftime(TIME_FORMAT)
+
+
+def parse_time(text: str) -> dt.datetime:
+    return dt.datetime.strptime(text, TIME_FORMAT).replace(tzinfo=dt.timezone.utc)
+
+
+def make_release_id(month: str, created: dt.datetime) -> str:
+    return f"{month}+{created.astimezone(dt.timezone.utc).strftime(STAMP_FORMAT)}"
+
+
+def release_order(release_id: str) -> tuple[str, str]:
+    """(month, created stamp) of a release id; a bare month ``YYYY-MM`` sorts before all its builds."""
+    m = RELEASE_ID.match(str(release_id))
+    if m is None:
+        raise ValueError(f"release id {release_id!r} is not YYYY-MM or YYYY-MM+YYYYMMDDTHHMMSSZ")
+    return m.group(1), m.group(2) or ""

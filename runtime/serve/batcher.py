@@ -1,0 +1,338 @@
+"""Continuous batching: one scheduler thread decodes every running request, one step at a time, batched per release.
+
+A request picked its release (``runtime.serve.server.ActiveRelease``) once, when it started; its rows (one
+per prompt) run every step on that release's batch, and rows of two releases are never in one
+batch. Each turn of the loop:
+
+1. admits the requests that arrived (a free ``Admission`` slot submitted them), as many as fit the
+   release's batch of at most ``max_rows`` rows (the rest wait, in order): the arrivals of one
+   release are prefilled together (each alone if the engine refuses them together, so a request
+   that cannot be prefilled fails alone), left-padded as ``runtime.engine.generate`` pads prompts, their first
+   tokens sampled, and their rows merged into the release's running batch (``concat_caches``:
+   every cache left-padded along the past axis to the longest, the padding masked);
+2. runs one decode step of each release's batch in turn (the releases take turns on the session's
+   threads instead of contending for them), samples each request's rows with the request's own
+   sampler (so a seeded request draws what it would in any company), and hands every request the
+   choices that changed through ``loop.call_soon_threadsafe``: no thread hop per token, and at most
+   one wake-up of the event loop in flight (each writes to the loop's self-pipe: one per request and
+   step took 60% of the scheduler thread's time at 8 requests on the tiny engine); what later steps
+   produce before the loop has run it joins the same hand-over;
+3. drops the rows that finished or whose client left (``close``), and the leading past slots that
+   are then masked in every remaining row (``take_cache_rows``).
+
+Every row's real slots are the last ``lengths[b]`` of the batch's past, so the past is as long as
+the longest row and a row's next position is its length: it decodes as it would alone, up to float
+rounding. The thread runs while there is work and ends once there has been none for ``IDLE_S``; the
+next request starts another. An engine whose cache cannot be merged (fp16 sink tokens) is served per
+request instead (``runtime.serve.generation.ForkedGeneration``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.engine.generate import left_padded
+from runtime.engine.sampling import greedy
+from runtime.engine.tracing import MAX_BATCH
+from runtime.serve.generation import Choice, Generation, StopText
+
+log = logging.getLogger(__name__)
+# The scheduler thread waits this long for a request once it has no work, then ends (the next request
+# starts another): a client's next request, sent when its answer ended, finds it running. Starting a
+# thread took 0.2-0.8 ms on the 2 shared cores, paid by every request at 1 client.
+IDLE_S = 0.5
+
+
+class BatchedGeneration(Generation):
+    """A request decoded by the ``Batcher``: submitted when its consumer first asks for choices (it
+    holds an admission slot by then); the scheduler thread hands it each step's choices.
+    A consumer slower than the decode gets what queued up meanwhile as one list: each choice's new
+    text joined (one streamed chunk for several tokens instead of a backlog of one per token)."""
+
+    def __init__(self, batcher: "Batcher", release, prompts: list[list[int]], sample, texts: list[StopText],
+                 max_tokens: int):
+        super().__init__(release, texts, max_tokens)
+        self.batcher, self.prompts, self.sample = batcher, prompts, sample
+        self.cancelled = False  # set by the event loop (the client left), read by the scheduler thread
+        self.loop: asyncio.AbstractEventLoop | None = None
+        # Each step's choices, None once every choice has finished, or the error that ended the decode:
+        # what the scheduler handed over and the consumer has not taken yet. A list and a future, not an
+        # asyncio.Queue: its get and put call get_running_loop(), a getpid syscall each on Python 3.11.
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+        self._ended = False
+
+    def put(self, item) -> None:
+        """On the event loop: one hand-over item; wakes the consumer."""
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def next_choices(self) -> list[Choice] | None:
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+            self.batcher.submit(self)
+        if self._ended:
+            return None
+        if not self._items:
+            self._waiter = self.loop.create_future()
+            await self._waiter
+        items, self._items = self._items, []
+        if len(items) == 1 and isinstance(items[0], list):  # the consumer kept up: one step's choices
+            return items[0]
+        merged: dict[int, Choice] = {}
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                self._ended = True
+                break
+            for c in item:
+                before = merged.get(c.index)
+                merged[c.index] = c if before is None else Choice(c.index, before.text + c.text, c.finish_reason)
+        return list(merged.values()) if merged or not self._ended else None
+
+    def close(self) -> None:
+        self.cancelled = True  # its rows leave the batch before the next step
+
+
+@dataclass
+class Row:
+    generation: BatchedGeneration
+    index: int  # its choice index in the request
+
+
+class ReleaseBatch:
+    """The running rows of one release, their cache, and per row its real length and last token."""
+
+    def __init__(self, release):
+        self.release = release
+        self.engine = release.handle.fork()  # the scheduler's own handle: only its thread runs it
+        self.rows: list[Row] = []
+        self.cache = None
+        self.lengths = np.zeros(0, dtype=np.int64)  # (B,) real tokens per row = its next token's position
+        self.tokens = np.zeros(0, dtype=np.int64)  # (B,) each row's last sampled token: the next step's input
+
+
+class Batcher:
+    """The scheduler of one ``AdapterServer``: ``submit`` a generation, its thread does the rest."""
+
+    def __init__(self, stop_ids, pad_id: int, metrics, max_rows: int = MAX_BATCH):
+        """``max_rows``: rows one release's batch decodes at most (the engine was exported for batches up
+        to ``MAX_BATCH``); arrivals beyond it wait, in order, for rows to leave."""
+        self.stop_ids, self.pad_id, self.metrics = frozenset(int(t) for t in stop_ids), pad_id, metrics
+        self.max_rows = max_rows
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # notified when a request arrives for a waiting thread
+        self._arrivals: list[BatchedGeneration] = []
+        self._thread: threading.Thread | None = None
+        self._batches: list[ReleaseBatch] = []  # the scheduler thread's alone
+        self._outbox: list[tuple[BatchedGeneration, object]] = []  # (generation, hand-over item) of this step
+        self._handover_lock = threading.Lock()
+        self._handed: dict[asyncio.AbstractEventLoop, list] = {}  # items an event loop has yet to take
+
+    def submit(self, generation: BatchedGeneration) -> None:
+        with self._lock:
+            self._arrivals.append(generation)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="batcher", daemon=True)
+                self._thread.start()
+            else:
+                self._work.notify()
+
+    def _run(self) -> None:
+        try:
+            while self._turn():
+                pass
+        except Exception as err:  # a bug here must fail the requests, not leave them waiting forever
+            log.exception("the batch scheduler failed")
+            failed = [r.generation for b in self._batches for r in b.rows]
+            self._batches = []
+            with self._lock:  # the next submit starts a fresh thread once this one has handed over
+                failed, self._arrivals = failed + self._arrivals, []
+                for g in dict.fromkeys(failed):
+                    self._deliver(g, err)
+                self._hand_over()
+                self._thread = None
+
+    def _turn(self) -> bool:
+        """Admit the arrivals, then one decode step per release; False (the thread ends) when there has
+        been no work for ``IDLE_S``."""
+        with self._lock:
+            if not self._arrivals and not self._batches and not self._work.wait_for(lambda: self._arrivals, IDLE_S):
+                self._thread = None
+                return False
+            arrivals, self._arrivals = self._fitting(self._arrivals)
+        self._admit([g for g in arrivals if not g.cancelled])
+        self._hand_over()
+        for batch in list(self._batches):
+            self._step(batch)
+            self._hand_over()
+        return True
+
+    def _fitting(self, arrivals: list[BatchedGeneration]) -> tuple[list[BatchedGeneration], list[BatchedGeneration]]:
+        """(the arrivals whose rows fit their release's batch, in order; those that wait). Once one
+        request of a release waits, the later ones of that release wait too: first come, first served."""
+        rows = {id(b.release): len(b.rows) for b in self._batches}
+        admit, wait, full = [], [], set()
+        for g in arrivals:
+            key = id(g.release)
+            taken = rows.get(key, 0)
+            if key in full or (taken and taken + len(g.prompts) > self.max_rows):
+                full.add(key)
+                wait.append(g)
+            else:  # an empty batch takes any request (its prompts are capped far below MAX_BATCH)
+                rows[key] = taken + len(g.prompts)
+                admit.append(g)
+        return admit, wait
+
+    def _deliver(self, generation: BatchedGeneration, item) -> None:
+        self._outbox.append((generation, item))
+
+    def _hand_over(self) -> None:
+        """Hand what this step produced to the requests' event loops, waking each one not already woken."""
+        with self._handover_lock:
+            wake = [g.loop for g, _ in self._outbox if g.loop not in self._handed]
+            for g, item in self._outbox:
+                self._handed.setdefault(g.loop, []).append((g, item))
+        self._outbox = []
+        for loop in dict.fromkeys(wake):
+            try:
+                loop.call_soon_threadsafe(self._take, loop)
+            except RuntimeError:  # that event loop has closed: nobody reads these rows any more
+                for g, _ in self._take_items(loop):
+                    g.cancelled = True
+
+    def _take(self, loop) -> None:
+        """On ``loop``: every item handed to it since it was woken, to its request."""
+        for g, item in self._take_items(loop):
+            g.put(item)
+
+    def _take_items(self, loop) -> list:
+        with self._handover_lock:
+            return self._handed.pop(loop, [])
+
+    # ------------------------------------------------------------------ admission
+
+    def _admit(self, arrivals: list[BatchedGeneration]) -> None:
+        groups: list[tuple[object, list[BatchedGeneration]]] = []
+        for g in arrivals:
+            group = next((gens for release, gens in groups if release is g.release), None)
+            if group is None:
+                groups.append((g.release, [g]))
+            else:
+                group.append(g)
+        for release, gens in groups:
+            batch = next((b for b in self._batches if b.release is release), None)
+            if batch is None:
+                batch = ReleaseBatch(release)
+                self._batches.append(batch)
+            self._prefill(batch, gens)
+            if not batch.rows:
+                self._batches.remove(batch)
+
+    def _prefill(self, batch: ReleaseBatch, gens: list[BatchedGeneration]) -> None:
+        """Prefill ``gens`` together and join their rows to ``batch``. When the engine refuses them
+        together (it cannot allocate the padded batch, say), each is prefilled alone: only a request
+        that fails alone fails, not the ones that arrived with it; the batch runs on."""
+        try:
+            ids, pos, mask = left_padded([p for g in gens for p in g.prompts], self.pad_id)  # (n, L) each
+            logits, cache = batch.engine.forward(ids, pos, mask, None)
+        except Exception as err:
+            if len(gens) > 1:
+                log.warning("prefill of %d requests together failed (%s: %s); prefilling each alone",
+                            len(gens), type(err).__name__, err)
+                for g in gens:
+                    self._prefill(batch, [g])
+                return
+            log.exception("prefill failed")
+            self._deliver(gens[0], err)
+            return
+        try:
+            self._join(batch, gens, ids, mask, logits, cache)
+        except Exception as err:  # a bug past the engine: these requests fail, the batch runs on
+            log.exception("joining the prefilled rows failed")
+            for g in gens:
+                self._deliver(g, err)
+
+    def _join(self, batch: ReleaseBatch, gens: list[BatchedGeneration], ids, mask, logits, cache) -> None:
+        """Sample the first tokens of the prefilled ``gens`` and merge their rows into ``batch``."""
+        rows = [Row(g, i) for g in gens for i in range(len(g.prompts))]
+        tokens, decoding = self._emit(rows, logits[:, -1])
+        if not any(decoding):
+            return
+        keep = np.array(decoding)
+        lengths = mask.sum(axis=1)  # (n,)
+        drop = ids.shape[1] - int(lengths[keep].max())
+        if drop or not keep.all():
+            cache = batch.engine.take_cache_rows(cache, np.flatnonzero(keep), drop)
+        batch.cache = cache if batch.cache is None else batch.engine.concat_caches([batch.cache, cache])
+        batch.rows += [r for r, k in zip(rows, keep) if k]
+        batch.lengths = np.concatenate([batch.lengths, lengths[keep]])
+        batch.tokens = np.concatenate([batch.tokens, tokens[keep]])
+
+    # ------------------------------------------------------------------ decode
+
+    def _step(self, batch: ReleaseBatch) -> None:
+        self._keep(batch, [not r.generation.cancelled for r in batch.rows])
+        if not batch.rows:
+            return
+        B, W = len(batch.rows), int(batch.lengths.max())
+        lengths = batch.lengths + 1
+        mask = (np.arange(W + 1)[None, :] >= (W + 1 - lengths)[:, None]).astype(np.int64)  # (B, W + 1)
+        try:
+            logits, batch.cache = batch.engine.forward(batch.tokens[:, None], batch.lengths[:, None], mask, batch.cache)
+        except Exception as err:
+            log.exception("decode step failed")
+            for g in {id(r.generation): r.generation for r in batch.rows}.values():
+                self._deliver(g, err)
+            self._batches.remove(batch)
+            return
+        self.metrics.batch_rows.observe(B)
+        batch.lengths = lengths
+        batch.tokens, keep = self._emit(batch.rows, logits[:, -1])
+        self._keep(batch, keep)
+
+    def _emit(self, rows: list[Row], logits: np.ndarray) -> tuple[np.ndarray, list[bool]]:
+        """Sample every row's next token from ``logits`` (B, V), each request's rows with its own
+        sampler, hand each request its choices; (tokens (B,), per row whether it decodes on)."""
+        tokens = np.zeros(len(rows), dtype=np.int64)
+        by_request: dict[int, list[int]] = {}
+        for b, r in enumerate(rows):
+            by_request.setdefault(id(r.generation), []).append(b)
+        argmax = None  # the greedy rows': one argmax over the batch, which is each row's own argmax
+        for positions in by_request.values():
+            g = rows[positions[0]].generation
+            if g.cancelled:
+                continue
+            if g.sample is greedy:
+                argmax = logits.argmax(-1) if argmax is None else argmax
+                sampled = argmax[positions]
+            else:
+                sampled = g.sample(logits[positions])  # (n,): the request's draws do not depend on the batch
+            tokens[positions] = sampled
+            choices = g.accept({rows[b].index: None if t in self.stop_ids else t
+                                for b, t in zip(positions, sampled.tolist())})
+            if choices:
+                self._deliver(g, choices)
+            if all(g.finished):
+                self._deliver(g, None)
+        return tokens, [not (r.generation.cancelled or r.generation.finished[r.index]) for r in rows]
+
+    def _keep(self, batch: ReleaseBatch, keep: list[bool]) -> None:
+        """Only the rows where ``keep`` (one bool per row); the past slots masked in all of them are dropped."""
+        if all(keep):  # a Python list: most steps keep every row, and numpy's all() on it costs more
+            return
+        if not any(keep):
+            self._batches.remove(batch)
+            return
+        keep = np.array(keep)
+        drop = int(batch.lengths.max() - batch.lengths[keep].max())
+        batch.cache = batch.engine.take_cache_rows(batch.cache, np.flatnonzero(keep), drop)
+        batch.rows = [r for r, k in zip(batch.rows, keep) if k]
+        batch.lengths, batch.tokens = batch.lengths[keep], batch.tokens[keep]

@@ -1,0 +1,188 @@
+"""The releases resident on a device, their channels, and which one a request gets.
+
+A device holds up to ``max_resident`` verified releases at once, each bound to its own engine handle
+(``runtime.serve.server.ActiveRelease``). Two channels name one release each:
+
+- ``champion``: what a request without ``model`` gets; loading a release as champion is a swap, and
+  it is refused when older than the champion (``RollbackRefused``) unless rollback is allowed (a
+  local act, never the network's).
+- ``candidate``: a release on trial; a share of requests without ``model`` may go to it
+  (``CanarySplit``). It is never older than the champion: it is refused when it would be, and a
+  champion newer than the candidate takes the candidate's channel away.
+
+Every other resident release is ``standby`` (a champion or candidate that was replaced), still
+served to requests that name it by release id or month, until the least recently used of them is
+unloaded to make room (``lru``) or an admin unloads it (``admin``). Unloading only forgets the
+release: requests already running on it hold their ``ActiveRelease`` and finish on it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from fractions import Fraction
+from typing import TYPE_CHECKING
+
+from runtime.engine.errors import RefusedInput
+from runtime.release.contract import release_order
+from runtime.release.package import RollbackRefused
+
+if TYPE_CHECKING:
+    from runtime.serve.server import ActiveRelease
+
+CHAMPION, CANDIDATE, STANDBY = "champion", "candidate", "standby"
+CHANNELS = (CHAMPION, CANDIDATE)  # what a release can be loaded as; STANDBY is what a replaced one becomes
+DEFAULT_MAX_RESIDENT = 3  # the champion, a candidate, and the previous champion for clients pinned to it
+UNLOAD_REASONS = ("lru", "admin")
+
+
+class ResidencyError(RefusedInput):
+    """A change of the resident set that cannot be made in its current state; ``code`` says which
+    (the CLI exits 2 on it: ``serve --candidate`` naming the ``--package`` release)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class ResidentSet:
+    """Resident releases by release id, least recently used first, and the channel each holds; thread-safe."""
+
+    def __init__(self, max_resident: int = DEFAULT_MAX_RESIDENT):
+        if max_resident < len(CHANNELS):
+            raise ValueError(f"max_resident {max_resident}: at least {len(CHANNELS)}, the champion and a candidate")
+        self.max_resident = max_resident
+        self._releases: OrderedDict[str, ActiveRelease] = OrderedDict()
+        self._channels: dict[str, str] = {}  # channel -> release id
+        self._lock = threading.Lock()
+
+    @property
+    def champion(self) -> ActiveRelease | None:
+        return self._holder(CHAMPION)
+
+    @property
+    def candidate(self) -> ActiveRelease | None:
+        return self._holder(CANDIDATE)
+
+    def _holder(self, channel: str) -> ActiveRelease | None:
+        with self._lock:
+            release_id = self._channels.get(channel)
+            return None if release_id is None else self._releases[release_id]
+
+    def channel_of(self, release: ActiveRelease) -> str:
+        """The channel ``release`` holds now (STANDBY also once it is unloaded)."""
+        with self._lock:
+            return next((c for c, r in self._channels.items() if r == release.release_id
+                         and self._releases[r] is release), STANDBY)
+
+    def listing(self) -> list[tuple[ActiveRelease, str]]:
+        """(release, channel) of every resident release: the champion, the candidate, then standby ones, most
+        recently used first."""
+        with self._lock:
+            channel = {r: c for c, r in self._channels.items()}
+            pairs = [(r, channel.get(r.release_id, STANDBY)) for r in reversed(self._releases.values())]
+        return sorted(pairs, key=lambda pair: (CHANNELS + (STANDBY,)).index(pair[1]))  # stable: recency kept
+
+    def find(self, model: str) -> ActiveRelease | None:
+        """The resident release ``model`` names (a channel, a release id, or a month: the channel holder of
+        that month first, else its newest release), marked as used; None if none."""
+        with self._lock:
+            release_id = self._channels.get(model)
+            if release_id is None and model in self._releases:
+                release_id = model
+            if release_id is None:
+                of_month = [r for r in self._releases.values() if r.manifest["month"] == model]
+                held = [r for r in of_month if r.release_id in self._channels.values()]
+                if held or of_month:
+                    release_id = max(held or of_month, key=lambda r: release_order(r.release_id)).release_id
+            if release_id is None:
+                return None
+            self._releases.move_to_end(release_id)
+            return self._releases[release_id]
+
+    def add(self, release: ActiveRelease, channel: str, allow_rollback: bool) -> list[ActiveRelease]:
+        """Make ``release`` resident on ``channel``; the releases unloaded to make room, least recently used
+        first. Raises RollbackRefused or ResidencyError, changing nothing."""
+        if channel not in CHANNELS:
+            raise ValueError(f"channel {channel!r}: one of {', '.join(CHANNELS)}")
+        order = release_order(release.release_id)
+        with self._lock:
+            champion = self._releases.get(self._channels.get(CHAMPION, ""))
+            if champion is not None and order < release_order(champion.release_id) and not allow_rollback:
+                raise RollbackRefused(f"release {release.release_id} is older than the champion {champion.release_id}, "
+                                      "which was activated while this one was being verified")
+            if channel == CANDIDATE and champion is None:
+                raise ResidencyError("no_champion", f"candidate {release.release_id}: there is no champion to "
+                                     "compare it with yet; load a champion first")
+            if channel == CANDIDATE and champion.release_id == release.release_id:
+                raise ResidencyError("is_champion", f"{release.release_id} is the champion already")
+            if self._channels.get(CANDIDATE) == release.release_id:
+                del self._channels[CANDIDATE]  # a release holds one channel: loaded as champion, it is no longer candidate
+            self._channels[channel] = release.release_id
+            candidate = self._releases.get(self._channels.get(CANDIDATE, ""))
+            if channel == CHAMPION and candidate is not None and release_order(candidate.release_id) < order:
+                del self._channels[CANDIDATE]  # the candidate is never older than the champion
+            self._releases[release.release_id] = release
+            self._releases.move_to_end(release.release_id)
+            return self._evict()
+
+    def _evict(self) -> list[ActiveRelease]:
+        """Unload standby releases, least recently used first, down to ``max_resident`` (lock held)."""
+        held = set(self._channels.values())
+        evicted = []
+        for release_id in list(self._releases):
+            if len(self._releases) <= self.max_resident:
+                break
+            if release_id not in held:
+                evicted.append(self._releases.pop(release_id))
+        return evicted
+
+    def promote(self) -> tuple[ActiveRelease, ActiveRelease]:
+        """The candidate becomes the champion, the champion goes to standby: (new champion, old champion)."""
+        with self._lock:
+            if CANDIDATE not in self._channels:
+                raise ResidencyError("no_candidate", "there is no candidate to promote (load one with channel candidate)")
+            old, new = self._releases[self._channels[CHAMPION]], self._releases[self._channels[CANDIDATE]]
+            if release_order(new.release_id) < release_order(old.release_id):  # a candidate loaded locally with rollback
+                raise RollbackRefused(f"candidate {new.release_id} is older than the champion {old.release_id}: "
+                                      "promoting it is a rollback, a local act")
+            self._channels[CHAMPION] = self._channels.pop(CANDIDATE)
+            return self._releases[self._channels[CHAMPION]], old
+
+    def remove(self, model: str) -> ActiveRelease:
+        """Unload the release ``model`` names (a candidate loses its channel); never the champion."""
+        release = self.find(model)
+        with self._lock:
+            if release is None or self._releases.get(release.release_id) is not release:
+                raise ResidencyError("model_not_found", f"model {model!r} is not resident here")
+            if self._channels.get(CHAMPION) == release.release_id:
+                raise ResidencyError("champion", f"{release.release_id} is the champion: load or promote another "
+                                     "champion first")
+            if self._channels.get(CANDIDATE) == release.release_id:
+                del self._channels[CANDIDATE]
+            return self._releases.pop(release.release_id)
+
+
+class CanarySplit:
+    """Which requests without ``model`` go to the candidate: exactly ``floor(n * share)`` of the first ``n``
+    since the candidate was loaded, spread evenly (request n goes when ``floor(n * share)`` steps up), so any
+    window of ``k`` requests holds ``floor(k * share)`` or one more. The share is exact as written
+    (``Fraction("0.1")`` is 1/10): no float drift over a long run, and no coin flips to make tests flaky.
+    A request takes its turn when its release is picked, so one the queue then refuses (503) still counted."""
+
+    def __init__(self, share: float):
+        if not 0 <= share <= 1:
+            raise ValueError(f"canary share {share}: a fraction from 0 to 1")
+        self.share = Fraction(str(share))
+        self._candidate: str | None = None
+        self._n = 0  # requests without model since this candidate
+        self._lock = threading.Lock()
+
+    def to_candidate(self, candidate_id: str) -> bool:
+        """Whether the next request without ``model`` goes to the candidate ``candidate_id``."""
+        with self._lock:
+            if candidate_id != self._candidate:  # a new candidate starts a new window
+                self._candidate, self._n = candidate_id, 0
+            self._n += 1
+            return math.floor(self._n * self.share) > math.floor((self._n - 1) * self.share)

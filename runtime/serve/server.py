@@ -1,0 +1,228 @@
+"""The device's releases and generation: verify and swap releases into one engine without a restart.
+
+The engine (one ONNX Runtime session) is opened once. Each verified release becomes an
+immutable ``ActiveRelease``: its own engine handle (``OrtEngine.fork``) with the release's LoRA
+inputs and KV scales bound, plus its manifest. Several stay resident at once (``runtime.serve.residents``:
+the ``champion``, a ``candidate``, and standby releases up to ``max_resident``, least recently used
+unloaded first). A generation gets its release once, when it starts (``AdapterServer.start_generation``),
+and runs every step, prefill to last token, on that release's handle: in the release's batch
+(``runtime.serve.batcher``) or on its own fork of the handle (``runtime.serve.generation``); a
+load, promotion or unload only changes which releases new requests can get (under a lock, after
+verification and binding are done), while requests in flight finish on theirs. A release that fails
+verification raises its ``PackageError`` (``reason``, ``exit_code``); the resident ones keep serving.
+
+With a state directory (``gate``: ``runtime.serve.health``), a load is also checked against the high-water
+mark, a release is copied there, and a new champion is health-checked, then committed or reverted.
+
+Watch mode polls a directory for release directories or tarballs and loads as champion any verified
+one newer than the champion (never a rollback, nor a release reverted here). Publish into it atomically (write elsewhere,
+then rename), or a half-copied release is refused until its next change.
+The update channel's watch (``runtime.serve.channel_watch``) loads what the signed channel names the same way.
+
+The HTTP side is ``runtime.serve.http_app`` (routes) and ``runtime.serve.http_server`` (uvicorn).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from runtime.engine.generate import decode_steps
+from runtime.release.contract import MANIFEST
+from runtime.release.package import (
+    DEFAULT_MAX_PACKAGE_BYTES,
+    PackageError,
+    RollbackRefused,
+    bind_release,
+    unpacked_release,
+    verify_release,
+)
+from runtime.serve.batcher import BatchedGeneration, Batcher
+from runtime.serve.generation import ForkedGeneration, Generation, StopText
+from runtime.serve.metrics import ServerMetrics
+from runtime.serve.residents import CANDIDATE, CHAMPION, DEFAULT_MAX_RESIDENT, ResidentSet
+
+if TYPE_CHECKING:
+    from runtime.serve.channel_watch import ChannelWatcher
+    from runtime.serve.health import ReleaseGate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ActiveRelease:
+    release_id: str
+    activation: int  # 1 for the first release loaded, +1 per load (either channel)
+    manifest: dict
+    handle: object  # an engine handle with this release bound; forked per batch or request, never rebound
+    loaded_at: float
+
+
+class AdapterServer:
+    """The engine, the tokenizer, the trusted keys and the resident releases; thread-safe."""
+
+    def __init__(self, engine, tokenizer, trusted_keys: dict, max_bytes: int = DEFAULT_MAX_PACKAGE_BYTES,
+                 max_resident: int = DEFAULT_MAX_RESIDENT):
+        if not hasattr(engine, "fork"):
+            raise ValueError(f"{type(engine).__name__} cannot be shared between requests; serve runs the onnxruntime backend")
+        self.engine, self.tokenizer, self.trusted_keys, self.max_bytes = engine, tokenizer, trusted_keys, max_bytes
+        self.residents = ResidentSet(max_resident)
+        self.metrics = ServerMetrics(self.residents.listing)
+        self._loads = 0
+        self._load_lock = threading.Lock()
+        # One scheduler for every release's batch; None where the cache cannot be merged (fp16 sink tokens).
+        self.batcher = (Batcher(tokenizer.stop_ids, tokenizer.pad_id, self.metrics)
+                        if getattr(engine, "merges_caches", False) else None)
+        self.gate: ReleaseGate | None = None  # set by runtime.serve.health.ReleaseGate: the state directory and its trials
+        self.channel: ChannelWatcher | None = None  # set by runtime.serve.channel_watch.ChannelWatcher: the update channel
+
+    @property
+    def active(self) -> ActiveRelease | None:
+        """The champion: what a request that names no model gets."""
+        return self.residents.champion
+
+    def load(self, path: str | Path, allow_rollback: bool = False, channel: str = CHAMPION, trial: bool = True,
+             month: str | None = None) -> dict:
+        """Verify the release at ``path`` (of ``month`` when it was fetched by that name), bind it to a new
+        handle, make it resident on ``channel``
+        (never older than the champion, nor than the state's high-water mark, unless ``allow_rollback``);
+        raise PackageError or ResidencyError. With a state directory (``gate``) a new champion starts its
+        health trial unless ``trial`` is False (the device's own resume and revert), and a candidate is recorded."""
+        start = time.perf_counter()
+        champion = self.residents.champion
+        try:
+            with unpacked_release(path, self.max_bytes) as d:
+                verified = verify_release(
+                    d, self.trusted_keys, self.engine.interface,
+                    active_release=self.gate.floor(champion) if self.gate else champion and champion.release_id,
+                    allow_rollback=allow_rollback, max_bytes=self.max_bytes, tokenizer_sha256=self.tokenizer.sha256,
+                    stop_token_ids=self.tokenizer.stop_ids, month=month,
+                )
+                if self.gate is not None:
+                    self.gate.admit(d, verified)
+            handle = self.engine.fork()
+            bind_release(handle, verified)  # the arrays are copied into ORT values: the files may go
+            flip = time.perf_counter()
+            with self._load_lock:
+                previous = self.residents.candidate if channel == CANDIDATE else self.residents.champion
+                release = ActiveRelease(verified.release_id, self._loads + 1, verified.manifest, handle, time.time())
+                try:  # the order is checked again: another load may have won while this one verified
+                    unloaded = self.residents.add(release, channel, allow_rollback)
+                except RollbackRefused as err:
+                    raise RollbackRefused(f"{path}: {err}") from None
+                self._loads += 1
+                done = time.perf_counter()
+            self.metrics.loaded(done - start)
+            self.metrics.unloads.labels("lru").inc(len(unloaded))
+            self.metrics.sweep_releases(r.release_id for r, _ in self.residents.listing())
+        except PackageError as err:
+            self.metrics.refusals.labels(err.reason).inc()
+            raise
+        if self.gate is not None and channel == CHAMPION and trial:
+            self.gate.begin(release)
+        elif self.gate is not None and channel == CANDIDATE:
+            self.gate.record_candidate()
+        swap_ms, activate_ms = (done - start) * 1e3, (done - flip) * 1e3
+        log.info("%s %s (activation %d) in %.1f ms", channel, verified.release_id, release.activation, swap_ms)
+        return {"release_id": verified.release_id, "channel": channel, "activation": release.activation,
+                "previous": previous.release_id if previous else None, "unloaded": [r.release_id for r in unloaded],
+                "resident": self.resident_summary(),
+                "swap_ms": round(swap_ms, 3), "activate_ms": round(activate_ms, 4), "checks": verified.checks}
+
+    def promote(self) -> dict:
+        """The candidate becomes the champion; the champion stays resident on standby. Raise ResidencyError
+        without a candidate."""
+        champion, previous = self.residents.promote()
+        self.metrics.promotions.inc()
+        if self.gate is not None:
+            self.gate.begin(champion)
+        log.info("promoted %s to champion (was %s)", champion.release_id, previous.release_id)
+        return {"champion": champion.release_id, "previous": previous.release_id, "resident": self.resident_summary()}
+
+    def unload(self, model: str) -> dict:
+        """Forget the resident release ``model`` names (not the champion); requests running on it finish."""
+        release = self.residents.remove(model)
+        self.metrics.unloads.labels("admin").inc()
+        self.metrics.sweep_releases(r.release_id for r, _ in self.residents.listing())
+        if self.gate is not None:
+            self.gate.record_candidate()
+        log.info("unloaded %s", release.release_id)
+        return {"unloaded": release.release_id, "resident": self.resident_summary()}
+
+    def resident_summary(self) -> list[dict]:
+        return [{"release_id": r.release_id, "channel": channel} for r, channel in self.residents.listing()]
+
+    def start_generation(self, release: ActiveRelease, prompts: list[list[int]], max_tokens: int, sample,
+                         stops: list[str], decode: str = "batched") -> Generation:
+        """A generation of ``prompts`` (token ids) on ``release`` (read once from ``active`` when the
+        request started), for every step of it; a swap cannot reach it. ``decode="batched"``: decoded
+        with the other requests on ``release`` (``runtime.serve.batcher``) when the engine's cache can be
+        merged, else, and with ``"fork"``, alone on a fork of the release's handle."""
+        self.metrics.by_release.labels(release.release_id, self.residents.channel_of(release)).inc()
+        texts = [StopText(self.tokenizer, stops) for _ in prompts]
+        if decode == "batched" and self.batcher is not None:
+            return BatchedGeneration(self.batcher, release, prompts, sample, texts, max_tokens)
+        steps = decode_steps(release.handle.fork(), prompts, max_tokens, self.tokenizer.stop_ids,
+                             self.tokenizer.pad_id, sample)
+        return ForkedGeneration(release, steps, texts, max_tokens)
+
+    def health(self) -> dict:
+        """The champion (id, activation, month, expiry) at the top level, the candidate's the same under
+        ``candidate`` (None without one), and the number of resident releases."""
+        champion, candidate = self.residents.champion, self.residents.candidate
+        return {"status": "ok" if champion else "no_release", **release_card(champion),
+                "candidate": release_card(candidate) if candidate else None,
+                "resident": len(self.residents.listing()), "weights": self.engine.interface.weight_precision} | \
+            ({"device_state": self.gate.summary()} if self.gate else {}) | \
+            ({"update_channel": self.channel.summary()} if self.channel else {})
+
+
+def release_card(release: ActiveRelease | None) -> dict:
+    """What health checks say of a release: the fields of ``release_id``, ``activation``, ``month``, ``expires_at``."""
+    if release is None:
+        return {"release_id": None, "activation": 0, "month": None, "expires_at": None}
+    return {"release_id": release.release_id, "activation": release.activation, "month": release.manifest["month"],
+            "expires_at": release.manifest["expires_at"]}
+
+
+class Watcher(threading.Thread):
+    """Polls ``directory`` and loads as champion any verified release newer than the champion."""
+
+    def __init__(self, app: AdapterServer, directory: Path, interval: float = 2.0):
+        super().__init__(daemon=True, name="release-watcher")
+        self.app, self.directory, self.interval = app, Path(directory), interval
+        self.seen: dict[str, tuple] = {}  # path -> (mtime_ns, size) last tried
+        self.stop = threading.Event()
+
+    def candidates(self) -> list[Path]:
+        if not self.directory.is_dir():
+            return []
+        out = []
+        for entry in sorted(self.directory.iterdir()):
+            if entry.name.startswith("."):
+                continue  # being written (publish by rename)
+            if (entry.is_dir() and (entry / MANIFEST).is_file()) or entry.name.endswith((".tar.gz", ".tgz")):
+                st = entry.stat()
+                key = (st.st_mtime_ns, st.st_size)
+                if self.seen.get(str(entry)) != key:
+                    out.append(entry)
+                    self.seen[str(entry)] = key
+        return out
+
+    def poll_once(self) -> list[dict]:
+        results = []
+        for path in self.candidates():
+            try:
+                results.append(self.app.load(path, allow_rollback=False, channel=CHAMPION) | {"path": str(path)})
+            except PackageError as err:
+                log.warning("watch: refused %s: %s", path, err)
+                results.append({"path": str(path), "refused": err.reason, "error": str(err)})
+        return results
+
+    def run(self):
+        while not self.stop.wait(self.interval):
+            self.poll_once()

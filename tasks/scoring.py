@@ -1,0 +1,60 @@
+"""How the reference model's answers are made and scored: greedy completions through PyTorch and their
+exact-match accuracy.
+
+The evaluate stage scores the release with them, and so do the checks it runs (``tasks.engine_parity``,
+``tasks.kv_quality``), which is why they live below all three.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from runtime.engine.tokenizer import encode_prompt, until_stop
+from tasks.data import Example
+
+
+def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[str]:
+    """Greedy-decode each prompt (left-padded batches) and return the text before the first of the
+    tokenizer's ``stop_ids``: the prompt ids and the stop rule of ``runtime.engine.generate.generate_text``."""
+    import torch
+    from tqdm import tqdm
+
+    tokenizer.padding_side = "left"
+    outputs: list[str] = []
+    for start in tqdm(range(0, len(prompts), batch_size), desc="greedy decode", unit="batch", leave=False):
+        rows = [encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
+        batch = tokenizer.pad({"input_ids": rows}, return_tensors="pt")
+        with torch.no_grad():
+            generated = model.generate(
+                **batch,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=list(tokenizer.stop_ids),
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        # A stop id need not be a special token, so cut at it rather than rely on skip_special_tokens.
+        for row in generated[:, batch["input_ids"].shape[1] :].tolist():
+            outputs.append(tokenizer.decode(until_stop(row, tokenizer.stop_ids), skip_special_tokens=True))
+    return outputs
+
+
+def accuracy_report(examples: list[Example], predictions: list[str]) -> dict:
+    """Exact match (whitespace-trimmed) overall, on new and regression rules, and per rule."""
+    hits = [pred.strip() == ex.completion.strip() for ex, pred in zip(examples, predictions, strict=True)]
+
+    def rate(selected: list[bool]) -> float | None:
+        return sum(selected) / len(selected) if selected else None
+
+    per_rule: dict[str, list[bool]] = defaultdict(list)
+    for ex, hit in zip(examples, hits, strict=True):
+        if ex.rule is not None:
+            per_rule[ex.rule].append(hit)
+    return {
+        "accuracy": rate(hits),
+        "accuracy_new": rate([h for ex, h in zip(examples, hits) if ex.changed is True]),
+        "accuracy_regression": rate([h for ex, h in zip(examples, hits) if ex.changed is False]),
+        "count": len(hits),
+        "count_new": sum(ex.changed is True for ex in examples),
+        "count_regression": sum(ex.changed is False for ex in examples),
+        "per_rule": {rule: rate(h) for rule, h in sorted(per_rule.items())},
+    }
