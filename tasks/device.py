@@ -8,11 +8,15 @@ gives the same adapter bytes. Evaluation's PyTorch scores run on the same device
 they are the reference the engine's parity and the weight-quantization gates compare against.
 
 With ``train.processes`` > 1 the fine-tune stage re-runs itself under ``accelerate launch`` (one
-process per rank; on the CPU over the gloo backend), unless it already is one of those ranks.
+process per rank; on the CPU over the gloo backend), unless it already is one of those ranks. Only
+such a rank creates an ``accelerate.Accelerator``: accelerate keeps one state per process that cannot
+change device or precision once made, and one process may train on the CPU and then on a GPU (the
+GPU check does). Autocast is therefore ``Placement.autocast``, the same with one rank or many.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -32,6 +36,15 @@ class Placement:
 
     def describe(self) -> str:
         return f"device {self.device}, {self.precision} ({self.reason})"
+
+    def autocast(self):
+        """The context a forward runs in: bf16 autocast on CUDA (weights and gradients stay fp32), else none."""
+        import torch
+
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.precision == "bf16" else contextlib.nullcontext()
+
+
+ON_CPU = Placement("cpu", "fp32", "not configurable: the embedded base's pre-training runs on the CPU")
 
 
 def choose_placement(setting: Literal["auto", "cpu", "cuda"]) -> Placement:
@@ -53,11 +66,12 @@ def choose_placement(setting: Literal["auto", "cpu", "cuda"]) -> Placement:
     return Placement("cuda", "fp32", f"train.device: {setting}, {name} has no bf16: fp32")
 
 
-def training_accelerator(placement: Placement):
-    """The ``accelerate.Accelerator`` of this rank: its device, and bf16 autocast where chosen."""
+def rank_accelerator(placement: Placement):
+    """The ``accelerate.Accelerator`` of a launched rank: its process group (gloo on the CPU, NCCL on
+    GPUs) and its device; the precision is ``placement.autocast``'s."""
     from accelerate import Accelerator
 
-    return Accelerator(cpu=placement.device == "cpu", mixed_precision="bf16" if placement.precision == "bf16" else "no")
+    return Accelerator(cpu=placement.device == "cpu")
 
 
 def is_launched_rank() -> bool:

@@ -20,7 +20,7 @@ from tasks.base_model import load_base_model
 from tasks.cli import stage_main
 from tasks.config import ConfigError, LoraSection, ReleaseConfig, StageError, TrainConfig
 from tasks.data import read_jsonl
-from tasks.device import choose_placement, is_launched_rank, launch_command, training_accelerator
+from tasks.device import choose_placement, is_launched_rank, launch_command, rank_accelerator
 from tasks.layout import ADAPTER_DIR
 
 
@@ -74,9 +74,11 @@ def finetune(
         interface_hash = iface.interface_hash
     torch.set_num_threads(train.threads)
     placement = choose_placement(train.device)
-    accelerator = training_accelerator(placement)
-    if accelerator.is_main_process:
-        print(f"fine-tune: {placement.describe()}, {accelerator.num_processes} process(es)", file=sys.stderr)
+    accelerator = rank_accelerator(placement) if is_launched_rank() else None
+    processes = accelerator.num_processes if accelerator is not None else 1
+    main_process = accelerator is None or accelerator.is_main_process
+    if main_process:
+        print(f"fine-tune: {placement.describe()}, {processes} process(es)", file=sys.stderr)
     examples = read_jsonl(Path(data_dir) / "train.jsonl")
     model, tokenizer = load_base_model(base_dir)
     missing = [m for m in lora.target_modules if not any(n.endswith(m) for n, _ in model.named_modules())]
@@ -105,10 +107,11 @@ def finetune(
     )
     history = train_completions(peft_model, tokenizer, examples, settings, desc="fine-tune LoRA",
                                 val_examples=read_jsonl(Path(data_dir) / "val.jsonl"), eval_every=train.eval_every,
-                                accelerator=accelerator)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()  # leaves the process group; the ranks agree on every step, so all are done
-    if not accelerator.is_main_process:
+                                placement=placement, accelerator=accelerator)
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+        accelerator.end_training()  # leaves the process group; the ranks agree on every step, so all are done
+    if not main_process:
         return Path(out_dir) / ADAPTER_DIR
 
     with atomic_output_dir(Path(out_dir)) as tmp:
@@ -122,7 +125,7 @@ def finetune(
             "libraries": library_versions(),
             "device": placement.device,
             "precision": placement.precision,
-            "processes": accelerator.num_processes,
+            "processes": processes,
         }
         if interface_hash is not None:
             provenance["engine_interface_hash"] = interface_hash
@@ -143,7 +146,7 @@ def finetune(
                 "adapter_fraction_of_base": adapter_bytes / base_bytes,
                 "device": placement.device,
                 "precision": placement.precision,
-                "processes": accelerator.num_processes,
+                "processes": processes,
             },
         )
     return Path(out_dir) / ADAPTER_DIR

@@ -20,6 +20,7 @@ import torch
 from runtime.tokenizer import encode_prompt
 from tasks.config import StageError
 from tasks.data import Example
+from tasks.device import ON_CPU, Placement
 from tasks.progress import Progress
 
 class TrainingDiverged(StageError, RuntimeError):
@@ -94,10 +95,10 @@ def _on(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
 
 
 def validation_loss(model, tokenizer, encoded: list[tuple[list[int], int]], batch_size: int,
-                    prompt_loss_weight: float, accelerator=None) -> float:
-    """The training loss on held-back rows (eval mode, no gradient: no dropout, no random draw).
-
-    With several ranks (``accelerator``) each scores every world-size-th row and the mean is over all rows."""
+                    prompt_loss_weight: float, placement: Placement = ON_CPU, accelerator=None) -> float:
+    """The training loss on held-back rows (eval mode, no gradient: no dropout, no random draw), in the
+    precision of training. With several ranks (``accelerator``) each scores every world-size-th row and
+    the mean is over all rows."""
     rank, world = _rank_and_world(accelerator)
     device = next(model.parameters()).device
     mine = encoded[rank::world]
@@ -107,7 +108,8 @@ def validation_loss(model, tokenizer, encoded: list[tuple[list[int], int]], batc
         for start in range(0, len(mine), batch_size):
             chunk = mine[start : start + batch_size]
             batch = _on(collate(chunk, tokenizer.pad_token_id), device)
-            total += completion_loss(model, batch, prompt_loss_weight).item() * len(chunk)
+            with placement.autocast():
+                total += completion_loss(model, batch, prompt_loss_weight).item() * len(chunk)
             rows += len(chunk)
     model.train()
     if world > 1:
@@ -123,16 +125,17 @@ def train_completions(
     desc: str,
     val_examples: list[Example] | None = None,
     eval_every: int = 0,
+    placement: Placement = ON_CPU,
     accelerator=None,
 ) -> TrainHistory:
     """Train ``model`` in place with AdamW and a warmup-cosine schedule; return the loss per step, and
     the loss on ``val_examples`` every ``eval_every`` steps and after the last (given both).
 
-    With an ``accelerate.Accelerator`` (``tasks.device.training_accelerator``) the model trains on its
-    device and precision; with several ranks every rank draws the same seeded order, takes its slice of
-    each global batch of ``settings.batch_size`` rows, and the gradients are averaged over ranks (DDP).
-    The loss checked for NaN and returned is the mean over ranks, so every rank stops at the same step;
-    only the main rank shows and reports progress. Without one it trains on the CPU, in one process."""
+    It trains on ``placement``'s device, under its autocast. In a rank of a data-parallel launch
+    (``accelerator``: ``tasks.device.rank_accelerator``) every rank draws the same seeded order, takes
+    its slice of each global batch of ``settings.batch_size`` rows, and the gradients are averaged over
+    ranks (DDP). The loss checked for NaN and returned is the mean over ranks, so every rank stops at the
+    same step; only the main rank shows and reports progress."""
     rank, world = _rank_and_world(accelerator)
     per_rank = settings.batch_size // world
     torch.manual_seed(settings.seed)
@@ -140,9 +143,9 @@ def train_completions(
     encoded = [encode_example(tokenizer, ex, settings.max_seq_len) for ex in examples]
     val_encoded = [encode_example(tokenizer, ex, settings.max_seq_len) for ex in val_examples or []]
     params = [p for p in model.parameters() if p.requires_grad]
-    # Placed on the device, under bf16 autocast if chosen, wrapped in DDP with several ranks.
-    trained = accelerator.prepare_model(model) if accelerator is not None else model
-    device = next(model.parameters()).device
+    device = accelerator.device if accelerator is not None else torch.device(placement.device)
+    model.to(device)
+    trained = accelerator.prepare_model(model) if accelerator is not None else model  # DDP over the ranks
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, settings))
     model.train()
@@ -158,7 +161,8 @@ def train_completions(
             rows = order[: settings.batch_size][rank * per_rank : (rank + 1) * per_rank]  # this rank's slice
             batch = _on(collate([encoded[i] for i in rows], tokenizer.pad_token_id), device)
             del order[: settings.batch_size]
-            loss = completion_loss(trained, batch, settings.prompt_loss_weight)
+            with placement.autocast():
+                loss = completion_loss(trained, batch, settings.prompt_loss_weight)
             global_loss = accelerator.reduce(loss.detach(), "mean") if world > 1 else loss.detach()
             if not torch.isfinite(global_loss):
                 raise TrainingDiverged(
@@ -174,7 +178,7 @@ def train_completions(
             shown = {"loss": losses[-1]}
             if val_encoded and eval_every and ((step + 1) % eval_every == 0 or step + 1 == settings.steps):
                 val.append((step + 1, validation_loss(model, tokenizer, val_encoded, settings.batch_size,
-                                                      settings.prompt_loss_weight, accelerator)))
+                                                      settings.prompt_loss_weight, placement, accelerator)))
                 shown["val_loss"] = val[-1][1]
             progress.advance(**shown)
     model.eval()
