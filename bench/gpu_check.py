@@ -208,10 +208,10 @@ def tensorrt_part(backbone: Backbone, work: Path, args) -> dict:
 
 def tensorrt_summary(part: dict) -> str:
     checks, latency = part["checks"], part["latency_ms"]
-    past = next(key for key in latency["ort_cpu"] if "512" in key)
-    speeds = ", ".join(f"{name} {row[past]:.2f}" for name, row in latency.items())
-    return (f"fp32 max|dlogit| {checks['fp32']['max_abs_logit_diff']:.1e}, int8 rel {checks['int8']['max_abs_logit_diff_relative']:.1e}, "
-            f"int4 rel {checks['int4']['max_abs_logit_diff_relative']:.1e}; {past} ms: {speeds}")
+    speeds = ", ".join(f"{name} {row['decode_512_ms']:.2f}" for name, row in latency.items())
+    int8, int4 = (checks[w]["max_abs_logit_diff_relative"] for w in ("int8", "int4"))
+    return (f"fp32 max|dlogit| {checks['fp32']['max_abs_logit_diff']:.1e}, int8 rel {int8:.1e}, int4 rel {int4:.1e}; "
+            f"decode past 512 ms: {speeds}")
 
 
 def torch_tensorrt_part(backbone: Backbone, work: Path) -> dict:
@@ -307,9 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                             for backend, row in part.get("latency_ms", {}).items()}
     statuses = [part["status"] for part in report["parts"].values()]
     report["passed"] = "failed" not in statuses and "ok" in statuses
-    print_table(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    args.out.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")  # first: the GPU time is spent
+    print_table(report)
     verdict = "FAILED" if "failed" in statuses else "PASSED" if "ok" in statuses else "DRY RUN (every part skipped)"
     print(f"{verdict}; wrote {args.out}")
     return 1 if "failed" in statuses else 0

@@ -87,4 +87,5 @@ def launch_command(module: str, argv: list[str], processes: int) -> list[str]:
     passed explicitly so that no accelerate config file of the machine changes the run; port 0 is a free
     port, so two stages (or test runs) on one machine do not meet on accelerate's default 29500."""
     return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-            "--num_machines", "1", "--main_process_port", "0", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", module, *argv]
+            "--num_machines", "1", "--main_process_port", "0", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "-m", module, *argv]
