@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 import tempfile
 import time
@@ -107,8 +108,11 @@ def finetune_part(cfg, work: Path, steps: int | None, tolerance: float, accelera
     else:
         base_dir = Path(cfg.base_model.path)
     runs = {}
+    # Every core for the CPU reference: a machine lent a GPU has more than train.threads, and the check has a budget.
+    threads = max(cfg.train.threads, os.cpu_count() or 1)
     for role, device in (("cpu", "cpu"), ("accelerated", accelerated)):
-        train = cfg.train.model_copy(update={"device": device, "processes": 1, **({"steps": steps} if steps else {})})
+        train = cfg.train.model_copy(update={"device": device, "processes": 1, "threads": threads,
+                                             **({"steps": steps} if steps else {})})
         start = time.perf_counter()
         adapter = finetune(base_dir, data_dir, work / f"finetune-{role}", cfg.lora, train, cfg.params_hash())
         seconds = time.perf_counter() - start
@@ -259,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-params", type=Path, default=DEFAULT_REAL_PARAMS,
                     help="the real-model profile; skipped with its reason if it or its checkpoint is absent")
     ap.add_argument("--config", default="tiny", choices=["tiny", "0.5b-width"], help="the default's backbone shape (TensorRT)")
-    ap.add_argument("--steps", type=int, default=None, help="fine-tune steps of the default (default: its train.steps)")
+    ap.add_argument("--steps", type=int, default=200,
+                    help="fine-tune steps of the default on each device (its train.steps, 600, would not fit the budget)")
     ap.add_argument("--real-steps", type=int, default=20, help="fine-tune steps of the real model, on each device")
     ap.add_argument("--val-tolerance", type=float, default=0.05, help="GPU vs CPU adapter val loss, relative")
     ap.add_argument("--iters", type=int, default=100)
