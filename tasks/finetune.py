@@ -9,6 +9,7 @@ where it was trained (device, precision, processes: ``tasks/device.py``). With `
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -168,7 +169,9 @@ def launch_or_run(cfg: ReleaseConfig, argv: list[str]) -> str:
     """Run the stage here, or, with ``train.processes`` > 1 outside a launched rank, start the ranks
     (``accelerate launch`` of this same command) and wait for them."""
     if cfg.train.processes == 1 or is_launched_rank():
-        return f"adapter written to {run_stage(cfg)}"
+        adapter = run_stage(cfg)
+        rank = os.environ.get("RANK", "0")  # set in every rank by torch.distributed.run
+        return f"adapter written to {adapter}" if rank == "0" else f"rank {rank} trained; rank 0 writes the adapter"
     done = subprocess.run(launch_command("tasks.finetune", argv, cfg.train.processes))
     if done.returncode:
         raise StageError(f"fine-tune on {cfg.train.processes} processes failed (accelerate launch exit "
