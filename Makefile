@@ -86,6 +86,13 @@ deploy: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.run_all; status=$$?; $(PY) -m bench.benchmarks_page && exit $$status
 
+# The GPU checks (bench/gpu_check.py), what a session lent an NVIDIA GPU runs first (planned for under 10 min on
+# an H200): fine-tune GPU vs CPU, TensorRT plans vs ONNX Runtime, torch-tensorrt. Without a GPU: a dry run that
+# skips each part with its reason. The real-model profile is skipped while its checkpoint is absent.
+.PHONY: gpu-check
+gpu-check: $(STAMP)
+	$(PY) -m bench.gpu_check --skip-unavailable --params params.yaml --real-params examples/smollm2.yaml
+
 # The llama.cpp peer benchmark (not in `make bench`, not in CI): llama.cpp and our engines on the same
 # backbone in one run (bench/llama_cpp_bench.py). The `peer` extra compiles llama.cpp from the
 # llama-cpp-python sdist, CPU only, once (10-20 min on 2 cores); the sdist stays in $(PEER_SRC) for

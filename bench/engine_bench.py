@@ -42,20 +42,27 @@ RANK, ALPHA = 8, 16.0
 
 
 def make_backbone_and_adapter(root: Path, dims: dict) -> tuple[Path, Path]:
-    from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from runtime.engine.adapter_config import PROVENANCE
-    from runtime.engine.hashing import backbone_hash
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**dims, max_position_embeddings=4096))
     model.save_pretrained(root / "base")
+    return root / "base", random_adapter(model, root / "base", root / "adapter")
+
+
+def random_adapter(model, base_dir: Path, out_dir: Path) -> Path:
+    """A rank-RANK adapter of TARGETS with random A and B (PEFT would start B at zero) on ``model``, the
+    backbone saved at ``base_dir``, with the provenance that binds it there; drawn from torch's RNG."""
+    from peft import LoraConfig, get_peft_model
+
+    from runtime.engine.adapter_config import PROVENANCE
+    from runtime.engine.hashing import backbone_hash
+
     peft_model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS),
                                                   init_lora_weights=False))
-    peft_model.save_pretrained(root / "adapter")
-    (root / "adapter" / PROVENANCE).write_text(json.dumps({"base_model_hash": backbone_hash(root / "base")}))
-    return root / "base", root / "adapter"
+    peft_model.save_pretrained(out_dir)
+    (out_dir / PROVENANCE).write_text(json.dumps({"base_model_hash": backbone_hash(base_dir)}))
+    return out_dir
 
 
 def interleaved(steps: dict, iters: int, rounds: int = 20, warmup: int = 3, settle: int = 3) -> dict[str, dict[str, float]]:

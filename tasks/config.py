@@ -125,8 +125,18 @@ class TrainConfig(_Section):
     prompt_loss_weight: float = Field(0.2, ge=0.0)
     max_seq_len: int = Field(96, ge=8)
     eval_every: int = Field(50, ge=0)  # validation loss every this many steps (and after the last); 0: never
-    threads: int = Field(2, ge=1)
+    threads: int = Field(2, ge=1)  # torch CPU threads of each process
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when torch sees one (tasks/device.py)
+    processes: int = Field(1, ge=1, le=64)  # data-parallel ranks of the fine-tune (accelerate launch)
     output_dir: str = "artifacts"
+
+    @model_validator(mode="after")
+    def _batch_splits_over_processes(self) -> "TrainConfig":
+        # batch_size is the global batch: every rank takes an equal slice of it.
+        if self.batch_size % self.processes:
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of processes ({self.processes}): "
+                             "each rank takes an equal slice of the global batch")
+        return self
 
 
 class EngineConfig(_Section):

@@ -12,6 +12,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Literal
 
 from runtime.engine.latency import percentile
 from runtime.engine.tokenizer import encode_prompt
@@ -20,6 +21,7 @@ from tasks.base_model import load_base_model
 from tasks.cli import stage_main
 from tasks.config import EngineConfig, EvalConfig, ReleaseConfig, WeightAccuracyDrop
 from tasks.data import HELDOUT_TEXT, Example, read_jsonl, read_text_corpus
+from tasks.device import choose_placement
 from tasks.layout import METRICS_FILE, PREDICTIONS_FILE, serving_engine_dir
 from tasks.plots import (KV_BITS_PNG, KV_GRID_CSV, LATENCY_CSV, LATENCY_PNG, kv_bits_figure, latency_figure, read_rows,
                          save_figure)
@@ -41,7 +43,7 @@ def perplexity(model, tokenizer, texts: list[str], batch_size: int) -> float:
     total_nll, total_tokens = 0.0, 0
     for start in range(0, len(texts), batch_size):
         batch = tokenizer.pad({"input_ids": [document_ids(tokenizer, t) for t in texts[start : start + batch_size]]},
-                              return_tensors="pt")
+                              return_tensors="pt").to(model.device)
         with torch.no_grad():
             logits = model(**batch).logits[:, :-1]  # (B, T-1, V)
         targets = batch["input_ids"][:, 1:]
@@ -232,9 +234,12 @@ def evaluate(
     kv_dir: Path | None = None,
     *,
     max_weight_accuracy_drop: WeightAccuracyDrop,
+    device: Literal["auto", "cpu", "cuda"] = "cpu",
 ) -> Path:
     """Score the base model and base + adapter (PyTorch, and on the compiled engine when given,
     with its decode latency; and through this release's quantized KV cache when ``kv_dir`` is given).
+    The PyTorch scores run in fp32 on the device ``device`` picks (``tasks.device``); the engine's parity
+    reference runs on the CPU, beside the engine it is compared with.
 
     Writes ``metrics.json``, ``report.md``, ``predictions.jsonl``, and the plots' data and figures
     when measured: ``latency.csv``/``latency.png`` (decode step against past length) and
@@ -243,6 +248,8 @@ def evaluate(
     import torch
     from peft import PeftModel
 
+    placement = choose_placement(device)
+    print(f"evaluate: PyTorch scores on {placement.device} in fp32 ({placement.reason})", file=sys.stderr)
     test = read_jsonl(Path(data_dir) / "test.jsonl")
     heldout = Path(data_dir) / HELDOUT_TEXT
     if heldout.exists():
@@ -253,6 +260,7 @@ def evaluate(
     # Phases, reported as they finish: base, base + adapter, [the engine], [the quantized KV cache].
     progress = Progress("evaluate", 2 + (engine is not None) + (kv_dir is not None), unit="phase")
     model, tokenizer = load_base_model(base_dir)
+    model.to(placement.device)
     base_report, base_predictions = _score(model, tokenizer, test, texts, cfg)
     progress.advance(accuracy_base=base_report["accuracy"])
     adapted = PeftModel.from_pretrained(model, adapter_dir)
@@ -266,6 +274,7 @@ def evaluate(
         "changed_rules": sorted({ex.rule for ex in test if ex.changed and ex.rule}),
         "base": base_report,
         "adapter": adapter_report,
+        "torch_device": placement.device,
     }
     engine_predictions, latency_samples = None, []
     release_backbone = None
@@ -276,7 +285,7 @@ def evaluate(
         release_backbone, _, _ = load_release_backbone(Path(base_dir), Path(adapter_dir),
                                                        Path(engine.dir) if engine is not None else None)
     if engine is not None:
-        merged = adapted.merge_and_unload().eval()
+        merged = adapted.merge_and_unload().to("cpu").eval()
         metrics["adapter_on_engine"], metrics["engine_parity"], engine_predictions, latency_samples = _score_on_engine(
             engine, Path(adapter_dir), merged, tokenizer, test, texts, cfg, Path(base_dir), kv_dir, release_backbone
         )
@@ -339,6 +348,7 @@ def run_stage(cfg: ReleaseConfig) -> Path:
         engine=cfg.engine,
         kv_dir=cfg.layout.kv_dir if cfg.kv.enabled else None,
         max_weight_accuracy_drop=cfg.gates.max_weight_accuracy_drop,
+        device=cfg.train.device,
     )
 
 

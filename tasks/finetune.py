@@ -2,12 +2,16 @@
 
 Only the LoRA matrices are saved, in PEFT's own format (``adapter_config.json`` +
 ``adapter_model.safetensors``) so ``PeftModel.from_pretrained`` loads them unchanged; a
-``provenance.json`` beside them binds the adapter to the exact backbone and settings.
+``provenance.json`` beside them binds the adapter to the exact backbone and settings, and says
+where it was trained (device, precision, processes: ``tasks/device.py``). With ``train.processes``
+> 1 the entry point launches itself on that many ranks with ``accelerate launch``; rank 0 writes.
 """
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,12 +19,14 @@ from runtime.engine.adapter_config import PROVENANCE
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.base_model import load_base_model
 from tasks.cli import stage_main
-from tasks.config import ConfigError, LoraSection, ReleaseConfig, TrainConfig
+from tasks.config import ConfigError, LoraSection, ReleaseConfig, StageError, TrainConfig
 from tasks.data import read_jsonl
+from tasks.device import choose_placement, is_launched_rank, launch_command, rank_accelerator
 from tasks.layout import ADAPTER_DIR
 
 
 def library_versions() -> dict[str, str]:
+    import accelerate
     import peft
     import torch
     import transformers
@@ -30,6 +36,7 @@ def library_versions() -> dict[str, str]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "peft": peft.__version__,
+        "accelerate": accelerate.__version__,
     }
 
 
@@ -45,7 +52,8 @@ def finetune(
     """Train a LoRA adapter on ``data_dir/train.jsonl``; write it, its loss curve and provenance.
 
     ``out_dir`` receives ``adapter/``, ``loss.csv``, ``val_loss.csv``, ``loss.png`` and ``train_metrics.json``;
-    it is replaced as a whole only when training finished with a finite loss. With a compiled
+    it is replaced as a whole only when training finished with a finite loss. It trains on the device
+    ``train.device`` picks; inside an ``accelerate launch`` every rank trains and only the main one writes. With a compiled
     ``engine_dir`` the adapter is bound to that engine's interface too; an engine compiled for
     another backbone is refused before training.
     """
@@ -66,6 +74,12 @@ def finetune(
             )
         interface_hash = iface.interface_hash
     torch.set_num_threads(train.threads)
+    placement = choose_placement(train.device)
+    accelerator = rank_accelerator(placement) if is_launched_rank() else None
+    processes = accelerator.num_processes if accelerator is not None else 1
+    main_process = accelerator is None or accelerator.is_main_process
+    if main_process:
+        print(f"fine-tune: {placement.describe()}, {processes} process(es)", file=sys.stderr)
     examples = read_jsonl(Path(data_dir) / "train.jsonl")
     model, tokenizer = load_base_model(base_dir)
     missing = [m for m in lora.target_modules if not any(n.endswith(m) for n, _ in model.named_modules())]
@@ -93,7 +107,13 @@ def finetune(
         prompt_loss_weight=train.prompt_loss_weight,
     )
     history = train_completions(peft_model, tokenizer, examples, settings, desc="fine-tune LoRA",
-                                val_examples=read_jsonl(Path(data_dir) / "val.jsonl"), eval_every=train.eval_every)
+                                val_examples=read_jsonl(Path(data_dir) / "val.jsonl"), eval_every=train.eval_every,
+                                placement=placement, accelerator=accelerator)
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+        accelerator.end_training()  # leaves the process group; the ranks agree on every step, so all are done
+    if not main_process:
+        return Path(out_dir) / ADAPTER_DIR
 
     with atomic_output_dir(Path(out_dir)) as tmp:
         adapter_dir = tmp / ADAPTER_DIR
@@ -104,6 +124,9 @@ def finetune(
             "params_hash": params_hash,
             "train_examples": len(examples),
             "libraries": library_versions(),
+            "device": placement.device,
+            "precision": placement.precision,
+            "processes": processes,
         }
         if interface_hash is not None:
             provenance["engine_interface_hash"] = interface_hash
@@ -122,6 +145,9 @@ def finetune(
                 "adapter_bytes": adapter_bytes,
                 "base_model_bytes": base_bytes,
                 "adapter_fraction_of_base": adapter_bytes / base_bytes,
+                "device": placement.device,
+                "precision": placement.precision,
+                "processes": processes,
             },
         )
     return Path(out_dir) / ADAPTER_DIR
@@ -139,8 +165,23 @@ def run_stage(cfg: ReleaseConfig) -> Path:
     )
 
 
+def launch_or_run(cfg: ReleaseConfig, argv: list[str]) -> str:
+    """Run the stage here, or, with ``train.processes`` > 1 outside a launched rank, start the ranks
+    (``accelerate launch`` of this same command) and wait for them."""
+    if cfg.train.processes == 1 or is_launched_rank():
+        adapter = run_stage(cfg)
+        rank = os.environ.get("RANK", "0")  # set in every rank by torch.distributed.run
+        return f"adapter written to {adapter}" if rank == "0" else f"rank {rank} trained; rank 0 writes the adapter"
+    done = subprocess.run(launch_command("tasks.finetune", argv, cfg.train.processes))
+    if done.returncode:
+        raise StageError(f"fine-tune on {cfg.train.processes} processes failed (accelerate launch exit "
+                         f"{done.returncode}); the ranks' errors are above")
+    return f"adapter written to {cfg.layout.adapter_dir} by {cfg.train.processes} processes"
+
+
 def main(argv: list[str] | None = None) -> int:
-    return stage_main("Fine-tune this month's LoRA adapter.", lambda cfg: f"adapter written to {run_stage(cfg)}", argv)
+    args = sys.argv[1:] if argv is None else argv
+    return stage_main("Fine-tune this month's LoRA adapter.", lambda cfg: launch_or_run(cfg, args), argv)
 
 
 if __name__ == "__main__":

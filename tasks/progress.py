@@ -30,13 +30,14 @@ def _number(value: float) -> str:
 class Progress:
     """A tqdm bar that also reports to ``$RELEASE_PROGRESS_FILE``; use as a context manager."""
 
-    def __init__(self, desc: str, total: int, unit: str = "step", leave: bool = True):
+    def __init__(self, desc: str, total: int, unit: str = "step", leave: bool = True, enabled: bool = True):
+        """``enabled=False``: neither shown nor reported (a data-parallel rank other than the main one)."""
         from tqdm import tqdm
 
         self.desc, self.total, self.unit = desc, total, unit
-        self.bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=leave)
+        self.bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=leave, disable=not enabled)
         self.values: dict[str, float] = {}
-        self._path = os.environ.get(PROGRESS_ENV)
+        self._path = os.environ.get(PROGRESS_ENV) if enabled else None
         self._last_report: float | None = None
 
     def advance(self, n: int = 1, **values: float) -> None:

@@ -82,6 +82,16 @@ def stage_outputs(cfg: ReleaseConfig, stage: str) -> tuple[dict[str, float], lis
     return metrics, [p for p in artifacts if p.exists()]
 
 
+def stage_tags(cfg: ReleaseConfig, stage: str) -> dict[str, str]:
+    """Where a stage's PyTorch side ran (``tasks/device.py``), as tags of its MLflow run."""
+    if stage == "finetune":
+        trained = _read(cfg.layout.finetune_dir / "train_metrics.json")
+        return {key: str(trained[key]) for key in ("device", "precision", "processes") if key in trained}
+    if stage == "evaluate" and "torch_device" in (metrics := _read(cfg.layout.metrics_file)):
+        return {"device": metrics["torch_device"]}
+    return {}
+
+
 def _steps(path: Path) -> list[tuple[int, float]]:
     """(step, value) rows of a loss CSV: the step column, then the value column."""
     if not path.exists():
@@ -142,7 +152,7 @@ def record_in_mlflow(cfg: ReleaseConfig, root: Path, runs: list[StageRun], repor
     for run in runs:
         metrics, artifacts = stage_outputs(cfg, run.name)
         tracking.log_stage_run(client, experiment_id, parent, run.name, run.reproduced, run.seconds, metrics, artifacts,
-                               stage_histories(cfg, run.name), run.started, run.ended)
+                               stage_histories(cfg, run.name), run.started, run.ended, stage_tags(cfg, run.name))
     gate_metrics = {}
     for g in report["gates"]:
         gate_metrics[f"gate.{g['name']}.passed"] = float(g["passed"])

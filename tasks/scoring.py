@@ -23,7 +23,7 @@ def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
     outputs: list[str] = []
     for start in tqdm(range(0, len(prompts), batch_size), desc="greedy decode", unit="batch", leave=False):
         rows = [encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
-        batch = tokenizer.pad({"input_ids": rows}, return_tensors="pt")
+        batch = tokenizer.pad({"input_ids": rows}, return_tensors="pt").to(model.device)
         with torch.no_grad():
             generated = model.generate(
                 **batch,

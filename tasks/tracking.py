@@ -112,9 +112,9 @@ def log_history(client, run_id: str, name: str, points: list[tuple[int, float]])
 
 def log_stage_run(client, experiment_id: str, parent_run_id: str, stage: str, reproduced: bool, seconds: float,
                   metrics: dict[str, float], artifacts: list[Path], histories: dict[str, list[tuple[int, float]]] | None = None,
-                  started: float | None = None, ended: float | None = None) -> str:
+                  started: float | None = None, ended: float | None = None, tags: dict[str, str] | None = None) -> str:
     """A nested run for one stage: whether DVC ran it, its real start and end (Unix seconds), its
-    metrics, per-step histories and files.
+    metrics, per-step histories, files and ``tags`` (where it ran: device, precision).
 
     Idempotent: a stage run this parent already finished is kept as it is (a retried ``record``
     logs no point twice); one left half-logged is replaced.
@@ -124,7 +124,7 @@ def log_stage_run(client, experiment_id: str, parent_run_id: str, stage: str, re
             return existing.info.run_id
         client.delete_run(existing.info.run_id)
     run = client.create_run(experiment_id, run_name=stage, start_time=None if started is None else int(started * 1000),
-                            tags={PARENT_TAG: parent_run_id, "stage": stage, "reproduced": str(reproduced)})
+                            tags={**(tags or {}), PARENT_TAG: parent_run_id, "stage": stage, "reproduced": str(reproduced)})
     run_id = run.info.run_id
     log_metrics(client, run_id, metrics | {"seconds": seconds, "reproduced": float(reproduced)})
     for name, points in (histories or {}).items():

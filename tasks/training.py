@@ -20,6 +20,7 @@ import torch
 from runtime.engine.tokenizer import encode_prompt
 from tasks.config import StageError
 from tasks.data import Example
+from tasks.device import ON_CPU, Placement
 from tasks.progress import Progress
 
 class TrainingDiverged(StageError, RuntimeError):
@@ -85,17 +86,34 @@ class TrainHistory:
     val: list[tuple[int, float]]  # (step, validation loss) every ``eval_every`` steps and after the last
 
 
+def _rank_and_world(accelerator) -> tuple[int, int]:
+    return (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
+
+
+def _on(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {name: tensor.to(device) for name, tensor in batch.items()}
+
+
 def validation_loss(model, tokenizer, encoded: list[tuple[list[int], int]], batch_size: int,
-                    prompt_loss_weight: float) -> float:
-    """The training loss on held-back rows (eval mode, no gradient: no dropout, no random draw)."""
+                    prompt_loss_weight: float, placement: Placement = ON_CPU, accelerator=None) -> float:
+    """The training loss on held-back rows (eval mode, no gradient: no dropout, no random draw), in the
+    precision of training. With several ranks (``accelerator``) each scores every world-size-th row and
+    the mean is over all rows."""
+    rank, world = _rank_and_world(accelerator)
+    device = next(model.parameters()).device
+    mine = encoded[rank::world]
     model.eval()
     total, rows = 0.0, 0
     with torch.no_grad():
-        for start in range(0, len(encoded), batch_size):
-            chunk = encoded[start : start + batch_size]
-            total += completion_loss(model, collate(chunk, tokenizer.pad_token_id), prompt_loss_weight).item() * len(chunk)
+        for start in range(0, len(mine), batch_size):
+            chunk = mine[start : start + batch_size]
+            batch = _on(collate(chunk, tokenizer.pad_token_id), device)
+            with placement.autocast():
+                total += completion_loss(model, batch, prompt_loss_weight).item() * len(chunk)
             rows += len(chunk)
     model.train()
+    if world > 1:
+        total, rows = accelerator.reduce(torch.tensor([total, rows], dtype=torch.float64, device=device), "sum").tolist()
     return total / rows
 
 
@@ -107,32 +125,48 @@ def train_completions(
     desc: str,
     val_examples: list[Example] | None = None,
     eval_every: int = 0,
+    placement: Placement = ON_CPU,
+    accelerator=None,
 ) -> TrainHistory:
     """Train ``model`` in place with AdamW and a warmup-cosine schedule; return the loss per step, and
-    the loss on ``val_examples`` every ``eval_every`` steps and after the last (given both)."""
+    the loss on ``val_examples`` every ``eval_every`` steps and after the last (given both).
+
+    It trains on ``placement``'s device, under its autocast. In a rank of a data-parallel launch
+    (``accelerator``: ``tasks.device.rank_accelerator``) every rank draws the same seeded order, takes
+    its slice of each global batch of ``settings.batch_size`` rows, and the gradients are averaged over
+    ranks (DDP). The loss checked for NaN and returned is the mean over ranks, so every rank stops at the
+    same step; only the main rank shows and reports progress."""
+    rank, world = _rank_and_world(accelerator)
+    per_rank = settings.batch_size // world
     torch.manual_seed(settings.seed)
     rng = random.Random(settings.seed)
     encoded = [encode_example(tokenizer, ex, settings.max_seq_len) for ex in examples]
     val_encoded = [encode_example(tokenizer, ex, settings.max_seq_len) for ex in val_examples or []]
     params = [p for p in model.parameters() if p.requires_grad]
+    device = accelerator.device if accelerator is not None else torch.device(placement.device)
+    model.to(device)
+    trained = accelerator.prepare_model(model) if accelerator is not None else model  # DDP over the ranks
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, settings))
     model.train()
     losses: list[float] = []
     val: list[tuple[int, float]] = []
     order: list[int] = []
-    with Progress(desc, settings.steps) as progress:
+    with Progress(desc, settings.steps, enabled=rank == 0) as progress:
         for step in range(settings.steps):
             if len(order) < settings.batch_size:
                 refill = list(range(len(encoded)))
                 rng.shuffle(refill)
                 order.extend(refill)
-            batch = collate([encoded[i] for i in order[: settings.batch_size]], tokenizer.pad_token_id)
+            rows = order[: settings.batch_size][rank * per_rank : (rank + 1) * per_rank]  # this rank's slice
+            batch = _on(collate([encoded[i] for i in rows], tokenizer.pad_token_id), device)
             del order[: settings.batch_size]
-            loss = completion_loss(model, batch, settings.prompt_loss_weight)
-            if not torch.isfinite(loss):
+            with placement.autocast():
+                loss = completion_loss(trained, batch, settings.prompt_loss_weight)
+            global_loss = accelerator.reduce(loss.detach(), "mean") if world > 1 else loss.detach()
+            if not torch.isfinite(global_loss):
                 raise TrainingDiverged(
-                    f"{desc}: loss became {loss.item()} at step {step + 1}; "
+                    f"{desc}: loss became {global_loss.item()} at step {step + 1}; "
                     "lower the learning rate or check the data"
                 )
             loss.backward()
@@ -140,11 +174,11 @@ def train_completions(
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+            losses.append(global_loss.item())
             shown = {"loss": losses[-1]}
             if val_encoded and eval_every and ((step + 1) % eval_every == 0 or step + 1 == settings.steps):
                 val.append((step + 1, validation_loss(model, tokenizer, val_encoded, settings.batch_size,
-                                                      settings.prompt_loss_weight)))
+                                                      settings.prompt_loss_weight, placement, accelerator)))
                 shown["val_loss"] = val[-1][1]
             progress.advance(**shown)
     model.eval()

@@ -186,6 +186,8 @@ class SpyEngine:
 class SpyModel:
     """A transformers model whose generate appends ``script``; records its arguments."""
 
+    device = torch.device("cpu")  # where greedy_completions puts the batch, as on a transformers model
+
     def __init__(self, script):
         self.script, self.kwargs = script, None
 

@@ -92,3 +92,96 @@ def test_adapter_is_bound_to_the_compiled_engine_and_a_foreign_engine_is_refused
     with pytest.raises(ConfigError, match=r"other_engine: engine was compiled for another backbone"):
         finetune(tiny_llama_dir, month_dir, tmp_path / "ft2", LORA, TRAIN, "abc", engine_dir=tmp_path / "other_engine")
     assert not (tmp_path / "ft2").exists()
+
+
+def test_the_same_seed_gives_the_same_adapter_bytes_on_the_cpu(tmp_path, tiny_llama_dir, month_dir):
+    cpu = TRAIN.model_copy(update={"device": "cpu"})
+    first = finetune(tiny_llama_dir, month_dir, tmp_path / "a", LORA, cpu, params_hash="abc")
+    second = finetune(tiny_llama_dir, month_dir, tmp_path / "b", LORA, cpu, params_hash="abc")
+    weights = "adapter_model.safetensors"
+    assert (first / weights).read_bytes() == (second / weights).read_bytes()
+    provenance = json.loads((first / "provenance.json").read_text())
+    assert (provenance["device"], provenance["precision"], provenance["processes"]) == ("cpu", "fp32", 1)
+    # A different seed trains another adapter: the equality above is the seed's doing, not a constant.
+    other = finetune(tiny_llama_dir, month_dir, tmp_path / "c", LORA, cpu.model_copy(update={"seed": 1}), "abc")
+    assert (other / weights).read_bytes() != (first / weights).read_bytes()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="auto picks the GPU on this machine")
+def test_auto_trains_on_the_cpu_without_a_gpu_and_says_why(tmp_path, tiny_llama_dir, month_dir, capsys):
+    adapter = finetune(tiny_llama_dir, month_dir, tmp_path / "ft", LORA, TRAIN, params_hash="abc")
+    assert "fine-tune: device cpu, fp32 (train.device: auto and torch.cuda.is_available() is False" \
+        in capsys.readouterr().err
+    metrics = json.loads((tmp_path / "ft" / "train_metrics.json").read_text())
+    assert (metrics["device"], metrics["precision"], metrics["processes"]) == ("cpu", "fp32", 1)
+    assert json.loads((adapter / "provenance.json").read_text())["device"] == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_asked_for_without_a_gpu_is_a_config_error_before_training(tmp_path, tiny_llama_dir, month_dir):
+    from tasks.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train\.device: cuda, but torch\.cuda\.is_available\(\) is False"):
+        finetune(tiny_llama_dir, month_dir, tmp_path / "ft", LORA, TRAIN.model_copy(update={"device": "cuda"}), "abc")
+    assert not (tmp_path / "ft").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: torch.cuda.is_available() is False")
+def test_on_a_gpu_the_adapter_trains_under_bf16_autocast_and_stays_fp32(tmp_path, tiny_llama_dir, month_dir):
+    adapter = finetune(tiny_llama_dir, month_dir, tmp_path / "ft", LORA, TRAIN.model_copy(update={"device": "cuda"}),
+                       "abc")
+    provenance = json.loads((adapter / "provenance.json").read_text())
+    assert provenance["device"] == "cuda"
+    assert provenance["precision"] == ("bf16" if torch.cuda.is_bf16_supported() else "fp32")
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    assert {t.dtype for t in tensors.values()} == {torch.float32}  # autocast computes in bf16, the weights stay fp32
+    assert any(t.abs().sum() > 0 for n, t in tensors.items() if "lora_B" in n)
+    cpu = finetune(tiny_llama_dir, month_dir, tmp_path / "cpu", LORA, TRAIN.model_copy(update={"device": "cpu"}), "abc")
+    gpu_val, cpu_val = (json.loads((d.parent / "train_metrics.json").read_text())["final_val_loss"] for d in (adapter, cpu))
+    assert gpu_val == pytest.approx(cpu_val, rel=0.05)
+
+
+@pytest.mark.slow  # two fine-tune stages through their command, one on 2 gloo ranks: about 2 min on 2 busy cores
+def test_two_processes_train_the_global_batch_to_the_val_loss_of_one(tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tasks.base_model import prepare_base_model
+    from tasks.config import load_config
+    from tasks.data import run_stage as write_data
+
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)  # a project: the embedded default is built at its models/base
+    settings = {
+        "data": {"train_size": 320, "val_size": 64, "calib_size": 16, "test_size": 16, "heldout_lines": 16},
+        "base_model": {"pretrain_examples": 600, "pretrain_steps": 40, "pretrain_batch_size": 16},
+        "train": {"steps": 24, "batch_size": 16, "warmup_steps": 2, "eval_every": 12, "threads": 1},
+    }
+    for processes in (1, 2):
+        run = {**settings, "train": {**settings["train"], "processes": processes, "output_dir": f"out{processes}"}}
+        Path(f"p{processes}.yaml").write_text(yaml.safe_dump(run))
+    cfg = load_config("p1.yaml")
+    write_data(cfg)
+    prepare_base_model(cfg)
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    val, metrics = {}, {}
+    for processes in (1, 2):
+        done = subprocess.run([sys.executable, "-m", "tasks.finetune", "--params", f"p{processes}.yaml"], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        finetune_dir = load_config(f"p{processes}.yaml").layout.finetune_dir
+        metrics[processes] = json.loads((finetune_dir / "train_metrics.json").read_text())
+        val[processes] = metrics[processes]["final_val_loss"]
+        steps = [row.split(",")[0] for row in (finetune_dir / "loss.csv").read_text().splitlines()[1:]]
+        assert steps == [str(s) for s in range(1, 25)]  # written once, by rank 0: no duplicate rows
+    assert "fine-tune: device cpu, fp32" in done.stderr and "2 process(es)" in done.stderr
+    assert (metrics[1]["processes"], metrics[2]["processes"]) == (1, 2)
+    provenance = json.loads((load_config("p2.yaml").layout.adapter_dir / "provenance.json").read_text())
+    assert provenance["processes"] == 2
+    # The same global batch and steps: the ranks' averaged gradients are the batch's, up to the token
+    # weighting of each half and float order, so the adapter reaches the same validation loss.
+    assert val[2] == pytest.approx(val[1], rel=0.05)
+    assert val[1] < metrics[1]["final_loss"] * 10  # it trained: a finite, sane loss, not a default

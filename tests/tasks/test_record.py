@@ -1,5 +1,6 @@
 """record_in_mlflow run twice for one flow run (a Prefect retry) leaves one parent run, one run per stage, and the
-loss history once: the fine-tuning curves as metric history on the finetune stage's run and on the parent."""
+loss history once: the fine-tuning curves as metric history on the finetune stage's run and on the parent; where
+the fine-tune ran (device, precision, processes) as tags of its run."""
 
 from tasks.artifacts import write_json
 from tasks.config import ReleaseConfig
@@ -17,7 +18,8 @@ def test_record_twice_for_one_flow_run_logs_one_run_and_each_loss_point_once(tmp
     layout = cfg.layout
     for path, payload in ((layout.gates_file, gate_report([Gate("accuracy_new", 0.98, 0.95, ">=", True, "changed rules")])),
                           (layout.metrics_file, {"adapter": {"accuracy": 0.97}}),
-                          (layout.finetune_dir / "train_metrics.json", {"final_loss": 0.05})):
+                          (layout.finetune_dir / "train_metrics.json",
+                           {"final_loss": 0.05, "device": "cuda", "precision": "bf16", "processes": 2})):
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, payload)
     (layout.finetune_dir / LOSS_CSV).write_text("step,train_loss\n" + "".join(f"{s},{1 / s:.6f}\n" for s in range(1, 41)))
@@ -35,6 +37,7 @@ def test_record_twice_for_one_flow_run_logs_one_run_and_each_loss_point_once(tmp
     everything = client.search_runs([experiment])
     (child,) = [r for r in everything if r.info.run_id != opened.run_id]
     assert child.data.tags["mlflow.parentRunId"] == opened.run_id and child.info.start_time == 1_700_000_000_000
+    assert (child.data.tags["device"], child.data.tags["precision"], child.data.tags["processes"]) == ("cuda", "bf16", "2")
     for run_id in (child.info.run_id, opened.run_id):
         assert [m.step for m in client.get_metric_history(run_id, "train_loss")] == list(range(1, 41))
         assert [(m.step, m.value) for m in client.get_metric_history(run_id, "val_loss")] == [(20, 0.1), (40, 0.06)]
