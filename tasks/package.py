@@ -49,6 +49,7 @@ from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
 from runtime.tokenizer import DeviceTokenizer
 from tasks.config import ReleaseConfig, StageError
+from tasks.data import DataError, is_chat, parse_row
 from tasks.layout import CHECK_FILE, PREDICTIONS_FILE, RELEASE_DIR
 
 SIGNING_KEY_ENV = "RELEASE_SIGNING_KEY"
@@ -94,12 +95,14 @@ def select_probes(predictions: Path, max_tokens: int, count: int = PROBE_COUNT) 
     with open(predictions) as fh:
         for lineno, line in enumerate(fh, 1):
             try:
-                row = json.loads(line)
-                prompt, expected, on_engine = row["prompt"], row["completion"], row.get("adapter_on_engine")
-            except (ValueError, KeyError, TypeError) as err:
-                raise PackageRefused(f"{predictions}:{lineno}: not a prediction row ({err})") from None
-            if isinstance(on_engine, str) and on_engine.strip() == expected.strip():
-                probes.append({"prompt": prompt, "expected": expected, "max_tokens": max_tokens})
+                ex = parse_row(predictions, lineno, line)
+                on_engine = json.loads(line).get("adapter_on_engine")
+            except DataError as err:
+                raise PackageRefused(f"not a prediction row: {err}") from None
+            if isinstance(on_engine, str) and on_engine.strip() == ex.completion.strip():
+                # a chat row's probe is its chat, rendered on the device as /v1/chat/completions renders it
+                prompt = {"messages": list(ex.prompt.messages)} if is_chat(ex) else {"prompt": ex.prompt}
+                probes.append({**prompt, "expected": ex.completion, "max_tokens": max_tokens})
             if len(probes) == count:
                 break
     return probes
@@ -243,7 +246,7 @@ def load_and_query(release_dir: Path, pub_path: Path, engine_dir: Path, backend:
     bind_release(engine, verified)
     ids = greedy_generate(engine, [tok.encode(prompt)], max_new_tokens, tok.stop_ids, tok.pad_id)[0]
     probes = release_probes(verified.manifest)  # one at a time, as a device runs them after a swap
-    passed = sum(tok.decode(greedy_generate(engine, [tok.encode(p.prompt)], p.max_tokens, tok.stop_ids, tok.pad_id)[0])
+    passed = sum(tok.decode(greedy_generate(engine, [p.encode(tok)], p.max_tokens, tok.stop_ids, tok.pad_id)[0])
                  .strip() == p.expected.strip() for p in probes)
     return {"ok": True, "prompt": prompt, "output": tok.decode(ids), "release_id": verified.release_id,
             "backend": backend, "probes": len(probes), "probes_passed": passed,

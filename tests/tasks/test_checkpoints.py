@@ -234,7 +234,8 @@ def test_training_evaluation_engine_and_device_see_the_same_prompt_ids_bos_first
     device = DeviceTokenizer(tiny_llama_bos_dir)
     bos = device._tok.token_to_id("<s>")
 
-    ids, start = encode_example(tokenizer, Example(PROMPT, " PASS"), 512)
+    ids, learned = encode_example(tokenizer, Example(PROMPT, " PASS"), 512)
+    start = learned.index(True)
     engine, model = SpyEngine([device.eos_id], len(tokenizer)), SpyModel([device.eos_id])
     generate_text(engine, tokenizer, [PROMPT], 4)
     greedy_completions(model, tokenizer, [PROMPT], 4, 1)
@@ -250,7 +251,8 @@ def test_training_evaluation_engine_and_device_see_the_same_prompt_ids_bos_first
 
 def test_embedded_style_tokenizer_adds_no_special_tokens_to_a_prompt(tiny_llama_dir):
     tokenizer = load_tokenizer(tiny_llama_dir)
-    ids, start = encode_example(tokenizer, Example(PROMPT, " PASS"), 512)
+    ids, learned = encode_example(tokenizer, Example(PROMPT, " PASS"), 512)
+    start = learned.index(True)
     assert ids[:start] == tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
     assert ids[:start] == DeviceTokenizer(tiny_llama_dir).encode(PROMPT)
 
