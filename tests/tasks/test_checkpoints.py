@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from runtime.generate import generate_text
-from runtime.tokenizer import DeviceTokenizer, encode_prompt
+from runtime.model import read_config
+from runtime.tokenizer import ChatPrompt, DeviceTokenizer, encode_prompt
 from tasks.base_model import BaseModelError, check_base_model_dir, load_tokenizer
-from tasks.data import Example
+from tasks.data import DataError, Example
 from tasks.evaluate import greedy_completions
 from tasks.kv_quality import greedy_through_cache
 from tasks.training import encode_example
@@ -228,8 +229,6 @@ class SpyBackbone:
 
 
 def test_training_evaluation_engine_and_device_see_the_same_prompt_ids_bos_first(tiny_llama_bos_dir):
-    from runtime.model import read_config
-
     tokenizer = load_tokenizer(tiny_llama_bos_dir)
     device = DeviceTokenizer(tiny_llama_bos_dir)
     bos = device._tok.token_to_id("<s>")
@@ -247,6 +246,59 @@ def test_training_evaluation_engine_and_device_see_the_same_prompt_ids_bos_first
     assert training == model.kwargs["input_ids"][0].tolist() == engine.prefill == backbone.prefill
     assert training == device.encode(PROMPT)
     assert ids[start:] == tokenizer(" PASS", add_special_tokens=False)["input_ids"] + [device.eos_id]
+
+
+# A Llama-style chat template that writes the BOS itself, as Llama 3's does: a tokenizer whose
+# post-processor adds BOS too must not be asked for it again.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}:\n{{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:\n{% endif %}")
+CHAT = ({"role": "system", "content": "Give the verdict."}, {"role": "user", "content": PROMPT})
+
+
+@pytest.fixture
+def chat_llama(llama_copy):
+    (llama_copy / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return llama_copy
+
+
+def test_training_evaluation_engine_and_device_render_a_chat_to_the_same_ids(chat_llama):
+    tokenizer = load_tokenizer(chat_llama)
+    device = DeviceTokenizer(chat_llama)
+    bos = device._tok.token_to_id("<s>")
+    chat = ChatPrompt(CHAT)
+
+    ids, learned = encode_example(tokenizer, Example(chat, "PASS"), 512)
+    start = learned.index(True)
+    engine, model = SpyEngine([device.eos_id], len(tokenizer)), SpyModel([device.eos_id])
+    generate_text(engine, tokenizer, [chat], 4)
+    greedy_completions(model, tokenizer, [chat], 4, 1)
+    backbone = SpyBackbone(read_config(chat_llama), device.eos_id)
+    greedy_through_cache(backbone, tokenizer, [chat], None, None, 2)
+
+    training = ids[:start]
+    assert training == device.encode_chat(list(CHAT))  # what /v1/chat/completions prefills
+    assert training == model.kwargs["input_ids"][0].tolist() == engine.prefill == backbone.prefill
+    assert training[0] == bos and training.count(bos) == 1  # the template's BOS, not the post-processor's as well
+    # transformers' own rendering of the same template agrees (the rendering is the template's, not ours)
+    assert training == tokenizer.apply_chat_template(list(CHAT), add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert ids[start:] == tokenizer("PASS", add_special_tokens=False)["input_ids"] + [device.eos_id]
+    assert all(learned[start:]) and not any(learned[:start])
+
+
+def test_the_loss_learns_every_assistant_turn_and_no_system_or_user_token(chat_llama):
+    tokenizer = load_tokenizer(chat_llama)
+    chat = ChatPrompt((*CHAT, {"role": "assistant", "content": "HOLD"}, {"role": "user", "content": "and now?"}))
+    ids, learned = encode_example(tokenizer, Example(chat, "PASS"), 512)
+    assert tokenizer.decode([t for t, keep in zip(ids, learned) if keep]) == "HOLD</s>PASS</s>"
+
+
+def test_a_template_that_drops_past_assistant_turns_is_refused_for_training(chat_llama):
+    (chat_llama / "chat_template.jinja").write_text(CHAT_TEMPLATE.replace(
+        "{% for m in messages %}", "{% for m in messages if m['role'] != 'assistant' %}"))
+    tokenizer = load_tokenizer(chat_llama)
+    chat = ChatPrompt((*CHAT, {"role": "assistant", "content": "HOLD"}, {"role": "user", "content": "and now?"}))
+    with pytest.raises(DataError, match="does not render assistant turn 2 .'HOLD'. as the generation prompt"):
+        encode_example(tokenizer, Example(chat, "PASS"), 512)
 
 
 def test_embedded_style_tokenizer_adds_no_special_tokens_to_a_prompt(tiny_llama_dir):
