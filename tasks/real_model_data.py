@@ -35,8 +35,8 @@ SYSTEM = ("Classify the Unicode character by its name. Answer with one word: "
           "uppercase, lowercase, digit, punctuation, symbol or mark.")
 # Rows per class in each split (six classes), sized for the profile on 2 cores: evaluation decodes every
 # test row six ways (base and adapter in PyTorch, the engine, parity, the float and the quantized KV cache).
-PER_CLASS = {"train": 80, "val": 4, "calib": 4, "test": 8}
-HELDOUT_LINES = 24
+PER_CLASS = {"train": 80, "val": 4, "calib": 4, "test": 6}
+HELDOUT_LINES = 16
 HELDOUT_WORDS = (40, 120)  # a paragraph kept for perplexity has this many words
 
 
