@@ -47,7 +47,7 @@ from runtime.contract import (
 from runtime.hashing import sha256_file
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
-from runtime.tokenizer import DeviceTokenizer
+from runtime.tokenizer import ChatPrompt, DeviceTokenizer
 from tasks.config import ReleaseConfig, StageError
 from tasks.data import DataError, is_chat, parse_row
 from tasks.layout import CHECK_FILE, PREDICTIONS_FILE, RELEASE_DIR
@@ -232,8 +232,9 @@ def _check_inputs(adapter_dir: Path, kv_dir: Path | None, iface) -> None:
 
 
 def load_and_query(release_dir: Path, pub_path: Path, engine_dir: Path, backend: str, threads: int,
-                   tokenizer_dir: Path, prompt: str, max_new_tokens: int) -> dict:
-    """Open the serving engine and answer one prompt through the device's verify + load path."""
+                   tokenizer_dir: Path, prompt: str | ChatPrompt, max_new_tokens: int) -> dict:
+    """Open the serving engine and answer one prompt (a chat through the template, as
+    /v1/chat/completions would) through the device's verify + load path."""
     from runtime.engine import open_engine
     from runtime.generate import greedy_generate
     from runtime.package import bind_release, load_trusted_keys, release_probes, verify_release
@@ -244,11 +245,14 @@ def load_and_query(release_dir: Path, pub_path: Path, engine_dir: Path, backend:
     verified = verify_release(release_dir, load_trusted_keys([pub_path]), engine.interface, tokenizer_sha256=tok.sha256,
                               stop_token_ids=tok.stop_ids)
     bind_release(engine, verified)
-    ids = greedy_generate(engine, [tok.encode(prompt)], max_new_tokens, tok.stop_ids, tok.pad_id)[0]
+    chat = isinstance(prompt, ChatPrompt)
+    prompt_ids = tok.encode_chat(list(prompt.messages)) if chat else tok.encode(prompt)
+    ids = greedy_generate(engine, [prompt_ids], max_new_tokens, tok.stop_ids, tok.pad_id)[0]
     probes = release_probes(verified.manifest)  # one at a time, as a device runs them after a swap
     passed = sum(tok.decode(greedy_generate(engine, [p.encode(tok)], p.max_tokens, tok.stop_ids, tok.pad_id)[0])
                  .strip() == p.expected.strip() for p in probes)
-    return {"ok": True, "prompt": prompt, "output": tok.decode(ids), "release_id": verified.release_id,
+    return {"ok": True, "prompt": list(prompt.messages) if chat else prompt, "output": tok.decode(ids),
+            "release_id": verified.release_id,
             "backend": backend, "probes": len(probes), "probes_passed": passed,
             "seconds": round(time.perf_counter() - start, 3)}
 
@@ -266,7 +270,7 @@ def build_release(
     expiry_days: int = 120,
     backend: str = "onnxruntime",
     threads: int = 2,
-    prompt: str = FALLBACK_PROMPT,
+    prompt: str | ChatPrompt = FALLBACK_PROMPT,
     max_new_tokens: int = 8,
     now: dt.datetime | None = None,
     repo_dir: Path | None = None,
@@ -327,13 +331,13 @@ def build_release(
     return Path(out_dir)
 
 
-def _first_test_prompt(data_dir: Path) -> str:
+def _first_test_prompt(data_dir: Path) -> str | ChatPrompt:
     test = Path(data_dir) / "test.jsonl"
     if test.exists():
         with open(test) as fh:
             line = fh.readline()
         if line.strip():
-            return json.loads(line)["prompt"]
+            return parse_row(test, 1, line).prompt
     return FALLBACK_PROMPT
 
 
