@@ -75,6 +75,7 @@ def real_release(real_model_dir, tmp_path_factory):
     from tasks.calibrate import calibrate_kv_scales
     from tasks.compile import compile_engine
     from tasks.config import load_config
+    from tasks.data import read_jsonl
     from tasks.finetune import finetune
     from tasks.package import build_release
     from tasks.real_model_data import write_month
@@ -89,13 +90,14 @@ def real_release(real_model_dir, tmp_path_factory):
                    cfg.engine.threads, kv_spec=spec.to_dict(), kv_attention=cfg.engine.kv_attention(spec))
     adapter = finetune(real_model_dir, month, root / "finetune", cfg.lora, train, "test", engine_dir=engine)
     calibrate_kv_scales(real_model_dir, adapter, month / "calib.jsonl", root / "kv", spec, cfg.kv.clip_percentile,
-                        engine_dir=engine, threads=2)
+                        engine_dir=engine, threads=1)
     (root / "metrics.json").write_text(json.dumps({"month": cfg.data.month, "base": {"accuracy": 0.0},
                                                    "adapter": {"accuracy": 1.0, "perplexity": 1.0}}))
     (root / "gates.json").write_text(json.dumps({"passed": True, "gates": []}))
     key = root / "keys" / "release_signing.key"
+    first_chat = read_jsonl(month / "test.jsonl")[0].prompt  # the package check answers it as a device would
     out = build_release(adapter, root / "kv", root / "metrics.json", root / "gates.json", engine, real_model_dir,
-                        root / "package", key, cfg.data.month, max_new_tokens=cfg.eval.max_new_tokens)
+                        root / "package", key, cfg.data.month, prompt=first_chat, max_new_tokens=cfg.eval.max_new_tokens)
     return {"release": out / RELEASE_DIR, "engine": engine, "key": key, "month": month, "cfg": cfg}
 
 
@@ -146,6 +148,8 @@ def test_peft_on_the_base_answers_what_the_device_serves_through_the_openai_sdk(
                        .choices[0].text for t in texts]
     assert served_chat == expected_chat
     assert served_text == expected_text
+    check = json.loads((real_release["release"].parent / "check.json").read_text())["load_and_query"]
+    assert check["prompt"] == chats[0] and check["output"] == served_chat[0]
     # a trained adapter, not a blank one: its chat answers are the classes it was fine-tuned on
     assert sum(a.strip() in CLASSES for a in served_chat) >= len(rows) // 2, served_chat
 
