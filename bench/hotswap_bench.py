@@ -69,7 +69,7 @@ def make_tiny_base(out: Path, seed: int = 0, **overrides) -> Path:
 
     out = Path(out)
     examples = sample_examples(rulebook("2026-10", 1234, 2), 64, random.Random(0))
-    tokenizer = train_tokenizer([ex.prompt + ex.completion for ex in examples], 300, out)
+    tokenizer = train_tokenizer([ex.text for ex in examples], 300, out)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(Qwen2Config(**(TINY | {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
                                                    "pad_token_id": tokenizer.pad_token_id} | overrides)))

@@ -329,7 +329,7 @@ def embedded_tokenizer_dir(work: Path) -> Path:
     rng = random.Random(f"{d.seed}:{b.trained_through}:pretrain")
     examples = sample_examples(rulebook(b.trained_through, d.seed, d.rules_changed_per_month), b.pretrain_examples, rng)
     out = work / "embedded_tokenizer"
-    train_tokenizer([ex.prompt + ex.completion for ex in examples], b.vocab_size, out)
+    train_tokenizer([ex.text for ex in examples], b.vocab_size, out)
     return out
 
 

@@ -278,7 +278,7 @@ def head_quality(dirs: dict, served_head: int | None, project: Path, cfg, thread
 
     data = project / cfg.layout.data_dir
     tokenizer = load_tokenizer(Path(cfg.base_model.path))
-    calib = [ex.prompt + ex.completion for ex in read_jsonl(data / "calib.jsonl")]
+    calib = [ex.text for ex in read_jsonl(data / "calib.jsonl")]
     texts = read_text_corpus(data / HELDOUT_TEXT)
     engines = {n: open_serving(d, project, cfg, threads) for n, d in dirs.items()}
     fp32_head = engines["int4" if served_head is None else "int4_head32"]

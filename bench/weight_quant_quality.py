@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.engine.interface import ENGINE_ONNX
+from runtime.engine.tokenizer import encode_prompt
 from tasks.config import WeightAccuracyDrop, load_config
 from tasks.gates import weights_accuracy_gate
 from tasks.weight_engines import WEIGHTS_FILE, open_on_cpu, quantize_engine_dir
@@ -51,7 +52,7 @@ def engine_quality(engine, tokenizer, data_dir: Path, max_new_tokens: int = 8, b
     test = read_jsonl(Path(data_dir) / "test.jsonl")
     report = accuracy_report(test, generate_text(engine, tokenizer, [ex.prompt for ex in test], max_new_tokens, batch_size))
     heldout = Path(data_dir) / HELDOUT_TEXT
-    texts = read_text_corpus(heldout) if heldout.exists() else [e.prompt + e.completion for e in read_jsonl(Path(data_dir) / "val.jsonl")]
+    texts = read_text_corpus(heldout) if heldout.exists() else [e.text for e in read_jsonl(Path(data_dir) / "val.jsonl")]
     report["perplexity"] = engine_perplexity(engine, tokenizer, texts)
     return report
 
@@ -62,7 +63,7 @@ def output_error(reference, candidate, tokenizer, prompts: list[str]) -> dict:
     to choose a quantization scheme, so the test split stays untouched by the choice."""
     kls, agree, total = 0.0, 0, 0
     for prompt in prompts:
-        ids = np.asarray([tokenizer(prompt)["input_ids"]], dtype=np.int64)  # (1, T)
+        ids = np.asarray([encode_prompt(tokenizer, prompt)], dtype=np.int64)  # (1, T)
         T = ids.shape[1]
         args = (ids, np.arange(T)[None], np.ones((1, T), np.int64), None)
         p, q = (e.forward(*args)[0][0].astype(np.float64) for e in (reference, candidate))  # (T, V)
@@ -104,7 +105,7 @@ def compare_schemes(engine_dir: Path, base_dir: Path, adapter_dir: Path, data_di
     if unknown:
         raise WeightQuantError(f"unknown schemes {sorted(unknown)}; known: {sorted(SCHEMES)}")
     tokenizer = load_tokenizer(Path(base_dir))
-    calib = [ex.prompt + ex.completion for ex in read_jsonl(Path(data_dir) / "calib.jsonl")]
+    calib = [ex.text for ex in read_jsonl(Path(data_dir) / "calib.jsonl")]
     reference = open_with_adapter(engine_dir, adapter_dir, threads)
     results = {"fp32": {"quality": engine_quality(reference, tokenizer, data_dir)}}
     act_sq = None

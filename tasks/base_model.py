@@ -78,6 +78,7 @@ def load_tokenizer(path: Path):
         raise BaseModelError(f"{path}: transformers' eos token id {tokenizer.eos_token_id} is not "
                              f"{device.eos_id}, eos_token of tokenizer_config.json")
     tokenizer.stop_ids = device.stop_ids
+    tokenizer.device_tokenizer = device  # chats are rendered by the device's encode_chat, nowhere else
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -132,7 +133,7 @@ def build_base_model(
     examples: list[Example] = sample_examples(book, cfg.pretrain_examples, rng)
 
     with atomic_output_dir(Path(out_dir)) as tmp:
-        tokenizer = train_tokenizer([ex.prompt + ex.completion for ex in examples], cfg.vocab_size, tmp)
+        tokenizer = train_tokenizer([ex.text for ex in examples], cfg.vocab_size, tmp)
         torch.manual_seed(cfg.seed)
         model = Qwen2ForCausalLM(
             Qwen2Config(

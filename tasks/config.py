@@ -53,6 +53,8 @@ class DataConfig(_Section):
     dir: str = "data"
     jsonl_dir: str | None = None
     heldout_text: str | None = None
+    # chat | raw for prompt/completion rows; None: chat when the tokenizer has a chat template (tasks.data).
+    prompt_format: Literal["chat", "raw"] | None = None
     seed: int = Field(1234, ge=0)
     train_size: int = Field(3000, ge=1)
     val_size: int = Field(200, ge=1)

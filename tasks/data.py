@@ -10,7 +10,13 @@ trained on an earlier month, gets the changed rules wrong while the unchanged on
 regression set.
 
 Users can bring their own month instead: a folder with the same four JSONL splits, each
-row ``{"prompt": ..., "completion": ...}``. An optional ``rule`` field enables the per-rule
+row ``{"prompt": ..., "completion": ...}`` or, the OpenAI fine-tuning format as TRL reads it,
+``{"messages": [{"role": "system" | "user" | "assistant", "content": ...}, ...]}`` ending with the
+assistant's answer (one format per file). A chat row's prompt is every message before that answer,
+rendered by the base model's chat template (``runtime.engine.tokenizer.ChatPrompt``); evaluation scores the
+last assistant turn, training learns every assistant turn. ``data.prompt_format`` decides whether
+prompt/completion rows are chats too (one user turn): the data stage writes them as chat rows.
+An optional ``rule`` field enables the per-rule
 table; an optional ``changed`` field (on every row or on none) splits accuracy into the rules
 changed this month and the regression set, which the gates then read instead of overall accuracy.
 """
@@ -24,6 +30,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.engine.tokenizer import ChatPrompt, DeviceTokenizer, TokenizerError
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
 from tasks.config import DataConfig, ReleaseConfig, StageError
@@ -31,6 +38,7 @@ from tasks.config import DataConfig, ReleaseConfig, StageError
 SPLITS = ("train", "val", "calib", "test")
 HELDOUT_TEXT = "heldout.txt"
 RULEBOOK = "rulebook.json"
+CHAT_ROLES = ("system", "user", "assistant")
 # Each AOI defect type comes with the one measurement its rule reads (0-99 in its unit).
 MEASUREMENT_OF = {
     "cosmetic": "mark_mm2",
@@ -65,13 +73,31 @@ class Rule:
 
 @dataclass(frozen=True)
 class Example:
-    prompt: str
-    completion: str
+    prompt: str | ChatPrompt
+    completion: str  # a chat row's: the content of its last assistant turn
     rule: str | None = None
     changed: bool | None = None
 
+    @property
+    def text(self) -> str:
+        """The row as plain text (perplexity without a held-out text, the embedded tokenizer's corpus)."""
+        if isinstance(self.prompt, ChatPrompt):
+            return "\n".join([m["content"] for m in self.prompt.messages] + [self.completion])
+        return self.prompt + self.completion
+
+    def as_chat(self) -> Example:
+        """A prompt/completion row as a chat of one user turn; its answer without the leading space
+        that separates a raw completion from its prompt."""
+        if isinstance(self.prompt, ChatPrompt):
+            return self
+        return Example(ChatPrompt(({"role": "user", "content": self.prompt},)), self.completion.strip(),
+                       self.rule, self.changed)
+
     def to_json(self) -> dict:
-        row: dict = {"prompt": self.prompt, "completion": self.completion}
+        if isinstance(self.prompt, ChatPrompt):
+            row: dict = {"messages": [*self.prompt.messages, {"role": "assistant", "content": self.completion}]}
+        else:
+            row = {"prompt": self.prompt, "completion": self.completion}
         if self.rule is not None:
             row["rule"] = self.rule
         if self.changed is not None:
@@ -175,8 +201,9 @@ def write_jsonl(path: Path, examples: list[Example]) -> None:
             fh.write(json.dumps(ex.to_json(), sort_keys=True) + "\n")
 
 
-def generate_month(cfg: DataConfig, base_month: str, out_dir: Path) -> Path:
-    """Write the four splits, a held-out text and the rule book of ``cfg.month``.
+def generate_month(cfg: DataConfig, base_month: str, out_dir: Path, chat: bool = False) -> Path:
+    """Write the four splits, a held-out text and the rule book of ``cfg.month``; with ``chat`` the
+    rows are chats of one user turn.
 
     ``changed`` on each row is relative to ``base_month``, the last month the base model
     was trained on: those rows are what the adapter must learn.
@@ -186,9 +213,10 @@ def generate_month(cfg: DataConfig, base_month: str, out_dir: Path) -> Path:
     with atomic_output_dir(out_dir) as tmp:
         for split, size in split_sizes(cfg).items():
             rng = random.Random(f"{cfg.seed}:{cfg.month}:{split}")
-            write_jsonl(tmp / f"{split}.jsonl", sample_examples(book, size, rng, changed))
+            rows = sample_examples(book, size, rng, changed)
+            write_jsonl(tmp / f"{split}.jsonl", [ex.as_chat() for ex in rows] if chat else rows)
         rng = random.Random(f"{cfg.seed}:{cfg.month}:heldout")
-        lines = [ex.prompt + ex.completion for ex in sample_examples(book, cfg.heldout_lines, rng)]
+        lines = [ex.text for ex in sample_examples(book, cfg.heldout_lines, rng)]
         (tmp / HELDOUT_TEXT).write_text("\n".join(lines) + "\n")
         write_json(
             tmp / RULEBOOK,
@@ -202,7 +230,7 @@ def generate_month(cfg: DataConfig, base_month: str, out_dir: Path) -> Path:
     return out_dir
 
 
-def _parse_row(path: Path, lineno: int, line: str) -> Example:
+def parse_row(path: Path, lineno: int, line: str) -> Example:
     where = f"{path}:{lineno}"
     try:
         row = json.loads(line)
@@ -210,18 +238,42 @@ def _parse_row(path: Path, lineno: int, line: str) -> Example:
         raise DataError(f"{where}: not valid JSON ({err.msg})") from None
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    for key in ("prompt", "completion"):
-        if key not in row:
-            raise DataError(f"{where}: missing field {key!r}")
-        if not isinstance(row[key], str) or not row[key].strip():
-            raise DataError(f"{where}: field {key!r} must be a non-empty string")
+    if "messages" in row:
+        if "prompt" in row or "completion" in row:
+            raise DataError(f"{where}: a row has either 'messages' or 'prompt' and 'completion', not both")
+        prompt, completion = _parse_messages(where, row["messages"])
+    else:
+        for key in ("prompt", "completion"):
+            if key not in row:
+                raise DataError(f"{where}: missing field {key!r} (or give the row as 'messages')")
+            if not isinstance(row[key], str) or not row[key].strip():
+                raise DataError(f"{where}: field {key!r} must be a non-empty string")
+        prompt, completion = row["prompt"], row["completion"]
     rule = row.get("rule")
     if rule is not None and not isinstance(rule, str):
         raise DataError(f"{where}: field 'rule' must be a string")
     changed = row.get("changed")
     if changed is not None and not isinstance(changed, bool):
         raise DataError(f"{where}: field 'changed' must be true or false")
-    return Example(row["prompt"], row["completion"], rule, changed)
+    return Example(prompt, completion, rule, changed)
+
+
+def _parse_messages(where: str, messages) -> tuple[ChatPrompt, str]:
+    """(the prompt, the answer) of a chat row: every message before the last, which is the assistant's."""
+    if not isinstance(messages, list) or len(messages) < 2:
+        raise DataError(f"{where}: field 'messages' must be a list of at least two messages (a prompt and its answer)")
+    for i, message in enumerate(messages):
+        if not (isinstance(message, dict) and set(message) == {"role", "content"}):
+            raise DataError(f"{where}: messages[{i}] must be an object with exactly 'role' and 'content'")
+        if message["role"] not in CHAT_ROLES:
+            raise DataError(f"{where}: messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {message['role']!r}")
+        if not isinstance(message["content"], str) or not message["content"].strip():
+            raise DataError(f"{where}: messages[{i}].content must be a non-empty string")
+    if messages[-1]["role"] != "assistant":
+        raise DataError(f"{where}: the last message must be the assistant's answer, got role {messages[-1]['role']!r}")
+    if all(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: messages hold no system or user turn to answer")
+    return ChatPrompt(tuple(dict(m) for m in messages[:-1])), messages[-1]["content"]
 
 
 def _read_rows(path: Path) -> list[tuple[int, Example]]:
@@ -229,10 +281,23 @@ def _read_rows(path: Path) -> list[tuple[int, Example]]:
     if not path.exists():
         raise DataError(f"{path}: split file not found")
     with open(path) as fh:
-        rows = [(lineno, _parse_row(path, lineno, line)) for lineno, line in enumerate(fh, start=1) if line.strip()]
+        rows = [(lineno, parse_row(path, lineno, line)) for lineno, line in enumerate(fh, start=1) if line.strip()]
     if not rows:
         raise DataError(f"{path}: split is empty")
+    first_line, first = rows[0]
+    for lineno, ex in rows:
+        if is_chat(ex) != is_chat(first):
+            raise DataError(f"{path}:{lineno}: a {_format_name(ex)} row in a file of {_format_name(first)} rows "
+                            f"(line {first_line}); one format per file")
     return rows
+
+
+def is_chat(ex: Example) -> bool:
+    return isinstance(ex.prompt, ChatPrompt)
+
+
+def _format_name(ex: Example) -> str:
+    return "'messages'" if is_chat(ex) else "'prompt'/'completion'"
 
 
 def read_jsonl(path: Path) -> list[Example]:
@@ -240,16 +305,20 @@ def read_jsonl(path: Path) -> list[Example]:
     return [ex for _, ex in _read_rows(path)]
 
 
-def check_month(src_dir: Path) -> None:
+def check_month(src_dir: Path, chat_template: bool = True) -> None:
     """Validate every split of a user's month, and that rows are labelled all or none.
 
     ``changed`` decides what the gates read (accuracy on changed and unchanged rules, or overall
     accuracy): a month where only some rows say whether their rule changed has no meaning for either.
+    Chat rows need a tokenizer with a chat template (``chat_template``) to render them.
     """
     first: tuple[Path, int, bool] | None = None
     for split in SPLITS:
         path = Path(src_dir) / f"{split}.jsonl"
         for lineno, ex in _read_rows(path):
+            if is_chat(ex) and not chat_template:
+                raise DataError(f"{path}:{lineno}: a 'messages' row, but the base model's tokenizer has no chat "
+                                "template to render it; give prompt/completion rows or a model with a template")
             labelled = ex.changed is not None
             if first is None:
                 first = (path, lineno, labelled)
@@ -271,30 +340,55 @@ def read_text_corpus(path: Path) -> list[str]:
     return lines
 
 
-def import_month(src_dir: Path, out_dir: Path, heldout_text: Path | None = None) -> Path:
-    """Validate a user's month folder and copy it into place; nothing is copied on error."""
+def import_month(src_dir: Path, out_dir: Path, heldout_text: Path | None = None, chat: bool = False,
+                 chat_template: bool = True) -> Path:
+    """Validate a user's month folder and copy it into place; nothing is copied on error. With
+    ``chat``, prompt/completion rows are written as chats of one user turn; other files are copied
+    byte for byte."""
     src_dir = Path(src_dir)
-    check_month(src_dir)
+    check_month(src_dir, chat_template)
     if heldout_text is not None:
         read_text_corpus(heldout_text)
     with atomic_output_dir(out_dir) as tmp:
         for split in SPLITS:
-            shutil.copyfile(src_dir / f"{split}.jsonl", tmp / f"{split}.jsonl")
+            rows = read_jsonl(src_dir / f"{split}.jsonl")
+            if chat and not is_chat(rows[0]):
+                write_jsonl(tmp / f"{split}.jsonl", [ex.as_chat() for ex in rows])
+            else:
+                shutil.copyfile(src_dir / f"{split}.jsonl", tmp / f"{split}.jsonl")
         if heldout_text is not None:
             shutil.copyfile(heldout_text, tmp / HELDOUT_TEXT)
     return out_dir
 
 
-def prepare_data(cfg: DataConfig, base_month: str, out_dir: Path) -> Path:
-    """The data stage: generate the embedded month or import the user's."""
+def has_chat_template(source: str, path: str) -> bool:
+    """Whether the base model's tokenizer has a chat template (the device's reading of it); the
+    embedded default's has none."""
+    if source != "local":
+        return False
+    try:
+        return DeviceTokenizer(path).chat_template is not None
+    except TokenizerError as err:
+        raise DataError(f"base_model.path: {err}") from None
+
+
+def prepare_data(cfg: DataConfig, base_month: str, out_dir: Path, chat_template: bool = False) -> Path:
+    """The data stage: generate the embedded month or import the user's. ``data.prompt_format``
+    (default: chat when the tokenizer has a ``chat_template``) decides whether prompt/completion rows
+    become chats."""
+    if cfg.prompt_format == "chat" and not chat_template:
+        raise DataError("data.prompt_format: chat needs a base model whose tokenizer has a chat template; "
+                        "this one has none (set raw, or leave it unset)")
+    chat = chat_template if cfg.prompt_format is None else cfg.prompt_format == "chat"
     if cfg.jsonl_dir is None:
-        return generate_month(cfg, base_month, out_dir)
+        return generate_month(cfg, base_month, out_dir, chat)
     heldout = Path(cfg.heldout_text) if cfg.heldout_text else None
-    return import_month(Path(cfg.jsonl_dir), out_dir, heldout)
+    return import_month(Path(cfg.jsonl_dir), out_dir, heldout, chat, chat_template)
 
 
 def run_stage(cfg: ReleaseConfig) -> str:
-    out = prepare_data(cfg.data, cfg.base_model.trained_through, cfg.layout.data_dir)
+    template = has_chat_template(cfg.base_model.source, cfg.base_model.path)
+    out = prepare_data(cfg.data, cfg.base_model.trained_through, cfg.layout.data_dir, template)
     return f"data for {cfg.data.month} written to {out}"
 
 

@@ -17,18 +17,19 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.engine.tokenizer import ChatPrompt, encode_prompt
 from tasks.artifacts import write_json
 
 LOGIT_TOLERANCE = 1e-4
 
 
-def prefill_logit_diff(engine, model, tokenizer, prompts: list[str]) -> float:
+def prefill_logit_diff(engine, model, tokenizer, prompts: list[str | ChatPrompt]) -> float:
     """Max abs difference of the prefill logits, engine vs a PyTorch model, prompt by prompt."""
     import torch
 
     max_diff = 0.0
     for prompt in prompts:
-        ids = np.asarray([tokenizer(prompt)["input_ids"]], dtype=np.int64)  # (1, T)
+        ids = np.asarray([encode_prompt(tokenizer, prompt)], dtype=np.int64)  # (1, T)
         T = ids.shape[1]
         got, _ = engine.forward(ids, np.arange(T)[None], np.ones((1, T), np.int64), None)
         with torch.no_grad():
@@ -44,7 +45,7 @@ def prefill_logit_diff(engine, model, tokenizer, prompts: list[str]) -> float:
 MAX_KV_CODE_MISMATCH = 1e-4
 
 
-def quantized_prefill_parity(engine, backbone, kv_scales, attention: str, tokenizer, prompts: list[str]) -> dict:
+def quantized_prefill_parity(engine, backbone, kv_scales, attention: str, tokenizer, prompts: list[str | ChatPrompt]) -> dict:
     """Prefill of a quantized-KV engine vs its PyTorch module (``runtime.engine.kv_model.QuantizedKVBackbone``
     on ``backbone``, the adapter merged, the same scales), prompt by prompt: the stored bytes, and
     the logits of the prompts whose bytes all agree (a flipped code moves logits by ~1e-2, by design
@@ -68,7 +69,7 @@ def quantized_prefill_parity(engine, backbone, kv_scales, attention: str, tokeni
     agree_diff = all_diff = 0.0
     total_bytes = differing_bytes = prompts_differing = 0
     for prompt in prompts:
-        ids = np.asarray([tokenizer(prompt)["input_ids"]], dtype=np.int64)  # (1, T)
+        ids = np.asarray([encode_prompt(tokenizer, prompt)], dtype=np.int64)  # (1, T)
         T = ids.shape[1]
         got, cache = engine.forward(ids, np.arange(T)[None], np.ones((1, T), np.int64), None)
         with torch.no_grad():

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from runtime.engine.latency import percentile
-from runtime.engine.tokenizer import encode_prompt
+from runtime.engine.tokenizer import ChatPrompt, encode_prompt
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.base_model import load_base_model
 from tasks.cli import stage_main
@@ -78,7 +78,7 @@ def _score(model, tokenizer, test: list[Example], texts: list[str], cfg: EvalCon
     return report, predictions
 
 
-def decode_latency(engine, tokenizer, prompts: list[str], steps: int) -> tuple[dict, list[tuple[int, int, float]]]:
+def decode_latency(engine, tokenizer, prompts: list[str | ChatPrompt], steps: int) -> tuple[dict, list[tuple[int, int, float]]]:
     """Wall time of single decode steps, batch 1, adapter bound: what one device request waits per token.
 
     Each prompt is prefilled (not timed), then ``steps`` tokens are decoded one forward each.
@@ -90,7 +90,7 @@ def decode_latency(engine, tokenizer, prompts: list[str], steps: int) -> tuple[d
 
     samples: list[tuple[int, int, float]] = []
     for index, prompt in enumerate(prompts):
-        ids = np.array([tokenizer(prompt)["input_ids"]], dtype=np.int64)  # (1, T)
+        ids = np.array([encode_prompt(tokenizer, prompt)], dtype=np.int64)  # (1, T)
         T = ids.shape[1]
         logits, cache = engine.forward(ids, np.arange(T)[None], np.ones_like(ids), None)
         for step in range(steps):
@@ -255,7 +255,7 @@ def evaluate(
     if heldout.exists():
         texts = read_text_corpus(heldout)
     else:
-        texts = [ex.prompt + ex.completion for ex in read_jsonl(Path(data_dir) / "val.jsonl")]
+        texts = [ex.text for ex in read_jsonl(Path(data_dir) / "val.jsonl")]
 
     # Phases, reported as they finish: base, base + adapter, [the engine], [the quantized KV cache].
     progress = Progress("evaluate", 2 + (engine is not None) + (kv_dir is not None), unit="phase")

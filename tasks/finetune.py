@@ -20,7 +20,7 @@ from tasks.artifacts import atomic_output_dir, write_json
 from tasks.base_model import load_base_model
 from tasks.cli import stage_main
 from tasks.config import ConfigError, LoraSection, ReleaseConfig, StageError, TrainConfig
-from tasks.data import read_jsonl
+from tasks.data import is_chat, read_jsonl
 from tasks.device import choose_placement, is_launched_rank, launch_command, rank_accelerator
 from tasks.layout import ADAPTER_DIR
 
@@ -38,6 +38,16 @@ def library_versions() -> dict[str, str]:
         "peft": peft.__version__,
         "accelerate": accelerate.__version__,
     }
+
+
+def _prompt_loss_weight(examples: list, configured: float) -> float:
+    """The configured weight of prompt tokens; 0 for chat rows, whose loss covers only the assistant's
+    turns (as TRL's assistant-only loss), said when that overrides a configured weight."""
+    if configured and is_chat(examples[0]):
+        print(f"train.prompt_loss_weight {configured} not applied: the rows are chats, the loss covers only "
+              "assistant turns", file=sys.stderr)
+        return 0.0
+    return configured
 
 
 def finetune(
@@ -104,7 +114,7 @@ def finetune(
         warmup_steps=train.warmup_steps,
         max_seq_len=train.max_seq_len,
         seed=train.seed,
-        prompt_loss_weight=train.prompt_loss_weight,
+        prompt_loss_weight=_prompt_loss_weight(examples, train.prompt_loss_weight),
     )
     history = train_completions(peft_model, tokenizer, examples, settings, desc="fine-tune LoRA",
                                 val_examples=read_jsonl(Path(data_dir) / "val.jsonl"), eval_every=train.eval_every,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.engine.tokenizer import encode_prompt, until_stop
+from runtime.engine.tokenizer import ChatPrompt, encode_prompt, until_stop
 
 
 def fill_cache(backbone, present: tuple, positions: torch.Tensor, spec, scales: dict | None):
@@ -48,7 +48,7 @@ def two_pass_logits(backbone, ids: torch.Tensor, prefix_len: int, spec, scales: 
     return logits, cache, past
 
 
-def greedy_through_cache(backbone, tokenizer, prompts: list[str], spec, scales: dict | None, max_new_tokens: int = 8) -> list[str]:
+def greedy_through_cache(backbone, tokenizer, prompts: list[str | ChatPrompt], spec, scales: dict | None, max_new_tokens: int = 8) -> list[str]:
     """Greedy decoding where every token's K/V goes through the quantized cache (prefill + decode).
 
     Prompts are grouped by token length so no batch needs padding (the sink is then always a real token).

@@ -37,10 +37,11 @@ from pathlib import Path
 from runtime.engine.adapter_config import ADAPTER_FILES, ADAPTER_WEIGHTS, PROVENANCE, read_adapter_config
 from runtime.engine.hashing import sha256_file
 from runtime.engine.kv_scales import KV_SCALES_FILES, KV_SCALES_JSON, KVScalesError, read_kv_scales
-from runtime.engine.tokenizer import DeviceTokenizer
+from runtime.engine.tokenizer import ChatPrompt, DeviceTokenizer
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
 from tasks.config import ReleaseConfig, StageError
+from tasks.data import DataError, is_chat, parse_row
 from tasks.layout import CHECK_FILE, PREDICTIONS_FILE, RELEASE_DIR
 
 SIGNING_KEY_ENV = "RELEASE_SIGNING_KEY"
@@ -86,12 +87,14 @@ def select_probes(predictions: Path, max_tokens: int, count: int = PROBE_COUNT) 
     with open(predictions) as fh:
         for lineno, line in enumerate(fh, 1):
             try:
-                row = json.loads(line)
-                prompt, expected, on_engine = row["prompt"], row["completion"], row.get("adapter_on_engine")
-            except (ValueError, KeyError, TypeError) as err:
-                raise PackageRefused(f"{predictions}:{lineno}: not a prediction row ({err})") from None
-            if isinstance(on_engine, str) and on_engine.strip() == expected.strip():
-                probes.append({"prompt": prompt, "expected": expected, "max_tokens": max_tokens})
+                ex = parse_row(predictions, lineno, line)
+                on_engine = json.loads(line).get("adapter_on_engine")
+            except DataError as err:
+                raise PackageRefused(f"not a prediction row: {err}") from None
+            if isinstance(on_engine, str) and on_engine.strip() == ex.completion.strip():
+                # a chat row's probe is its chat, rendered on the device as /v1/chat/completions renders it
+                prompt = {"messages": list(ex.prompt.messages)} if is_chat(ex) else {"prompt": ex.prompt}
+                probes.append({**prompt, "expected": ex.completion, "max_tokens": max_tokens})
             if len(probes) == count:
                 break
     return probes
@@ -221,8 +224,9 @@ def _check_inputs(adapter_dir: Path, kv_dir: Path | None, iface) -> None:
 
 
 def load_and_query(release_dir: Path, pub_path: Path, engine_dir: Path, backend: str, threads: int,
-                   tokenizer_dir: Path, prompt: str, max_new_tokens: int) -> dict:
-    """Open the serving engine and answer one prompt through the device's verify + load path."""
+                   tokenizer_dir: Path, prompt: str | ChatPrompt, max_new_tokens: int) -> dict:
+    """Open the serving engine and answer one prompt (a chat through the template, as
+    /v1/chat/completions would) through the device's verify + load path."""
     from runtime.engine.engine import open_engine
     from runtime.engine.generate import greedy_generate
     from runtime.release.package import bind_release, load_trusted_keys, release_probes, verify_release
@@ -233,11 +237,14 @@ def load_and_query(release_dir: Path, pub_path: Path, engine_dir: Path, backend:
     verified = verify_release(release_dir, load_trusted_keys([pub_path]), engine.interface, tokenizer_sha256=tok.sha256,
                               stop_token_ids=tok.stop_ids)
     bind_release(engine, verified)
-    ids = greedy_generate(engine, [tok.encode(prompt)], max_new_tokens, tok.stop_ids, tok.pad_id)[0]
+    chat = isinstance(prompt, ChatPrompt)
+    prompt_ids = tok.encode_chat(list(prompt.messages)) if chat else tok.encode(prompt)
+    ids = greedy_generate(engine, [prompt_ids], max_new_tokens, tok.stop_ids, tok.pad_id)[0]
     probes = release_probes(verified.manifest)  # one at a time, as a device runs them after a swap
-    passed = sum(tok.decode(greedy_generate(engine, [tok.encode(p.prompt)], p.max_tokens, tok.stop_ids, tok.pad_id)[0])
+    passed = sum(tok.decode(greedy_generate(engine, [p.encode(tok)], p.max_tokens, tok.stop_ids, tok.pad_id)[0])
                  .strip() == p.expected.strip() for p in probes)
-    return {"ok": True, "prompt": prompt, "output": tok.decode(ids), "release_id": verified.release_id,
+    return {"ok": True, "prompt": list(prompt.messages) if chat else prompt, "output": tok.decode(ids),
+            "release_id": verified.release_id,
             "backend": backend, "probes": len(probes), "probes_passed": passed,
             "seconds": round(time.perf_counter() - start, 3)}
 
@@ -255,7 +262,7 @@ def build_release(
     expiry_days: int = 120,
     backend: str = "onnxruntime",
     threads: int = 2,
-    prompt: str = FALLBACK_PROMPT,
+    prompt: str | ChatPrompt = FALLBACK_PROMPT,
     max_new_tokens: int = 8,
     now: dt.datetime | None = None,
     repo_dir: Path | None = None,
@@ -316,13 +323,13 @@ def build_release(
     return Path(out_dir)
 
 
-def _first_test_prompt(data_dir: Path) -> str:
+def _first_test_prompt(data_dir: Path) -> str | ChatPrompt:
     test = Path(data_dir) / "test.jsonl"
     if test.exists():
         with open(test) as fh:
             line = fh.readline()
         if line.strip():
-            return json.loads(line)["prompt"]
+            return parse_row(test, 1, line).prompt
     return FALLBACK_PROMPT
 
 

@@ -1,6 +1,6 @@
 """The supervised training loop shared by base-model pre-training and LoRA fine-tuning.
 
-The loss is the mean cross-entropy of the completion tokens plus ``prompt_loss_weight``
+The loss is the mean cross-entropy of the completion tokens (a chat's assistant turns) plus ``prompt_loss_weight``
 times that of the prompt tokens. Fine-tuning uses weight 0 (the prompt is context, the
 verdict is what must change); pre-training uses a small weight so the base is a language
 model of the records (its held-out perplexity means something) while the verdict signal
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from runtime.engine.tokenizer import encode_prompt
+from runtime.engine.tokenizer import ChatPrompt, encode_prompt
 from tasks.config import StageError
-from tasks.data import Example
+from tasks.data import DataError, Example
 from tasks.device import ON_CPU, Placement
 from tasks.progress import Progress
 
@@ -39,25 +39,51 @@ class TrainSettings:
     prompt_loss_weight: float = 0.0
 
 
-def encode_example(tokenizer, ex: Example, max_seq_len: int) -> tuple[list[int], int]:
-    """Token ids of prompt+completion+eos, and where the completion starts. The prompt carries the
-    tokenizer's special tokens (a Llama BOS), as evaluation and the device encode it
-    (``runtime.engine.tokenizer.encode_prompt``); the completion none but the eos it must learn to stop with."""
+def encode_example(tokenizer, ex: Example, max_seq_len: int) -> tuple[list[int], list[bool]]:
+    """Token ids of prompt+completion+eos, and which of them the loss learns: the completion and its
+    eos. The prompt is encoded as evaluation and the device encode it (``runtime.engine.tokenizer.encode_prompt``:
+    a text with the tokenizer's special tokens, a Llama BOS; a chat through the device's chat template);
+    the completion carries no special token but the eos it must learn to stop with. In a chat, every
+    earlier assistant turn is learned too, and nothing of a system or user turn."""
     prompt_ids = encode_prompt(tokenizer, ex.prompt)
-    completion_ids = tokenizer(ex.completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return (prompt_ids + completion_ids)[:max_seq_len], len(prompt_ids)
+    learned = [False] * len(prompt_ids)
+    if isinstance(ex.prompt, ChatPrompt):
+        for turn, message in enumerate(ex.prompt.messages):
+            if message["role"] == "assistant":
+                start, end = _assistant_span(tokenizer, ex.prompt.messages, turn, prompt_ids)
+                learned[start:end] = [True] * (end - start)
+    completion_ids = _answer_ids(tokenizer, ex.completion)
+    return (prompt_ids + completion_ids)[:max_seq_len], (learned + [True] * len(completion_ids))[:max_seq_len]
 
 
-def collate(batch: list[tuple[list[int], int]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded ids and attention mask, plus a mask of the completion positions."""
+def _answer_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def _assistant_span(tokenizer, messages: tuple[dict, ...], turn: int, chat_ids: list[int]) -> tuple[int, int]:
+    """Where assistant turn ``turn`` lies in ``chat_ids`` (the whole chat rendered): right after the
+    chat before it rendered with the generation prompt, as its content and eos; a template that renders
+    past turns otherwise (one that drops them, say) is refused rather than trained on the wrong tokens."""
+    prefix = encode_prompt(tokenizer, ChatPrompt(messages[:turn]))
+    answer = _answer_ids(tokenizer, messages[turn]["content"])
+    end = len(prefix) + len(answer)
+    if chat_ids[: len(prefix)] != prefix or chat_ids[len(prefix) : end] != answer:
+        raise DataError(f"the chat template does not render assistant turn {turn} ({messages[turn]['content'][:40]!r}) "
+                        "as the generation prompt, its content and eos: its tokens cannot be told apart for the "
+                        "loss; give chats with one assistant turn, the answer")
+    return len(prefix), end
+
+
+def collate(batch: list[tuple[list[int], list[bool]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded ids and attention mask, plus the mask of the positions the loss learns."""
     width = max(len(ids) for ids, _ in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
     completion_mask = torch.zeros((len(batch), width), dtype=torch.bool)
-    for row, (ids, completion_start) in enumerate(batch):
+    for row, (ids, learned) in enumerate(batch):
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention_mask[row, : len(ids)] = 1
-        completion_mask[row, completion_start : len(ids)] = True
+        completion_mask[row, : len(ids)] = torch.tensor(learned)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": completion_mask}
 
 

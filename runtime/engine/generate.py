@@ -12,7 +12,7 @@ import numpy as np
 
 from runtime.engine.engine import Engine
 from runtime.engine.sampling import TokenSampler, greedy
-from runtime.engine.tokenizer import encode_prompt
+from runtime.engine.tokenizer import ChatPrompt, encode_prompt
 
 
 def greedy_generate(
@@ -85,7 +85,7 @@ def decode_steps(
         next_pos = next_pos + 1
 
 
-def generate_text(engine: Engine, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int = 8) -> list[str]:
+def generate_text(engine: Engine, tokenizer, prompts: Sequence[str | ChatPrompt], max_new_tokens: int, batch_size: int = 8) -> list[str]:
     """Text in, text out with a tokenizer from ``tasks.base_model.load_tokenizer``; stops at any of its
     ``stop_ids``, as the device does. For evaluation."""
     encoded = [encode_prompt(tokenizer, p) for p in prompts]

@@ -10,7 +10,10 @@ transformers tokenizer (``tasks.base_model.load_tokenizer`` refuses a directory 
 A chat is rendered with the tokenizer's own chat template (``chat_template`` of
 ``tokenizer_config.json``, or ``chat_template.jinja`` beside it), as transformers renders it: a
 sandboxed jinja2 environment, the generation prompt added; the rendered text holds its special
-tokens already, so it is encoded without the post-processor's.
+tokens already, so it is encoded without the post-processor's. ``DeviceTokenizer.encode_chat`` is the
+one rendering: the device's ``/v1/chat/completions`` calls it, and so do training and evaluation
+(``encode_prompt`` of a ``ChatPrompt`` on a tokenizer from ``tasks.base_model.load_tokenizer``), so the
+device answers the token ids evaluation scored.
 
 Generation stops at any of ``stop_ids``: ``eos_token`` of ``tokenizer_config.json``, then every
 ``eos_token_id`` of ``generation_config.json`` (Llama 3 lists several), all beside ``tokenizer.json``.
@@ -19,6 +22,7 @@ Generation stops at any of ``stop_ids``: ``eos_token`` of ``tokenizer_config.jso
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.engine.errors import RefusedInput
@@ -42,10 +46,20 @@ def _token_text(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """A prompt's ids from a transformers tokenizer, special tokens included: what
-    ``DeviceTokenizer.encode`` gives for the same text."""
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+@dataclass(frozen=True)
+class ChatPrompt:
+    """The messages before the answer of a chat row: ``({"role": ..., "content": ...}, ...)``."""
+
+    messages: tuple[dict, ...]
+
+
+def encode_prompt(tokenizer, prompt: str | ChatPrompt) -> list[int]:
+    """A prompt's ids from a transformers tokenizer: a text with its special tokens, what
+    ``DeviceTokenizer.encode`` gives; a chat through the device's own ``encode_chat``, which
+    ``tasks.base_model.load_tokenizer`` attaches as ``tokenizer.device_tokenizer``."""
+    if isinstance(prompt, ChatPrompt):
+        return tokenizer.device_tokenizer.encode_chat(list(prompt.messages))
+    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
 
 def _read_json(file: Path) -> dict:

@@ -22,7 +22,8 @@ release again is accepted. A serving device with a state directory passes the hi
 champion and its high-water mark (``runtime.release.device_state``).
 
 Health probes: ``probes`` in the manifest (covered by the signature) lists up to MAX_PROBES test
-prompts with the answer the evaluated engine gave, ``{"prompt", "expected", "max_tokens"}``;
+prompts with the answer the evaluated engine gave, ``{"prompt" or "messages", "expected", "max_tokens"}``
+(a chat row's probe is its messages, rendered by the chat template as a chat request's are);
 ``release_probes`` reads them. A manifest without the field (releases packaged before probes
 existed) has none, and a device then commits it on its error window alone (``runtime.serve.health``).
 """
@@ -327,12 +328,28 @@ def _check_manifest_fields(m: dict, where: Path) -> None:
 
 @dataclass(frozen=True)
 class Probe:
-    """A signed health probe: greedy ``max_tokens`` on ``prompt`` must give ``expected`` (whitespace-trimmed,
-    the exact match of the evaluate stage)."""
+    """A signed health probe: greedy ``max_tokens`` on ``prompt`` (a text, or the ``messages`` of a chat
+    the tokenizer's template renders) must give ``expected`` (whitespace-trimmed, the exact match of the
+    evaluate stage)."""
 
-    prompt: str
     expected: str
     max_tokens: int
+    prompt: str | None = None
+    messages: tuple[dict, ...] | None = None
+
+    def encode(self, tokenizer) -> list[int]:
+        """The probe's prompt ids on a ``runtime.tokenizer.DeviceTokenizer``, as a request's would be."""
+        return tokenizer.encode(self.prompt) if self.messages is None else tokenizer.encode_chat(list(self.messages))
+
+    @property
+    def shown(self) -> str:
+        return self.prompt if self.messages is None else self.messages[-1]["content"]
+
+
+def _chat_messages(value) -> bool:
+    return (isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and set(m) == {"role", "content"} and all(isinstance(v, str) for v in m.values())
+        for m in value))
 
 
 def _probe_problems(probes) -> list[str]:
@@ -340,17 +357,21 @@ def _probe_problems(probes) -> list[str]:
         return [f"probes: a list of at most {MAX_PROBES} probe objects (got {probes!r:.80})"]
     problems = []
     for i, probe in enumerate(probes):
-        if not (isinstance(probe, dict) and set(probe) == {"prompt", "expected", "max_tokens"}
-                and isinstance(probe["prompt"], str) and probe["prompt"] and isinstance(probe["expected"], str)
+        keys = set(probe) if isinstance(probe, dict) else set()
+        prompt_ok = (keys == {"prompt", "expected", "max_tokens"} and isinstance(probe["prompt"], str)
+                     and bool(probe["prompt"]))
+        chat_ok = keys == {"messages", "expected", "max_tokens"} and _chat_messages(probe["messages"])
+        if not ((prompt_ok or chat_ok) and isinstance(probe["expected"], str)
                 and type(probe["max_tokens"]) is int and 1 <= probe["max_tokens"] <= MAX_PROBE_TOKENS):
-            problems.append(f"probes[{i}]: needs exactly prompt (non-empty), expected (string) and max_tokens "
-                            f"(1 to {MAX_PROBE_TOKENS}) (got {probe!r:.80})")
+            problems.append(f"probes[{i}]: needs exactly prompt (non-empty) or messages (a list of role/content "
+                            f"objects), expected (string) and max_tokens (1 to {MAX_PROBE_TOKENS}) (got {probe!r:.80})")
     return problems
 
 
 def release_probes(manifest: dict) -> tuple[Probe, ...]:
     """The probes of a verified manifest; none for a manifest without the field."""
-    return tuple(Probe(**p) for p in manifest.get("probes", []))
+    return tuple(Probe(**{**p, "messages": tuple(p["messages"])} if "messages" in p else p)
+                 for p in manifest.get("probes", []))
 
 
 def _parses(text: str) -> bool:

@@ -167,11 +167,11 @@ class ReleaseGate:
     def _probe(self, release: ActiveRelease) -> tuple[str, str] | None:
         """(reason, detail) of the first probe that answers otherwise, or None when every one passes."""
         for i, probe in enumerate(release_probes(release.manifest)):
-            generation = self.server.start_generation(release, [self.server.tokenizer.encode(probe.prompt)],
+            generation = self.server.start_generation(release, [probe.encode(self.server.tokenizer)],
                                                       probe.max_tokens, greedy, [], self.decode)
             text = asyncio.run(_decoded(generation))  # this thread's own loop, as a request's is the server's
             if text.strip() != probe.expected.strip():
-                return "probe_mismatch", f"probe {i} ({probe.prompt[:60]!r}): expected {probe.expected!r}, got {text!r}"
+                return "probe_mismatch", f"probe {i} ({probe.shown[:60]!r}): expected {probe.expected!r}, got {text!r}"
         return None
 
     def _commit(self, release: ActiveRelease, seconds: float) -> None:

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from runtime.engine.generate import generate_text
-from runtime.engine.tokenizer import DeviceTokenizer, encode_prompt
+from runtime.engine.model import read_config
+from runtime.engine.tokenizer import ChatPrompt, DeviceTokenizer, encode_prompt
 from tasks.base_model import BaseModelError, check_base_model_dir, load_tokenizer
-from tasks.data import Example
+from tasks.data import DataError, Example
 from tasks.scoring import greedy_completions
 from tasks.kv_quality import greedy_through_cache
 from tasks.training import encode_example
@@ -229,30 +230,80 @@ class SpyBackbone:
         return logits, ()
 
 
-def test_training_evaluation_engine_and_device_see_the_same_prompt_ids_bos_first(tiny_llama_bos_dir):
-    from runtime.engine.model import read_config
+def ids_on_every_path(model_dir, prompt, completion: str) -> tuple[list[int], list[int], list[list[int]]]:
+    """(the prompt ids training learns after, the answer ids it learns, and the prompt ids the engine,
+    PyTorch greedy decoding and the reference KV cache each prefill) for one row."""
+    tokenizer = load_tokenizer(model_dir)
+    eos = tokenizer.eos_token_id
+    ids, learned = encode_example(tokenizer, Example(prompt, completion), 512)
+    start = learned.index(True)
+    assert all(learned[start:]) and not any(learned[:start])
+    engine, model = SpyEngine([eos], len(tokenizer)), SpyModel([eos])
+    generate_text(engine, tokenizer, [prompt], 4)
+    greedy_completions(model, tokenizer, [prompt], 4, 1)
+    backbone = SpyBackbone(read_config(model_dir), eos)
+    greedy_through_cache(backbone, tokenizer, [prompt], None, None, 2)
+    return ids[:start], ids[start:], [model.kwargs["input_ids"][0].tolist(), engine.prefill, backbone.prefill]
 
-    tokenizer = load_tokenizer(tiny_llama_bos_dir)
+
+def test_training_evaluation_engine_and_device_see_the_same_prompt_ids_bos_first(tiny_llama_bos_dir):
     device = DeviceTokenizer(tiny_llama_bos_dir)
     bos = device._tok.token_to_id("<s>")
+    training, answer, evaluated = ids_on_every_path(tiny_llama_bos_dir, PROMPT, " PASS")
 
-    ids, start = encode_example(tokenizer, Example(PROMPT, " PASS"), 512)
-    engine, model = SpyEngine([device.eos_id], len(tokenizer)), SpyModel([device.eos_id])
-    generate_text(engine, tokenizer, [PROMPT], 4)
-    greedy_completions(model, tokenizer, [PROMPT], 4, 1)
-    backbone = SpyBackbone(read_config(tiny_llama_bos_dir), device.eos_id)
-    greedy_through_cache(backbone, tokenizer, [PROMPT], None, None, 2)
-
-    training = ids[:start]
     assert training[0] == bos and training.count(bos) == 1
-    assert training == model.kwargs["input_ids"][0].tolist() == engine.prefill == backbone.prefill
+    assert evaluated == [training] * 3
     assert training == device.encode(PROMPT)
-    assert ids[start:] == tokenizer(" PASS", add_special_tokens=False)["input_ids"] + [device.eos_id]
+    assert answer == load_tokenizer(tiny_llama_bos_dir)(" PASS", add_special_tokens=False)["input_ids"] + [device.eos_id]
+
+
+# A Llama-style chat template that writes the BOS itself, as Llama 3's does: a tokenizer whose
+# post-processor adds BOS too must not be asked for it again.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}:\n{{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:\n{% endif %}")
+CHAT = ({"role": "system", "content": "Give the verdict."}, {"role": "user", "content": PROMPT})
+
+
+@pytest.fixture
+def chat_llama(llama_copy):
+    (llama_copy / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return llama_copy
+
+
+def test_training_evaluation_engine_and_device_render_a_chat_to_the_same_ids(chat_llama):
+    tokenizer = load_tokenizer(chat_llama)
+    device = DeviceTokenizer(chat_llama)
+    bos = device._tok.token_to_id("<s>")
+    training, answer, evaluated = ids_on_every_path(chat_llama, ChatPrompt(CHAT), "PASS")
+
+    assert training == device.encode_chat(list(CHAT))  # what /v1/chat/completions prefills
+    assert evaluated == [training] * 3
+    assert training[0] == bos and training.count(bos) == 1  # the template's BOS, not the post-processor's as well
+    # transformers' own rendering of the same template agrees (the rendering is the template's, not ours)
+    assert training == tokenizer.apply_chat_template(list(CHAT), add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert answer == tokenizer("PASS", add_special_tokens=False)["input_ids"] + [device.eos_id]
+
+
+def test_the_loss_learns_every_assistant_turn_and_no_system_or_user_token(chat_llama):
+    tokenizer = load_tokenizer(chat_llama)
+    chat = ChatPrompt((*CHAT, {"role": "assistant", "content": "HOLD"}, {"role": "user", "content": "and now?"}))
+    ids, learned = encode_example(tokenizer, Example(chat, "PASS"), 512)
+    assert tokenizer.decode([t for t, keep in zip(ids, learned) if keep]) == "HOLD</s>PASS</s>"
+
+
+def test_a_template_that_drops_past_assistant_turns_is_refused_for_training(chat_llama):
+    (chat_llama / "chat_template.jinja").write_text(CHAT_TEMPLATE.replace(
+        "{% for m in messages %}", "{% for m in messages if m['role'] != 'assistant' %}"))
+    tokenizer = load_tokenizer(chat_llama)
+    chat = ChatPrompt((*CHAT, {"role": "assistant", "content": "HOLD"}, {"role": "user", "content": "and now?"}))
+    with pytest.raises(DataError, match="does not render assistant turn 2 .'HOLD'. as the generation prompt"):
+        encode_example(tokenizer, Example(chat, "PASS"), 512)
 
 
 def test_embedded_style_tokenizer_adds_no_special_tokens_to_a_prompt(tiny_llama_dir):
     tokenizer = load_tokenizer(tiny_llama_dir)
-    ids, start = encode_example(tokenizer, Example(PROMPT, " PASS"), 512)
+    ids, learned = encode_example(tokenizer, Example(PROMPT, " PASS"), 512)
+    start = learned.index(True)
     assert ids[:start] == tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
     assert ids[:start] == DeviceTokenizer(tiny_llama_dir).encode(PROMPT)
 

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.engine.tokenizer import ChatPrompt
 from tasks.config import DataConfig
 from tasks.data import (
     DEFECTS,
@@ -12,6 +13,7 @@ from tasks.data import (
     changed_rules,
     generate_month,
     import_month,
+    prepare_data,
     read_jsonl,
     read_text_corpus,
     rulebook,
@@ -73,6 +75,17 @@ def test_changed_rules_give_a_different_verdict_on_every_record(tmp_path):
         ('{"prompt": 3, "completion": "b"}', "field 'prompt' must be a non-empty string"),
         ('["prompt", "completion"]', "expected a JSON object, got list"),
         ('{"prompt": "a", "completion": "b", "changed": "yes"}', "field 'changed' must be true or false"),
+        ('{"messages": [{"role": "user", "content": "a"}]}', "at least two messages"),
+        ('{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}',
+         "the last message must be the assistant's answer, got role 'user'"),
+        ('{"messages": [{"role": "tool", "content": "a"}, {"role": "assistant", "content": "b"}]}',
+         "messages[0].role must be one of system, user, assistant, got 'tool'"),
+        ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": " "}]}',
+         "messages[1].content must be a non-empty string"),
+        ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]}',
+         "messages[1] must be an object with exactly 'role' and 'content'"),
+        ('{"messages": [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]}',
+         "no system or user turn"),
     ],
 )
 def test_bad_row_is_reported_with_file_and_line(tmp_path, line, message):
@@ -135,3 +148,56 @@ def test_rows_that_mix_labelled_and_unlabelled_are_refused_naming_the_file_and_l
     (src / "calib.jsonl").write_text(unlabelled + "\n")
     import_month(src, out)  # unlabelled throughout: accepted, the gates read overall accuracy
     assert read_jsonl(out / "calib.jsonl")[0].changed is None
+
+
+CHAT_ROW = {"messages": [{"role": "system", "content": "Answer yes or no."}, {"role": "user", "content": "is it ok?"},
+                         {"role": "assistant", "content": "yes"}], "rule": "ok"}
+
+
+def test_a_chat_row_is_its_messages_before_the_answer_and_the_answer(tmp_path):
+    path = tmp_path / "test.jsonl"
+    path.write_text(json.dumps(CHAT_ROW) + "\n")
+    [ex] = read_jsonl(path)
+    assert ex.prompt == ChatPrompt(tuple(CHAT_ROW["messages"][:2]))
+    assert (ex.completion, ex.rule) == ("yes", "ok")
+    assert ex.to_json() == CHAT_ROW  # what predictions.jsonl and a chat month write back
+
+
+def test_a_file_mixing_chat_and_prompt_completion_rows_is_refused_naming_the_file_and_line(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(CHAT_ROW) + "\n" + json.dumps({"prompt": "is it ok?", "completion": " yes"}) + "\n")
+    with pytest.raises(DataError) as err:
+        read_jsonl(path)
+    assert str(err.value) == (f"{path}:2: a 'prompt'/'completion' row in a file of 'messages' rows (line 1); "
+                              "one format per file")
+
+
+def write_month(src: Path, row: dict) -> Path:
+    src.mkdir()
+    for split in ("train", "val", "calib", "test"):
+        (src / f"{split}.jsonl").write_text(json.dumps(row) + "\n")
+    return src
+
+
+def test_prompt_format_chat_writes_prompt_completion_rows_as_one_user_turn(tmp_path):
+    src = write_month(tmp_path / "mine", {"prompt": "is it ok?", "completion": " yes"})
+    cfg = DataConfig(jsonl_dir=str(src), prompt_format="chat")
+    prepare_data(cfg, "2026-10", tmp_path / "chat", chat_template=True)
+    assert json.loads((tmp_path / "chat" / "test.jsonl").read_text()) == {
+        "messages": [{"role": "user", "content": "is it ok?"}, {"role": "assistant", "content": "yes"}]}
+    # unset: chat where the tokenizer has a template, the bytes as given where it has none
+    prepare_data(cfg.model_copy(update={"prompt_format": None}), "2026-10", tmp_path / "default", chat_template=True)
+    assert (tmp_path / "default" / "test.jsonl").read_bytes() == (tmp_path / "chat" / "test.jsonl").read_bytes()
+    for fmt, template in (("raw", True), (None, False)):
+        out = tmp_path / f"raw-{fmt}"
+        prepare_data(cfg.model_copy(update={"prompt_format": fmt}), "2026-10", out, chat_template=template)
+        assert (out / "test.jsonl").read_bytes() == (src / "test.jsonl").read_bytes()
+
+
+def test_chats_without_a_chat_template_are_refused(tmp_path):
+    src = write_month(tmp_path / "mine", CHAT_ROW)
+    with pytest.raises(DataError, match=r"train\.jsonl:1: a 'messages' row, but the base model's tokenizer has no chat"):
+        prepare_data(DataConfig(jsonl_dir=str(src)), "2026-10", tmp_path / "out", chat_template=False)
+    with pytest.raises(DataError, match="data.prompt_format: chat needs a base model whose tokenizer has a chat template"):
+        prepare_data(DataConfig(prompt_format="chat"), "2026-10", tmp_path / "out", chat_template=False)
+    assert not (tmp_path / "out").exists()

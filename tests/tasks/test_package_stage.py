@@ -14,9 +14,9 @@ import pytest
 import yaml
 from release_testkit import world
 
-from runtime.release.package import load_trusted_keys, verify_release
+from runtime.release.package import load_trusted_keys, release_probes, verify_release
 from runtime.release.signing import generate_key, key_id, load_private_key
-from tasks.package import build_release, main
+from tasks.package import build_release, main, select_probes
 
 GATES = {"passed": True, "gates": [
     {"name": "accuracy_new", "value": 0.97, "threshold": 0.95, "op": ">=", "passed": True, "detail": "engine"},
@@ -116,7 +116,7 @@ def test_a_missing_or_damaged_predictions_file_is_refused_naming_it(stage, capsy
     predictions = stage["month"] / "eval" / "predictions.jsonl"
     predictions.write_text('{"prompt": "p"}\n')
     assert main(["--params", str(stage["params"])]) == 2
-    assert f"{predictions}:1: not a prediction row ('completion')" in capsys.readouterr().err
+    assert f"not a prediction row: {predictions}:1: missing field 'completion'" in capsys.readouterr().err
     predictions.unlink()
     assert main(["--params", str(stage["params"])]) == 2
     assert f"{predictions} is missing: run python -m tasks.evaluate first" in capsys.readouterr().err
@@ -153,3 +153,23 @@ def test_kv_scales_of_another_adapter_are_refused(w, stage, capsys):
     assert main(["--params", str(stage["params"])]) == 2
     assert "KV scales were calibrated for another adapter" in capsys.readouterr().err
     assert not (stage["month"] / "package").exists()
+
+
+def test_a_chat_rows_probe_is_its_messages_which_the_device_renders_with_the_template(w, tmp_path):
+    from runtime.engine.tokenizer import DeviceTokenizer
+
+    chat = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "U+0041 LATIN CAPITAL LETTER A"}]
+    rows = [{"messages": [*chat, {"role": "assistant", "content": "uppercase"}], "adapter_on_engine": "uppercase"},
+            {"messages": [*chat, {"role": "assistant", "content": "digit"}], "adapter_on_engine": "mark"}]
+    predictions = tmp_path / "predictions.jsonl"
+    predictions.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    probes = select_probes(predictions, 4)
+    assert probes == [{"messages": chat, "expected": "uppercase", "max_tokens": 4}]
+
+    tokenizer_dir = shutil.copytree(w["tokenizer"], tmp_path / "with-template")
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    (tokenizer_dir / "chat_template.jinja").write_text(template)
+    tokenizer = DeviceTokenizer(tokenizer_dir)
+    [probe] = release_probes({"probes": probes})
+    rendered = "system: Answer in one word.\nuser: U+0041 LATIN CAPITAL LETTER A\nassistant:"
+    assert probe.encode(tokenizer) == tokenizer.encode(rendered)  # as /v1/chat/completions renders it
