@@ -18,7 +18,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 import numpy as np
 
 from runtime.contract import KV_SCALE_KINDS, KVScales
-from runtime.interface import EngineInterface
+from runtime.interface import KV_ROTATION_INPUT, EngineInterface
 
 Cache = Any  # backend-specific list of 2 * num_layers K/V buffers, layout from the interface
 
@@ -87,6 +87,17 @@ def kv_scale_inputs(iface: EngineInterface, kv_scales: KVScales) -> dict[str, np
         elif field.endswith("scale") and not (value > 0).all():
             problems.append(f"{t.name} has zero or negative scales")
         inputs[t.name] = value
+    rotations = [t for t in iface.inputs if t.name.split(".")[0] == KV_ROTATION_INPUT]
+    if rotations:
+        stacked = kv_scales.rotation_or_identity()
+        for t in rotations:
+            if tuple(stacked.shape[1:]) != tuple(t.shape):
+                problems.append(f"the KV rotation is {stacked.shape[1:]}, the engine needs {tuple(t.shape)}")
+                break
+            inputs[t.name] = np.ascontiguousarray(stacked[int(t.name.split(".")[1])], dtype=np.float32)
+    elif kv_scales.rotation is not None:
+        problems.append("the scales come with a KV rotation and this engine has no rotation input "
+                        f"(interface version {iface.version}); recompile the engine")
     if problems:
         raise RefusedInput("KV scales do not fit this engine: " + "; ".join(dict.fromkeys(problems)))
     return inputs

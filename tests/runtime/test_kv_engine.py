@@ -189,7 +189,8 @@ def eager_gqa_run(model_dir, iface, lora: dict, scales: KVScales, ids: np.ndarra
     from runtime.kv_model import QuantizedKVBackbone
 
     module = QuantizedKVBackbone(load_backbone(model_dir, iface.target_modules), GQA, "gqa")
-    static = [torch.from_numpy(t[i]) for i in range(iface.num_layers) for t in (scales.k_scale, scales.v_scale)]
+    static = [torch.from_numpy(t[i]) for i in range(iface.num_layers)
+              for t in (scales.k_scale, scales.v_scale, scales.rotation_or_identity())]
     bounds = [(0, split)] + [(t, t + 1) for t in range(split, ids.shape[1])]
     with torch.inference_mode():
         logits, packed = module.run_gqa_chunks(torch.from_numpy(ids), bounds, static,
@@ -197,13 +198,16 @@ def eager_gqa_run(model_dir, iface, lora: dict, scales: KVScales, ids: np.ndarra
     return torch.cat(logits, 1).numpy(), packed
 
 
-def test_gqa_engine_is_one_group_query_attention_node_per_layer_storing_the_eager_integers(gqa_engine, tiny_qwen, qwen_adapter):
+@pytest.mark.parametrize("rotated", [False, True], ids=["unrotated", "hadamard"])
+def test_gqa_engine_is_one_group_query_attention_node_per_layer_storing_the_eager_integers(gqa_engine, tiny_qwen, qwen_adapter,
+                                                                                            rotated):
     import onnx
 
     graph = onnx.load(gqa_engine.engine_dir / "model.onnx").graph
     assert [n.op_type for n in graph.node].count("GroupQueryAttention") == gqa_engine.interface.num_layers
     lora = load_adapter(qwen_adapter, gqa_engine.interface)
-    scales = calibrate(tiny_qwen, GQA, lora)
+    scales = calibrate(tiny_qwen, GQA, lora, rotated=rotated)
+    assert (scales.rotation is not None) == rotated
     gqa_engine.set_adapter(lora, kv_scales=scales)
     ids = np.random.default_rng(0).integers(0, 96, (2, 14))
 

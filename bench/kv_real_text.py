@@ -1,0 +1,231 @@
+"""KV-cache quantization on real weights and real text: perplexity increase over the float cache.
+
+    python -m bench.kv_real_text --model real-models/SmolLM2-135M-Instruct [--docs 6] [--context 1024] [--score 256]
+
+Text: ``tasks.real_text`` (Python's reference-manual topics and stdlib sources, offline); scales are
+calibrated on its ``calib`` documents, perplexity is read on its ``eval`` documents: tokens
+``context .. context + score`` of each, every one of them predicted with at least ``context`` tokens
+of cache behind it.
+
+The cache is filled the way decoding fills it, computed in one pass per document (exact, not an
+approximation): with static per-channel scales every token's codes depend on that token alone, so
+quantizing the prefix at once or token by token stores the same integers. Two read rules:
+  * ``engine``: every token reads every slot quantized, its own included (ONNX Runtime's
+    GroupQueryAttention appends the new token to the packed cache before it attends);
+  * ``reference``: a token reads its own K/V in float and the past quantized
+    (``kernels.kv_quant.QuantizedKVCache`` decoding token by token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kernels.kv_quant import hadamard_matrix
+from tasks.calibrate import DEFAULT_CLIP_PERCENTILE, collect_kv_stats, scales_from_stats
+
+
+def real_token_rows(tokenizer, split: str, n: int, length: int) -> torch.Tensor:
+    """(n, length): the first ``length`` tokens of the first ``n`` documents long enough, prose and
+    code alternating."""
+    from tasks.real_text import real_documents
+
+    docs = real_documents(split)
+    prose = [t for name, t in docs if name.startswith("topic:")]
+    code = [t for name, t in docs if name.startswith("stdlib:")]
+    rows = []
+    for text in [t for pair in zip(prose, code) for t in pair] + prose + code:
+        ids = tokenizer(text)["input_ids"]
+        if len(ids) >= length and len(rows) < n and ids[:length] not in rows:
+            rows.append(ids[:length])
+    if len(rows) < n:
+        raise ValueError(f"only {len(rows)} {split} documents have {length} tokens")
+    return torch.tensor(rows)
+
+
+def fake_quant(x: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """Symmetric static per-channel quantize + dequantize (kernels.kv_quant's convention); scale (nkv, d)."""
+    from kernels.kv_quant import dequantize, quantize_per_channel
+
+    u, s, z = quantize_per_channel(x, scale, None, bits)
+    return dequantize(u, s, z)
+
+
+def quantized_logits(backbone, ids: torch.Tensor, spec, scales: dict | None, read: str = "engine",
+                     sink: int = 0) -> torch.Tensor:
+    """Logits (B, T, V) with the K/V of every token stored through ``spec`` (None: float cache),
+    turned by ``scales["rotation"]`` (L, d, d) when present."""
+    rotation = None if scales is None else scales.get("rotation")
+    bb = backbone
+    B, T = ids.shape
+    d = bb.cfg.head_dim
+    g = bb.cfg.num_heads // bb.cfg.num_kv_heads
+    pos = torch.arange(T).expand(B, T)
+    x, cos, sin, mask = bb.prepare(ids, pos, torch.ones(B, T, dtype=torch.long), 0)
+    for i, block in enumerate(bb.blocks):
+        q, k, v = block.project_qkv(x, B, T, cos, sin, {})
+        if spec is not None:
+            k16, v16 = k.half().float(), v.half().float()  # the cache quantizes fp16-rounded K/V
+            kq, vq = k16, v16
+            if rotation is not None:
+                kq, vq = kq @ rotation[i], vq @ rotation[i]
+            kq = fake_quant(kq, scales["k_scale"][i], spec.k_bits)
+            vq = fake_quant(vq, scales["v_scale"][i], spec.v_bits)
+            if rotation is not None:
+                kq, vq = kq @ rotation[i].T, vq @ rotation[i].T
+            if sink:
+                kq = torch.cat([k16[:, :, :sink], kq[:, :, sink:]], 2)
+                vq = torch.cat([v16[:, :, :sink], vq[:, :, sink:]], 2)
+        else:
+            kq, vq = k, v
+        qg = q.reshape(B, q.shape[1] // g, g * T, d)
+        scores = qg @ kq.transpose(-1, -2)  # (B, nkv, g T, T)
+        if spec is not None and read == "reference":  # own slot in float
+            rows = torch.arange(g * T) % T
+            own = (qg * k.repeat(1, 1, g, 1)).sum(-1)  # (B, nkv, g T)
+            scores[..., torch.arange(g * T), rows] = own
+        att = torch.softmax(scores * (1.0 / math.sqrt(d)) + mask, dim=-1)
+        y = att @ vq
+        if spec is not None and read == "reference":
+            rows = torch.arange(g * T) % T
+            a_own = att[..., torch.arange(g * T), rows].unsqueeze(-1)  # (B, nkv, g T, 1)
+            y = y + a_own * (v - vq).repeat(1, 1, g, 1)
+        x = block.finish(x, y, B, T, {})
+    return bb.head(x, B, T)
+
+
+def ppl_kl(logits: torch.Tensor, ref_logp: torch.Tensor | None, ids: torch.Tensor, start: int, end: int):
+    """(sum of nll, count, sum of KL to ref, log-probs) over predictions of tokens start+1 .. end."""
+    logp = torch.log_softmax(logits[:, start:end - 1].float(), -1)
+    nll = -logp.gather(-1, ids[:, start + 1 : end, None]).squeeze(-1)
+    kl = 0.0 if ref_logp is None else (ref_logp.exp() * (ref_logp - logp)).sum(-1).sum().item()
+    return nll.sum().item(), nll.numel(), kl, logp
+
+
+def zero_adapter(model_dir: Path, out_dir: Path, targets: tuple[str, ...], r: int = 8) -> Path:
+    """A LoRA adapter whose B is zero (PEFT's own initialization): the engine's LoRA inputs are
+    bound and the model is the base model exactly, so the PyTorch side needs no merge."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from runtime.hashing import backbone_hash
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets))).save_pretrained(out_dir)
+    (Path(out_dir) / "provenance.json").write_text(json.dumps({"base_model_hash": backbone_hash(model_dir)}))
+    return Path(out_dir)
+
+
+def parity_case(model_dir: Path, engine_dir: Path, prompts: int, clip: float, threads: int) -> dict:
+    """``tasks.engine_parity.quantized_prefill_parity`` of a compiled quantized-KV engine of the real
+    model against its PyTorch module, on ``prompts`` real-text prompts of 16 to ~400 tokens, scales
+    calibrated (``tasks.calibrate.choose_rotation``) on the calib documents."""
+    import tempfile
+
+    from kernels.kv_spec import KVQuantSpec
+    from runtime.adapter import load_adapter
+    from runtime.backends.onnxruntime import OrtEngine
+    from runtime.hashing import backbone_hash
+    from runtime.model import load_backbone
+    from tasks.base_model import load_tokenizer
+    from tasks.calibrate import choose_rotation, kv_scales_from_stats
+    from tasks.config import EngineConfig
+    from tasks.engine_parity import quantized_prefill_parity
+
+    engine = OrtEngine(engine_dir, threads=threads)
+    iface = engine.interface
+    spec = KVQuantSpec.from_dict(iface.kv_spec)
+    backbone = load_backbone(model_dir).eval()
+    tok = load_tokenizer(model_dir)
+    calib = real_token_rows(tok, "calib", 8, 512)
+    batches = [(calib[i : i + 2], torch.ones_like(calib[i : i + 2])) for i in range(0, len(calib), 2)]
+    stats, rotation, record = choose_rotation(backbone, batches, spec, clip)
+    scales = kv_scales_from_stats(stats, spec, record | {"base_model_hash": backbone_hash(model_dir)}, rotation)
+    if "kv_rotation.0" not in iface.input_names:  # an engine of interface version 4 turns nothing
+        scales = kv_scales_from_stats(collect_kv_stats(backbone, batches, False, clip, progress=False), spec,
+                                      {"base_model_hash": backbone_hash(model_dir)})
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.set_adapter(load_adapter(zero_adapter(model_dir, Path(tmp), iface.target_modules, iface.max_rank), iface),
+                           kv_scales=scales)
+    rows = real_token_rows(tok, "eval", prompts, 400)
+    lengths = [16 + (384 * j) // max(prompts - 1, 1) for j in range(prompts)]
+    texts = [tok.decode(row[:n].tolist()) for row, n in zip(rows, lengths)]
+    out = quantized_prefill_parity(engine, backbone, scales, EngineConfig().kv_attention(spec), tok, texts)
+    return out | {"rotation": record.get("rotation"), "interface_version": iface.version}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dataclasses import replace
+
+    from kernels.kv_spec import KVQuantSpec
+    from runtime.model import load_backbone
+    from tasks.base_model import load_tokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--docs", type=int, default=6)
+    ap.add_argument("--calib-docs", type=int, default=8)
+    ap.add_argument("--calib-len", type=int, default=512)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--score", type=int, default=256)
+    ap.add_argument("--clip", type=float, default=DEFAULT_CLIP_PERCENTILE)
+    ap.add_argument("--bits", default="8,4,3,2")
+    ap.add_argument("--rotations", default="none,hadamard")
+    ap.add_argument("--reads", default="engine")
+    ap.add_argument("--sinks", default="0", help="first tokens kept in fp16, e.g. 0,1")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--parity-engine", type=Path, default=None,
+                    help="a compiled quantized-KV engine of --model: measure engine parity instead")
+    ap.add_argument("--prompts", type=int, default=40)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.parity_engine is not None:
+        report = parity_case(args.model, args.parity_engine, args.prompts, args.clip, args.threads)
+        print(json.dumps(report, indent=2))
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
+        return 0
+    t0 = time.time()
+    backbone = load_backbone(args.model).eval()
+    tok = load_tokenizer(args.model)
+    T = args.context + args.score
+    evals = real_token_rows(tok, "eval", args.docs, T)
+    calib = real_token_rows(tok, "calib", args.calib_docs, args.calib_len)
+    batches = [(calib[i : i + 2], torch.ones_like(calib[i : i + 2])) for i in range(0, len(calib), 2)]
+    rows = []
+    with torch.no_grad():
+        ref = [ppl_kl(quantized_logits(backbone, evals[j : j + 1], None, None), None, evals[j : j + 1],
+                      args.context, T) for j in range(len(evals))]
+        float_nll = sum(r[0] for r in ref) / sum(r[1] for r in ref)
+        print(f"float ppl {math.exp(float_nll):.4f} ({time.time() - t0:.0f}s)", flush=True)
+        for rot_name in args.rotations.split(","):
+            L, d = backbone.cfg.num_layers, backbone.cfg.head_dim
+            rotation = None if rot_name == "none" else hadamard_matrix(d).expand(L, d, d)
+            stats = collect_kv_stats(backbone, batches, False, args.clip, progress=False, rotation=rotation)
+            for bits in (int(b) for b in args.bits.split(",")):
+                spec = replace(KVQuantSpec(), k_bits=bits, v_bits=bits)
+                scales = scales_from_stats(stats, spec) | {"rotation": rotation}
+                for read, sink in ((r, int(k)) for r in args.reads.split(",") for k in args.sinks.split(",")):
+                    nll = kl = n = 0.0
+                    for j in range(len(evals)):
+                        lg = quantized_logits(backbone, evals[j : j + 1], spec, scales, read, sink)
+                        a, c, k, _ = ppl_kl(lg, ref[j][3], evals[j : j + 1], args.context, T)
+                        nll, n, kl = nll + a, n + c, kl + k
+                    row = {"bits": bits, "rotation": rot_name, "read": read, "sink": sink, "clip": args.clip,
+                           "ppl_increase_pct": 100 * (math.exp(nll / n - float_nll) - 1), "kl_mean": kl / n}
+                    rows.append(row)
+                    print(json.dumps(row), f"({time.time() - t0:.0f}s)", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"float_ppl": math.exp(float_nll), "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
