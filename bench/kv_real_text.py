@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bits", default="8,4,3,2")
     ap.add_argument("--rotations", default="none,hadamard")
     ap.add_argument("--reads", default="engine")
+    ap.add_argument("--key-positions", type=int, default=0, help="calibrate keys at random positions below this")
     ap.add_argument("--sinks", default="0", help="first tokens kept in fp16, e.g. 0,1")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
@@ -208,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         for rot_name in args.rotations.split(","):
             L, d = backbone.cfg.num_layers, backbone.cfg.head_dim
             rotation = None if rot_name == "none" else hadamard_matrix(d).expand(L, d, d)
-            stats = collect_kv_stats(backbone, batches, False, args.clip, progress=False, rotation=rotation)
+            stats = collect_kv_stats(backbone, batches, False, args.clip, progress=False, rotation=rotation,
+                                     key_positions=args.key_positions or None)
             for bits in (int(b) for b in args.bits.split(",")):
                 spec = replace(KVQuantSpec(), k_bits=bits, v_bits=bits)
                 scales = scales_from_stats(stats, spec) | {"rotation": rotation}
@@ -219,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                         a, c, k, _ = ppl_kl(lg, ref[j][3], evals[j : j + 1], args.context, T)
                         nll, n, kl = nll + a, n + c, kl + k
                     row = {"bits": bits, "rotation": rot_name, "read": read, "sink": sink, "clip": args.clip,
+                           "key_positions": args.key_positions,
                            "ppl_increase_pct": 100 * (math.exp(nll / n - float_nll) - 1), "kl_mean": kl / n}
                     rows.append(row)
                     print(json.dumps(row), f"({time.time() - t0:.0f}s)", flush=True)

@@ -41,7 +41,7 @@ DEFAULT_CLIP_PERCENTILE = 99.0
 # ---------------------------------------------------------------- statistics
 
 def collect_kv_stats(backbone, batches, pre_rope_keys: bool, clip_percentile: float = 100.0, progress: bool = True,
-                     rotation=None, spec=None) -> dict:
+                     rotation=None, spec=None, key_positions: int | None = None) -> dict:
     """Per-channel ranges of K and V over every real token of ``batches``.
 
     batches: iterable of (input_ids (B, T), attention_mask (B, T)), right padded.
@@ -51,6 +51,11 @@ def collect_kv_stats(backbone, batches, pre_rope_keys: bool, clip_percentile: fl
     V R, what a rotated cache quantizes (``kernels.kv_quant.hadamard_matrix``). With a ``spec`` (``KVQuantSpec``), also
     "kv_error" (L,): per layer, the squared error of quantizing these very K and V with the scales
     these ranges give, over their squared norm (K and V summed), the measure ``choose_rotation`` compares.
+    ``key_positions`` (keys after RoPE): each key is turned to a position drawn uniformly from
+    [0, key_positions) instead of its own (exact: RoPE is the only thing position does to a key once
+    it is computed). Calibration text is short; static post-RoPE scales read at position 1,000 must
+    cover what the slow RoPE pairs rotate into a channel there, which short rows never show
+    (measured on SmolLM2-135M, K4/V4, 1,024+ tokens of context: see ``DEFAULT_KEY_POSITIONS``).
     """
     import torch
 
@@ -60,6 +65,7 @@ def collect_kv_stats(backbone, batches, pre_rope_keys: bool, clip_percentile: fl
     if not 50.0 < clip_percentile <= 100.0:
         raise ValueError(f"clip_percentile={clip_percentile} must be in (50, 100]")
     L = backbone.cfg.num_layers
+    draw = torch.Generator().manual_seed(0)
     keys: list[list] = [[] for _ in range(L)]
     values: list[list] = [[] for _ in range(L)]
     tokens = 0
@@ -72,10 +78,13 @@ def collect_kv_stats(backbone, batches, pre_rope_keys: bool, clip_percentile: fl
             _, present = backbone(ids, pos, mask, backbone.empty_past(B))
             real = mask.bool()  # (B, T)
             tokens += int(real.sum())
+            spread = None if pre_rope_keys or not key_positions else torch.randint(0, key_positions, (B, T), generator=draw)
             for i in range(L):
                 k, v = present[2 * i], present[2 * i + 1]  # (B, nkv, T, d), keys after RoPE
-                if pre_rope_keys:
+                if pre_rope_keys or spread is not None:
                     k = rope_rotate(k, pos, backbone.inv_freq, inverse=True)
+                if spread is not None:
+                    k = rope_rotate(k, spread, backbone.inv_freq)
                 if rotation is not None:  # the cache holds k R, v R
                     k, v = k @ rotation[i], v @ rotation[i]
                 keys[i].append(k.transpose(1, 2)[real])  # (n, nkv, d)

@@ -254,19 +254,25 @@ def _random_batches(vocab: int = 96, rows: int = 4, length: int = 24) -> list:
     return [(ids, torch.ones_like(ids))]
 
 
-def test_calibration_turns_the_layers_whose_key_outliers_a_hadamard_rotation_spreads(tiny_llama_dir):
+def test_calibration_turns_a_layer_when_the_turned_cache_quantizes_its_calibration_kv_closer(tiny_llama_dir):
     from bench.kv_quality import inject_key_outliers
     from kernels.kv_quant import hadamard_matrix
     from runtime.model import load_backbone
-    from tasks.calibrate import choose_rotation
+    from tasks.calibrate import choose_rotation, collect_kv_stats
 
     backbone = inject_key_outliers(load_backbone(tiny_llama_dir), factor=50.0)  # the float model is unchanged
     stats, rotation, record = choose_rotation(backbone, _random_batches(), KVQuantSpec(), 99.0)
-    assert record["rotation"] == ["hadamard", "hadamard"]
-    assert all(h < n / 4 for h, n in zip(record["kv_error_hadamard"], record["kv_error_none"]))
     assert min(record["key_outlier_ratio"]) > 10  # what it saw, before turning
-    assert torch.equal(rotation, hadamard_matrix(8).expand(2, 8, 8))
-    assert stats["k_hi"].shape == (2, 2, 8)
+    chosen = ["hadamard" if h < n else "none" for h, n in zip(record["kv_error_hadamard"], record["kv_error_none"])]
+    assert record["rotation"] == chosen and len(chosen) == 2
+    turned = collect_kv_stats(backbone, _random_batches(), False, 99.0, progress=False,
+                              rotation=hadamard_matrix(8).expand(2, 8, 8))
+    plain = collect_kv_stats(backbone, _random_batches(), False, 99.0, progress=False)
+    for i, name in enumerate(chosen):
+        assert torch.equal(stats["k_hi"][i], (turned if name == "hadamard" else plain)["k_hi"][i])
+        if rotation is not None:
+            assert torch.equal(rotation[i], hadamard_matrix(8) if name == "hadamard" else torch.eye(8))
+    assert (rotation is None) == (chosen == ["none", "none"])
 
 
 def test_keys_cached_before_rope_are_never_turned(tiny_llama_dir):
