@@ -55,7 +55,7 @@ def collect_kv_stats(backbone, batches, pre_rope_keys: bool, clip_percentile: fl
     [0, key_positions) instead of its own (exact: RoPE is the only thing position does to a key once
     it is computed). Calibration text is short; static post-RoPE scales read at position 1,000 must
     cover what the slow RoPE pairs rotate into a channel there, which short rows never show
-    (measured on SmolLM2-135M, K4/V4, 1,024+ tokens of context: see ``DEFAULT_KEY_POSITIONS``).
+    (measured on SmolLM2-135M: docs/kv-cache-real-weights.md).
     """
     import torch
 
@@ -159,7 +159,8 @@ def kv_scales_from_stats(stats: dict, spec, record: dict, rotation=None) -> KVSc
                     None if rotation is None else rotation.float().numpy())
 
 
-def choose_rotation(backbone, batches, spec, clip_percentile: float) -> tuple[dict, "torch.Tensor | None", dict]:  # noqa: F821
+def choose_rotation(backbone, batches, spec, clip_percentile: float,
+                    key_positions: int | None = None) -> tuple[dict, "torch.Tensor | None", dict]:  # noqa: F821
     """Per layer, the cache rotation (none or Hadamard) whose scales quantize the calibration K/V
     with the smaller relative error (``collect_kv_stats``'s "kv_error"). Returns (statistics under
     the chosen rotations, rotation (L, d, d) or None when no layer turns, what to record).
@@ -170,13 +171,14 @@ def choose_rotation(backbone, batches, spec, clip_percentile: float) -> tuple[di
 
     from kernels.kv_quant import hadamard_matrix
 
-    plain = collect_kv_stats(backbone, batches, spec.pre_rope_keys, clip_percentile, spec=spec)
+    plain = collect_kv_stats(backbone, batches, spec.pre_rope_keys, clip_percentile, spec=spec, key_positions=key_positions)
     record = {"key_outlier_ratio": key_outlier_ratio(plain["k_channel_amax"]), "kv_error_none": plain["kv_error"]}
     L, d = backbone.cfg.num_layers, backbone.cfg.head_dim
     if spec.pre_rope_keys or d & (d - 1):
         return plain, None, record | {"rotation": ["none"] * L}
     hadamard = hadamard_matrix(d).expand(L, d, d)
-    turned = collect_kv_stats(backbone, batches, False, clip_percentile, progress=False, rotation=hadamard, spec=spec)
+    turned = collect_kv_stats(backbone, batches, False, clip_percentile, progress=False, rotation=hadamard, spec=spec,
+                              key_positions=key_positions)
     use = torch.tensor([h < p for h, p in zip(turned["kv_error"], plain["kv_error"])])  # (L,)
     stats = {name: torch.where(use[:, None, None], turned[name], plain[name])
              for name in ("k_lo", "k_hi", "v_lo", "v_hi", "k_channel_amax")} | {"tokens": plain["tokens"]}
@@ -256,6 +258,7 @@ def calibrate_kv_scales(
     max_seq_len: int = 96,
     engine_dir: Path | None = None,
     threads: int = 1,
+    key_positions: int = 0,
 ) -> Path:
     """Calibrate per-channel K/V scales of base + adapter on ``calib_jsonl``; return the .safetensors path."""
     import torch
@@ -269,7 +272,7 @@ def calibrate_kv_scales(
     backbone, base_hash, interface = load_release_backbone(Path(base_dir), Path(adapter_dir), engine_dir)
     tokenizer = load_tokenizer(Path(base_dir))
     batches, rows = jsonl_batches(tokenizer, Path(calib_jsonl), batch_size, max_seq_len)
-    stats, rotation, chosen = choose_rotation(backbone, batches, spec, clip_percentile)
+    stats, rotation, chosen = choose_rotation(backbone, batches, spec, clip_percentile, key_positions or None)
     record = chosen | {
         "format_version": KV_SCALES_FORMAT_VERSION,
         "split": "calib",
@@ -277,6 +280,7 @@ def calibrate_kv_scales(
         "rows": rows,
         "tokens": stats["tokens"],
         "clip_percentile": clip_percentile,
+        "key_positions": key_positions,
         "max_seq_len": max_seq_len,
         "spec": spec.to_dict(),
         "base_model_hash": base_hash,
@@ -312,6 +316,7 @@ def run_stage(cfg: ReleaseConfig) -> Path:
         # month got other scales (up to 3.5e-5 apart). One thread gave the same statistics in every
         # process; calibration is a few forward passes, so the thread costs seconds at most.
         threads=1,
+        key_positions=kv.calib_key_positions,
     )
 
 

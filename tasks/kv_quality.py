@@ -165,7 +165,8 @@ def release_kv_quality(
     record = release.record
     batches, _ = jsonl_batches(tokenizer, Path(calib_jsonl), 16, record.get("max_seq_len", 96))
     stats = collect_kv_stats(backbone, batches, spec.pre_rope_keys, record.get("clip_percentile", 100.0), progress=False,
-                             rotation=scales.get("rotation"))  # the other widths turn K/V as the release does
+                             rotation=scales.get("rotation"),  # the other widths turn K/V as the release does
+                             key_positions=record.get("key_positions") or None)
     cfg = backbone.cfg
     fp16 = bytes_per_token(None, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, context_len)
     grid = []
