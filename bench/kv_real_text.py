@@ -28,7 +28,13 @@ from pathlib import Path
 import torch
 
 from kernels.kv_quant import hadamard_matrix
+from kernels.kv_spec import PRE_ROPE_SCHEME, KVQuantSpec
 from tasks.calibrate import DEFAULT_CLIP_PERCENTILE, collect_kv_stats, scales_from_stats
+
+
+# served: the KVQuantSpec defaults, what ONNX Runtime's GroupQueryAttention reads; pre-rope:
+# kernels.kv_spec.PRE_ROPE_SCHEME (the standard-ops engine).
+SCHEMES = {"served": KVQuantSpec(), "pre-rope": PRE_ROPE_SCHEME}
 
 
 def real_token_rows(tokenizer, split: str, n: int, length: int) -> torch.Tensor:
@@ -49,41 +55,25 @@ def real_token_rows(tokenizer, split: str, n: int, length: int) -> torch.Tensor:
     return torch.tensor(rows)
 
 
-def fake_quant(x: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """Symmetric static per-channel quantize + dequantize (kernels.kv_quant's convention); scale (nkv, d)."""
-    from kernels.kv_quant import dequantize, quantize_per_channel
+def quantized_logits(backbone, ids: torch.Tensor, spec, scales: dict | None, read: str = "engine") -> torch.Tensor:
+    """Logits (B, T, V) with the K/V of every token stored through ``spec`` (None: float cache) in
+    ``kernels.kv_quant.QuantizedKVCache`` (its fp16 sink, pre-RoPE keys, per-token scales and
+    ``scales["rotation"]`` included), every layer's whole sequence appended at once."""
+    from kernels.kv_quant import QuantizedKVCache
 
-    u, s, z = quantize_per_channel(x, scale, None, bits)
-    return dequantize(u, s, z)
-
-
-def quantized_logits(backbone, ids: torch.Tensor, spec, scales: dict | None, read: str = "engine",
-                     sink: int = 0) -> torch.Tensor:
-    """Logits (B, T, V) with the K/V of every token stored through ``spec`` (None: float cache),
-    turned by ``scales["rotation"]`` (L, d, d) when present."""
-    rotation = None if scales is None else scales.get("rotation")
     bb = backbone
     B, T = ids.shape
     d = bb.cfg.head_dim
     g = bb.cfg.num_heads // bb.cfg.num_kv_heads
     pos = torch.arange(T).expand(B, T)
+    cache = None if spec is None else QuantizedKVCache(spec, bb.cfg.num_layers, d, bb.inv_freq, **scales)
     x, cos, sin, mask = bb.prepare(ids, pos, torch.ones(B, T, dtype=torch.long), 0)
     for i, block in enumerate(bb.blocks):
         q, k, v = block.project_qkv(x, B, T, cos, sin, {})
-        if spec is not None:
-            k16, v16 = k.half().float(), v.half().float()  # the cache quantizes fp16-rounded K/V
-            kq, vq = k16, v16
-            if rotation is not None:
-                kq, vq = kq @ rotation[i], vq @ rotation[i]
-            kq = fake_quant(kq, scales["k_scale"][i], spec.k_bits)
-            vq = fake_quant(vq, scales["v_scale"][i], spec.v_bits)
-            if rotation is not None:
-                kq, vq = kq @ rotation[i].T, vq @ rotation[i].T
-            if sink:
-                kq = torch.cat([k16[:, :, :sink], kq[:, :, sink:]], 2)
-                vq = torch.cat([v16[:, :, :sink], vq[:, :, sink:]], 2)
-        else:
-            kq, vq = k, v
+        kq, vq = k, v
+        if cache is not None:
+            cache.append(i, k, v, pos)
+            kq, vq = cache.get(i)
         qg = q.reshape(B, q.shape[1] // g, g * T, d)
         scores = qg @ kq.transpose(-1, -2)  # (B, nkv, g T, T)
         if spec is not None and read == "reference":  # own slot in float
@@ -145,11 +135,11 @@ def parity_case(model_dir: Path, engine_dir: Path, prompts: int, clip: float, th
     tok = load_tokenizer(model_dir)
     calib = real_token_rows(tok, "calib", 8, 512)
     batches = [(calib[i : i + 2], torch.ones_like(calib[i : i + 2])) for i in range(0, len(calib), 2)]
-    stats, rotation, record = choose_rotation(backbone, batches, spec, clip)
+    if "kv_rotation.0" in iface.input_names:
+        stats, rotation, record = choose_rotation(backbone, batches, spec, clip)
+    else:  # an engine of interface version 4 turns nothing
+        stats, rotation, record = collect_kv_stats(backbone, batches, False, clip, progress=False), None, {}
     scales = kv_scales_from_stats(stats, spec, record | {"base_model_hash": backbone_hash(model_dir)}, rotation)
-    if "kv_rotation.0" not in iface.input_names:  # an engine of interface version 4 turns nothing
-        scales = kv_scales_from_stats(collect_kv_stats(backbone, batches, False, clip, progress=False), spec,
-                                      {"base_model_hash": backbone_hash(model_dir)})
     with tempfile.TemporaryDirectory() as tmp:
         engine.set_adapter(load_adapter(zero_adapter(model_dir, Path(tmp), iface.target_modules, iface.max_rank), iface),
                            kv_scales=scales)
@@ -163,7 +153,6 @@ def parity_case(model_dir: Path, engine_dir: Path, prompts: int, clip: float, th
 def main(argv: list[str] | None = None) -> int:
     from dataclasses import replace
 
-    from kernels.kv_spec import KVQuantSpec
     from runtime.model import load_backbone
     from tasks.base_model import load_tokenizer
 
@@ -175,11 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--score", type=int, default=256)
     ap.add_argument("--clip", type=float, default=DEFAULT_CLIP_PERCENTILE)
-    ap.add_argument("--bits", default="8,4,3,2")
+    ap.add_argument("--bits", default="8,4,3,2", help="widths: 4 = K4/V4, 4/8 = K4/V8")
     ap.add_argument("--rotations", default="none,hadamard")
     ap.add_argument("--reads", default="engine")
+    ap.add_argument("--schemes", default="served", help=f"of {sorted(SCHEMES)}")
+    ap.add_argument("--float-cache", type=Path, default=None, help="save/load the float pass here")
     ap.add_argument("--key-positions", type=int, default=0, help="calibrate keys at random positions below this")
-    ap.add_argument("--sinks", default="0", help="first tokens kept in fp16, e.g. 0,1")
+    ap.add_argument("--sinks", default="-1", help="first tokens kept in fp16, e.g. 0,1; -1: the scheme's own")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--parity-engine", type=Path, default=None,
@@ -202,25 +193,35 @@ def main(argv: list[str] | None = None) -> int:
     batches = [(calib[i : i + 2], torch.ones_like(calib[i : i + 2])) for i in range(0, len(calib), 2)]
     rows = []
     with torch.no_grad():
-        ref = [ppl_kl(quantized_logits(backbone, evals[j : j + 1], None, None), None, evals[j : j + 1],
-                      args.context, T) for j in range(len(evals))]
+        if args.float_cache and args.float_cache.exists():
+            ref = torch.load(args.float_cache)
+        else:
+            ref = [ppl_kl(quantized_logits(backbone, evals[j : j + 1], None, None), None, evals[j : j + 1],
+                          args.context, T) for j in range(len(evals))]
+            if args.float_cache:
+                torch.save(ref, args.float_cache)
         float_nll = sum(r[0] for r in ref) / sum(r[1] for r in ref)
         print(f"float ppl {math.exp(float_nll):.4f} ({time.time() - t0:.0f}s)", flush=True)
-        for rot_name in args.rotations.split(","):
-            L, d = backbone.cfg.num_layers, backbone.cfg.head_dim
+        L, d = backbone.cfg.num_layers, backbone.cfg.head_dim
+        for scheme, rot_name in ((s, r) for s in args.schemes.split(",") for r in args.rotations.split(",")):
+            base = SCHEMES[scheme]
+            if base.pre_rope_keys and rot_name != "none":
+                continue
             rotation = None if rot_name == "none" else hadamard_matrix(d).expand(L, d, d)
-            stats = collect_kv_stats(backbone, batches, False, args.clip, progress=False, rotation=rotation,
+            stats = collect_kv_stats(backbone, batches, base.pre_rope_keys, args.clip, progress=False, rotation=rotation,
                                      key_positions=args.key_positions or None)
-            for bits in (int(b) for b in args.bits.split(",")):
-                spec = replace(KVQuantSpec(), k_bits=bits, v_bits=bits)
-                scales = scales_from_stats(stats, spec) | {"rotation": rotation}
+            for bits in args.bits.split(","):  # "4" = K4/V4, "4/8" = K4/V8
+                kb, vb = (int(b) for b in (bits.split("/") if "/" in bits else (bits, bits)))
+                spec = replace(base, k_bits=kb, v_bits=vb)
                 for read, sink in ((r, int(k)) for r in args.reads.split(",") for k in args.sinks.split(",")):
+                    spec = replace(spec, sink_tokens=base.sink_tokens if sink < 0 else sink)
+                    scales = scales_from_stats(stats, spec) | {"rotation": rotation}
                     nll = kl = n = 0.0
                     for j in range(len(evals)):
-                        lg = quantized_logits(backbone, evals[j : j + 1], spec, scales, read, sink)
+                        lg = quantized_logits(backbone, evals[j : j + 1], spec, scales, read)
                         a, c, k, _ = ppl_kl(lg, ref[j][3], evals[j : j + 1], args.context, T)
                         nll, n, kl = nll + a, n + c, kl + k
-                    row = {"bits": bits, "rotation": rot_name, "read": read, "sink": sink, "clip": args.clip,
+                    row = {"scheme": scheme, "bits": bits, "rotation": rot_name, "read": read, "sink": spec.sink_tokens, "clip": args.clip,
                            "key_positions": args.key_positions,
                            "ppl_increase_pct": 100 * (math.exp(nll / n - float_nll) - 1), "kl_mean": kl / n}
                     rows.append(row)
