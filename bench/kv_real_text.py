@@ -98,28 +98,11 @@ def ppl_kl(logits: torch.Tensor, ref_logp: torch.Tensor | None, ids: torch.Tenso
     return nll.sum().item(), nll.numel(), kl, logp
 
 
-def zero_adapter(model_dir: Path, out_dir: Path, targets: tuple[str, ...], r: int = 8) -> Path:
-    """A LoRA adapter whose B is zero (PEFT's own initialization): the engine's LoRA inputs are
-    bound and the model is the base model exactly, so the PyTorch side needs no merge."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from runtime.hashing import backbone_hash
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets))).save_pretrained(out_dir)
-    (Path(out_dir) / "provenance.json").write_text(json.dumps({"base_model_hash": backbone_hash(model_dir)}))
-    return Path(out_dir)
-
-
 def parity_case(model_dir: Path, engine_dir: Path, prompts: int, clip: float, threads: int) -> dict:
     """``tasks.engine_parity.quantized_prefill_parity`` of a compiled quantized-KV engine of the real
     model against its PyTorch module, on ``prompts`` real-text prompts of 16 to ~400 tokens, scales
     calibrated (``tasks.calibrate.choose_rotation``) on the calib documents."""
-    import tempfile
-
     from kernels.kv_spec import KVQuantSpec
-    from runtime.adapter import load_adapter
     from runtime.backends.onnxruntime import OrtEngine
     from runtime.hashing import backbone_hash
     from runtime.model import load_backbone
@@ -140,9 +123,7 @@ def parity_case(model_dir: Path, engine_dir: Path, prompts: int, clip: float, th
     else:  # an engine of interface version 4 turns nothing
         stats, rotation, record = collect_kv_stats(backbone, batches, False, clip, progress=False), None, {}
     scales = kv_scales_from_stats(stats, spec, record | {"base_model_hash": backbone_hash(model_dir)}, rotation)
-    with tempfile.TemporaryDirectory() as tmp:
-        engine.set_adapter(load_adapter(zero_adapter(model_dir, Path(tmp), iface.target_modules, iface.max_rank), iface),
-                           kv_scales=scales)
+    engine.set_adapter(None, kv_scales=scales)  # no adapter: the base model on both sides
     rows = real_token_rows(tok, "eval", prompts, 400)
     lengths = [16 + (384 * j) // max(prompts - 1, 1) for j in range(prompts)]
     texts = [tok.decode(row[:n].tolist()) for row, n in zip(rows, lengths)]
