@@ -157,7 +157,8 @@ def gqa_engine_exact(backbone, ids: torch.Tensor, prefix_len: int, scales: dict,
     from runtime.engine.kv_model import QuantizedKVBackbone
 
     module = QuantizedKVBackbone(backbone, grid()[GQA_ROW], "gqa")
-    static = [t for i in range(backbone.cfg.num_layers) for t in (scales["k_scale"][i], scales["v_scale"][i])]
+    eye = torch.eye(backbone.cfg.head_dim)  # no rotation
+    static = [t for i in range(backbone.cfg.num_layers) for t in (scales["k_scale"][i], scales["v_scale"][i], eye)]
     T = ids.shape[1]
     targets = ids[:, prefix_len + 1 :]
     row = {}

@@ -53,14 +53,31 @@ def gqa_quantized_attention(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (B, T, nh d), k/v (B, T, nkv d) post-RoPE float; past_k/v (B, nkv, P, d / 2) uint8;
     k/v_scale (1, nkv, 1, d) float32; bias (B, 1, T, P + T) -> (out (B, T, nh d), present_k, present_v)."""
-    B, T, _ = q.shape
+    present_k, present_v = gqa_append(k, v, past_k, past_v, k_scale, v_scale, kv_num_heads)
+    out = gqa_attend(q, present_k, present_v, k_scale, v_scale, bias, num_heads, kv_num_heads)
+    return out, present_k, present_v
+
+
+def gqa_append(k, v, past_k, past_v, k_scale, v_scale, kv_num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's write: new k/v (B, T, nkv d) quantized with the static scales and appended to the
+    packed past: (present_k, present_v), each (B, nkv, P + T, d / 2) uint8."""
+    B, T, _ = k.shape
     nkv, d = kv_num_heads, k_scale.shape[-1]
-    present, read = [], []
+    present = []
     for new, past, scale in ((k, past_k, k_scale), (v, past_v, v_scale)):
         new = new.view(B, T, nkv, d).transpose(1, 2)  # (B, nkv, T, d)
-        packed = torch.cat([past, pack_bits(quantize(new, scale, torch.tensor(_OFFSET), GQA_BITS), GQA_BITS)], dim=2)
-        present.append(packed)
-        read.append(dequantize(unpack_bits_f32(packed, GQA_BITS, d), scale, torch.tensor(_OFFSET)))  # (B, nkv, S, d)
+        present.append(torch.cat([past, pack_bits(quantize(new, scale, torch.tensor(_OFFSET), GQA_BITS), GQA_BITS)], dim=2))
+    return present[0], present[1]
+
+
+def gqa_attend(q, present_k, present_v, k_scale, v_scale, bias, num_heads: int, kv_num_heads: int) -> torch.Tensor:
+    """The op's read: q (B, T, nh d), the last T of the S packed slots being its own tokens, attends over
+    every slot dequantized -> out (B, T, nh d). Also what the engine parity check attends with when it
+    feeds the engine's own codes back (``tasks.engine_parity``)."""
+    B, T, _ = q.shape
+    nkv, d = kv_num_heads, k_scale.shape[-1]
+    read = [dequantize(unpack_bits_f32(packed, GQA_BITS, d), scale, torch.tensor(_OFFSET))  # (B, nkv, S, d)
+            for packed, scale in ((present_k, k_scale), (present_v, v_scale))]
     keys, values = (x.repeat_interleave(num_heads // nkv, dim=1) for x in read)  # (B, nh, S, d)
     S = keys.shape[2]
     P = S - T
@@ -69,7 +86,7 @@ def gqa_quantized_attention(
     scores = (qh @ keys.transpose(-1, -2)) * (1.0 / math.sqrt(d)) + bias
     scores = scores.masked_fill(~causal, float("-inf"))
     out = torch.softmax(scores, dim=-1) @ values  # (B, nh, T, d)
-    return out.transpose(1, 2).reshape(B, T, num_heads * d), present[0], present[1]
+    return out.transpose(1, 2).reshape(B, T, num_heads * d)
 
 
 @gqa_quantized_attention.register_fake

@@ -24,6 +24,8 @@ layout); at 2 bits: four per byte, lowest bits first; at 8 bits: one byte per va
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
@@ -79,6 +81,27 @@ def quantize_per_token(x: torch.Tensor, bits: int, symmetric: bool) -> tuple[tor
     if not symmetric:  # recompute the zero point for the rounded scale; it is stored as fp16 too
         zero = torch.round(-lo / scale).to(torch.float16).to(torch.float32)
     return quantize(x, scale, zero, bits), scale, zero
+
+
+# ---------------------------------------------------------------- rotation
+
+# A cache may hold K R and V R for an orthogonal R (d, d) instead of K and V: attention is unchanged
+# when queries turn with the keys, (q R)(k R)^T = q k^T, and the value mix turns back after it,
+# (a (v R)) R^T = a v. A Hadamard R spreads a few outlier channels over all d, so per-channel scales
+# no longer spend their levels on them (QuaRot, Ashkboos et al. 2024, sec. 4; llama.cpp's rotated KV
+# cache). Calibration chooses R per layer (tasks/calibrate.py ``choose_rotation``).
+
+def hadamard_matrix(d: int) -> torch.Tensor:
+    """Normalized Walsh-Hadamard matrix (d, d), d a power of two (Sylvester's construction).
+
+    Symmetric and orthogonal (H H = I); every entry is +-1/sqrt(d), exact in float32 when d is
+    an even power of two (64: +-1/8), so x @ H is a sum of exactly scaled terms."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"head_dim={d}: a Walsh-Hadamard rotation needs a power of two")
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(d)
 
 
 # ---------------------------------------------------------------- bit packing
@@ -182,7 +205,9 @@ class QuantizedKVCache:
     backbone returns and the positions (B, T) of those tokens; ``get(layer)`` returns the
     dequantized post-RoPE (k, v) (B, nkv, S, d) float32 to feed back as ``past_kv``.
     Per-channel scales ``k_scale``/``v_scale`` (L, nkv, d) come from a calibration; their
-    zero points are None when symmetric.
+    zero points are None when symmetric. ``rotation`` (L, d, d), post-RoPE keys only: per layer the
+    orthogonal R the cache stores K R and V R with (see ``hadamard_matrix``; the engine's
+    ``kv_rotation`` input), turned back at every read; None = none.
     """
 
     def __init__(
@@ -195,6 +220,7 @@ class QuantizedKVCache:
         k_zero: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         v_zero: torch.Tensor | None = None,
+        rotation: torch.Tensor | None = None,
     ):
         if spec.k_granularity == "channel" and k_scale is None:
             raise ValueError("per-channel keys need calibrated k_scale (layers, kv heads, head_dim)")
@@ -202,7 +228,10 @@ class QuantizedKVCache:
             raise ValueError("per-channel values need calibrated v_scale (layers, kv heads, head_dim)")
         if spec.pre_rope_keys and inv_freq is None:
             raise ValueError("pre-RoPE keys need the backbone's inv_freq to undo and redo RoPE")
+        if spec.pre_rope_keys and rotation is not None:
+            raise ValueError("a KV rotation turns post-RoPE keys; this spec caches keys before RoPE")
         self.spec, self.num_layers, self.head_dim, self.inv_freq = spec, num_layers, head_dim, inv_freq
+        self.rotation = rotation
         self.static = {"k": (k_scale, k_zero), "v": (v_scale, v_zero)}
         self.layers = [self._empty() for _ in range(num_layers)]
 
@@ -217,6 +246,8 @@ class QuantizedKVCache:
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         st, spec = self.layers[layer], self.spec
+        if self.rotation is not None:  # turned in float32, then rounded to fp16: the engine's order
+            k, v = k @ self.rotation[layer], v @ self.rotation[layer]
         take = min(spec.sink_tokens - st["sink_len"], k.shape[2])
         if take > 0:  # the first tokens go to the fp16 sink
             st["sink_k"].append(k[:, :, :take].half())
@@ -265,7 +296,11 @@ class QuantizedKVCache:
             ks.append(k_body), vs.append(torch.cat(st["v"].decoded, 2))
         ks += [t.float() for t in st["win_k"]]
         vs += [t.float() for t in st["win_v"]]
-        return torch.cat(ks, 2), torch.cat(vs, 2)
+        k, v = torch.cat(ks, 2), torch.cat(vs, 2)
+        if self.rotation is not None:
+            r_t = self.rotation[layer].transpose(0, 1)
+            k, v = k @ r_t, v @ r_t
+        return k, v
 
     def past(self) -> tuple[torch.Tensor, ...]:
         """Flat (k.0, v.0, k.1, ...) as ``Backbone.forward`` takes it."""

@@ -41,13 +41,22 @@ DEFAULT_CLIP_PERCENTILE = 99.0
 
 # ---------------------------------------------------------------- statistics
 
-def collect_kv_stats(backbone, batches, pre_rope_keys: bool, clip_percentile: float = 100.0, progress: bool = True) -> dict:
+def collect_kv_stats(backbone, batches, pre_rope_keys: bool, clip_percentile: float = 100.0, progress: bool = True,
+                     rotation=None, spec=None, key_positions: int | None = None) -> dict:
     """Per-channel ranges of K and V over every real token of ``batches``.
 
     batches: iterable of (input_ids (B, T), attention_mask (B, T)), right padded.
     Returns {"k_lo", "k_hi", "v_lo", "v_hi": (L, nkv, d) float32, "tokens": int,
     "k_channel_amax": (L, nkv, d)} where lo/hi are the (100 - p)th and p-th percentiles of
-    each channel (p = clip_percentile; 100 = min/max).
+    each channel (p = clip_percentile; 100 = min/max). ``rotation`` (L, d, d): the ranges of K R and
+    V R, what a rotated cache quantizes (``kernels.kv_quant.hadamard_matrix``). With a ``spec`` (``KVQuantSpec``), also
+    "kv_error" (L,): per layer, the squared error of quantizing these very K and V with the scales
+    these ranges give, over their squared norm (K and V summed), the measure ``choose_rotation`` compares.
+    ``key_positions`` (keys after RoPE): each key is turned to a position drawn uniformly from
+    [0, key_positions) instead of its own (exact: RoPE is the only thing position does to a key once
+    it is computed). Calibration text is short; static post-RoPE scales read at position 1,000 must
+    cover what the slow RoPE pairs rotate into a channel there, which short rows never show
+    (measured on SmolLM2-135M: docs/kv-cache-real-weights.md).
     """
     import torch
 
@@ -57,6 +66,7 @@ def collect_kv_stats(backbone, batches, pre_rope_keys: bool, clip_percentile: fl
     if not 50.0 < clip_percentile <= 100.0:
         raise ValueError(f"clip_percentile={clip_percentile} must be in (50, 100]")
     L = backbone.cfg.num_layers
+    draw = torch.Generator().manual_seed(0)
     keys: list[list] = [[] for _ in range(L)]
     values: list[list] = [[] for _ in range(L)]
     tokens = 0
@@ -69,10 +79,15 @@ def collect_kv_stats(backbone, batches, pre_rope_keys: bool, clip_percentile: fl
             _, present = backbone(ids, pos, mask, backbone.empty_past(B))
             real = mask.bool()  # (B, T)
             tokens += int(real.sum())
+            spread = None if pre_rope_keys or not key_positions else torch.randint(0, key_positions, (B, T), generator=draw)
             for i in range(L):
                 k, v = present[2 * i], present[2 * i + 1]  # (B, nkv, T, d), keys after RoPE
-                if pre_rope_keys:
+                if pre_rope_keys or spread is not None:
                     k = rope_rotate(k, pos, backbone.inv_freq, inverse=True)
+                if spread is not None:
+                    k = rope_rotate(k, spread, backbone.inv_freq)
+                if rotation is not None:  # the cache holds k R, v R
+                    k, v = k @ rotation[i], v @ rotation[i]
                 keys[i].append(k.transpose(1, 2)[real])  # (n, nkv, d)
                 values[i].append(v.transpose(1, 2)[real])
             if bar is not None:
@@ -82,8 +97,7 @@ def collect_kv_stats(backbone, batches, pre_rope_keys: bool, clip_percentile: fl
     if tokens == 0:
         raise ValueError("calibration saw no tokens")
 
-    def bounds(rows: list) -> tuple:
-        x = torch.cat(rows).flatten(1)  # (N, nkv d)
+    def bounds(x) -> tuple:  # x (N, nkv d)
         if clip_percentile >= 100.0:
             return x.amin(0), x.amax(0), x.abs().amax(0)
         n = x.shape[0]
@@ -93,14 +107,32 @@ def collect_kv_stats(backbone, batches, pre_rope_keys: bool, clip_percentile: fl
 
     stats = {name: [] for name in ("k_lo", "k_hi", "v_lo", "v_hi", "k_channel_amax")}
     nkv, d = backbone.cfg.num_kv_heads, backbone.cfg.head_dim
+    errors = []
     for i in range(L):
-        k_lo, k_hi, k_amax = bounds(keys[i])
-        v_lo, v_hi, _ = bounds(values[i])
+        k, v = torch.cat(keys[i]).flatten(1), torch.cat(values[i]).flatten(1)  # (N, nkv d)
+        keys[i] = values[i] = None  # the next layer's copies fit where these were
+        k_lo, k_hi, k_amax = bounds(k)
+        v_lo, v_hi, _ = bounds(v)
         for name, t in (("k_lo", k_lo), ("k_hi", k_hi), ("v_lo", v_lo), ("v_hi", v_hi), ("k_channel_amax", k_amax)):
             stats[name].append(t.reshape(nkv, d))
+        if spec is not None:
+            errors.append(_relative_error(k, k_lo, k_hi, spec.k_bits, spec.k_symmetric)
+                          + _relative_error(v, v_lo, v_hi, spec.v_bits, spec.v_symmetric))
     out = {name: torch.stack(ts) for name, ts in stats.items()}  # (L, nkv, d)
     out["tokens"] = tokens
+    if spec is not None:
+        out["kv_error"] = errors
     return out
+
+
+def _relative_error(x, lo, hi, bits: int, symmetric: bool) -> float:
+    """||x - dequantize(quantize(x))||^2 / ||x||^2 of x (N, nkv d) with per-channel scales from [lo, hi]."""
+    from kernels.kv_quant import dequantize, quantize, scale_zero_from_range
+
+    scale, zero = scale_zero_from_range(lo, hi, bits, symmetric)
+    scale = scale.clamp_min(2.0**-14)
+    err = dequantize(quantize(x, scale, zero, bits), scale, zero) - x
+    return float((err.double() ** 2).sum() / (x.double() ** 2).sum().clamp_min(1e-30))
 
 
 def key_outlier_ratio(k_channel_amax) -> list[float]:
@@ -120,17 +152,48 @@ def scales_from_stats(stats: dict, spec) -> dict:
     return out
 
 
-def kv_scales_from_stats(stats: dict, spec, record: dict) -> KVScales:
-    """The release's scales for ``spec`` (a ``KVQuantSpec``) from ``collect_kv_stats`` output."""
+def kv_scales_from_stats(stats: dict, spec, record: dict, rotation=None) -> KVScales:
+    """The release's scales for ``spec`` (a ``KVQuantSpec``) from ``collect_kv_stats`` output, with the
+    (L, d, d) ``rotation`` those statistics were taken after (None: none)."""
     s = {kind: (None if t is None else t.float().numpy()) for kind, t in scales_from_stats(stats, spec).items()}
-    return KVScales(spec.to_dict(), s["k_scale"], s["k_zero"], s["v_scale"], s["v_zero"], record)
+    return KVScales(spec.to_dict(), s["k_scale"], s["k_zero"], s["v_scale"], s["v_zero"], record,
+                    None if rotation is None else rotation.float().numpy())
+
+
+def choose_rotation(backbone, batches, spec, clip_percentile: float,
+                    key_positions: int | None = None) -> tuple[dict, "torch.Tensor | None", dict]:  # noqa: F821
+    """Per layer, the cache rotation (none or Hadamard) whose scales quantize the calibration K/V
+    with the smaller relative error (``collect_kv_stats``'s "kv_error"). Returns (statistics under
+    the chosen rotations, rotation (L, d, d) or None when no layer turns, what to record).
+
+    Keys cached before RoPE are never turned (the engine re-applies RoPE to what it reads); a
+    head_dim that is not a power of two has no Walsh-Hadamard matrix."""
+    import torch
+
+    from kernels.kv_quant import hadamard_matrix
+
+    plain = collect_kv_stats(backbone, batches, spec.pre_rope_keys, clip_percentile, spec=spec, key_positions=key_positions)
+    record = {"key_outlier_ratio": key_outlier_ratio(plain["k_channel_amax"]), "kv_error_none": plain["kv_error"]}
+    L, d = backbone.cfg.num_layers, backbone.cfg.head_dim
+    if spec.pre_rope_keys or d & (d - 1):
+        return plain, None, record | {"rotation": ["none"] * L}
+    hadamard = hadamard_matrix(d).expand(L, d, d)
+    turned = collect_kv_stats(backbone, batches, False, clip_percentile, progress=False, rotation=hadamard, spec=spec,
+                              key_positions=key_positions)
+    use = torch.tensor([h < p for h, p in zip(turned["kv_error"], plain["kv_error"])])  # (L,)
+    stats = {name: torch.where(use[:, None, None], turned[name], plain[name])
+             for name in ("k_lo", "k_hi", "v_lo", "v_hi", "k_channel_amax")} | {"tokens": plain["tokens"]}
+    rotation = torch.where(use[:, None, None], hadamard, torch.eye(d).expand(L, d, d)) if use.any() else None
+    record |= {"kv_error_hadamard": turned["kv_error"], "rotation": ["hadamard" if u else "none" for u in use.tolist()]}
+    return stats, rotation, record
 
 
 def cache_kwargs(scales: KVScales) -> dict:
     """Keyword arguments of ``kernels.QuantizedKVCache`` for these scales (torch views of the arrays)."""
     import torch
 
-    return {kind: torch.from_numpy(a) for kind, a in scales.stacked().items()}  # an absent zero point stays None
+    out = {kind: torch.from_numpy(a) for kind, a in scales.stacked().items()}  # an absent zero point stays None
+    return out | ({} if scales.rotation is None else {"rotation": torch.from_numpy(scales.rotation)})
 
 
 # ---------------------------------------------------------------- the stage
@@ -196,6 +259,7 @@ def calibrate_kv_scales(
     max_seq_len: int = 96,
     engine_dir: Path | None = None,
     threads: int = 1,
+    key_positions: int = 0,
 ) -> Path:
     """Calibrate per-channel K/V scales of base + adapter on ``calib_jsonl``; return the .safetensors path."""
     import torch
@@ -209,23 +273,23 @@ def calibrate_kv_scales(
     backbone, base_hash, interface = load_release_backbone(Path(base_dir), Path(adapter_dir), engine_dir)
     tokenizer = load_tokenizer(Path(base_dir))
     batches, rows = jsonl_batches(tokenizer, Path(calib_jsonl), batch_size, max_seq_len)
-    stats = collect_kv_stats(backbone, batches, spec.pre_rope_keys, clip_percentile)
-    record = {
+    stats, rotation, chosen = choose_rotation(backbone, batches, spec, clip_percentile, key_positions or None)
+    record = chosen | {
         "format_version": KV_SCALES_FORMAT_VERSION,
         "split": "calib",
         "calib_path": str(calib_jsonl),
         "rows": rows,
         "tokens": stats["tokens"],
         "clip_percentile": clip_percentile,
+        "key_positions": key_positions,
         "max_seq_len": max_seq_len,
         "spec": spec.to_dict(),
         "base_model_hash": base_hash,
         "adapter_sha256": sha256_file(adapter_file),
         "interface": interface,
-        "key_outlier_ratio": key_outlier_ratio(stats["k_channel_amax"]),
         "torch": torch.__version__,
     }
-    return save_kv_scales(Path(out_dir), kv_scales_from_stats(stats, spec, record))
+    return save_kv_scales(Path(out_dir), kv_scales_from_stats(stats, spec, record, rotation))
 
 
 # ---------------------------------------------------------------- CLI
@@ -253,6 +317,7 @@ def run_stage(cfg: ReleaseConfig) -> Path:
         # month got other scales (up to 3.5e-5 apart). One thread gave the same statistics in every
         # process; calibration is a few forward passes, so the thread costs seconds at most.
         threads=1,
+        key_positions=kv.calib_key_positions,
     )
 
 

@@ -202,6 +202,10 @@ class KVConfig(_Section):
     pre_rope_keys: bool = _KV_SCHEME.pre_rope_keys
     clip_percentile: float = Field(99.0, gt=50.0, le=100.0)
     calib_batch_size: int = Field(16, ge=1)
+    # Post-RoPE keys are calibrated at positions drawn uniformly below this (0: at their own positions).
+    # Calibration rows are short; a long context turns slow RoPE pairs into channels whose static
+    # range never saw them (tasks/calibrate.py collect_kv_stats). Set it to the context you serve.
+    calib_key_positions: int = Field(0, ge=0)
 
     def spec(self) -> KVQuantSpec:
         """The scheme as a ``KVQuantSpec``, field by field."""

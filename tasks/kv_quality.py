@@ -165,18 +165,25 @@ def release_kv_quality(
 
     record = release.record
     batches, _ = jsonl_batches(tokenizer, Path(calib_jsonl), 16, record.get("max_seq_len", 96))
-    stats = collect_kv_stats(backbone, batches, spec.pre_rope_keys, record.get("clip_percentile", 100.0), progress=False)
+    stats = collect_kv_stats(backbone, batches, spec.pre_rope_keys, record.get("clip_percentile", 100.0), progress=False,
+                             rotation=scales.get("rotation"),  # the other widths turn K/V as the release does
+                             key_positions=record.get("key_positions") or None)
     cfg = backbone.cfg
     fp16 = bytes_per_token(None, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, context_len)
     grid = []
     for name, s in grid_specs(spec).items():
-        ppl = ppl_quant if name == "release" else suffix_perplexity(backbone, documents, s, scales_from_stats(stats, s))
+        grid_scales = scales_from_stats(stats, s) | ({"rotation": scales["rotation"]} if "rotation" in scales else {})
+        ppl = ppl_quant if name == "release" else suffix_perplexity(backbone, documents, s, grid_scales)
         bpt = bytes_per_token(s, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, context_len)
         grid.append({"config": f"{name} ({s.name})", "bits": (s.k_bits + s.v_bits) / 2, "bytes_per_token": bpt,
                      "compression_vs_fp16": fp16 / bpt, "ppl_increase_pct": 100.0 * (ppl / ppl_float - 1.0)})
     bpt = bytes_per_token(spec, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, context_len)
     return {
         "spec": spec.to_dict(),
+        # What calibration saw and chose, per layer (tasks/calibrate.py choose_rotation): the largest
+        # key channel's range over the median channel's, and the cache rotation.
+        "key_outlier_ratio": record.get("key_outlier_ratio"),
+        "rotation": record.get("rotation", ["none"] * cfg.num_layers),
         "accuracy_float_cache": float_acc["accuracy"],
         "accuracy_quantized_cache": quant_acc["accuracy"],
         "accuracy_new_quantized_cache": quant_acc["accuracy_new"],

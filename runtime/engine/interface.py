@@ -24,14 +24,18 @@ if TYPE_CHECKING:  # the ONNX Runtime side reads interfaces without importing to
 #    dict) describes; see ``quantized_kv_tensors``.
 # 3 and 4: versions 1 and 2 with the LoRA inputs of each fused linear stacked into one A and one
 #    block-diagonal B, the scale folded into B (``lora_input_names``).
+# 5: version 4 with a static ``kv_rotation.i`` (d, d) per layer when keys are cached after RoPE: the
+#    release's orthogonal rotation of K and V (identity = none). Version-4 engines still load; they
+#    take releases without a rotation only.
 INTERFACE_VERSION = 3
-QUANT_KV_INTERFACE_VERSION = 4
-SUPPORTED_VERSIONS = (INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSION)
+QUANT_KV_INTERFACE_VERSION = 5
+SUPPORTED_VERSIONS = (INTERFACE_VERSION, 4, QUANT_KV_INTERFACE_VERSION)
 INTERFACE_FILE = "interface.json"
 ENGINE_ONNX = "model.onnx"  # beside it in an engine folder (tasks/compile.py)
 CACHE_KEY_FILE = "cache_key.json"  # what the engine was built from; its presence means the build completed
 KV_LAYOUT = "B,num_kv_heads,past_len,head_dim"  # one key and one value tensor per layer
 QUANT_KV_DTYPE = "packed-uint8"
+KV_ROTATION_INPUT = "kv_rotation"
 
 
 # The backbone's fused linears (runtime.engine.model): the modules of one read the same input through one matmul.
@@ -159,7 +163,9 @@ def quantized_kv_tensors(num_layers: int, num_kv_heads: int, head_dim: int, spec
     then sink_key.i / sink_value.i float16 (batch, nkv, sink, d): the first ``sink_tokens`` tokens
     kept unquantized (post-RoPE keys). Once: past_positions int64 (batch, past), the position of
     every quantized slot, when keys are quantized before RoPE (RoPE is re-applied at read).
-    Static inputs (channel granularity): k_scale.i, k_zero.i (asymmetric), v_scale.i, v_zero.i, float32 (nkv, d).
+    Static inputs (channel granularity): k_scale.i, k_zero.i (asymmetric), v_scale.i, v_zero.i, float32 (nkv, d);
+    then, keys cached after RoPE, kv_rotation.i float32 (d, d): the cache holds K R and V R (queries turn
+    with the keys, the attention output turns back by R^T), R from the release's scales.
     Outputs per layer: present_* (present = past + seq) = past_* with the new tokens appended (all quantized;
     the runtime moves the first ones into the sink while it fills), new_key.i / new_value.i
     float16 (batch, nkv, seq, d): the new tokens unquantized, for the sink.
@@ -182,6 +188,8 @@ def quantized_kv_tensors(num_layers: int, num_kv_heads: int, head_dim: int, spec
             for name, dtype, last in names:
                 cache.append(TensorSpec(f"past_{name}.{i}", dtype, ("batch", nkv, "past", last)))
                 layer_out.append(TensorSpec(f"present_{name}.{i}", dtype, ("batch", nkv, "present", last)))
+        if not spec["pre_rope_keys"]:
+            static.append(TensorSpec(f"{KV_ROTATION_INPUT}.{i}", "float32", (d, d)))
         cache += [TensorSpec(f"sink_{kind}.{i}", "float16", ("batch", nkv, "sink", d)) for kind in ("key", "value")]
         outputs += layer_out + [TensorSpec(f"new_{kind}.{i}", "float16", ("batch", nkv, "seq", d)) for kind in ("key", "value")]
     return cache, static, outputs

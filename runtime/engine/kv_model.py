@@ -34,7 +34,7 @@ import math
 import torch
 import torch.nn as nn
 
-from kernels.gqa_attention import gqa_problems, gqa_quantized_attention
+from kernels.gqa_attention import gqa_append, gqa_attend, gqa_problems, gqa_quantized_attention
 from kernels.kv_quant import (
     pack_bits,
     quantize,
@@ -108,7 +108,8 @@ class QuantizedKVBackbone(nn.Module):
         return 1 if gran == "channel" else (2 if sym else 3)
 
     def _parse(self, cache: list, static: list) -> list[dict]:
-        """Per layer {"key": [packed, scale?, zero?], "value": [...], "sink": [k, v], "key_static": [scale, zero?] | None, ...}."""
+        """Per layer {"key": [packed, scale?, zero?], "value": [...], "sink": [k, v], "key_static": [scale, zero?] | None,
+        ..., "rotation": (d, d) | None}."""
         layers = []
         for _ in range(self.L):
             layer = {}
@@ -118,6 +119,9 @@ class QuantizedKVBackbone(nn.Module):
                 n = 0 if gran == "token" else (1 if sym else 2)
                 layer[kind + "_static"], static = (static[:n] or None), static[n:]
             layer["sink"], cache = cache[:2], cache[2:]
+            layer["rotation"] = None
+            if not self.spec.pre_rope_keys:
+                layer["rotation"], static = static[0], static[1:]
             layers.append(layer)
         return layers
 
@@ -142,7 +146,7 @@ class QuantizedKVBackbone(nn.Module):
         g = bb.cfg.num_heads // bb.cfg.num_kv_heads
         for i, block in enumerate(bb.blocks):
             layer, lora_i = layers[i], bb.layer_lora(tuple(lora), i)
-            q, k, v = block.project_qkv(x, B, T, cos, sin, lora_i)  # new tokens, post-RoPE
+            q, k, v = self._rotated(layer, *block.project_qkv(x, B, T, cos, sin, lora_i))  # new tokens, post-RoPE
             qg = q.reshape(B, q.shape[1] // g, g * T, self.d)  # (B, nkv, g T, d)
             sink_k, sink_v = (t.float() for t in layer["sink"])  # (B, nkv, sink, d)
             scores = torch.cat([qg @ sink_k.transpose(-1, -2), self._key_scores(qg, layer, past_rope),
@@ -150,11 +154,20 @@ class QuantizedKVBackbone(nn.Module):
             att = torch.softmax(scores * (1.0 / math.sqrt(self.d)) + mask, dim=-1)
             a_sink, a_past, a_new = att[..., :sink_len], att[..., sink_len : sink_len + P], att[..., sink_len + P :]
             y = a_sink @ sink_v + self._value_mix(a_past, layer) + a_new @ v  # (B, nkv, g T, d)
-            x = block.finish(x, y, B, T, lora_i)
+            x = block.finish(x, self._unrotated(layer, y), B, T, lora_i)
             outputs += self._append(layer, k, v, position_ids)
         return (bb.head(x, B, T), *outputs)
 
-    def _forward_gqa(self, input_ids, position_ids, attention_mask, cache: list, static: list, lora: list):
+    def forward_reading(self, read_codes: list, *args):
+        """GQA mode, eager only: ``forward(*args)`` whose attention reads ``read_codes`` (per layer the
+        packed present K and V, e.g. an engine's: ``tasks.engine_parity``) instead of the codes this
+        module stores; the outputs are still this module's own codes."""
+        if self.attention != "gqa":
+            raise ValueError("forward_reading runs the GroupQueryAttention path only")
+        return self._forward_gqa(*args, read_codes=read_codes)
+
+    def _forward_gqa(self, input_ids, position_ids, attention_mask, cache: list, static: list, lora: list,
+                     read_codes: list | None = None):
         """Attention by ``kernels.gqa_attention`` (one GroupQueryAttention node per layer in ONNX).
 
         The sink inputs stay in the signature (same interface as the standard-ops engine) but are
@@ -172,19 +185,35 @@ class QuantizedKVBackbone(nn.Module):
         outputs = []
         for i, block in enumerate(bb.blocks):
             layer, lora_i = layers[i], bb.layer_lora(tuple(lora), i)
-            q, k, v = block.project_qkv(x, B, T, cos, sin, lora_i)  # (B, heads, T, d), post-RoPE
+            q, k, v = self._rotated(layer, *block.project_qkv(x, B, T, cos, sin, lora_i))  # (B, heads, T, d), post-RoPE
             k16, v16 = k.to(torch.float16), v.to(torch.float16)
-            y, present_k, present_v = gqa_quantized_attention(
-                q.transpose(1, 2).reshape(B, T, nh * d),
-                *(t.float().transpose(1, 2).reshape(B, T, nkv * d) for t in (k16, v16)),
-                layer["key"][0], layer["value"][0],
-                *(layer[kind + "_static"][0].reshape(1, nkv, 1, d) for kind in ("key", "value")),
-                bias, nh, nkv,
-            )  # y (B, T, nh d)
+            q_rows = q.transpose(1, 2).reshape(B, T, nh * d)
+            k_rows, v_rows = (t.float().transpose(1, 2).reshape(B, T, nkv * d) for t in (k16, v16))
+            scales = [layer[kind + "_static"][0].reshape(1, nkv, 1, d) for kind in ("key", "value")]
+            if read_codes is None:
+                y, present_k, present_v = gqa_quantized_attention(
+                    q_rows, k_rows, v_rows, layer["key"][0], layer["value"][0], *scales, bias, nh, nkv)  # y (B, T, nh d)
+            else:  # store our own codes, attend over the given ones: the op's two halves
+                present_k, present_v = gqa_append(k_rows, v_rows, layer["key"][0], layer["value"][0], *scales, nkv)
+                y = gqa_attend(q_rows, read_codes[2 * i], read_codes[2 * i + 1], *scales, bias, nh, nkv)
             y = y.view(B, T, nh, d).transpose(1, 2).reshape(B, nkv, (nh // nkv) * T, d)  # finish's layout
-            x = block.finish(x, y, B, T, lora_i)
+            x = block.finish(x, self._unrotated(layer, y), B, T, lora_i)
             outputs += [present_k, present_v, k16, v16]
         return (bb.head(x, B, T), *outputs)
+
+    @staticmethod
+    def _rotated(layer: dict, q, k, v):
+        """q, k, v (B, heads, T, d) turned by the release's rotation R (d, d): (q R)(k R)^T = q k^T, so
+        the cache can hold k R and v R (``kernels.kv_quant.KVRotation``). With R = I every product
+        is exact (one term x 1, the rest x 0), so an unrotated release computes what it did before."""
+        r = layer["rotation"]
+        return (q, k, v) if r is None else (q @ r, k @ r, v @ r)
+
+    @staticmethod
+    def _unrotated(layer: dict, y):
+        """The attention output (B, nkv, g T, d) of rotated values turned back: (a V R) R^T = a V."""
+        r = layer["rotation"]
+        return y if r is None else y @ r.transpose(0, 1)
 
     def run_gqa_chunks(self, ids, bounds: list[tuple[int, int]], static: list, lora: tuple = ()) -> tuple[list, list]:
         """Eager GQA-mode run of ``ids`` (B, T) chunk by chunk (``bounds``: [(start, end), ...] from 0),

@@ -8,6 +8,7 @@ Torch-free (json, numpy, safetensors.numpy).
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,16 +16,21 @@ from pathlib import Path
 import numpy as np
 
 from runtime.engine.errors import RefusedInput
-from runtime.engine.interface import EngineInterface
+from runtime.engine.interface import KV_ROTATION_INPUT, EngineInterface
 
 KV_SCALES_FILE = "kv_scales.safetensors"
 KV_SCALES_JSON = "kv_scales.json"
 KV_SCALES_FILES = (KV_SCALES_FILE, KV_SCALES_JSON)
-KV_SCALES_FORMAT_VERSION = 1
+# 1: per-channel scales and zero points. 2: plus an optional ``layer.{i}.rotation`` (d, d) per layer,
+# the orthogonal matrix the cache turns post-RoPE K and V by before quantizing (absent = identity:
+# version-1 files read as before).
+KV_SCALES_FORMAT_VERSION = 2
 # Fields of kv_scales.json copied into the safetensors metadata: the tensors carry their own identity.
 KV_SCALES_IDENTITY = ("format_version", "base_model_hash", "adapter_sha256", "interface", "spec")
 KV_SCALE_KINDS = ("k_scale", "k_zero", "v_scale", "v_zero")
 _KV_TENSOR = re.compile(r"^layer\.(\d+)\.\w+$")  # layer.{i}.k_scale ... (nkv, d) float32
+KV_ROTATION = "rotation"  # layer.{i}.rotation (d, d) float32
+_ORTHOGONAL_TOLERANCE = 1e-5  # max |R R^T - I|: a Hadamard matrix in float32 is within 1e-7
 
 
 class KVScalesError(RefusedInput):
@@ -42,7 +48,9 @@ class KVScales:
     """A release's static KV-cache scales: (L, nkv, d) float32 arrays, zeros None when symmetric.
 
     ``spec`` is the KV scheme as a dict (``kernels.kv_spec.KVQuantSpec.to_dict``, the manifest's
-    ``kv_format``); ``record`` is kv_scales.json: how they were computed and for what."""
+    ``kv_format``); ``record`` is kv_scales.json: how they were computed and for what.
+    ``rotation`` (L, d, d): per layer, the orthogonal matrix R the cache stores K R and V R with
+    (``kernels.kv_quant.KVRotation``); None = no rotation (the identity)."""
 
     spec: dict
     k_scale: np.ndarray
@@ -50,6 +58,14 @@ class KVScales:
     v_scale: np.ndarray
     v_zero: np.ndarray | None
     record: dict = field(default_factory=dict)
+    rotation: np.ndarray | None = None
+
+    def rotation_or_identity(self) -> np.ndarray:
+        """(L, d, d) float32: ``rotation``, or identities when there is none."""
+        if self.rotation is not None:
+            return self.rotation
+        L, d = self.k_scale.shape[0], self.k_scale.shape[-1]
+        return np.broadcast_to(np.eye(d, dtype=np.float32), (L, d, d)).copy()
 
     def stacked(self) -> dict[str, np.ndarray]:
         """{kind: (L, nkv, d)} of the arrays present."""
@@ -72,6 +88,11 @@ def _value_problems(tensors: dict[str, np.ndarray]) -> list[tuple[str, str]]:
             problems.append(("non_finite", f"{name} has {int((~np.isfinite(t)).sum())} non-finite values"))
         elif name.endswith("scale") and not (t > 0).all():
             problems.append(("zero", f"{name} has {int((t <= 0).sum())} zero or negative scales"))
+        elif name.endswith(KV_ROTATION):
+            off = float(np.abs(t.astype(np.float64) @ t.T.astype(np.float64) - np.eye(t.shape[0])).max()) \
+                if t.ndim == 2 and t.shape[0] == t.shape[1] else math.inf
+            if off > _ORTHOGONAL_TOLERANCE:
+                problems.append(("malformed", f"{name} is not an orthogonal square matrix (max |R R^T - I| {off:.3g})"))
     return problems
 
 
@@ -88,8 +109,9 @@ def write_kv_scales(directory: str | Path, scales: KVScales) -> Path:
 
     directory = Path(directory)
     file = directory / KV_SCALES_FILE
+    arrays = scales.stacked() | ({} if scales.rotation is None else {KV_ROTATION: scales.rotation})
     tensors = {f"layer.{i}.{kind}": np.ascontiguousarray(a[i], dtype=np.float32)
-               for kind, a in scales.stacked().items() for i in range(a.shape[0])}
+               for kind, a in arrays.items() for i in range(a.shape[0])}
     _refuse(file, [(reason, f"refusing to write KV scales: {p}") for reason, p in _value_problems(tensors)])
     file.write_bytes(_sorted_header(save(tensors, metadata=_identity_metadata(scales.record))))
     (directory / KV_SCALES_JSON).write_text(json.dumps(scales.record, indent=2, sort_keys=True) + "\n")
@@ -163,7 +185,7 @@ def read_kv_scales(
         problems.append(("spec_mismatch", f"scales were made for KV spec {spec_recorded}, not {spec}"))
     problems += _value_problems(tensors)
     for name, t in sorted(tensors.items()):
-        if channels is not None and tuple(t.shape) != tuple(channels):
+        if channels is not None and not name.endswith(KV_ROTATION) and tuple(t.shape) != tuple(channels):
             problems.append(("malformed", f"{name} has shape {tuple(t.shape)}, the engine has {tuple(channels)}"))
     layers = sorted({int(m.group(1)) for m in map(_KV_TENSOR.match, tensors) if m})
     L = num_layers if num_layers is not None else len(layers)
@@ -179,8 +201,12 @@ def read_kv_scales(
         _refuse(file, [("malformed", f"missing {missing}")] if missing else [])
         return np.stack([tensors[n] for n in names])  # (L, nkv, d)
 
+    rotated = any(n.endswith("." + KV_ROTATION) for n in tensors)
     out = KVScales(spec_recorded, stack("k_scale", True), stack("k_zero", not spec_recorded["k_symmetric"]),
-                   stack("v_scale", True), stack("v_zero", not spec_recorded["v_symmetric"]), record)
+                   stack("v_scale", True), stack("v_zero", not spec_recorded["v_symmetric"]), record,
+                   stack(KV_ROTATION, rotated))
+    if out.rotation is not None and out.rotation.shape[1:] != (out.k_scale.shape[-1],) * 2:
+        _refuse(file, [("malformed", f"rotation {out.rotation.shape[1:]} is not (head_dim, head_dim)")])
     if out.k_scale.shape != out.v_scale.shape:
         _refuse(file, [("malformed", f"k_scale {out.k_scale.shape} and v_scale {out.v_scale.shape} differ")])
     return out
@@ -215,6 +241,17 @@ def kv_scale_inputs(iface: EngineInterface, kv_scales: KVScales) -> dict[str, np
         elif field.endswith("scale") and not (value > 0).all():
             problems.append(f"{t.name} has zero or negative scales")
         inputs[t.name] = value
+    rotations = [t for t in iface.inputs if t.name.split(".")[0] == KV_ROTATION_INPUT]
+    if rotations:
+        stacked = kv_scales.rotation_or_identity()
+        for t in rotations:
+            if tuple(stacked.shape[1:]) != tuple(t.shape):
+                problems.append(f"the KV rotation is {stacked.shape[1:]}, the engine needs {tuple(t.shape)}")
+                break
+            inputs[t.name] = np.ascontiguousarray(stacked[int(t.name.split(".")[1])], dtype=np.float32)
+    elif kv_scales.rotation is not None:
+        problems.append("the scales come with a KV rotation and this engine has no rotation input "
+                        f"(interface version {iface.version}); recompile the engine")
     if problems:
         raise RefusedInput("KV scales do not fit this engine: " + "; ".join(dict.fromkeys(problems)))
     return inputs

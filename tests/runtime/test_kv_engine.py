@@ -189,7 +189,8 @@ def eager_gqa_run(model_dir, iface, lora: dict, scales: KVScales, ids: np.ndarra
     from runtime.engine.kv_model import QuantizedKVBackbone
 
     module = QuantizedKVBackbone(load_backbone(model_dir, iface.target_modules), GQA, "gqa")
-    static = [torch.from_numpy(t[i]) for i in range(iface.num_layers) for t in (scales.k_scale, scales.v_scale)]
+    static = [torch.from_numpy(t[i]) for i in range(iface.num_layers)
+              for t in (scales.k_scale, scales.v_scale, scales.rotation_or_identity())]
     bounds = [(0, split)] + [(t, t + 1) for t in range(split, ids.shape[1])]
     with torch.inference_mode():
         logits, packed = module.run_gqa_chunks(torch.from_numpy(ids), bounds, static,
@@ -197,13 +198,16 @@ def eager_gqa_run(model_dir, iface, lora: dict, scales: KVScales, ids: np.ndarra
     return torch.cat(logits, 1).numpy(), packed
 
 
-def test_gqa_engine_is_one_group_query_attention_node_per_layer_storing_the_eager_integers(gqa_engine, tiny_qwen, qwen_adapter):
+@pytest.mark.parametrize("rotated", [False, True], ids=["unrotated", "hadamard"])
+def test_gqa_engine_is_one_group_query_attention_node_per_layer_storing_the_eager_integers(gqa_engine, tiny_qwen, qwen_adapter,
+                                                                                            rotated):
     import onnx
 
     graph = onnx.load(gqa_engine.engine_dir / "model.onnx").graph
     assert [n.op_type for n in graph.node].count("GroupQueryAttention") == gqa_engine.interface.num_layers
     lora = load_adapter(qwen_adapter, gqa_engine.interface)
-    scales = calibrate(tiny_qwen, GQA, lora)
+    scales = calibrate(tiny_qwen, GQA, lora, rotated=rotated)
+    assert (scales.rotation is not None) == rotated
     gqa_engine.set_adapter(lora, kv_scales=scales)
     ids = np.random.default_rng(0).integers(0, 96, (2, 14))
 
@@ -232,3 +236,55 @@ def test_a_scheme_group_query_attention_cannot_run_is_refused_at_compile_naming_
                                          r".*sink_tokens=1 \(the op needs 0\).*pre_rope_keys=True"):
         compile_engine(tiny_qwen, tmp_path / "e", 8, TARGETS, kv_spec=PRE_ROPE_SCHEME.to_dict(), kv_attention="gqa")
     assert not (tmp_path / "e").exists()
+
+
+def test_a_version_4_engine_takes_unrotated_scales_and_refuses_a_rotation(tiny_qwen):
+    """An engine compiled before the rotation input (interface version 4) still binds a release
+    without one; a rotated release needs a recompiled engine, said in words."""
+    from runtime.engine.kv_scales import kv_scale_inputs
+    from runtime.engine.hashing import backbone_hash
+    from runtime.engine.interface import KV_ROTATION_INPUT, build_interface
+    from runtime.engine.model import read_config
+
+    current = build_interface(read_config(tiny_qwen), backbone_hash(tiny_qwen), 8, TARGETS, GQA.to_dict())
+    v4 = replace(current, version=4, inputs=tuple(t for t in current.inputs if not t.name.startswith(KV_ROTATION_INPUT)))
+    plain, turned = calibrate(tiny_qwen, GQA), calibrate(tiny_qwen, GQA, rotated=True)
+    assert not any(name.startswith(KV_ROTATION_INPUT) for name in kv_scale_inputs(v4, plain))
+    assert np.array_equal(kv_scale_inputs(current, plain)[f"{KV_ROTATION_INPUT}.1"], np.eye(16, dtype=np.float32))
+    assert np.array_equal(kv_scale_inputs(current, turned)[f"{KV_ROTATION_INPUT}.1"], turned.rotation[1])
+    with pytest.raises(RefusedInput, match="come with a KV rotation and this engine has no rotation input "
+                                           r"\(interface version 4\); recompile the engine"):
+        kv_scale_inputs(v4, turned)
+
+
+def test_engine_parity_reads_the_engines_codes_and_finds_no_quantizer_difference(gqa_engine, tiny_qwen):
+    """``tasks.engine_parity``: the module attends over the engine's stored codes while it stores its
+    own from the same layer inputs; on the same quantizer nothing differs and logits agree."""
+    from tasks.engine_parity import quantized_prefill_parity
+
+    scales = calibrate(tiny_qwen, GQA, rotated=True)
+    gqa_engine.set_adapter(None, kv_scales=scales)
+    rng = np.random.default_rng(3)
+    prompts = [" ".join(map(str, rng.integers(0, 96, n))) for n in (5, 17, 40)]
+    report = quantized_prefill_parity(gqa_engine, load_backbone(tiny_qwen), scales, "gqa",
+                                      lambda text: {"input_ids": [int(t) for t in text.split()]}, prompts)
+    assert report["kv_codes_read_from_engine"] and report["kv_bytes_compared"] == 2 * 2 * 2 * 62 * 8
+    assert report["kv_code_mismatch"] == 0 and report["kv_code_mismatch_free_running"] == 0
+    assert report["max_abs_logit_diff_codes_agree"] <= 1e-4
+
+
+def test_the_module_reading_its_own_codes_computes_what_it_computes_freely(tiny_qwen):
+    from runtime.engine.kv_model import QuantizedKVBackbone
+
+    module = QuantizedKVBackbone(load_backbone(tiny_qwen), GQA, "gqa").eval()
+    scales = calibrate(tiny_qwen, GQA, rotated=True)
+    static = [torch.from_numpy(t[i]) for i in range(2) for t in (scales.k_scale, scales.v_scale, scales.rotation_or_identity())]
+    ids = torch.from_numpy(np.random.default_rng(4).integers(0, 96, (1, 12)))
+    empty_packed, empty_sink = torch.zeros(1, 2, 0, 8, dtype=torch.uint8), torch.zeros(1, 2, 0, 16, dtype=torch.float16)
+    args = (ids, torch.arange(12)[None], torch.ones(1, 12, dtype=torch.long),
+            [empty_packed, empty_packed, empty_sink, empty_sink] * 2, static, ())
+    with torch.no_grad():
+        logits, *outputs = module(*args)
+        codes = [outputs[4 * i + j] for i in range(2) for j in (0, 1)]
+        again, *outputs_again = module.forward_reading(codes, *args)
+    assert torch.equal(logits, again) and all(torch.equal(a, b) for a, b in zip(outputs, outputs_again))

@@ -247,3 +247,54 @@ def test_the_same_scales_are_the_same_bytes_in_every_process(release, tmp_path):
         written.append((out / KV_SCALES_FILE).read_bytes())
     assert len(set(written)) == 1
     assert _load(release, tmp_path / "run0").k_scale.tobytes() == _load(release).k_scale.tobytes()
+
+
+def _random_batches(vocab: int = 96, rows: int = 4, length: int = 24) -> list:
+    ids = torch.from_numpy(np.random.default_rng(5).integers(0, vocab, (rows, length)))
+    return [(ids, torch.ones_like(ids))]
+
+
+def test_calibration_turns_a_layer_when_the_turned_cache_quantizes_its_calibration_kv_closer(tiny_llama_dir):
+    from bench.kv_quality import inject_key_outliers
+    from kernels.kv_quant import hadamard_matrix
+    from runtime.engine.model import load_backbone
+    from tasks.calibrate import choose_rotation, collect_kv_stats
+
+    backbone = inject_key_outliers(load_backbone(tiny_llama_dir), factor=50.0)  # the float model is unchanged
+    stats, rotation, record = choose_rotation(backbone, _random_batches(), KVQuantSpec(), 99.0)
+    assert min(record["key_outlier_ratio"]) > 10  # what it saw, before turning
+    chosen = ["hadamard" if h < n else "none" for h, n in zip(record["kv_error_hadamard"], record["kv_error_none"])]
+    assert record["rotation"] == chosen and len(chosen) == 2
+    turned = collect_kv_stats(backbone, _random_batches(), False, 99.0, progress=False,
+                              rotation=hadamard_matrix(8).expand(2, 8, 8))
+    plain = collect_kv_stats(backbone, _random_batches(), False, 99.0, progress=False)
+    for i, name in enumerate(chosen):
+        assert torch.equal(stats["k_hi"][i], (turned if name == "hadamard" else plain)["k_hi"][i])
+        if rotation is not None:
+            assert torch.equal(rotation[i], hadamard_matrix(8) if name == "hadamard" else torch.eye(8))
+    assert (rotation is None) == (chosen == ["none", "none"])
+
+
+def test_keys_cached_before_rope_are_never_turned(tiny_llama_dir):
+    from runtime.engine.model import load_backbone
+    from tasks.calibrate import choose_rotation
+
+    _, rotation, record = choose_rotation(load_backbone(tiny_llama_dir), _random_batches(), PRE_ROPE_SCHEME, 99.0)
+    assert rotation is None and record["rotation"] == ["none", "none"] and "kv_error_hadamard" not in record
+
+
+def test_a_rotation_is_stored_with_the_scales_and_a_file_without_one_reads_as_none(release, tmp_path):
+    from kernels.kv_quant import hadamard_matrix
+
+    old = _load(release)
+    assert old.rotation is None and np.array_equal(old.rotation_or_identity(), np.stack([np.eye(8, dtype=np.float32)] * 2))
+    turned = replace(old, rotation=hadamard_matrix(8).expand(2, 8, 8).numpy())
+    save_kv_scales(tmp_path / "kv", turned)
+    assert np.array_equal(_load(release, tmp_path / "kv").rotation, turned.rotation)
+
+
+def test_never_writes_a_rotation_that_is_not_orthogonal(release, tmp_path):
+    skewed = replace(_load(release), rotation=np.stack([np.eye(8, dtype=np.float32) * 1.01] * 2))
+    with pytest.raises(KVScalesError, match="layer.0.rotation is not an orthogonal square matrix") as err:
+        save_kv_scales(tmp_path / "kv", skewed)
+    assert err.value.reason == "malformed" and not (tmp_path / "kv").exists()

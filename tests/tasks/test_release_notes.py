@@ -27,7 +27,8 @@ def cfg(tmp_path):
     write(cfg.layout.metrics_file, {
         "month": "2026-12", "changed_rules": ["bridge", "shift"], "adapter": {"count": 600}, "adapter_on_engine": scored,
         "kv_cache": {"accuracy_drop": 0.005, "ppl_increase_pct": 0.25, "bytes_per_token": 617.03, "compression_vs_fp16": 4.0,
-                     "grid": [{"config": "release (K4cs/V4ts)"}], "on_engine": {"accuracy_drop": 0.0, "ppl_increase_pct": -0.5}},
+                     "grid": [{"config": "release (K4cs/V4ts)"}], "on_engine": {"accuracy_drop": 0.0, "ppl_increase_pct": -0.5},
+                     "key_outlier_ratio": [3.25, 41.0, 12.5], "rotation": ["none", "hadamard", "hadamard"]},
     })
     return cfg
 
@@ -51,6 +52,8 @@ def test_published_notes_compare_with_the_champion_and_name_the_run(cfg, tmp_pat
     assert "| accuracy, unchanged rules | 100.0% | 100.0% | +0.0 points |" in notes
     assert "KV cache, release (K4cs/V4ts): accuracy -0.50 points, held-out perplexity +0.25%" in notes
     assert "(on the engine: +0.00 points, -0.50%); 617 bytes per token, 4.00x fewer than fp16." in notes and "Weights: fp32 (not quantized)." in notes
+    assert ("KV calibration: key-channel outlier ratio per layer (max / median channel range) 3.2, 41.0, 12.5; "
+            "Hadamard-rotated K/V in 2 of 3 layers (1, 2).") in notes
     assert "p50 1.25 ms, p95 2.50 ms over 256 steps (threshold p95 <= 50.0 ms)" in notes
     assert "123,456 bytes, 1.5% of the base model's 8,230,400 bytes." in notes
     assert f"Triggered by the deployment's schedule; flow run brave-otter (1234): {TRIGGER['url']}." in notes
