@@ -267,7 +267,7 @@ def test_engine_parity_reads_the_engines_codes_and_finds_no_quantizer_difference
     rng = np.random.default_rng(3)
     prompts = [" ".join(map(str, rng.integers(0, 96, n))) for n in (5, 17, 40)]
     report = quantized_prefill_parity(gqa_engine, load_backbone(tiny_qwen), scales, "gqa",
-                                      lambda text: {"input_ids": [int(t) for t in text.split()]}, prompts)
+                                      lambda text, add_special_tokens=True: {"input_ids": [int(t) for t in text.split()]}, prompts)
     assert report["kv_codes_read_from_engine"] and report["kv_bytes_compared"] == 2 * 2 * 2 * 62 * 8
     assert report["kv_code_mismatch"] == 0 and report["kv_code_mismatch_free_running"] == 0
     assert report["max_abs_logit_diff_codes_agree"] <= 1e-4
