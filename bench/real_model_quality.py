@@ -61,6 +61,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.report import write_report
+from tasks.calibrate import collect_kv_stats, kv_scales_from_stats
 
 ROW_KEYS = ("engine", "weights", "kv", "ppl", "ppl_increase_pct", "kl_mean")  # every row has these (issue 25)
 GGUF_WEIGHTS = ("f16", "q8_0", "q4_0", "q4_k_m")
@@ -243,6 +244,21 @@ def weight_engines(float_dir: Path, work: Path, block_size: int) -> dict[str, Pa
     return dirs
 
 
+def calibration_stats(backbone, tokenizer, cfg) -> dict:
+    """K/V statistics of the base model on the calib documents, as the calibrate stage collects them for a release."""
+    return collect_kv_stats(backbone, calib_batches(tokenizer), cfg.kv.spec().pre_rope_keys, cfg.kv.clip_percentile,
+                            progress=False)
+
+
+def served_engine(engine_dir: Path, stats: dict, spec, threads: int):
+    """A quantized-KV engine (the compile stage's, or a weight-quantized copy) with scales for ``spec`` bound."""
+    from runtime.backends.onnxruntime import OrtEngine
+
+    engine = OrtEngine(engine_dir, threads=threads)
+    engine.set_adapter(None, kv_scales=kv_scales_from_stats(stats, spec, {"base_model_hash": engine.interface.backbone_hash}))
+    return engine
+
+
 def build_real_ggufs(llama_cpp, llama_dir: Path, model_dir: Path, out: Path, threads: int) -> dict[str, Path]:
     """``GGUF_WEIGHTS`` of a Hugging Face checkpoint, each written once (a file present is complete:
     written under another name and renamed)."""
@@ -289,7 +305,7 @@ def measure(args, cfg) -> dict:
 
     from runtime.model import load_backbone, read_config
     from tasks.base_model import load_tokenizer
-    from tasks.calibrate import collect_kv_stats, kv_scales_from_stats, scales_from_stats, cache_kwargs
+    from tasks.calibrate import scales_from_stats
     from tasks.compile import compile_profile_engines
     from tasks.kv_quality import grid_specs
     from tasks.weight_engines import open_on_cpu
@@ -339,20 +355,15 @@ def measure(args, cfg) -> dict:
         add("ours", weights, None, lambda ids: engine_decode_logits(engine, ids, args.context), kv_read="engine")
         del engine
 
-    # KV scales: the base model on the calib documents, as the calibrate stage computes them for a release
     spec = cfg.kv.spec()
     backbone = load_backbone(model_dir)
-    stats = collect_kv_stats(backbone, calib_batches(tokenizer), spec.pre_rope_keys, cfg.kv.clip_percentile, progress=False)
-    from runtime.backends.onnxruntime import OrtEngine
-
-    served = OrtEngine(cfg.layout.kv_engine_dir, threads=args.threads)
-    scales = kv_scales_from_stats(stats, spec, {"base_model_hash": served.interface.backbone_hash})
-    served.set_adapter(None, kv_scales=scales)
+    stats = calibration_stats(backbone, tokenizer, cfg)
+    served = served_engine(cfg.layout.kv_engine_dir, stats, spec, args.threads)
     add("ours", "fp32", spec, lambda ids: engine_decode_logits(served, ids, args.context), kv_read="engine",
         note="the served cache: the compile stage's KV engine")
     del served
-    for name, s in grid_specs(spec).items():
-        kw = cache_kwargs(kv_scales_from_stats(stats, s, {})) if name == "release" else scales_from_stats(stats, s)
+    for s in grid_specs(spec).values():
+        kw = scales_from_stats(stats, s)
         add("ours", "fp32", s, lambda ids: reference_decode_logits(backbone, ids, args.context, s, kw), kv_read="reference")
     del backbone
 
