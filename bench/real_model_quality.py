@@ -61,6 +61,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.report import write_report
+from runtime.contract import CACHE_KEY_FILE
 from tasks.calibrate import collect_kv_stats, kv_scales_from_stats
 
 ROW_KEYS = ("engine", "weights", "kv", "ppl", "ppl_increase_pct", "kl_mean")  # every row has these (issue 25)
@@ -306,7 +307,7 @@ def measure(args, cfg) -> dict:
     from runtime.model import load_backbone, read_config
     from tasks.base_model import load_tokenizer
     from tasks.calibrate import scales_from_stats
-    from tasks.compile import compile_profile_engines
+    from tasks.compile import compile_profile_engines, graph_source_hash
     from tasks.kv_quality import grid_specs
     from tasks.weight_engines import open_on_cpu
 
@@ -330,42 +331,77 @@ def measure(args, cfg) -> dict:
 
     rows: list[dict] = []
     ref_logp: list[np.ndarray] = []
+    # Measured rows are kept in --work, keyed by the token ids and by what each row's numbers depend on (the
+    # engine's build key, the graph sources, the GGUF file), so a second run measures only what changed.
+    cache = work / "rows" / hashlib.sha256(json.dumps([[ids for _, ids in rows_ids], args.context]).encode()).hexdigest()[:16]
+    cache.mkdir(parents=True, exist_ok=True)
+    ref_files = [cache / f"reference-{d}.npy" for d in range(len(rows_ids))]
+    ref_source: list[str] = []
 
-    def add(engine: str, weights: str, spec, logits_of, **extra) -> None:
+    def add(engine: str, weights: str, spec, source: str, open_logits, **extra) -> None:
+        """One row; ``open_logits()`` gives the function from token ids to logits, called only if not cached."""
+        reference = not rows
+        ref_source[:] = ref_source or [source]
+        ident = json.dumps([engine, weights, spec and spec.to_dict(), source, ref_source[0], extra], sort_keys=True)
+        cached = cache / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
+        if cached.is_file() and (not reference or all(f.is_file() for f in ref_files)):
+            rows.append(json.loads(cached.read_text()))
+            ref_logp.extend(log_softmax(np.load(f)) for f in (ref_files if reference else []))
+            print(format_table([rows[-1]]).splitlines()[1] + "  (measured before)", flush=True)
+            return
+        logits_of = open_logits()
         nll = kl = 0.0
         n = 0
         t = time.perf_counter()
         for d, (_, ids) in enumerate(rows_ids):
             logits = logits_of(ids)
-            if not rows:  # the reference row
+            if reference:
+                np.save(ref_files[d], logits)
                 ref_logp.append(log_softmax(logits))
             a, b, c = score_logits(ref_logp[d], logits, targets[d])
             nll, kl, n = nll + a, kl + b, n + c
-        ref = rows[0]["ppl"] if rows else None
+        ref = None if reference else rows[0]["ppl"]
         bits = kv_bits(spec, backbone_cfg, length) if engine == "ours" and spec is not None else extra.pop("kv_bits", None)
         row = quality_row(engine, weights, kv_label(spec) if engine == "ours" else extra.pop("kv"), nll, kl, n, ref,
                           kv_bits=bits, seconds=round(time.perf_counter() - t, 1), **extra)
+        cached.write_text(json.dumps(row, sort_keys=True))
         rows.append(row)
         print(format_table([row]).splitlines()[1], flush=True)
+
+    def build_key(engine_dir: Path) -> str:
+        return (engine_dir / CACHE_KEY_FILE).read_text()
+
+    def engine_logits(engine) -> callable:
+        return lambda ids: engine_decode_logits(engine, ids, args.context)
 
     backbone_cfg = read_config(model_dir)
     print(format_table([]), flush=True)
     for weights, engine_dir in engines.items():
-        engine = open_on_cpu(engine_dir, args.threads)
-        add("ours", weights, None, lambda ids: engine_decode_logits(engine, ids, args.context), kv_read="engine")
-        del engine
+        add("ours", weights, None, build_key(engine_dir), lambda d=engine_dir: engine_logits(open_on_cpu(d, args.threads)),
+            kv_read="engine")
 
     spec = cfg.kv.spec()
-    backbone = load_backbone(model_dir)
-    stats = calibration_stats(backbone, tokenizer, cfg)
-    served = served_engine(cfg.layout.kv_engine_dir, stats, spec, args.threads)
-    add("ours", "fp32", spec, lambda ids: engine_decode_logits(served, ids, args.context), kv_read="engine",
-        note="the served cache: the compile stage's KV engine")
-    del served
+    memo: dict = {}
+
+    def backbone_and_stats() -> tuple:
+        if not memo:
+            memo["backbone"] = load_backbone(model_dir)
+            memo["stats"] = calibration_stats(memo["backbone"], tokenizer, cfg)
+        return memo["backbone"], memo["stats"]
+
+    calibration = f"{CALIB_WINDOWS}x{CALIB_WINDOW} clip {cfg.kv.clip_percentile}"
+    add("ours", "fp32", spec, build_key(cfg.layout.kv_engine_dir) + calibration,
+        lambda: engine_logits(served_engine(cfg.layout.kv_engine_dir, backbone_and_stats()[1], spec, args.threads)),
+        kv_read="engine", note="the served cache: the compile stage's KV engine")
     for s in grid_specs(spec).values():
-        kw = scales_from_stats(stats, s)
-        add("ours", "fp32", s, lambda ids: reference_decode_logits(backbone, ids, args.context, s, kw), kv_read="reference")
-    del backbone
+        def reference_logits(s=s):
+            backbone, stats = backbone_and_stats()
+            kw = scales_from_stats(stats, s)
+            return lambda ids: reference_decode_logits(backbone, ids, args.context, s, kw)
+
+        add("ours", "fp32", s, graph_source_hash() + build_key(cfg.layout.engine_dir) + calibration, reference_logits,
+            kv_read="reference")
+    memo.clear()
 
     ggufs, types = {}, {}
     if not args.no_llama_cpp:
@@ -377,14 +413,16 @@ def measure(args, cfg) -> dict:
         types = {t: gguf_tensor_types(p, llama_dir) for t, p in ggufs.items()}
         for weights, path in ggufs.items():
             for kv in LLAMA_KV_TYPES:
-                kv_type = getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}")
-                llm = load_llama(llama_cpp, path, length + 1, args.threads, True, kv_type=kv_type)
-                add("llama.cpp", weights.upper(), None, lambda ids: llama_decode_logits(llm, ids, args.context),
-                    kv=kv, kv_bits={"f16": 16.0, "q8_0": 8.5, "q4_0": 4.5}[kv], kv_read="engine")
-                llm.close()
+                def llama_logits(path=path, kv=kv):
+                    llm = load_llama(llama_cpp, path, length + 1, args.threads, True,
+                                     kv_type=getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}"))
+                    return lambda ids: llama_decode_logits(llm, ids, args.context)
+
+                add("llama.cpp", weights.upper(), None, f"{path.name} {path.stat().st_size} {llama_cpp.__version__}",
+                    llama_logits, kv=kv, kv_bits={"f16": 16.0, "q8_0": 8.5, "q4_0": 4.5}[kv], kv_read="engine")
     return {"rows": rows, "documents": [n for n, _ in rows_ids], "gguf_files": {t: str(p) for t, p in ggufs.items()},
             "gguf_tensor_types": types, "engines": {k: str(v) for k, v in engines.items()},
-            "kv_calibration": {"windows": CALIB_WINDOWS, "tokens_per_window": CALIB_WINDOW, "tokens": stats["tokens"],
+            "kv_calibration": {"windows": CALIB_WINDOWS, "tokens_per_window": CALIB_WINDOW,
                                "clip_percentile": cfg.kv.clip_percentile, "spec": spec.to_dict()}}
 
 
