@@ -374,11 +374,9 @@ def measure(args, cfg) -> dict:
     def engine_logits(engine) -> callable:
         return lambda ids: engine_decode_logits(engine, ids, args.context)
 
-    backbone_cfg = read_config(model_dir)
-    print(format_table([]), flush=True)
-    for weights, engine_dir in engines.items():
-        add("ours", weights, None, build_key(engine_dir), lambda d=engine_dir: engine_logits(open_on_cpu(d, args.threads)),
-            kv_read="engine")
+    def weight_row(weights: str) -> None:
+        add("ours", weights, None, build_key(engines[weights]),
+            lambda: engine_logits(open_on_cpu(engines[weights], args.threads)), kv_read="engine")
 
     spec = cfg.kv.spec()
     memo: dict = {}
@@ -389,19 +387,18 @@ def measure(args, cfg) -> dict:
             memo["stats"] = calibration_stats(memo["backbone"], tokenizer, cfg)
         return memo["backbone"], memo["stats"]
 
+    # The rows in the order of what they tell (a slow machine may be stopped part way; measured rows are kept):
+    # the reference, the served cache, the served weight precisions, llama.cpp, then the other block sizes
+    # and KV widths.
+    backbone_cfg = read_config(model_dir)
+    print(format_table([]), flush=True)
+    weight_row("fp32")
     calibration = f"{CALIB_WINDOWS}x{CALIB_WINDOW} clip {cfg.kv.clip_percentile}"
     add("ours", "fp32", spec, build_key(cfg.layout.kv_engine_dir) + calibration,
         lambda: engine_logits(served_engine(cfg.layout.kv_engine_dir, backbone_and_stats()[1], spec, args.threads)),
         kv_read="engine", note="the served cache: the compile stage's KV engine")
-    for s in grid_specs(spec).values():
-        def reference_logits(s=s):
-            backbone, stats = backbone_and_stats()
-            kw = scales_from_stats(stats, s)
-            return lambda ids: reference_decode_logits(backbone, ids, args.context, s, kw)
-
-        add("ours", "fp32", s, graph_source_hash() + build_key(cfg.layout.engine_dir) + calibration, reference_logits,
-            kv_read="reference")
-    memo.clear()
+    weight_row("int8")
+    weight_row("int4")
 
     ggufs, types = {}, {}
     if not args.no_llama_cpp:
@@ -420,6 +417,17 @@ def measure(args, cfg) -> dict:
 
                 add("llama.cpp", weights.upper(), None, f"{path.name} {path.stat().st_size} {llama_cpp.__version__}",
                     llama_logits, kv=kv, kv_bits={"f16": 16.0, "q8_0": 8.5, "q4_0": 4.5}[kv], kv_read="engine")
+
+    for block in INT4_BLOCKS:
+        weight_row(f"int4/b{block}")
+    for s in grid_specs(spec).values():
+        def reference_logits(s=s):
+            backbone, stats = backbone_and_stats()
+            kw = scales_from_stats(stats, s)
+            return lambda ids: reference_decode_logits(backbone, ids, args.context, s, kw)
+
+        add("ours", "fp32", s, graph_source_hash() + build_key(cfg.layout.engine_dir) + calibration, reference_logits,
+            kv_read="reference")
     return {"rows": rows, "documents": [n for n, _ in rows_ids], "gguf_files": {t: str(p) for t, p in ggufs.items()},
             "gguf_tensor_types": types, "engines": {k: str(v) for k, v in engines.items()},
             "kv_calibration": {"windows": CALIB_WINDOWS, "tokens_per_window": CALIB_WINDOW,
