@@ -399,6 +399,7 @@ def measure(args, cfg) -> dict:
         kv_read="engine", note="the served cache: the compile stage's KV engine")
     weight_row("int8")
     weight_row("int4")
+    weight_row(f"int4/b{INT4_BLOCKS[0]}")  # aligned with the checkpoint's Q4_1 grid: how much of int4's cost is the grid
 
     ggufs, types = {}, {}
     if not args.no_llama_cpp:
@@ -408,17 +409,20 @@ def measure(args, cfg) -> dict:
         llama_dir = converter_dir(args.llama_cpp_src)
         ggufs = build_real_ggufs(llama_cpp, llama_dir, model_dir, work / "gguf", args.threads)
         types = {t: gguf_tensor_types(p, llama_dir) for t, p in ggufs.items()}
-        for weights, path in ggufs.items():
-            for kv in LLAMA_KV_TYPES:
-                def llama_logits(path=path, kv=kv):
-                    llm = load_llama(llama_cpp, path, length + 1, args.threads, True,
-                                     kv_type=getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}"))
-                    return lambda ids: llama_decode_logits(llm, ids, args.context)
+        # llama.cpp's float row and the counterparts of ours first (its 4-bit KV, its Q8_0 and Q4_0 weights)
+        first = [("f16", "f16"), ("f16", "q4_0"), ("q8_0", "f16"), ("q4_0", "f16"), ("q4_0", "q4_0")]
+        for weights, kv in first + [(w, kv) for w in ggufs for kv in LLAMA_KV_TYPES if (w, kv) not in first]:
+            path = ggufs[weights]
 
-                add("llama.cpp", weights.upper(), None, f"{path.name} {path.stat().st_size} {llama_cpp.__version__}",
-                    llama_logits, kv=kv, kv_bits={"f16": 16.0, "q8_0": 8.5, "q4_0": 4.5}[kv], kv_read="engine")
+            def llama_logits(path=path, kv=kv):
+                llm = load_llama(llama_cpp, path, length + 1, args.threads, True,
+                                 kv_type=getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}"))
+                return lambda ids: llama_decode_logits(llm, ids, args.context)
 
-    for block in INT4_BLOCKS:
+            add("llama.cpp", weights.upper(), None, f"{path.name} {path.stat().st_size} {llama_cpp.__version__}",
+                llama_logits, kv=kv, kv_bits={"f16": 16.0, "q8_0": 8.5, "q4_0": 4.5}[kv], kv_read="engine")
+
+    for block in INT4_BLOCKS[1:]:
         weight_row(f"int4/b{block}")
     for s in grid_specs(spec).values():
         def reference_logits(s=s):
