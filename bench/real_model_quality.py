@@ -337,6 +337,8 @@ def measure(args, cfg) -> dict:
     cache.mkdir(parents=True, exist_ok=True)
     ref_files = [cache / f"reference-{d}.npy" for d in range(len(rows_ids))]
     ref_source: list[str] = []
+    not_measured: list[str] = []  # rows not measured before --time-budget ran out (measured ones are kept)
+    deadline = time.monotonic() + 60.0 * args.time_budget
 
     def add(engine: str, weights: str, spec, source: str, open_logits, **extra) -> None:
         """One row; ``open_logits()`` gives the function from token ids to logits, called only if not cached."""
@@ -348,6 +350,10 @@ def measure(args, cfg) -> dict:
             rows.append(json.loads(cached.read_text()))
             ref_logp.extend(log_softmax(np.load(f)) for f in (ref_files if reference else []))
             print(format_table([rows[-1]]).splitlines()[1] + "  (measured before)", flush=True)
+            return
+        if time.monotonic() > deadline and not reference:  # the reference is always measured
+            not_measured.append(f"{engine} {weights} {kv_label(spec) if engine == 'ours' else extra['kv']} "
+                                f"({extra.get('kv_read')})")
             return
         logits_of = open_logits()
         nll = kl = 0.0
@@ -432,7 +438,7 @@ def measure(args, cfg) -> dict:
 
         add("ours", "fp32", s, graph_source_hash() + build_key(cfg.layout.engine_dir) + calibration, reference_logits,
             kv_read="reference")
-    return {"rows": rows, "documents": [n for n, _ in rows_ids], "gguf_files": {t: str(p) for t, p in ggufs.items()},
+    return {"rows": rows, "not_measured": not_measured, "documents": [n for n, _ in rows_ids], "gguf_files": {t: str(p) for t, p in ggufs.items()},
             "gguf_tensor_types": types, "engines": {k: str(v) for k, v in engines.items()},
             "kv_calibration": {"windows": CALIB_WINDOWS, "tokens_per_window": CALIB_WINDOW,
                                "clip_percentile": cfg.kv.clip_percentile, "spec": spec.to_dict()}}
@@ -448,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=1024, help="tokens in the cache before the first scored one")
     ap.add_argument("--score", type=int, default=128, help="tokens scored per document, decoded one at a time")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--time-budget", type=float, default=float("inf"),
+                    help="minutes: rows not measured yet are left out (listed as not_measured) once this is spent")
     ap.add_argument("--no-llama-cpp", action="store_true", help="our rows only (without the peer extra)")
     ap.add_argument("--llama-cpp-src", default=None, help="llama-cpp-python sdist or llama.cpp directory (the converter)")
     args = ap.parse_args(argv)
@@ -470,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_report(args.out, payload)
     print("\n" + format_table(result["rows"]))
+    if result["not_measured"]:
+        print("\nnot measured (--time-budget spent): " + "; ".join(result["not_measured"]))
     print(f"\n{WEIGHT_GRID_NOTE}\ntask accuracy: {payload['task_accuracy']}\nwritten: {args.out}")
     return 0
 
