@@ -66,7 +66,7 @@ def random_adapter(model, base_dir: Path, out_dir: Path) -> Path:
 
 
 def interleaved(steps: dict, iters: int, rounds: int = 20, warmup: int = 3, settle: int = 3) -> dict[str, dict[str, float]]:
-    """Median and 10th-percentile ms per call of each step, measured in alternating short rounds
+    """Median, 10th- and 95th-percentile ms per call of each step, measured in alternating short rounds
     (A B C, A B C, ...) so a load change on the machine hits every backend alike instead of
     biasing the one measured last. The median is the reported latency; p10 shows what the
     backend does when nothing else competes for the cores.
@@ -90,7 +90,8 @@ def interleaved(steps: dict, iters: int, rounds: int = 20, warmup: int = 3, sett
                 fn()
                 samples[name].append((time.perf_counter() - t0) * 1e3)
     return {
-        name: {"median": statistics.median(v), "p10": float(np.percentile(v, 10))} for name, v in samples.items()
+        name: {"median": statistics.median(v), "p10": float(np.percentile(v, 10)), "p95": float(np.percentile(v, 95))}
+        for name, v in samples.items()
     }
 
 

@@ -357,13 +357,16 @@ def build_ggufs(llama_cpp, llama_dir: Path, hf_dir: Path, out: Path, threads: in
     return {t: paths[t] for t in GGUF_TYPES}
 
 
-def load_llama(llama_cpp, path: Path, n_ctx: int, threads: int, flash_attn: bool, lora: Path | None = None):
+def load_llama(llama_cpp, path: Path, n_ctx: int, threads: int, flash_attn: bool, lora: Path | None = None,
+               kv_type: int | None = None):
     """llama.cpp's defaults (weights mapped, F16 KV cache) but threads and flash attention; logits
     of every position, as our engine returns them. ``lora``: a GGUF adapter applied at run time
-    (scale 1: the file carries alpha, llama.cpp applies alpha / r), the base weights untouched."""
+    (scale 1: the file carries alpha, llama.cpp applies alpha / r), the base weights untouched.
+    ``kv_type``: a ``GGML_TYPE_*`` for K and V (a quantized V cache needs flash attention)."""
+    cache = {} if kv_type is None else {"type_k": kv_type, "type_v": kv_type}
     return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
                            n_threads_batch=threads, n_gpu_layers=0, logits_all=True, flash_attn=flash_attn,
-                           lora_path=str(lora) if lora else None, verbose=False)
+                           lora_path=str(lora) if lora else None, verbose=False, **cache)
 
 
 def llama_steps(llm, vocab_size: int, P: int | None, prefill: int = PREFILL):

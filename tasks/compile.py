@@ -231,7 +231,17 @@ def compile_engine(
 
 
 def run_stage(cfg: ReleaseConfig) -> dict:
-    """The compile stage: build (or reuse) ``engine.dir`` for the backbone; record ``engine_builds``.
+    """The compile stage: build (or reuse) the profile's engines (``compile_profile_engines``); record
+    ``engine_builds`` in ``layout.engine_build_file``."""
+    metrics = compile_profile_engines(cfg)
+    cfg.layout.engine_build_file.parent.mkdir(parents=True, exist_ok=True)
+    write_json(cfg.layout.engine_build_file, metrics)
+    return metrics
+
+
+def compile_profile_engines(cfg: ReleaseConfig) -> dict:
+    """Build (or reuse) ``engine.dir`` for the backbone; return what was built. Writes nothing else, so a
+    benchmark can take the stage's engines without touching the stage's record.
 
     With ``engine.kv_cache: quantized`` the engine with the ``kv`` section's quantized cache is
     built too (``layout.kv_engine_dir``; its scales are runtime inputs, so it is month-independent
@@ -265,8 +275,6 @@ def run_stage(cfg: ReleaseConfig) -> dict:
 
         metrics |= ensure_quantized_engine(source, layout.serving_engine_dir, cfg.engine.weights,
                                             cfg.engine.weight_block_size, cfg.engine.weights_format())
-    layout.engine_build_file.parent.mkdir(parents=True, exist_ok=True)
-    write_json(layout.engine_build_file, metrics)
     return metrics
 
 

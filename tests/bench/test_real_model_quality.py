@@ -1,0 +1,74 @@
+"""bench/real_model_quality.py: its perplexity and KL arithmetic, its rows and its decode loops, on tiny
+arrays and a tiny model (seconds; the bench itself runs on the real checkpoint, not in CI)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from bench import real_model_quality as rq
+
+
+def test_score_logits_gives_the_nll_of_the_targets_and_zero_kl_against_itself():
+    logits = np.array([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    nll, kl, n = rq.score_logits(rq.log_softmax(logits), logits, np.array([0, 2]))
+    p0 = math.exp(2.0) / (math.exp(2.0) + 2.0)
+    assert n == 2
+    assert nll == pytest.approx(-math.log(p0) + math.log(3.0))
+    assert kl == pytest.approx(0.0, abs=1e-12)
+
+
+def test_score_logits_kl_is_the_reference_weighted_log_ratio():
+    ref, cand = np.array([[math.log(0.75), math.log(0.25)]]), np.array([[0.0, 0.0]])
+    _, kl, _ = rq.score_logits(rq.log_softmax(ref), cand, np.array([0]))
+    assert kl == pytest.approx(0.75 * math.log(0.75 / 0.5) + 0.25 * math.log(0.25 / 0.5))  # 0.1308 nats
+    _, kl_back, _ = rq.score_logits(rq.log_softmax(cand), ref, np.array([0]))
+    assert kl_back != pytest.approx(kl)  # KL(ref || row), not symmetric
+
+
+def test_a_row_has_the_issue_schema_and_its_increase_over_the_reference():
+    ref = rq.quality_row("ours", "fp32", "float (fp32)", nll=2.0 * 10, kl=0.0, n=10, ref_ppl=None)
+    row = rq.quality_row("llama.cpp", "Q4_0", "q4_0", nll=2.1 * 10, kl=0.5, n=10, ref_ppl=ref["ppl"], kv_bits=4.5)
+    assert set(rq.ROW_KEYS) <= set(row) and set(rq.ROW_KEYS) <= set(ref)
+    assert ref["ppl"] == pytest.approx(math.exp(2.0)) and ref["ppl_increase_pct"] == 0.0
+    assert row["ppl_increase_pct"] == pytest.approx(100.0 * (math.exp(0.1) - 1.0))  # +10.52%
+    assert row["kl_mean"] == pytest.approx(0.05) and row["tokens"] == 10 and row["kv_bits"] == 4.5
+    assert "Q4_0" in rq.format_table([ref, row]).splitlines()[2]
+
+
+def test_calib_and_eval_documents_never_share_a_name():
+    calib = {n for docs in rq.real_documents("calib") for n, _ in docs}
+    eval_ = {n for docs in rq.real_documents("eval") for n, _ in docs}
+    assert calib and eval_ and not calib & eval_
+    assert any(n.startswith("topic:") for n in eval_) and any(n.startswith("stdlib:") for n in eval_)
+
+
+def test_decoding_token_by_token_gives_the_full_forward_logits(tiny_llama_dir):
+    """The float cache filled by a prefill and then one token per call predicts what one pass over
+    the whole row does, on the engine path and on the reference path (an 8-bit cache stays close)."""
+    from kernels.kv_spec import KVQuantSpec
+    from runtime.backends.torch_eager import TorchEngine
+    from runtime.hashing import backbone_hash
+    from runtime.interface import build_interface
+    from runtime.model import load_backbone, read_config
+    from tasks.calibrate import collect_kv_stats, scales_from_stats
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (12,)).tolist()
+    backbone = load_backbone(tiny_llama_dir)
+    with torch.no_grad():
+        full, _ = backbone(torch.tensor([ids]), torch.arange(12)[None], torch.ones(1, 12, dtype=torch.long),
+                           backbone.empty_past(1))
+    want = full[0, 7:11].numpy()  # rows predicting ids[8:12]
+    iface = build_interface(read_config(tiny_llama_dir), backbone_hash(tiny_llama_dir), 4, ())
+    got = rq.engine_decode_logits(TorchEngine(tiny_llama_dir, iface), ids, prefix=8)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=1e-4)
+
+    spec = KVQuantSpec(k_bits=8, v_bits=8)
+    stats = collect_kv_stats(backbone, [(torch.tensor([ids]), torch.ones(1, 12, dtype=torch.long))], False, progress=False)
+    quant = rq.reference_decode_logits(backbone, ids, 8, spec, scales_from_stats(stats, spec))
+    assert quant.shape == want.shape and 0 < np.abs(quant - want).max() < 0.05
