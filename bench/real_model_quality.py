@@ -52,16 +52,14 @@ import math
 import os
 import platform
 import sys
-import sysconfig
 import time
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from bench.report import write_report
-from runtime.contract import CACHE_KEY_FILE
+from runtime.engine.interface import CACHE_KEY_FILE
 from tasks.calibrate import collect_kv_stats, kv_scales_from_stats
 
 ROW_KEYS = ("engine", "weights", "kv", "ppl", "ppl_increase_pct", "kl_mean")  # every row has these (issue 25)
@@ -115,21 +113,13 @@ def format_table(rows: list[dict]) -> str:
 
 # ---------------------------------------------------------------- real text, offline
 
-def split_of(name: str) -> str:
-    """calib for a quarter of the documents (by a hash of the name: stable on every machine), else eval."""
-    return "calib" if int(hashlib.sha256(name.encode()).hexdigest(), 16) % 4 == 0 else "eval"
+def real_documents(split: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(prose, code) documents of ``split``, [(name, text)]: ``tasks.real_text``'s, the same text and
+    calib/eval split the KV gate's held-out file and ``bench.kv_real_text`` read."""
+    from tasks import real_text
 
-
-def real_documents(split: str, min_chars: int = 6000) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """(prose, code) documents of ``split``, [(name, text)], in a stable order: the reference manual's
-    topics (``pydoc_data.topics``) and this interpreter's standard-library ``*.py``."""
-    import pydoc_data.topics
-
-    prose = [(f"topic:{n}", t) for n, t in sorted(pydoc_data.topics.topics.items())]
-    code = [(f"stdlib:{p.name}", p.read_text(errors="replace"))
-            for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))]
-    keep = lambda docs: [(n, t) for n, t in docs if len(t) >= min_chars and split_of(n) == split]  # noqa: E731
-    return keep(prose), keep(code)
+    docs = real_text.real_documents(split)
+    return [d for d in docs if d[0].startswith("topic:")], [d for d in docs if d[0].startswith("stdlib:")]
 
 
 def eval_rows(tokenizer, n: int, length: int) -> list[tuple[str, list[int]]]:
@@ -168,7 +158,7 @@ def calib_batches(tokenizer, windows: int = CALIB_WINDOWS, length: int = CALIB_W
 # ---------------------------------------------------------------- decoding the way a device does
 
 def engine_decode_logits(engine, ids: list[int], prefix: int) -> np.ndarray:
-    """(len(ids) - prefix, V) logits of an ``runtime.engine.Engine``: ``ids[:prefix]`` prefilled, then one
+    """(len(ids) - prefix, V) logits of an ``runtime.engine.engine.Engine``: ``ids[:prefix]`` prefilled, then one
     token per call through the cache the engine returns; row t predicts ``ids[prefix + t]``."""
     x = np.asarray(ids, dtype=np.int64)[None]  # (1, T)
     logits, cache = engine.forward(x[:, :prefix], np.arange(prefix)[None], np.ones((1, prefix), np.int64), None)
@@ -253,7 +243,7 @@ def calibration_stats(backbone, tokenizer, cfg) -> dict:
 
 def served_engine(engine_dir: Path, stats: dict, spec, threads: int):
     """A quantized-KV engine (the compile stage's, or a weight-quantized copy) with scales for ``spec`` bound."""
-    from runtime.backends.onnxruntime import OrtEngine
+    from runtime.engine.backends.onnxruntime import OrtEngine
 
     engine = OrtEngine(engine_dir, threads=threads)
     engine.set_adapter(None, kv_scales=kv_scales_from_stats(stats, spec, {"base_model_hash": engine.interface.backbone_hash}))
@@ -304,7 +294,7 @@ def release_task_accuracy(cfg) -> dict:
 def measure(args, cfg) -> dict:
     import torch
 
-    from runtime.model import load_backbone, read_config
+    from runtime.engine.model import load_backbone, read_config
     from tasks.base_model import load_tokenizer
     from tasks.calibrate import scales_from_stats
     from tasks.compile import compile_profile_engines, graph_source_hash

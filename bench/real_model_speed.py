@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.llama_cpp_bench import converter_dir, llama_steps, load_llama, require_llama_cpp
     from bench.real_model_quality import build_real_ggufs, calibration_stats, served_engine
-    from runtime.model import load_backbone, read_config
+    from runtime.engine.model import load_backbone, read_config
     from tasks.base_model import load_tokenizer
     from tasks.compile import compile_profile_engines
     from tasks.config import load_config

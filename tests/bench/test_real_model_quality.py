@@ -50,10 +50,10 @@ def test_decoding_token_by_token_gives_the_full_forward_logits(tiny_llama_dir):
     """The float cache filled by a prefill and then one token per call predicts what one pass over
     the whole row does, on the engine path and on the reference path (an 8-bit cache stays close)."""
     from kernels.kv_spec import KVQuantSpec
-    from runtime.backends.torch_eager import TorchEngine
-    from runtime.hashing import backbone_hash
-    from runtime.interface import build_interface
-    from runtime.model import load_backbone, read_config
+    from runtime.engine.backends.torch_eager import TorchEngine
+    from runtime.engine.hashing import backbone_hash
+    from runtime.engine.interface import build_interface
+    from runtime.engine.model import load_backbone, read_config
     from tasks.calibrate import collect_kv_stats, scales_from_stats
 
     torch.manual_seed(0)
