@@ -33,8 +33,11 @@ from tasks.calibrate import DEFAULT_CLIP_PERCENTILE, collect_kv_stats, scales_fr
 
 
 # served: the KVQuantSpec defaults, what ONNX Runtime's GroupQueryAttention reads; pre-rope:
-# kernels.kv_spec.PRE_ROPE_SCHEME (the standard-ops engine).
-SCHEMES = {"served": KVQuantSpec(), "pre-rope": PRE_ROPE_SCHEME}
+# kernels.kv_spec.PRE_ROPE_SCHEME; per-token: K and V scaled online per (token, kv head), QuaRot's
+# pairing with a rotation (both on the standard-ops engine).
+SCHEMES = {"served": KVQuantSpec(), "pre-rope": PRE_ROPE_SCHEME,
+           "per-token": KVQuantSpec(k_granularity="token", v_granularity="token"),
+           "per-token-zp": KVQuantSpec(k_granularity="token", v_granularity="token", k_symmetric=False, v_symmetric=False)}
 
 
 def real_token_rows(tokenizer, split: str, n: int, length: int) -> torch.Tensor:
