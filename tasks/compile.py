@@ -142,10 +142,14 @@ def export_backbone(
     with torch.no_grad(), warnings.catch_warnings():
         # The exporter cannot rename axes of nested inputs; _name_dynamic_axes does it below.
         warnings.filterwarnings("ignore", message=".*dynamic axes will not be renamed")
+        # torch.export calling torch's own deprecated pytree API: nothing to act on here, and shown again at
+        # each export (this block resets the warnings' once-per-place registry).
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         program = torch.onnx.export(
             model,
             args,
             dynamo=True,
+            verbose=False,  # four progress lines per export otherwise; a failed step still raises
             dynamic_shapes=dynamic_shapes,
             input_names=iface.input_names,
             output_names=iface.output_names,
@@ -278,9 +282,17 @@ def compile_profile_engines(cfg: ReleaseConfig) -> dict:
     return metrics
 
 
+def _not_about_torchvision(record: logging.LogRecord) -> bool:
+    # The exporter's op registry warns at each export that torchvision, whose ops no backbone uses, is absent.
+    return not record.getMessage().startswith("torchvision is not installed")
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("onnx_ir").setLevel(logging.WARNING)  # one line per deduplicated initializer otherwise
+    # Their INFO is per node and per rewrite (dozens of lines per export, many the same); their warnings stay.
+    logging.getLogger("onnx_ir").setLevel(logging.WARNING)
+    logging.getLogger("onnxscript").setLevel(logging.WARNING)
+    logging.getLogger("torch.onnx._internal.exporter._registration").addFilter(_not_about_torchvision)
     return stage_main(
         "Compile the backbone once into an engine with LoRA and KV cache as inputs.",
         lambda cfg: json.dumps(run_stage(cfg), indent=2, sort_keys=True),

@@ -1,5 +1,6 @@
 """The Prefect environment every entry point gets from flows/__init__.py: a start-up deadline that holds
-on a busy machine, and an error that names the setting when even that is not enough."""
+on a busy machine, and an error that names the setting when even that is not enough; the stages it starts
+wait for their OpenMP threads without spinning."""
 
 from __future__ import annotations
 
@@ -26,6 +27,25 @@ def test_prefect_reads_the_projects_start_up_deadline_unless_the_user_set_one():
 
     assert prefect_sees(clean_env()) == int(ENV_DEFAULTS[STARTUP_TIMEOUT_SETTING]) == 180  # Prefect's own: 20
     assert prefect_sees(clean_env(**{STARTUP_TIMEOUT_SETTING: "7"})) == 7
+
+
+# What a stage started from the flow's process (as DVC starts it) finds in its environment.
+STAGE_WAIT_POLICY = ("import subprocess, sys\n"
+                     "import flows.monthly_release\n"
+                     "stage = 'import os; print(os.environ.get(\"OMP_WAIT_POLICY\"))'\n"
+                     "subprocess.run([sys.executable, '-c', stage], check=True)\n")
+
+
+def test_the_flows_stages_wait_passively_for_their_threads_unless_the_user_set_a_policy():
+    def stage_sees(env: dict) -> str:
+        done = subprocess.run([sys.executable, "-c", STAGE_WAIT_POLICY], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    without_policy = {k: v for k, v in clean_env().items() if k != "OMP_WAIT_POLICY"}
+    assert stage_sees(without_policy) == "PASSIVE"
+    assert stage_sees(without_policy | {"OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE"
 
 
 def test_an_ephemeral_server_slower_than_the_deadline_fails_the_release_naming_the_setting(tmp_path):

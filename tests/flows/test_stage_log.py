@@ -7,11 +7,10 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from collections import Counter
 
 import yaml
 
-from project_testkit import ENV
+from project_testkit import ENV, TIMESTAMPS, repeated_lines
 
 FLOW = '''
 import logging
@@ -33,7 +32,6 @@ def stages():
 ensure_dvc_repo(Path.cwd(), "../remote")
 stages()
 '''
-TIMESTAMP = re.compile(r"^\d\d:\d\d:\d\d\.\d{3} \| ")
 
 
 def test_a_flow_running_dvc_stages_prints_each_line_once_without_git_advice(tmp_path):
@@ -55,9 +53,8 @@ def test_a_flow_running_dvc_stages_prints_each_line_once_without_git_advice(tmp_
     assert done.returncode == 0, output[-4000:]
     assert (repo / "loud.txt").read_text() == "HELLO"
 
-    lines = [TIMESTAMP.sub("", line).strip() for line in output.splitlines()]
-    twice = {line: n for line, n in Counter(line for line in lines if line).items() if n > 1}
-    assert twice == {}, output[-4000:]
+    assert repeated_lines(output) == {}, output[-4000:]
+    lines = [TIMESTAMPS.sub("", line).strip() for line in output.splitlines()]
     assert "git add" not in output and "autostage" not in output and "auto staging" not in output, output[-4000:]
     summaries = [line.split(" - ", 1)[1] for line in lines if re.search(r" - (make|shout): ", line)]
     assert [re.sub(r"\d+\.\d s", "N s", s) for s in summaries] == [

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import onnx
 import pytest
 from engine_testkit import make_model, tiny_engine, tiny_qwen  # noqa: F401  (fixtures)
+from project_testkit import ENV, repeated_lines
 
 import tasks.compile as compile_stage
 from runtime.engine.hashing import backbone_hash
@@ -96,3 +99,31 @@ def test_large_backbone_is_exported_with_its_weights_beside_every_graph(tiny_qwe
     args = (ids, np.arange(7)[None], np.ones((1, 7), np.int64), None)
     want = ort_backend.OrtEngine(tiny_engine).forward(*args)[0]
     np.testing.assert_array_equal(ort_backend.OrtEngine(engine_dir).forward(*args)[0], want)
+
+
+# The stage as DVC runs it, then a warning from the exporter's optimizer after the stage set up its logging.
+COMPILE_THEN_WARN = """
+import logging, sys
+from tasks.compile import main
+code = main(["--params", "params.yaml"])
+logging.getLogger("onnxscript.rewriter").warning("a warning from onnxscript")
+sys.exit(code)
+"""
+
+
+def test_the_compile_stage_prints_each_line_once_and_keeps_warnings(tiny_qwen, tmp_path):
+    # Given: a release of the tiny backbone with the default quantized KV cache: two exports, as in `make release`
+    (tmp_path / "params.yaml").write_text(f"base_model:\n  source: local\n  path: {tiny_qwen}\n")
+
+    # When: the compile stage runs in its own process
+    done = subprocess.run([sys.executable, "-c", COMPILE_THEN_WARN], cwd=tmp_path, env=ENV, capture_output=True,
+                          text=True, timeout=600)
+
+    # Then: both engines are built, no line is printed twice (the exporter's per-export progress and the
+    # optimizer's INFO chatter were), the stage's own lines are there, and a warning still gets through
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert repeated_lines(output) == {}, output[-4000:]
+    assert json.loads(done.stdout)["engine_builds"] == 2  # stdout: the stage's result alone
+    assert sum(" engine built in " in line for line in output.splitlines()) == 2, output[-4000:]
+    assert output.count("a warning from onnxscript") == 1, output[-4000:]
