@@ -71,8 +71,9 @@ def engine_perplexity(engine, tokenizer, texts: list[str]) -> float:
     return math.exp(total_nll / total_tokens)
 
 
-def _score(model, tokenizer, test: list[Example], texts: list[str], cfg: EvalConfig) -> tuple[dict, list[str]]:
-    predictions = greedy_completions(model, tokenizer, [ex.prompt for ex in test], cfg.max_new_tokens, cfg.batch_size)
+def _score(model, tokenizer, test: list[Example], texts: list[str], cfg: EvalConfig, name: str) -> tuple[dict, list[str]]:
+    predictions = greedy_completions(model, tokenizer, [ex.prompt for ex in test], cfg.max_new_tokens, cfg.batch_size,
+                                     desc=f"greedy decode: {name}")
     report = accuracy_report(test, predictions)
     report["perplexity"] = perplexity(model, tokenizer, texts, cfg.batch_size)
     return report, predictions
@@ -147,7 +148,8 @@ def _score_on_engine(
     on_engine = generate_text(engine, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size)
     parity = parity_report(
         diff,
-        greedy_completions(merged_model, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size),
+        greedy_completions(merged_model, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size,
+                           desc="greedy decode: merged adapter (parity)"),
         on_engine,
         engine_cfg.parity_tolerance,
     )
@@ -261,12 +263,12 @@ def evaluate(
     progress = Progress("evaluate", 2 + (engine is not None) + (kv_dir is not None), unit="phase")
     model, tokenizer = load_base_model(base_dir)
     model.to(placement.device)
-    base_report, base_predictions = _score(model, tokenizer, test, texts, cfg)
+    base_report, base_predictions = _score(model, tokenizer, test, texts, cfg, "base")
     progress.advance(accuracy_base=base_report["accuracy"])
     adapted = PeftModel.from_pretrained(model, adapter_dir)
     adapted.eval()
     with torch.no_grad():
-        adapter_report, adapter_predictions = _score(adapted, tokenizer, test, texts, cfg)
+        adapter_report, adapter_predictions = _score(adapted, tokenizer, test, texts, cfg, "adapter")
     progress.advance(accuracy_adapter=adapter_report["accuracy"])
 
     metrics = {

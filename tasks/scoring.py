@@ -13,15 +13,17 @@ from runtime.engine.tokenizer import encode_prompt, until_stop
 from tasks.data import Example
 
 
-def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[str]:
+def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int,
+                       desc: str = "greedy decode") -> list[str]:
     """Greedy-decode each prompt (left-padded batches) and return the text before the first of the
-    tokenizer's ``stop_ids``: the prompt ids and the stop rule of ``runtime.engine.generate.generate_text``."""
+    tokenizer's ``stop_ids``: the prompt ids and the stop rule of ``runtime.engine.generate.generate_text``.
+    ``desc`` names the progress bar (a log file keeps each bar's first frame: each says what it scores)."""
     import torch
     from tqdm import tqdm
 
     tokenizer.padding_side = "left"
     outputs: list[str] = []
-    for start in tqdm(range(0, len(prompts), batch_size), desc="greedy decode", unit="batch", leave=False):
+    for start in tqdm(range(0, len(prompts), batch_size), desc=desc, unit="batch", leave=False):
         rows = [encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
         batch = tokenizer.pad({"input_ids": rows}, return_tensors="pt").to(model.device)
         with torch.no_grad():
