@@ -207,6 +207,8 @@ def _stages_gates_publish(config: ReleaseConfig, opened: release.Recorded) -> di
             break  # the package stage would refuse: nothing is packaged for a failed candidate
         # The gates read the registry's champion, which DVC does not track: always re-evaluate them.
         runs.append(reproduce(name, force=name == release.GATES_STAGE))
+        if runs[-1].reproduced and (placement := release.placement_line(config, name)):
+            get_run_logger().info(placement)
     report = release.full_gate_report(config)
 
     existing = release.already_published(config) if report["passed"] and not config.publish.force else None

@@ -92,6 +92,15 @@ def stage_tags(cfg: ReleaseConfig, stage: str) -> dict[str, str]:
     return {}
 
 
+def placement_line(cfg: ReleaseConfig, stage: str) -> str | None:
+    """Where a stage's PyTorch side ran, as a line of the flow's log; None for a stage without one.
+
+    The fine-tune stage prints its choice and the reason to the console only, which a deployment's run
+    page does not show."""
+    tags = stage_tags(cfg, stage)
+    return f"{stage} ran on " + ", ".join(f"{key} {value}" for key, value in tags.items()) if tags else None
+
+
 def _steps(path: Path) -> list[tuple[int, float]]:
     """(step, value) rows of a loss CSV: the step column, then the value column."""
     if not path.exists():

@@ -86,6 +86,8 @@ def test_first_month_publishes_and_records_everything(project):
     root = project["root"]
     done = run_flow(project, "first")
     assert done.returncode == 0, done.stderr[-4000:]  # its wall time is bench/flow_bench.py's to measure
+    # Where the fine-tune ran reaches the flow's own log (a deployment's run page), not only the stage's console.
+    assert "finetune ran on device cpu, precision fp32, processes 1" in done.stdout + done.stderr
 
     release = root / "artifacts" / "2026-11"
     metrics = json.loads((release / "eval" / "metrics.json").read_text())

@@ -1,13 +1,13 @@
 """record_in_mlflow run twice for one flow run (a Prefect retry) leaves one parent run, one run per stage, and the
 loss history once: the fine-tuning curves as metric history on the finetune stage's run and on the parent; where
-the fine-tune ran (device, precision, processes) as tags of its run."""
+the fine-tune ran (device, precision, processes) as tags of its run, and as a line of the flow's log."""
 
 from tasks.artifacts import write_json
 from tasks.config import ReleaseConfig
 from tasks.gates import Gate, gate_report
 from tasks.pipeline import StageRun
 from tasks.plots import LOSS_CSV, VAL_LOSS_CSV
-from tasks.release import live_run, record_in_mlflow
+from tasks.release import live_run, placement_line, record_in_mlflow
 
 
 def test_record_twice_for_one_flow_run_logs_one_run_and_each_loss_point_once(tmp_path):
@@ -42,3 +42,15 @@ def test_record_twice_for_one_flow_run_logs_one_run_and_each_loss_point_once(tmp
         assert [m.step for m in client.get_metric_history(run_id, "train_loss")] == list(range(1, 41))
         assert [(m.step, m.value) for m in client.get_metric_history(run_id, "val_loss")] == [(20, 0.1), (40, 0.06)]
     assert client.get_run(opened.run_id).info.status == "FINISHED"
+
+
+def test_the_flow_log_line_names_where_the_fine_tune_and_evaluation_ran(tmp_path):
+    cfg = ReleaseConfig.model_validate({"train": {"output_dir": str(tmp_path / "artifacts")}})
+    for path, payload in ((cfg.layout.finetune_dir / "train_metrics.json",
+                           {"final_loss": 0.05, "device": "cpu", "precision": "fp32", "processes": 2}),
+                          (cfg.layout.metrics_file, {"adapter": {"accuracy": 0.97}, "torch_device": "cuda"})):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, payload)
+    assert placement_line(cfg, "finetune") == "finetune ran on device cpu, precision fp32, processes 2"
+    assert placement_line(cfg, "evaluate") == "evaluate ran on device cuda"
+    assert placement_line(cfg, "calibrate") is None  # no PyTorch placement of its own: no line
