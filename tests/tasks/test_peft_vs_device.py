@@ -1,0 +1,50 @@
+"""``python -m tasks.peft_vs_device`` finds the device answering what PEFT answers, and finds it when not."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+
+from release_testkit import world
+from tasks.data import read_jsonl, rulebook, sample_examples, write_jsonl
+from tasks.peft_vs_device import compare, release_id, render, serving
+
+# A template the tiny world's tokenizer does not have: its tokenizer.json (and so the release's hash) is kept.
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def w(tmp_path_factory):
+    w = world(tmp_path_factory)
+    base = shutil.copytree(w["base"], w["root"] / "base-with-template")
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    (base / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TEMPLATE}))
+    rows = [ex.as_chat() for ex in sample_examples(rulebook("2026-11", 1234, 2), 4, random.Random(3))]
+    write_jsonl(w["root"] / "test.jsonl", rows)
+    return w | {"base": base, "test": w["root"] / "test.jsonl"}
+
+
+def test_the_release_peft_loads_answers_on_the_device_as_in_pytorch_both_endpoints(w):
+    with serving(w["engine"], w["base"], w["b"], w["trusted_key"], threads=1) as url:
+        model, answers = compare(w["base"], w["b"], url, w["test"], max_new_tokens=5)
+    rows = read_jsonl(w["test"])
+    assert [(a.row, a.endpoint) for a in answers] == [(r, e) for r in range(1, len(rows) + 1)
+                                                       for e in ("chat", "completions")]
+    assert [a.prompt for a in answers if a.endpoint == "chat"] == [[*ex.prompt.messages] for ex in rows]
+    assert model == release_id(w["b"]) and model.startswith("2026-11")
+    assert all(a.equal for a in answers), render(model, model, answers)
+    assert sum(bool(a.peft.strip()) for a in answers) >= len(answers) // 2  # words, not only eos
+    assert "chat: 4 of 4 answers equal" in render(model, model, answers)
+
+
+def test_a_device_serving_another_release_is_found_different(w):
+    with serving(w["engine"], w["base"], w["a"], w["trusted_key"], threads=1) as url:
+        model, answers = compare(w["base"], w["b"], url, w["test"], max_new_tokens=5)
+    assert model == release_id(w["a"])  # what the device says it serves: release A, while PEFT loaded B
+    assert not all(a.equal for a in answers)
+    table = render(model, release_id(w["b"]), answers)
+    assert "| NO |" in table and "(ANOTHER RELEASE)" in table
