@@ -389,6 +389,7 @@ def llama_steps(llm, vocab_size: int, P: int | None, prefill: int = PREFILL):
     def decode_step():
         llm.n_tokens = P
         llm.eval(ids[P:])
+        return llm.scores[P]  # the new token's logits, as engine_steps returns the engine's (a view: no copy)
 
     return decode_step
 
