@@ -369,10 +369,12 @@ def load_llama(llama_cpp, path: Path, n_ctx: int, threads: int, flash_attn: bool
                            lora_path=str(lora) if lora else None, verbose=False, **cache)
 
 
-def llama_steps(llm, vocab_size: int, P: int | None, prefill: int = PREFILL):
+def llama_steps(llm, vocab_size: int, P: int | None, prefill: int = PREFILL, saved_past: dict | None = None):
     """``engine_steps`` for llama.cpp, on the same token ids: one token after a past of P (the
     past is evaluated once; every call resets ``n_tokens`` to P, so ``eval`` first drops the KV
-    cells >= P), or a prefill (P=None) from an empty cache."""
+    cells >= P), or a prefill (P=None) from an empty cache. ``saved_past``: the past's KV cells
+    (``llama_state_seq_get_data``) are written into it after the past is evaluated, and a later
+    context of the same file and cache types given it back restores them instead of evaluating again."""
     rng = np.random.default_rng(0)
     if P is None:
         ids = rng.integers(0, vocab_size, (1, prefill))[0].tolist()
@@ -384,7 +386,21 @@ def llama_steps(llm, vocab_size: int, P: int | None, prefill: int = PREFILL):
         return prefill_step
     ids = rng.integers(0, vocab_size, (1, P + 1))[0].tolist()
     llm.reset()
-    llm.eval(ids[:P])
+    if saved_past:
+        import llama_cpp
+
+        if not llama_cpp.llama_state_seq_set_data(llm.ctx, saved_past["kv"], len(saved_past["kv"]), 0):
+            raise RuntimeError(f"llama.cpp refused the saved past of {P} tokens")
+    else:
+        llm.eval(ids[:P])
+        if saved_past is not None:
+            import ctypes
+
+            import llama_cpp
+
+            buf = (ctypes.c_uint8 * llama_cpp.llama_state_seq_get_size(llm.ctx, 0))()
+            saved_past["kv"] = buf
+            llama_cpp.llama_state_seq_get_data(llm.ctx, buf, len(buf), 0)
 
     def decode_step():
         llm.n_tokens = P

@@ -11,7 +11,7 @@ Not in CI nor in ``make bench``. One decoded token after a past of P, batch 1, `
   same compute as with an adapter);
 * llama.cpp (the ``peer`` extra): F16, Q8_0 and Q4_0 (``bench.real_model_quality.build_real_ggufs``), each
   with a q4_0 and an f16 KV cache, flash attention on. One llama.cpp context is loaded at a time: each
-  case's context is loaded, fills its past and is closed within each of its rounds (``llama_case``); six
+  case's context is loaded, takes its past and is closed within each of its rounds (``llama_case``); six
   contexts held in one process together crashed inside libggml-cpu.so (a general protection fault).
 Every engine is timed in one ``bench.engine_bench.interleaved`` call per past (A B C ..., A B C ...), on the
 same token ids (``engine_steps`` / ``llama_steps``: the past is restored after every call). Median, p10
@@ -42,14 +42,18 @@ LLAMA_KV = ("q4_0", "f16")
 
 def llama_case(llama_cpp, path: Path, kv: str, threads: int, vocab_size: int, P: int) -> PerRound:
     """llama.cpp's decode step after a past of P with ``kv`` (a ``GGML_TYPE_*`` name) for K and V, its context
-    loaded and its past filled for each round and closed after it, so one context at a time is held."""
+    loaded for each round and closed after it, so one context at a time is held. The past is evaluated in
+    the first round only; later rounds restore its KV cells (a 2,048-token prefill each round took longer
+    than the decode calls it framed on the shared 2 cores)."""
     from bench.llama_cpp_bench import llama_steps, load_llama
+
+    saved_past: dict = {}
 
     @contextmanager
     def opened():
         llm = load_llama(llama_cpp, path, P + 1, threads, True, kv_type=getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}"))
         try:
-            yield llama_steps(llm, vocab_size, P)
+            yield llama_steps(llm, vocab_size, P, saved_past=saved_past)
         finally:
             llm.close()
 

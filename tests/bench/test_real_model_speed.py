@@ -70,7 +70,8 @@ def test_llama_cpp_cases_load_one_context_per_round_and_decode_the_same_token_ea
             with case.open() as step:
                 for _ in range(2):
                     logits[kv].append(np.array(step()))
-    # then each call decoded the token after the same restored past: the same logits every time, and
+    # then each call decoded the token after the same past, evaluated in the first opening and restored
+    # from its saved KV cells in the second: the same logits every time, and
     # the 4-bit cache moves them off the f16 cache's
     for kv, rows in logits.items():
         assert np.abs(rows[0]).max() > 0.1
