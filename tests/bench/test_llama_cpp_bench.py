@@ -107,15 +107,11 @@ def test_the_converter_is_extracted_once_from_the_sdist_and_nothing_else(tmp_pat
         peer.converter_dir(sdist)
 
 
-def test_gguf_f32_is_the_same_model_as_our_fp32_engine_with_and_without_the_adapter(tmp_path):
+def test_gguf_f32_is_the_same_model_as_our_fp32_engine_with_and_without_the_adapter(tmp_path, llama_peer):
     # given the tiny backbone and its random rank-8 adapter, our fp32 engine, and the same directories
     # converted by llama.cpp's converters (F32 model, F32 LoRA); when both run the same 24 token ids,
     # without and then with the adapter; then their logits agree both times
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (the `peer` extra: make bench-peer)")
-    try:
-        llama_dir = peer.converter_dir()
-    except SystemExit as err:
-        pytest.skip(f"llama-cpp-python sdist not found: {err}")
+    llama_cpp, llama_dir = llama_peer
     from bench.engine_bench import RANK, TARGETS, make_backbone_and_adapter
     from runtime.engine.backends.onnxruntime import OrtEngine
     from tasks.compile import compile_engine

@@ -5,7 +5,6 @@ of llama.cpp contexts loaded and closed one at a time decode (about 20 s)."""
 from contextlib import contextmanager
 
 import numpy as np
-import pytest
 
 from bench import real_model_speed as speed
 from bench.engine_bench import PerRound, interleaved
@@ -48,16 +47,12 @@ def test_interleaving_holds_one_per_round_step_open_at_a_time_and_opens_it_for_e
     assert not held and set(stats) == {"a", "plain", "b"} and all(s["median"] >= 0.0 for s in stats.values())
 
 
-def test_llama_cpp_cases_load_one_context_per_round_and_decode_the_same_token_each_time(tmp_path):
+def test_llama_cpp_cases_load_one_context_per_round_and_decode_the_same_token_each_time(tmp_path, llama_peer):
     # given the tiny backbone as an F32 GGUF with a q4_0 and an f16 KV cache, each a llama_case at past 16
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (the `peer` extra: make bench-peer)")
     from bench import llama_cpp_bench as peer
-
-    try:
-        llama_dir = peer.converter_dir()
-    except SystemExit as err:
-        pytest.skip(f"llama-cpp-python sdist not found: {err}")
     from bench.engine_bench import make_backbone_and_adapter
+
+    llama_cpp, llama_dir = llama_peer
 
     model_dir, _ = make_backbone_and_adapter(tmp_path, peer.CONFIGS["tiny"])
     src = peer.gguf_source_dir(model_dir, peer.embedded_tokenizer_dir(tmp_path), tmp_path / "gguf_src")
