@@ -358,15 +358,30 @@ def build_ggufs(llama_cpp, llama_dir: Path, hf_dir: Path, out: Path, threads: in
 
 
 def load_llama(llama_cpp, path: Path, n_ctx: int, threads: int, flash_attn: bool, lora: Path | None = None,
-               kv_type: int | None = None):
+               kv_type: int | None = None, extra_bufts: bool = True):
     """llama.cpp's defaults (weights mapped, F16 KV cache) but threads and flash attention; logits
     of every position, as our engine returns them. ``lora``: a GGUF adapter applied at run time
     (scale 1: the file carries alpha, llama.cpp applies alpha / r), the base weights untouched.
-    ``kv_type``: a ``GGML_TYPE_*`` for K and V (a quantized V cache needs flash attention)."""
+    ``kv_type``: a ``GGML_TYPE_*`` for K and V (a quantized V cache needs flash attention).
+    ``extra_bufts`` False: quantized weights stay in plain CPU buffers (llama.cpp's
+    ``--no-repack``): on a CPU with AMX, llama.cpp puts Q4_0/Q8_0 weights in its AMX buffers, and
+    their matmul (``ggml_backend_amx_mul_mat``) dies of a general protection fault in this VM."""
     cache = {} if kv_type is None else {"type_k": kv_type, "type_v": kv_type}
-    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
-                           n_threads_batch=threads, n_gpu_layers=0, logits_all=True, flash_attn=flash_attn,
-                           lora_path=str(lora) if lora else None, verbose=False, **cache)
+    lib = llama_cpp.llama_cpp
+    default_params = lib.llama_model_default_params
+
+    def model_params():  # Llama() takes no use_extra_bufts: it starts from these defaults
+        params = default_params()
+        params.use_extra_bufts = extra_bufts
+        return params
+
+    lib.llama_model_default_params = model_params
+    try:
+        return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                               n_threads_batch=threads, n_gpu_layers=0, logits_all=True, flash_attn=flash_attn,
+                               lora_path=str(lora) if lora else None, verbose=False, **cache)
+    finally:
+        lib.llama_model_default_params = default_params
 
 
 def llama_steps(llm, vocab_size: int, P: int | None, prefill: int = PREFILL, saved_past: dict | None = None):

@@ -413,7 +413,7 @@ def measure(args, cfg) -> dict:
 
             def llama_logits(path=path, kv=kv):
                 llm = load_llama(llama_cpp, path, length + 1, args.threads, True,
-                                 kv_type=getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}"))
+                                 kv_type=getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}"), extra_bufts=False)
                 return lambda ids: llama_decode_logits(llm, ids, args.context)
 
             add("llama.cpp", weights.upper(), None, f"{path.name} {path.stat().st_size} {llama_cpp.__version__}",

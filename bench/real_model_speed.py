@@ -51,7 +51,8 @@ def llama_case(llama_cpp, path: Path, kv: str, threads: int, vocab_size: int, P:
 
     @contextmanager
     def opened():
-        llm = load_llama(llama_cpp, path, P + 1, threads, True, kv_type=getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}"))
+        llm = load_llama(llama_cpp, path, P + 1, threads, True, kv_type=getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}"),
+                         extra_bufts=False)
         try:
             yield llama_steps(llm, vocab_size, P, saved_past=saved_past)
         finally:
