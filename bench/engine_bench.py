@@ -72,8 +72,9 @@ def random_adapter(model, base_dir: Path, out_dir: Path) -> Path:
 class PerRound:
     """A step whose resources exist only during its own rounds: ``open()`` is a context manager that
     yields the zero-argument step and frees what it holds on exit. ``interleaved`` enters it for each of
-    the step's rounds and leaves it before the next step runs, so no two of them are held at once (six
-    llama.cpp contexts loaded in one process together crashed in libggml-cpu.so on the real model)."""
+    the step's rounds and leaves it before the next step runs, so no two of them are held at once (a
+    llama.cpp context returning every position's logits holds n_ctx x vocabulary floats: 400 MB at
+    2,049 x 49,152, six of them 2.4 GB beside our engines on a 24 GB machine shared by four jobs)."""
 
     open: Callable[[], AbstractContextManager[Callable[[], object]]]
 

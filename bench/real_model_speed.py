@@ -11,8 +11,9 @@ Not in CI nor in ``make bench``. One decoded token after a past of P, batch 1, `
   same compute as with an adapter);
 * llama.cpp (the ``peer`` extra): F16, Q8_0 and Q4_0 (``bench.real_model_quality.build_real_ggufs``), each
   with a q4_0 and an f16 KV cache, flash attention on. One llama.cpp context is loaded at a time: each
-  case's context is loaded, takes its past and is closed within each of its rounds (``llama_case``); six
-  contexts held in one process together crashed inside libggml-cpu.so (a general protection fault).
+  case's context is loaded, takes its past and is closed within each of its rounds (``llama_case``), and
+  its extra buffer types are off (``load_llama``: its AMX matmul of Q8_0/Q4_0 weights dies of a general
+  protection fault in this VM; this also turns off its repacking of Q4_0 weights for AVX2).
 Every engine is timed in one ``bench.engine_bench.interleaved`` call per past (A B C ..., A B C ...), on the
 same token ids (``engine_steps`` / ``llama_steps``: the past is restored after every call). Median, p10
 and p95 per case; ours / llama.cpp's median at the same weight precision, against each of its KV caches.
