@@ -358,21 +358,38 @@ def build_ggufs(llama_cpp, llama_dir: Path, hf_dir: Path, out: Path, threads: in
 
 
 def load_llama(llama_cpp, path: Path, n_ctx: int, threads: int, flash_attn: bool, lora: Path | None = None,
-               kv_type: int | None = None):
+               kv_type: int | None = None, extra_bufts: bool = True):
     """llama.cpp's defaults (weights mapped, F16 KV cache) but threads and flash attention; logits
     of every position, as our engine returns them. ``lora``: a GGUF adapter applied at run time
     (scale 1: the file carries alpha, llama.cpp applies alpha / r), the base weights untouched.
-    ``kv_type``: a ``GGML_TYPE_*`` for K and V (a quantized V cache needs flash attention)."""
+    ``kv_type``: a ``GGML_TYPE_*`` for K and V (a quantized V cache needs flash attention).
+    ``extra_bufts`` False: quantized weights stay in plain CPU buffers (llama.cpp's
+    ``--no-repack``): on a CPU with AMX, llama.cpp puts Q4_0/Q8_0 weights in its AMX buffers, and
+    their matmul (``ggml_backend_amx_mul_mat``) dies of a general protection fault in this VM."""
     cache = {} if kv_type is None else {"type_k": kv_type, "type_v": kv_type}
-    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
-                           n_threads_batch=threads, n_gpu_layers=0, logits_all=True, flash_attn=flash_attn,
-                           lora_path=str(lora) if lora else None, verbose=False, **cache)
+    lib = llama_cpp.llama_cpp
+    default_params = lib.llama_model_default_params
+
+    def model_params():  # Llama() takes no use_extra_bufts: it starts from these defaults
+        params = default_params()
+        params.use_extra_bufts = extra_bufts
+        return params
+
+    lib.llama_model_default_params = model_params
+    try:
+        return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                               n_threads_batch=threads, n_gpu_layers=0, logits_all=True, flash_attn=flash_attn,
+                               lora_path=str(lora) if lora else None, verbose=False, **cache)
+    finally:
+        lib.llama_model_default_params = default_params
 
 
-def llama_steps(llm, vocab_size: int, P: int | None, prefill: int = PREFILL):
+def llama_steps(llm, vocab_size: int, P: int | None, prefill: int = PREFILL, saved_past: dict | None = None):
     """``engine_steps`` for llama.cpp, on the same token ids: one token after a past of P (the
     past is evaluated once; every call resets ``n_tokens`` to P, so ``eval`` first drops the KV
-    cells >= P), or a prefill (P=None) from an empty cache."""
+    cells >= P), or a prefill (P=None) from an empty cache. ``saved_past``: the past's KV cells
+    (``llama_state_seq_get_data``) are written into it after the past is evaluated, and a later
+    context of the same file and cache types given it back restores them instead of evaluating again."""
     rng = np.random.default_rng(0)
     if P is None:
         ids = rng.integers(0, vocab_size, (1, prefill))[0].tolist()
@@ -384,11 +401,26 @@ def llama_steps(llm, vocab_size: int, P: int | None, prefill: int = PREFILL):
         return prefill_step
     ids = rng.integers(0, vocab_size, (1, P + 1))[0].tolist()
     llm.reset()
-    llm.eval(ids[:P])
+    if saved_past:
+        import llama_cpp
+
+        if not llama_cpp.llama_state_seq_set_data(llm.ctx, saved_past["kv"], len(saved_past["kv"]), 0):
+            raise RuntimeError(f"llama.cpp refused the saved past of {P} tokens")
+    else:
+        llm.eval(ids[:P])
+        if saved_past is not None:
+            import ctypes
+
+            import llama_cpp
+
+            buf = (ctypes.c_uint8 * llama_cpp.llama_state_seq_get_size(llm.ctx, 0))()
+            saved_past["kv"] = buf
+            llama_cpp.llama_state_seq_get_data(llm.ctx, buf, len(buf), 0)
 
     def decode_step():
         llm.n_tokens = P
         llm.eval(ids[P:])
+        return llm.scores[P]  # the new token's logits, as engine_steps returns the engine's (a view: no copy)
 
     return decode_step
 

@@ -10,7 +10,10 @@ Not in CI nor in ``make bench``. One decoded token after a past of P, batch 1, `
   (``bench.real_model_quality.calibration_stats``), no adapter bound (the LoRA inputs are zeros: the
   same compute as with an adapter);
 * llama.cpp (the ``peer`` extra): F16, Q8_0 and Q4_0 (``bench.real_model_quality.build_real_ggufs``), each
-  with a q4_0 and an f16 KV cache, flash attention on.
+  with a q4_0 and an f16 KV cache, flash attention on. One llama.cpp context is loaded at a time: each
+  case's context is loaded, takes its past and is closed within each of its rounds (``llama_case``), and
+  its extra buffer types are off (``load_llama``: its AMX matmul of Q8_0/Q4_0 weights dies of a general
+  protection fault in this VM; this also turns off its repacking of Q4_0 weights for AVX2).
 Every engine is timed in one ``bench.engine_bench.interleaved`` call per past (A B C ..., A B C ...), on the
 same token ids (``engine_steps`` / ``llama_steps``: the past is restored after every call). Median, p10
 and p95 per case; ours / llama.cpp's median at the same weight precision, against each of its KV caches.
@@ -26,15 +29,37 @@ import os
 import platform
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench.engine_bench import engine_steps, interleaved
+from bench.engine_bench import PerRound, engine_steps, interleaved
 from bench.report import write_report
 
 OUR_WEIGHTS = ("fp32", "int8", "int4")
 PEERS = {"fp32": "f16", "int8": "q8_0", "int4": "q4_0"}  # our weight precision -> llama.cpp's counterpart
 LLAMA_KV = ("q4_0", "f16")
+
+
+def llama_case(llama_cpp, path: Path, kv: str, threads: int, vocab_size: int, P: int) -> PerRound:
+    """llama.cpp's decode step after a past of P with ``kv`` (a ``GGML_TYPE_*`` name) for K and V, its context
+    loaded for each round and closed after it, so one context at a time is held. The past is evaluated in
+    the first round only; later rounds restore its KV cells (a 2,048-token prefill each round took longer
+    than the decode calls it framed on the shared 2 cores)."""
+    from bench.llama_cpp_bench import llama_steps, load_llama
+
+    saved_past: dict = {}
+
+    @contextmanager
+    def opened():
+        llm = load_llama(llama_cpp, path, P + 1, threads, True, kv_type=getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}"),
+                         extra_bufts=False)
+        try:
+            yield llama_steps(llm, vocab_size, P, saved_past=saved_past)
+        finally:
+            llm.close()
+
+    return PerRound(opened)
 
 
 def compare(rows: dict, pasts: list[int]) -> list[dict]:
@@ -59,13 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("bench/results/real_model_speed.json"))
     ap.add_argument("--work", type=Path, default=Path("bench/results/real_model"), help="as bench.real_model_quality's")
     ap.add_argument("--pasts", default="512,2048")
-    ap.add_argument("--iters", type=int, default=100, help="timed decode calls per engine and past, in 10 rounds")
+    ap.add_argument("--iters", type=int, default=100, help="timed decode calls per engine and past, in --rounds rounds")
+    ap.add_argument("--rounds", type=int, default=10,
+                    help="rounds per past (A B C ..., A B C ...); each llama.cpp case loads its context and fills its past in each")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-cpp-src", default=None, help="llama-cpp-python sdist or llama.cpp directory (the converter)")
     args = ap.parse_args(argv)
     import torch
 
-    from bench.llama_cpp_bench import converter_dir, llama_steps, load_llama, require_llama_cpp
+    from bench.llama_cpp_bench import converter_dir, require_llama_cpp
     from bench.real_model_quality import build_real_ggufs, calibration_stats, served_engine
     from runtime.engine.model import load_backbone, read_config
     from tasks.base_model import load_tokenizer
@@ -90,20 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     stats = calibration_stats(load_backbone(model_dir), load_tokenizer(model_dir), cfg)
     ours = {f"ours_{w}_kv4": served_engine(d, stats, spec, args.threads) for w, d in dirs.items()}
     ggufs = build_real_ggufs(llama_cpp, converter_dir(args.llama_cpp_src), model_dir, work / "gguf", args.threads)
-    llms = {f"llama_{t}_kv_{kv}": load_llama(llama_cpp, ggufs[t], max(pasts) + 1, args.threads, True,
-                                             kv_type=getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}"))
-            for t in PEERS.values() for kv in LLAMA_KV}
+    peers = {f"llama_{t}_kv_{kv}": (ggufs[t], kv) for t in PEERS.values() for kv in LLAMA_KV}
     vocab = SimpleNamespace(vocab_size=read_config(model_dir).vocab_size)
-    rows: dict[str, dict] = {name: {} for name in [*ours, *llms]}
+    rows: dict[str, dict] = {name: {} for name in [*ours, *peers]}
     for P in pasts:
         t0 = time.perf_counter()
         steps = {name: engine_steps(e, vocab, P) for name, e in ours.items()}
-        steps |= {name: llama_steps(llm, vocab.vocab_size, P) for name, llm in llms.items()}
-        for name, s in interleaved(steps, args.iters, rounds=10).items():
+        steps |= {name: llama_case(llama_cpp, path, kv, args.threads, vocab.vocab_size, P) for name, (path, kv) in peers.items()}
+        for name, s in interleaved(steps, args.iters, rounds=args.rounds).items():
             rows[name][f"decode_{P}"] = s
         print(f"past {P} done in {time.perf_counter() - t0:.0f} s (1-min load average {os.getloadavg()[0]:.2f})", flush=True)
-    for llm in llms.values():
-        llm.close()
     comparisons = compare(rows, pasts)
     print(f"\n{'engine':<22}" + "".join(f"{'past ' + str(P) + ' median [p10, p95] ms':>36}" for P in pasts))
     for name, row in rows.items():
@@ -120,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     import onnxruntime
 
     write_report(args.out, {
-        "model": cfg.base_model.path, "batch": 1, "threads": args.threads, "iters": args.iters, "pasts": pasts,
+        "model": cfg.base_model.path, "batch": 1, "threads": args.threads, "iters": args.iters, "rounds": args.rounds, "pasts": pasts,
         "kv_spec": spec.to_dict(), "weight_block_size": cfg.engine.weight_block_size, "flash_attn": True,
         "rows": rows, "comparisons": comparisons, "served_engine": served, "served_p95_ms": p95,
         "gguf_files": {t: str(p) for t, p in ggufs.items()},

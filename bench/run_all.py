@@ -242,6 +242,31 @@ def weight_quant_figures(p: dict) -> list[tuple]:
     return rows
 
 
+def real_model_quality_figures(p: dict) -> list[tuple]:
+    """Each row of ``bench.real_model_quality``'s table against its reference (ours, fp32, float cache)."""
+    text = f"{len(p['documents'])} docs x {p['scored_per_document']} tokens at context {p['context']}"
+    rows = [(f"real model ({text}): {r['engine']} {r['weights']} weights, {r['kv']} KV ({r.get('kv_read', '-')}): "
+             "Δ perplexity vs ours fp32 float cache", r["ppl_increase_pct"],
+             f"{r['ppl_increase_pct']:+.2f} % (ppl {r['ppl']:.3f}, KL {r['kl_mean']:.2e})") for r in p["rows"]]
+    if p.get("not_measured"):
+        rows.append(("real model: rows not measured (time budget spent)", len(p["not_measured"]), "; ".join(p["not_measured"])))
+    return rows
+
+
+def real_model_speed_figures(p: dict) -> list[tuple]:
+    """Decode ms per token of every case of ``bench.real_model_speed``, then ours over llama.cpp's counterpart."""
+    rows = []
+    for name, row in p["rows"].items():
+        for P in p["pasts"]:
+            s = row[f"decode_{P}"]
+            rows.append((f"real model: {name} decode ms/token, past {P}, batch 1", s["median"],
+                         f"{_ms(s['median'])} (p10 {_ms(s['p10'])}, p95 {_ms(s['p95'])})"))
+    for c in p["comparisons"]:
+        rows.append((f"real model: {c['ours']} / {c['peer']} decode median, past {c['past']}", c["ratio"],
+                     f"{c['ratio']:.2f}x ({'no slower' if c['pass'] else 'slower'})"))
+    return rows
+
+
 def flow_figures(p: dict) -> list[tuple]:
     labels = {"first": "first run", "rerun": "unchanged rerun (same month)", "next": "next month"}
     rows = []
@@ -269,7 +294,8 @@ def gpu_figures(p: dict) -> list[tuple]:
 
 FIGURES = {"flow_bench": flow_figures, "kv_quality": kv_quality_figures, "hotswap_bench": hotswap_figures,
            "engine_bench": engine_figures, "kv_engine_bench": kv_engine_figures,
-           "weight_quant_bench": weight_quant_figures, "gpu_check": gpu_figures}
+           "weight_quant_bench": weight_quant_figures, "gpu_check": gpu_figures,
+           "real_model_quality": real_model_quality_figures, "real_model_speed": real_model_speed_figures}
 
 
 def table_rows(records: list[dict]) -> list[dict]:

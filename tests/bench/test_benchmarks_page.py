@@ -56,3 +56,26 @@ def test_every_figure_names_its_command_date_and_load_from_the_newest_stamped_ru
     assert all(row.count(" | ") == 4 and "CPUs |" in row for row in rows)  # every number: command, date, load
     assert "Not quoted (written before benchmarks stamped their command, date and load): `scale_bench.json`" in page
     assert "latest.json" not in page
+
+
+def test_the_real_model_tables_are_figures_with_their_increase_and_speed_ratio(tmp_path):
+    from bench import real_model_quality as rq
+    from bench import real_model_speed as speed
+
+    ref = rq.quality_row("ours", "fp32", "float (fp32)", nll=2.0 * 64, kl=0.0, n=64, ref_ppl=None, kv_read="engine")
+    q4 = rq.quality_row("llama.cpp", "Q4_0", "q4_0", nll=2.1 * 64, kl=3.2, n=64, ref_ppl=ref["ppl"], kv_read="engine")
+    quality = {"documents": ["topic:a", "stdlib:b.py"], "scored_per_document": 32, "context": 1024, "rows": [ref, q4],
+               "not_measured": ["ours fp32 K2 (reference)"],
+               "recorded": stamp("python -m bench.real_model_quality --docs 2", "2026-12-02T03:00:00Z", [1.0] * 3, [2.0] * 3)}
+    case = lambda ms: {"decode_512": {"median": ms, "p10": ms / 2, "p95": ms * 2}}  # noqa: E731
+    rows = {"ours_int4_kv4": case(12.0), "llama_q4_0_kv_q4_0": case(8.0)}
+    speed_payload = {"pasts": [512], "rows": rows, "comparisons": speed.compare(rows, [512]),
+                     "recorded": stamp("python -m bench.real_model_speed", "2026-12-02T04:00:00Z", [3.0] * 3, [4.0] * 3)}
+    (tmp_path / "real_model_quality.json").write_text(json.dumps(quality))
+    (tmp_path / "real_model_speed.json").write_text(json.dumps(speed_payload))
+    page = render_page(tmp_path)
+    assert "llama.cpp Q4_0 weights, q4_0 KV (engine): Δ perplexity vs ours fp32 float cache | +10.52 % (ppl 8.166, KL 5.00e-02)" in page
+    assert "rows not measured (time budget spent) | ours fp32 K2 (reference)" in page
+    assert "ours_int4_kv4 decode ms/token, past 512, batch 1 | 12.0 ms (p10 6.000 ms, p95 24.0 ms)" in page
+    assert "ours_int4_kv4 / llama_q4_0_kv_q4_0 decode median, past 512 | 1.50x (slower)" in page
+    assert "**not readable**" not in page

@@ -107,15 +107,11 @@ def test_the_converter_is_extracted_once_from_the_sdist_and_nothing_else(tmp_pat
         peer.converter_dir(sdist)
 
 
-def test_gguf_f32_is_the_same_model_as_our_fp32_engine_with_and_without_the_adapter(tmp_path):
+def test_gguf_f32_is_the_same_model_as_our_fp32_engine_with_and_without_the_adapter(tmp_path, llama_peer):
     # given the tiny backbone and its random rank-8 adapter, our fp32 engine, and the same directories
     # converted by llama.cpp's converters (F32 model, F32 LoRA); when both run the same 24 token ids,
     # without and then with the adapter; then their logits agree both times
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (the `peer` extra: make bench-peer)")
-    try:
-        llama_dir = peer.converter_dir()
-    except SystemExit as err:
-        pytest.skip(f"llama-cpp-python sdist not found: {err}")
+    llama_cpp, llama_dir = llama_peer
     from bench.engine_bench import RANK, TARGETS, make_backbone_and_adapter
     from runtime.engine.backends.onnxruntime import OrtEngine
     from tasks.compile import compile_engine
@@ -145,3 +141,24 @@ def test_gguf_f32_is_the_same_model_as_our_fp32_engine_with_and_without_the_adap
         assert np.abs(ours).max() > 0.1  # the logits are not all near zero: the comparison means something
         logits[name] = ours[0]
     assert np.abs(logits["adapter"] - logits["base"]).max() > 0.1  # the adapter changed the model on both sides
+
+
+def test_a_q8_0_gguf_without_extra_buffer_types_decodes_like_f32_and_the_defaults_are_left_as_they_were(tmp_path, llama_peer):
+    # given the tiny backbone converted at F32 and at Q8_0 (on a CPU with AMX, llama.cpp's AMX buffers
+    # for Q8_0 weights die of a general protection fault in this VM: the bench turns extra buffer types off)
+    llama_cpp, llama_dir = llama_peer
+    from bench.engine_bench import make_backbone_and_adapter
+
+    model_dir, _ = make_backbone_and_adapter(tmp_path, peer.CONFIGS["tiny"])
+    src = peer.gguf_source_dir(model_dir, peer.embedded_tokenizer_dir(tmp_path), tmp_path / "gguf_src")
+    ids = np.random.default_rng(2).integers(0, 512, 24).tolist()
+    logits = {}
+    for outtype in ("f32", "q8_0"):
+        gguf = peer.convert_to_gguf(llama_dir, src, tmp_path / f"model-{outtype}.gguf", outtype)
+        llm = peer.load_llama(llama_cpp, gguf, 64, 2, flash_attn=True, extra_bufts=False)
+        llm.eval(ids)
+        logits[outtype] = np.array(llm.scores[:24])
+        llm.close()
+    # then Q8_0 decodes close to F32, and llama.cpp's defaults keep their extra buffer types for others
+    assert 0 < np.abs(logits["q8_0"] - logits["f32"]).max() < 0.05 * np.abs(logits["f32"]).max()
+    assert llama_cpp.llama_cpp.llama_model_default_params().use_extra_bufts

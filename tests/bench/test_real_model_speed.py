@@ -1,6 +1,13 @@
-"""bench/real_model_speed.py: its like-for-like comparison, without llama.cpp (milliseconds)."""
+"""bench/real_model_speed.py: its like-for-like comparison (milliseconds), its interleaving with one
+llama.cpp context held at a time (milliseconds), and, where the `peer` extra is installed, that rounds
+of llama.cpp contexts loaded and closed one at a time decode (about 20 s)."""
+
+from contextlib import contextmanager
+
+import numpy as np
 
 from bench import real_model_speed as speed
+from bench.engine_bench import PerRound, interleaved
 
 
 def test_each_precision_is_judged_against_its_llama_cpp_counterpart_and_each_of_its_kv_caches():
@@ -10,3 +17,59 @@ def test_each_precision_is_judged_against_its_llama_cpp_counterpart_and_each_of_
     got = {(c["ours"], c["peer"]): (c["ratio"], c["pass"]) for c in speed.compare(rows, [512])}
     assert got == {("ours_fp32_kv4", "llama_f16_kv_q4_0"): (1.5, False), ("ours_fp32_kv4", "llama_f16_kv_f16"): (0.75, True),
                    ("ours_int4_kv4", "llama_q4_0_kv_q4_0"): (0.9, True)}  # int8 and q4_0/f16 absent: not compared
+
+
+def test_interleaving_holds_one_per_round_step_open_at_a_time_and_opens_it_for_each_of_its_rounds():
+    # given two steps that hold a resource (as a llama.cpp context) and one plain step, in 4 rounds
+    held, events = set(), []
+
+    def resource(name):
+        @contextmanager
+        def opened():
+            held.add(name)
+            events.append(("open", name))
+            try:
+                yield lambda: events.append(("call", name, frozenset(held)))
+            finally:
+                held.discard(name)
+
+        return PerRound(opened)
+
+    steps = {"a": resource("a"), "plain": lambda: events.append(("call", "plain", frozenset(held))), "b": resource("b")}
+    stats = interleaved(steps, iters=8, rounds=4, warmup=3, settle=1)
+    # then every call of a held step ran with only its own resource open, the plain step with none,
+    # each resource was opened once per round, in the order A plain B, and nothing is left open
+    calls = [e for e in events if e[0] == "call"]
+    assert all(e[2] == ({e[1]} if e[1] != "plain" else set()) for e in calls)
+    assert [e[1] for e in events if e[0] == "open"] == ["a", "b"] * 4
+    assert sum(e[1] == "a" for e in calls) == 4 * (1 + 2)  # settle + timed per round, no warm-up outside a round
+    assert sum(e[1] == "plain" for e in calls) == 3 + 4 * (1 + 2)  # the plain step keeps its warm-up
+    assert not held and set(stats) == {"a", "plain", "b"} and all(s["median"] >= 0.0 for s in stats.values())
+
+
+def test_llama_cpp_cases_load_one_context_per_round_and_decode_the_same_token_each_time(tmp_path, llama_peer):
+    # given the tiny backbone as an F32 GGUF with a q4_0 and an f16 KV cache, each a llama_case at past 16
+    from bench import llama_cpp_bench as peer
+    from bench.engine_bench import make_backbone_and_adapter
+
+    llama_cpp, llama_dir = llama_peer
+
+    model_dir, _ = make_backbone_and_adapter(tmp_path, peer.CONFIGS["tiny"])
+    src = peer.gguf_source_dir(model_dir, peer.embedded_tokenizer_dir(tmp_path), tmp_path / "gguf_src")
+    gguf = peer.convert_to_gguf(llama_dir, src, tmp_path / "model-f32.gguf", "f32")
+    cases = {kv: speed.llama_case(llama_cpp, gguf, kv, 2, 512, 16) for kv in ("q4_0", "f16")}
+    # when each is opened twice, one at a time, and its step called twice per opening
+    logits = {kv: [] for kv in cases}
+    for _ in range(2):
+        for kv, case in cases.items():
+            with case.open() as step:
+                for _ in range(2):
+                    logits[kv].append(np.array(step()))
+    # then each call decoded the token after the same past, evaluated in the first opening and restored
+    # from its saved KV cells in the second: the same logits every time, and
+    # the 4-bit cache moves them off the f16 cache's
+    for kv, rows in logits.items():
+        assert np.abs(rows[0]).max() > 0.1
+        for row in rows[1:]:
+            np.testing.assert_allclose(row, rows[0], atol=1e-5, err_msg=kv)
+    assert np.abs(logits["q4_0"][0] - logits["f16"][0]).max() > 1e-4
