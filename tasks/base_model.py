@@ -90,9 +90,23 @@ def load_base_model(path: Path):
     from transformers import AutoModelForCausalLM
 
     check_base_model_dir(path)
+    quiet_model_loading()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
     model.eval()
     return model, load_tokenizer(path)
+
+
+def quiet_model_loading() -> None:
+    """What loading the base and wrapping it in PEFT prints once per stage and no one can act on: the
+    weight-loading bar of a local checkpoint that loads in about a second (its first frame stays in a
+    log file, alike in every stage), and the FutureWarning PEFT's wrapper raises by reading
+    transformers' deprecated ``is_gradient_checkpointing``. Other warnings still show."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):

@@ -78,3 +78,20 @@ def test_hash_depends_on_weights_not_on_file_metadata(tmp_path, tiny_llama_dir):
         model.model.norm.weight[0] += 1e-3
     model.save_pretrained(tmp_path / "changed")
     assert backbone_hash(tmp_path / "changed") != backbone_hash(tiny_llama_dir)
+
+
+def test_loading_the_base_and_wrapping_it_in_peft_prints_no_bar_or_library_deprecation_but_keeps_warnings(
+        tiny_llama_dir, capfd, recwarn):
+    """Each stage loads the base once: the weight-loading bar's first frame and PEFT's probe of a
+    deprecated transformers property printed the same lines in finetune's and evaluate's output."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = load_base_model(tiny_llama_dir)
+    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    warnings.warn("a warning of our own", UserWarning)
+    assert "Loading weights" not in capfd.readouterr().err
+    messages = [str(w.message) for w in recwarn]
+    assert not any("is_gradient_checkpointing" in m for m in messages)
+    assert "a warning of our own" in messages
