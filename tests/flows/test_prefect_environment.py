@@ -1,6 +1,6 @@
 """The Prefect environment every entry point gets from flows/__init__.py: a start-up deadline that holds
 on a busy machine, and an error that names the setting when even that is not enough; the stages it starts
-wait for their OpenMP threads without spinning."""
+spin only briefly while they wait for their OpenMP threads."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from flows import ENV_DEFAULTS, STARTUP_TIMEOUT_SETTING
+from flows import ENV_DEFAULTS, OPENMP_SPIN_ROUNDS, STARTUP_TIMEOUT_SETTING
 
 READ_SETTING = ("import flows.monthly_release\n"
                 "from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as setting\n"
@@ -32,20 +32,21 @@ def test_prefect_reads_the_projects_start_up_deadline_unless_the_user_set_one():
 # What a stage started from the flow's process (as DVC starts it) finds in its environment.
 STAGE_WAIT_POLICY = ("import subprocess, sys\n"
                      "import flows.monthly_release\n"
-                     "stage = 'import os; print(os.environ.get(\"OMP_WAIT_POLICY\"))'\n"
+                     "stage = 'import os; print(os.environ.get(\"OMP_WAIT_POLICY\"), os.environ.get(\"GOMP_SPINCOUNT\"))'\n"
                      "subprocess.run([sys.executable, '-c', stage], check=True)\n")
 
 
-def test_the_flows_stages_wait_passively_for_their_threads_unless_the_user_set_a_policy():
+def test_the_flows_stages_spin_briefly_for_their_threads_unless_the_user_set_a_policy_or_spin_count():
     def stage_sees(env: dict) -> str:
         done = subprocess.run([sys.executable, "-c", STAGE_WAIT_POLICY], env=env, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout.strip().splitlines()[-1]
 
-    without_policy = {k: v for k, v in clean_env().items() if k != "OMP_WAIT_POLICY"}
-    assert stage_sees(without_policy) == "PASSIVE"
-    assert stage_sees(without_policy | {"OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE"
+    unset = {k: v for k, v in clean_env().items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    assert stage_sees(unset) == f"None {OPENMP_SPIN_ROUNDS}" == "None 10000"
+    assert stage_sees(unset | {"OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE None"
+    assert stage_sees(unset | {"GOMP_SPINCOUNT": "5"}) == "None 5"
 
 
 def test_an_ephemeral_server_slower_than_the_deadline_fails_the_release_naming_the_setting(tmp_path):
