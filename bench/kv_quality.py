@@ -390,11 +390,9 @@ def text_case(cache_dir: Path, quick: bool, steps: int, context_len: int) -> dic
 def default_case(base: Path, adapter: Path, data: Path, out_dir: Path, quick: bool, context_len: int,
                  engine: Path | None = None) -> dict:
     """The default month: calibration through the real stage, perplexity and task accuracy through the cache."""
-    from runtime.engine.adapter_config import ADAPTER_WEIGHTS
-    from runtime.engine.hashing import backbone_hash, sha256_file
-    from runtime.engine.kv_scales import read_kv_scales
     from tasks.base_model import load_tokenizer
-    from tasks.calibrate import cache_kwargs, calibrate_kv_scales, collect_kv_stats, jsonl_batches, load_release_backbone
+    from tasks.calibrate import (cache_kwargs, calibrate_kv_scales, collect_kv_stats, jsonl_batches, load_release_backbone,
+                                 read_release_kv_scales)
     from tasks.data import read_jsonl
     from tasks.scoring import accuracy_report
 
@@ -405,8 +403,7 @@ def default_case(base: Path, adapter: Path, data: Path, out_dir: Path, quick: bo
     # The stage itself, and its loader, for the chosen configuration.
     stage_dir = calibrate_kv_scales(base, adapter, data / "calib.jsonl", out_dir / "default_kv", configs["K4/V4 chosen"],
                                     engine_dir=engine).parent
-    chosen = read_kv_scales(stage_dir, sha256_file(adapter / ADAPTER_WEIGHTS), backbone_hash(base),
-                            spec=configs["K4/V4 chosen"].to_dict())
+    chosen = read_release_kv_scales(base, adapter, stage_dir, spec=configs["K4/V4 chosen"].to_dict())
     batches, rows = jsonl_batches(tokenizer, data / "calib.jsonl", 16, 96)
     stats = {pre: collect_kv_stats(backbone, batches, pre, CLIP, progress=False) for pre in (True, False)}
     scales_for = _scales_for(stats)

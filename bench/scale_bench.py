@@ -255,15 +255,13 @@ def serving_dirs(project: Path, cfg) -> dict:
 def open_serving(engine_dir: Path, project: Path, cfg, threads: int):
     """An engine with the release's adapter and KV scales bound, as the device serves it."""
     from runtime.engine.adapter import load_adapter
-    from runtime.engine.adapter_config import ADAPTER_WEIGHTS
-    from runtime.engine.hashing import backbone_hash, sha256_file
-    from runtime.engine.kv_scales import read_kv_scales
+    from tasks.calibrate import read_release_kv_scales
     from tasks.weight_engines import open_on_cpu
 
     adapter_dir = project / cfg.layout.adapter_dir
     engine = open_on_cpu(engine_dir, threads)
-    scales = read_kv_scales(project / cfg.layout.kv_dir, sha256_file(adapter_dir / ADAPTER_WEIGHTS),
-                            backbone_hash(Path(cfg.base_model.path)), spec=engine.interface.kv_spec)
+    scales = read_release_kv_scales(Path(cfg.base_model.path), adapter_dir, project / cfg.layout.kv_dir,
+                                    spec=engine.interface.kv_spec)
     engine.set_adapter(load_adapter(adapter_dir, engine.interface), kv_scales=scales)
     return engine
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from runtime.engine.adapter_config import ADAPTER_WEIGHTS
 from runtime.engine.hashing import sha256_file
-from runtime.engine.kv_scales import KV_SCALES_FILE, KV_SCALES_FORMAT_VERSION, KVScales, write_kv_scales
+from runtime.engine.kv_scales import KV_SCALES_FILE, KV_SCALES_FORMAT_VERSION, KVScales, read_kv_scales, write_kv_scales
 from tasks.artifacts import atomic_output_dir
 from tasks.cli import stage_main
 from tasks.config import ReleaseConfig
@@ -203,6 +203,15 @@ def cache_kwargs(scales: KVScales) -> dict:
 
     out = {kind: torch.from_numpy(a) for kind, a in scales.stacked().items()}  # an absent zero point stays None
     return out | ({} if scales.rotation is None else {"rotation": torch.from_numpy(scales.rotation)})
+
+
+def read_release_kv_scales(base_dir: Path, adapter_dir: Path, kv_dir: Path, spec: dict | None = None) -> KVScales:
+    """The KV scales in ``kv_dir``, checked to be calibrated for the adapter in ``adapter_dir`` on the
+    base in ``base_dir`` (and, given, for ``spec``): a release's own, never another's."""
+    from runtime.engine.hashing import backbone_hash
+
+    return read_kv_scales(Path(kv_dir), sha256_file(Path(adapter_dir) / ADAPTER_WEIGHTS), backbone_hash(Path(base_dir)),
+                          spec=spec)
 
 
 # ---------------------------------------------------------------- the stage

@@ -135,12 +135,9 @@ def _score_on_engine(
         diff = prefill_logit_diff(engine, merged_model, tokenizer, prompts)
     else:
         from kernels.kv_spec import KVQuantSpec
-        from runtime.engine.adapter_config import ADAPTER_WEIGHTS
-        from runtime.engine.hashing import backbone_hash, sha256_file
-        from runtime.engine.kv_scales import read_kv_scales
+        from tasks.calibrate import read_release_kv_scales
 
-        scales = read_kv_scales(kv_dir, sha256_file(adapter_dir / ADAPTER_WEIGHTS), backbone_hash(base_dir),
-                                spec=engine.interface.kv_spec)
+        scales = read_release_kv_scales(base_dir, adapter_dir, kv_dir, spec=engine.interface.kv_spec)
         engine.set_adapter(lora, kv_scales=scales)
         attention = engine_cfg.kv_attention(KVQuantSpec.from_dict(scales.spec))
         kv_parity = quantized_prefill_parity(engine, release_backbone, scales, attention, tokenizer, prompts)

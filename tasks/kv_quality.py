@@ -145,15 +145,12 @@ def release_kv_quality(
     calibration statistics) for the plot. ``test`` is a list of ``tasks.data.Example``; ``backbone``
     is the release's adapter-merged backbone (``tasks.calibrate.load_release_backbone``)."""
     from kernels.kv_spec import KVQuantSpec, bytes_per_token
-    from runtime.engine.adapter_config import ADAPTER_WEIGHTS
-    from runtime.engine.hashing import backbone_hash, sha256_file
-    from runtime.engine.kv_scales import read_kv_scales
     from tasks.base_model import load_tokenizer
-    from tasks.calibrate import cache_kwargs, collect_kv_stats, jsonl_batches, scales_from_stats
+    from tasks.calibrate import cache_kwargs, collect_kv_stats, jsonl_batches, read_release_kv_scales, scales_from_stats
     from tasks.scoring import accuracy_report
 
     tokenizer = load_tokenizer(Path(base_dir))
-    release = read_kv_scales(Path(kv_dir), sha256_file(Path(adapter_dir) / ADAPTER_WEIGHTS), backbone_hash(Path(base_dir)))
+    release = read_release_kv_scales(base_dir, adapter_dir, kv_dir)
     spec, scales = KVQuantSpec.from_dict(release.spec), cache_kwargs(release)
     prompts = [ex.prompt for ex in test]
     float_acc = accuracy_report(test, greedy_through_cache(backbone, tokenizer, prompts, None, None, max_new_tokens))

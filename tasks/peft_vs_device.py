@@ -64,7 +64,10 @@ def peft_greedy(base_dir: Path, release_dir: Path, prompts: list[Prompt], max_ne
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
                                       release_dir).eval()
-    eos = GenerationConfig.from_pretrained(base_dir).eos_token_id
+    eos = GenerationConfig.from_pretrained(base_dir).eos_token_id  # one id, or a list (Llama 3 ends on any of three)
+    pad = tokenizer.pad_token_id
+    if pad is None:  # generate pads finished rows with one id: the (first) eos, as it warns it would
+        pad = eos if isinstance(eos, int) else eos[0]
     answers = []
     with torch.no_grad():
         for prompt in prompts:
@@ -72,7 +75,7 @@ def peft_greedy(base_dir: Path, release_dir: Path, prompts: list[Prompt], max_ne
                    tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=True)["input_ids"])
             out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                  max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
-                                 pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
+                                 pad_token_id=pad)
             answers.append(tokenizer.decode(out[0, len(ids):], skip_special_tokens=True))
     return answers
 

@@ -25,6 +25,7 @@ import yaml
 
 from project_testkit import ENV, copy_project
 from service_testkit import free_port, kill_group_when, run_in_group, start_service, stop_group
+from tasks import peft_vs_device
 from tasks.config import load_config
 from tasks.data import SPLITS, rulebook, sample_examples
 
@@ -158,7 +159,11 @@ def test_a_published_release_of_the_users_model_answers_on_the_device_as_peft_do
     release = root / "artifacts" / MONTH / "package" / "release"
 
     prompts = [json.loads(line)["prompt"] for line in (user["month"] / "test.jsonl").read_text().splitlines()]
-    peft_answers = peft_greedy(user["model"], release, prompts)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(user["model"])
+    assert all(tokenizer(p)["input_ids"][0] == tokenizer.bos_token_id for p in prompts)  # the tokenizer adds BOS
+    peft_answers = peft_vs_device.peft_greedy(user["model"], release, prompts, MAX_NEW_TOKENS)
     engine = root / load_config(root.parent / "params-published.yaml").layout.serving_engine_dir
     float_cache_answers, release_cache_answers = module_greedy(user["model"], release, engine, prompts)
     device_answers = device_greedy(project, user, release, prompts)
@@ -172,40 +177,16 @@ def test_a_published_release_of_the_users_model_answers_on_the_device_as_peft_do
     assert sum(q != f for q, f in zip(release_cache_answers, float_cache_answers)) <= 2
 
 
-def peft_greedy(model_dir: Path, release: Path, prompts: list[str]) -> list[str]:
-    """The user's own stack: transformers + PEFT on their base, the released adapter, greedy decoding."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, release).eval()
-    stop = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    answers = []
-    with torch.no_grad():
-        for prompt in prompts:
-            batch = tokenizer(prompt, return_tensors="pt")
-            assert batch["input_ids"][0, 0].item() == tokenizer.bos_token_id  # the tokenizer adds BOS
-            out = model.generate(**batch, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=stop,
-                                 pad_token_id=tokenizer.pad_token_id)
-            answers.append(tokenizer.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True))
-    return answers
-
-
 def module_greedy(model_dir: Path, release: Path, engine: Path, prompts: list[str]) -> tuple[list[str], list[str]]:
     """Base + released adapter merged into the project's PyTorch module, greedy through a float cache and
     through the release's calibrated 4-bit cache (``kernels.kv_quant``, the evaluate stage's reference)."""
     from kernels.kv_spec import KVQuantSpec
-    from runtime.engine.adapter_config import ADAPTER_WEIGHTS
-    from runtime.engine.hashing import backbone_hash, sha256_file
-    from runtime.engine.kv_scales import read_kv_scales
     from tasks.base_model import load_tokenizer
-    from tasks.calibrate import cache_kwargs, load_release_backbone
+    from tasks.calibrate import cache_kwargs, load_release_backbone, read_release_kv_scales
     from tasks.kv_quality import greedy_through_cache
 
     backbone, _, _ = load_release_backbone(model_dir, release, engine)
-    scales = read_kv_scales(release, sha256_file(release / ADAPTER_WEIGHTS), backbone_hash(model_dir))
+    scales = read_release_kv_scales(model_dir, release, release)  # a package holds the adapter and its scales
     tokenizer = load_tokenizer(model_dir)
     spec = KVQuantSpec.from_dict(scales.spec)
     return (greedy_through_cache(backbone, tokenizer, prompts, None, None, MAX_NEW_TOKENS),
@@ -213,7 +194,8 @@ def module_greedy(model_dir: Path, release: Path, engine: Path, prompts: list[st
 
 
 def device_greedy(project, user, release: Path, prompts: list[str]) -> list[str]:
-    """The device: `python -m runtime serve` on the compiled serving engine with the release, over HTTP."""
+    """The device: `python -m runtime serve` on the compiled serving engine with the release, asked over HTTP
+    with the openai SDK."""
     root = project["root"]
     cfg = load_config(project["root"].parent / "params-published.yaml")
     port = free_port()
@@ -223,14 +205,7 @@ def device_greedy(project, user, release: Path, prompts: list[str]) -> list[str]
                            root, project["env"], root.parent / "device.log")
     try:
         wait_ready(f"http://127.0.0.1:{port}/healthz", server)
-        answers = []
-        for prompt in prompts:
-            body = json.dumps({"prompt": prompt, "max_tokens": MAX_NEW_TOKENS, "temperature": 0}).encode()
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST", data=body,
-                                             headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=30) as response:
-                answers.append(json.loads(response.read())["choices"][0]["text"])
-        return answers
+        return peft_vs_device.device_greedy(f"http://127.0.0.1:{port}/v1", prompts, MAX_NEW_TOKENS)[1]
     finally:
         stop_group(server)
 

@@ -48,3 +48,30 @@ def test_a_device_serving_another_release_is_found_different(w):
     assert not all(a.equal for a in answers)
     table = render(model, release_id(w["b"]), answers)
     assert "| NO |" in table and "(ANOTHER RELEASE)" in table
+
+
+def test_peft_answers_a_model_that_ends_on_several_eos_ids_and_has_no_pad_token(tmp_path, tiny_llama_bos_dir):
+    """Llama-3-style checkpoints list several eos ids and no pad token; a fresh LoRA (B = 0) answers as the base."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tasks.peft_vs_device import peft_greedy
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_bos_dir)
+    assert tokenizer.pad_token_id is None
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_bos_dir, dtype=torch.float32).eval()
+    eos = base.generation_config.eos_token_id
+    assert isinstance(eos, list) and len(eos) == 2
+    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama_bos_dir, dtype=torch.float32),
+                   LoraConfig(r=2, target_modules=["q_proj", "v_proj"])).save_pretrained(tmp_path / "adapter")
+    prompts = ["cam 3 scratch", "cam 7 dent 2"]
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+            out = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                                eos_token_id=eos, pad_token_id=eos[0])
+            expected.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    assert peft_greedy(tiny_llama_bos_dir, tmp_path / "adapter", prompts, 6) == expected
+    assert any(expected)
