@@ -21,6 +21,7 @@ There is no fallback to 1.0: an uncalibrated cache would silently clip every key
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -312,11 +313,22 @@ def calibrate_kv_scales(
 
 # ---------------------------------------------------------------- CLI
 
+# What the stage writes instead of scales when the profile keeps the float cache (``kv.enabled: false``):
+# DVC's stage graph is fixed, so the stage runs and its output exists, but nothing is calibrated.
+KV_DISABLED_FILE = "kv_disabled.json"
+
+
 def run_stage(cfg: ReleaseConfig) -> Path:
-    """The calibrate stage: scales for this release's base + adapter, bound to the engine interface."""
+    """The calibrate stage: scales for this release's base + adapter, bound to the engine interface;
+    with ``kv.enabled: false`` only a note saying so (no model is loaded: nothing reads scales)."""
     from runtime.engine.interface import INTERFACE_FILE
 
     kv = cfg.kv
+    if not kv.enabled:
+        with atomic_output_dir(cfg.layout.kv_dir) as tmp:
+            (tmp / KV_DISABLED_FILE).write_text(json.dumps({"kv_enabled": False, "why": "kv.enabled is false: the "
+                                                            "release ships no KV scales"}, indent=2) + "\n")
+        return cfg.layout.kv_dir / KV_DISABLED_FILE
     spec = kv.spec()
     layout = cfg.layout
     engine_dir = layout.engine_dir
@@ -342,7 +354,8 @@ def run_stage(cfg: ReleaseConfig) -> Path:
 def main(argv: list[str] | None = None) -> int:
     return stage_main(
         "Calibrate this release's KV-cache scales (base + adapter on the calib split).",
-        lambda cfg: f"KV scales written to {run_stage(cfg)}",
+        lambda cfg: (f"KV scales written to {path}" if (path := run_stage(cfg)).name != KV_DISABLED_FILE
+                     else f"KV quantization disabled (kv.enabled: false): no scales, {path} says so"),
         argv,
     )
 

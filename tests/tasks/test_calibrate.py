@@ -202,6 +202,26 @@ def test_cli_reads_the_kv_section_of_params(release, tmp_path):
     assert record["interface"] == ""  # no engine compiled in this test: nothing to bind to
 
 
+def test_with_kv_disabled_the_stage_calibrates_nothing_and_says_so(tmp_path, capsys):
+    """A float-cache profile: no base model or adapter is read (none exists here), no scales are written."""
+    from runtime.engine.kv_scales import KV_SCALES_FILE
+    from tasks.calibrate import KV_DISABLED_FILE
+
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({
+        "base_model": {"source": "local", "path": str(tmp_path / "no-model")},
+        "train": {"output_dir": str(tmp_path / "artifacts")},
+        "engine": {"kv_cache": "float"},
+        "kv": {"enabled": False},
+    }))
+    assert main(["--params", str(params)]) == 0
+    kv_dir = tmp_path / "artifacts" / "2026-11" / "kv"
+    assert sorted(p.name for p in kv_dir.iterdir()) == [KV_DISABLED_FILE]
+    assert json.loads((kv_dir / KV_DISABLED_FILE).read_text())["kv_enabled"] is False
+    assert not (kv_dir / KV_SCALES_FILE).exists()
+    assert "KV quantization disabled (kv.enabled: false)" in capsys.readouterr().out
+
+
 def test_cli_refuses_bad_kv_settings_naming_the_key(tmp_path, capsys):
     params = tmp_path / "params.yaml"
     params.write_text("kv:\n  k_bits: 9\n")
