@@ -2,8 +2,9 @@
 
 ``running_server`` starts ``runtime.serve.http_server.BackgroundServer`` (uvicorn in a thread, a free loopback
 port) on the tiny world's engine, tokenizer and key, with the admin API on (``ADMIN_TOKEN``), the
-given release directories and at most ``max_resident`` resident releases; with ``state_dir``, the device state
-and health-gated commit of ``runtime.serve.health`` (``health_window`` seconds), resumed from that directory. ``scrape`` reads ``/metrics`` with ``prometheus_client``'s own parser.
+given release directories and at most ``max_resident`` resident releases, serving ``products`` (the first the
+default); with ``state_dir``, the device state and health-gated commit of ``runtime.serve.health``
+(``health_window`` seconds) of each product, resumed from that directory. ``scrape`` reads ``/metrics`` with ``prometheus_client``'s own parser.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.engine.backends.onnxruntime import OrtEngine
 from runtime.engine.tokenizer import DeviceTokenizer
+from runtime.release.contract import DEFAULT_PRODUCT
 from runtime.release.device_state import DeviceState
 from runtime.release.package import load_trusted_keys
 from runtime.serve.health import ReleaseGate
@@ -31,20 +33,22 @@ PROMPT = "inspect board=PCB-3310 line=L1 part=R12 temp_c=251 defect=void void_pc
 
 @contextlib.contextmanager
 def running_server(w, release_dirs=(), tokenizer=None, max_resident=DEFAULT_MAX_RESIDENT, state_dir=None,
-                   health_window=0.0, **settings):
+                   health_window=0.0, products=(DEFAULT_PRODUCT,), **settings):
     app = AdapterServer(OrtEngine(w["engine"], threads=1), DeviceTokenizer(tokenizer or w["tokenizer"]),
-                        load_trusted_keys([w["trusted_key"]]), max_resident=max_resident)
+                        load_trusted_keys([w["trusted_key"]]), max_resident=max_resident, products=products)
     state = DeviceState(state_dir) if state_dir is not None else None
     config = ServeSettings(**({"admin_token": ADMIN_TOKEN,
                                "release_dirs": tuple(Path(d).resolve() for d in release_dirs)} | settings))
     try:
         if state is not None:
-            ReleaseGate(app, state, health_window, config.decode).resume()
+            for product in products:
+                ReleaseGate(app, state.for_product(product), health_window, config.decode, product).resume()
         with BackgroundServer(app, config) as background:
             yield app, background
     finally:
         if state is not None:
-            app.gate.stop()  # a trial still running would write the state: it ends before the lock goes
+            for gate in app.gates.values():
+                gate.stop()  # a trial still running would write the state: it ends before the lock goes
             state.close()
 
 
