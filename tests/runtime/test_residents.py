@@ -183,7 +183,8 @@ def test_promote_and_unload_through_the_admin_api(w):
         assert (status, body["error"]["code"]) == (409, "champion")
         status, body = call(port, "POST", "/v1/adapters/unload", {"model": "2026-10"})
         assert status == 200 and body["unloaded"] == a
-        assert body["resident"] == [{"release_id": b, "channel": "champion"}, {"release_id": c, "channel": "candidate"}]
+        assert body["resident"] == [{"release_id": b, "product": "default", "channel": "champion"},
+                                    {"release_id": c, "product": "default", "channel": "candidate"}]
         assert call(port, "POST", "/v1/completions", {"prompt": PROMPT, "model": a})[0] == 404
         assert call(port, "POST", "/v1/adapters/unload", {"model": a})[0] == 404
         assert call(port, "POST", "/v1/adapters/unload", {"model": "candidate"})[1]["unloaded"] == c
