@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,6 +28,8 @@ from runtime.serve.http_app import ServeSettings
 from runtime.serve.http_server import BackgroundServer
 from runtime.serve.residents import DEFAULT_MAX_RESIDENT
 from runtime.serve.server import AdapterServer
+
+REPO = Path(__file__).resolve().parents[1]
 
 ADMIN_TOKEN = "test-admin-token-0123456789"
 PROMPT = "inspect board=PCB-3310 line=L1 part=R12 temp_c=251 defect=void void_pct=18 verdict:"
@@ -104,3 +108,17 @@ def refusals(samples: dict) -> dict:
 
 def manifest_id(release: Path) -> str:
     return json.loads((release / "manifest.json").read_text())["release_id"]
+
+
+@contextlib.contextmanager
+def serve_process(command: list[str], log: Path) -> Iterator[tuple[subprocess.Popen, int]]:
+    """``python -m runtime serve`` (``command``, with ``--port 0``) run from the repository, and its port; its
+    stderr appended to ``log``; killed at the end if still running."""
+    with open(log, "a") as err:
+        proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        yield proc, int(json.loads(proc.stdout.readline())["listening"].rsplit(":", 1)[1])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)

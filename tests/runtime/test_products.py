@@ -19,12 +19,13 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import openai
 import pytest
 from release_testkit import copy_release, resign, world
-from server_testkit import PROMPT, call, manifest_id, running_server, sample, scrape, summed
+from server_testkit import PROMPT, call, manifest_id, running_server, sample, scrape, serve_process, summed
 from tuf_testkit import misnamed_release, serve
 
 from runtime.release.contract import DEFAULT_PRODUCT
@@ -221,6 +222,36 @@ def test_a_single_product_device_state_reads_as_the_default_product_beside_a_new
     printed = json.loads(shown.stdout)
     assert (printed["active"], printed["products"]["beta"]["active"], printed["products"]["beta"]["status"]) == (
         a, beta, "committed")
+
+
+def test_serve_given_two_products_follows_both_channels_and_resumes_both_after_a_restart(w, tmp_path):
+    a, beta = manifest_id(w["legacy_a"]), manifest_id(w["beta_champion"])
+    channel = Channel(tmp_path / "tuf", tmp_path / "tuf-keys")
+    publish_release(channel, w["legacy_a"], "2026-10", "2026-10")
+    publish_release(channel, w["beta_champion"], "2026-12", "2026-12", product="beta")
+    config = tmp_path / "device.json"  # the products from the device config, the rest from flags
+    config.write_text(json.dumps({"products": [DEFAULT_PRODUCT, "beta"], "state_dir": "state",
+                                  "metadata_dir": "metadata", "tuf_interval": 0.2}))
+    command = [sys.executable, "-m", "runtime", "serve", "--device-config", str(config), "--engine", str(w["engine"]),
+               "--tokenizer", str(w["tokenizer"]), "--trusted-key", str(w["trusted_key"]), "--port", "0",
+               "--health-window", "0", "--trusted-root", str(channel.metadata / "1.root.json")]
+
+    def both_committed(port: int) -> dict:
+        deadline = time.monotonic() + 60
+        while True:
+            products = call(port, "GET", "/healthz")[1]["products"]
+            if all(p.get("device_state", {}).get("state") == "committed" for p in products.values()):
+                return products
+            assert time.monotonic() < deadline, products
+            time.sleep(0.05)
+
+    with serve(channel.repo) as url, serve_process(command + ["--tuf-url", url], tmp_path / "serve.log") as (_, port):
+        products = both_committed(port)
+        assert {p: cards["champion"]["release_id"] for p, cards in products.items()} == {DEFAULT_PRODUCT: a, "beta": beta}
+    with serve_process(command, tmp_path / "serve.log") as (_, port):  # no channel now: both resume from the state
+        products = both_committed(port)
+        assert {p: cards["champion"]["release_id"] for p, cards in products.items()} == {DEFAULT_PRODUCT: a, "beta": beta}
+        assert ask(openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0), "beta")[0] == beta
 
 
 @pytest.mark.parametrize("products", [["beta", "beta"], [], ["Beta"], "beta"])
