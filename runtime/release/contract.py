@@ -48,7 +48,7 @@ def check_product(name) -> str:
     """``name`` if it can name a product; ValueError saying why not."""
     if not isinstance(name, str) or not PRODUCT.match(name):
         raise ValueError(f"product {name!r}: lowercase letters, digits, '-' or '_', a letter first, at most 40")
-    if name in ("champion", "candidate", "standby"):
+    if name in (*TUF_CHANNELS, "standby"):  # what ``runtime.serve.residents`` calls a release on no channel
         raise ValueError(f"product {name!r}: a channel's name, which a request's model already means")
     return name
 
