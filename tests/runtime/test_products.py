@@ -29,7 +29,8 @@ from server_testkit import PROMPT, call, manifest_id, running_server, sample, sc
 from tuf_testkit import misnamed_release, serve
 
 from runtime.release.contract import DEFAULT_PRODUCT
-from runtime.release.package import RollbackRefused
+from runtime.release.package import RollbackRefused, load_trusted_keys
+from runtime.release.tuf_pull import UpdateRefused, tuf_pull
 from runtime.serve.channel_watch import FRESH, REFUSED, ChannelWatcher, Outcome
 from runtime.serve.residents import ResidencyError, ResidentSet
 from runtime.serve.server import ActiveRelease
@@ -222,6 +223,24 @@ def test_a_single_product_device_state_reads_as_the_default_product_beside_a_new
     printed = json.loads(shown.stdout)
     assert (printed["active"], printed["products"]["beta"]["active"], printed["products"]["beta"]["status"]) == (
         a, beta, "committed")
+
+
+def test_pull_installs_a_products_champion_from_its_own_signed_channel(w, tmp_path):
+    channel = Channel(tmp_path / "tuf", tmp_path / "tuf-keys")
+    publish_release(channel, w["legacy_a"], "2026-10", "2026-10")
+    publish_release(channel, w["beta_champion"], "2026-12", "2026-12", product="beta")
+    keys = load_trusted_keys([w["trusted_key"]])
+    with serve(channel.repo) as url:
+        beta = tuf_pull(url, channel.metadata / "1.root.json", tmp_path / "metadata", tmp_path / "beta", keys,
+                        channel="champion", product="beta")
+        default = tuf_pull(url, channel.metadata / "1.root.json", tmp_path / "metadata", tmp_path / "default", keys,
+                           channel="champion")
+        with pytest.raises(UpdateRefused) as refused:  # beta has no release of 2026-10: the default product has
+            tuf_pull(url, channel.metadata / "1.root.json", tmp_path / "metadata", tmp_path / "x", keys,
+                     month="2026-10", product="beta")
+    assert (beta.summary()["product"], beta.release_id) == ("beta", manifest_id(w["beta_champion"]))
+    assert (default.summary()["product"], default.release_id) == (DEFAULT_PRODUCT, manifest_id(w["legacy_a"]))
+    assert refused.value.reason == "unknown_target" and "products/beta/releases/2026-10.tar.gz" in str(refused.value)
 
 
 def test_serve_given_two_products_follows_both_channels_and_resumes_both_after_a_restart(w, tmp_path):
