@@ -129,7 +129,7 @@ def publish_to_registry(config: ReleaseConfig, recorded: release.Recorded, notes
     published = publish.publish_release(
         Path(config.publish.registry_dir), config.layout.package_release_dir, config.data.month,
         release.registry_entry(config, recorded), champion=True, force=config.publish.force,
-        lineage=Path.cwd() / "dvc.lock", notes=notes,
+        lineage=Path.cwd() / "dvc.lock", notes=notes, product=config.data.product,
     )
     get_transaction().set("published", published)
     return published
@@ -138,13 +138,14 @@ def publish_to_registry(config: ReleaseConfig, recorded: release.Recorded, notes
 @publish_to_registry.on_rollback
 def _unpublish(txn) -> None:
     published = txn.get("published")
-    publish.rollback(Path.cwd() / txn.get("registry"), published.previous_head, published.month, published.previous_tag)
+    publish.rollback(Path.cwd() / txn.get("registry"), published.previous_head, published.month, published.previous_tag,
+                     published.product)
 
 
 @task(retries=2, retry_delay_seconds=5)
 def sign_update_channel(config: ReleaseConfig) -> list[str]:
     """After the registry committed: the release and its champion signed into the TUF repository devices pull."""
-    return update_channel.publish_from_registry(config.publish, config.data.month)
+    return update_channel.publish_from_registry(config.publish, config.data.month, product=config.data.product)
 
 
 @task(retries=2, retry_delay_seconds=5)

@@ -3,19 +3,23 @@
     python -m runtime verify DIR_OR_TARBALL --trusted-key PUB [--engine DIR] [--tokenizer DIR]
                              [--active-release ID] [--allow-rollback]
     python -m runtime pull --registry PATH_OR_URL (--release YYYY-MM | --alias NAME) --to DIR
-                           --trusted-key PUB [--engine DIR] [--rev REV] [--allow-rollback]
+                           --trusted-key PUB [--engine DIR] [--rev REV] [--allow-rollback] [--product NAME]
     python -m runtime pull --tuf-url URL --trusted-root FILE --metadata-dir DIR (--release YYYY-MM | --alias NAME)
-                           --to DIR --trusted-key PUB [--engine DIR] [--allow-rollback]
+                           --to DIR --trusted-key PUB [--engine DIR] [--allow-rollback] [--product NAME]
     python -m runtime serve --engine DIR --package DIR --trusted-key PUB [--tokenizer DIR]
                             [--port 8080] [--host 127.0.0.1] [--watch DIR]
                             [--candidate DIR --canary-share F] [--max-resident N]
                             [--admin-token-file FILE --release-dir DIR ...]
                             [--state-dir DIR [--health-window S]]
                             [--tuf-url URL --trusted-root FILE --metadata-dir DIR [--tuf-interval S]]
-                            (python -m runtime serve --help)
+                            [--product NAME ...]  (python -m runtime serve --help)
     python -m runtime state --state-dir DIR       the device state: active, previous, high-water mark, reverts
-    python -m runtime rollback --state-dir DIR    (serve stopped) the previous release becomes the active one
+    python -m runtime rollback --state-dir DIR [--product NAME]
+                                                  (serve stopped) the previous release becomes the active one
                                                   and the high-water mark comes down to it: a local, explicit act
+
+A device serves and follows the products it is given (``--product``, repeatable; device config ``products``;
+the first is its default, what requests without ``model`` get; default: the one product ``default``).
 
 Trust and paths may come from a device config file instead (``--device-config FILE``, JSON;
 relative paths are relative to the file); flags add to it or override it:
@@ -25,7 +29,7 @@ relative paths are relative to the file); flags add to it or override it:
      "admin_token_file": "admin.token", "release_dirs": ["releases"], "max_resident": 3, "canary_share": 0.0,
      "state_dir": "/var/lib/adapter", "health_window": 30,
      "tuf_url": "http://updates.example:8000", "trusted_root": "1.root.json", "metadata_dir": "tuf-metadata",
-     "tuf_interval": 300}
+     "tuf_interval": 300, "products": ["default"]}
 
 Exit codes: 0 success, 1 crash (a bug), 2 bad usage or device configuration, 30 the registry
 could not give the release, 31-38 the update channel refused (``runtime.release.tuf_pull.EXIT_CODES``:
@@ -34,7 +38,7 @@ could not give the release, 31-38 the update channel refused (``runtime.release.
 10 malformed, 11 checksum, 12 unlisted_file, 13 signature, 14 backbone_mismatch,
 15 interface_mismatch, 16 adapter, 17 kv_scales, 18 size_limit, 19 unsafe_path, 20 rollback,
 21 expired, 22 tokenizer_mismatch, 23 reverted (serve with --state-dir), 24 month_mismatch (fetched by
-another month's name).
+another month's name), 25 product_mismatch (fetched as another product's).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import sys
 from pathlib import Path
 
 from runtime.engine.errors import RefusedInput
+from runtime.release.contract import DEFAULT_PRODUCT, check_product
 from runtime.release.package import DEFAULT_MAX_PACKAGE_BYTES, EXIT_CODES, PackageError
 from runtime.serve.channel_watch import DEFAULT_TUF_INTERVAL_S
 from runtime.serve.health import DEFAULT_HEALTH_WINDOW_S
@@ -66,9 +71,10 @@ def device_settings(args) -> dict:
     """Settings from ``--device-config`` (if any) overlaid with the flags given."""
     settings = {"trusted_keys": [], "engine": None, "tokenizer": None, "backend": "onnxruntime", "threads": 2,
                 "max_package_bytes": DEFAULT_MAX_PACKAGE_BYTES, "admin_token_file": None, "release_dirs": [],
-                "max_resident": DEFAULT_MAX_RESIDENT, "canary_share": 0.0, "state_dir": None,
+                "max_resident": None, "canary_share": 0.0, "state_dir": None,
                 "health_window": DEFAULT_HEALTH_WINDOW_S,
-                "tuf_url": None, "trusted_root": None, "metadata_dir": None, "tuf_interval": DEFAULT_TUF_INTERVAL_S}
+                "tuf_url": None, "trusted_root": None, "metadata_dir": None, "tuf_interval": DEFAULT_TUF_INTERVAL_S,
+                "products": [DEFAULT_PRODUCT]}
     if args.device_config is not None:
         path = Path(args.device_config)
         try:
@@ -90,12 +96,25 @@ def device_settings(args) -> dict:
                 "tuf_url", "trusted_root", "metadata_dir", "tuf_interval"):
         if getattr(args, key, None) is not None:
             settings[key] = getattr(args, key)
+    if getattr(args, "product", None):
+        settings["products"] = list(args.product)
+    products = settings["products"]
+    try:
+        if not isinstance(products, list) or not products or len(set(products)) != len(products):
+            raise ValueError(f"products {products!r}: a list of one or more product names, each once")
+        for product in products:
+            check_product(product)
+    except ValueError as err:
+        raise DeviceConfigError(f"products (--product): {err}") from None
     return settings
 
 
 def _resident_settings(settings) -> tuple[int, float]:
-    """``max_resident`` and ``canary_share``, checked: from a flag or the device config alike."""
+    """``max_resident`` (default: DEFAULT_MAX_RESIDENT per product) and ``canary_share``, checked: from a flag
+    or the device config alike."""
     max_resident, share = settings["max_resident"], settings["canary_share"]
+    if max_resident is None:
+        max_resident = DEFAULT_MAX_RESIDENT * len(settings["products"])
     if type(max_resident) is not int or max_resident < len(CHANNELS):
         raise DeviceConfigError(f"max_resident (--max-resident) {max_resident!r}: an integer of at least "
                                 f"{len(CHANNELS)}, the champion and a candidate")
@@ -146,6 +165,9 @@ def cmd_pull(args, settings) -> int:
     checks = dict(iface=_open_interface(settings["engine"]), allow_rollback=args.allow_rollback,
                   max_bytes=settings["max_package_bytes"], **_tokenizer_checks(settings))
     keys = load_trusted_keys(settings["trusted_keys"])
+    if len(settings["products"]) != 1:
+        raise DeviceConfigError(f"pull installs one product's release; products: {settings['products']} (--product NAME)")
+    checks["product"] = settings["products"][0]
     if args.registry is not None:
         from runtime.release.pull import pull
 
@@ -189,8 +211,9 @@ def cmd_serve(args, settings) -> int:
     if settings["tuf_url"] is not None:
         _check_channel(settings, "serve")
     state = _open_state(settings)
+    products = tuple(settings["products"])
     if args.package is None and args.watch is None and settings["tuf_url"] is None and (
-            state is None or state.record.active is None):
+            state is None or all(state.for_product(p).record.active is None for p in products)):
         raise DeviceConfigError("serve needs --package DIR (or --watch DIR or --tuf-url URL to wait for one, or a "
                                 "--state-dir holding an active release)")
     if args.candidate is not None and args.package is None:
@@ -206,11 +229,13 @@ def cmd_serve(args, settings) -> int:
     keys = load_trusted_keys(settings["trusted_keys"])
     engine = open_engine(settings["engine"], settings["backend"], threads=settings["threads"])
     app = AdapterServer(engine, DeviceTokenizer(settings["tokenizer"]), keys, settings["max_package_bytes"],
-                        max_resident)
+                        max_resident, products)
     if state is not None:
         from runtime.serve.health import ReleaseGate
 
-        ReleaseGate(app, state, settings["health_window"], serve_settings.decode).resume()
+        for product in products:
+            ReleaseGate(app, state.for_product(product), settings["health_window"], serve_settings.decode,
+                        product).resume()
     if args.package is not None:
         app.load(args.package)
     if args.candidate is not None:
@@ -250,16 +275,22 @@ def _named_state(settings, exclusive: bool = True):
 
 
 def cmd_state(args, settings) -> int:
+    """The default product's record, and under ``products`` every other product's kept there."""
     from dataclasses import asdict
 
-    print(json.dumps(asdict(_named_state(settings, exclusive=False).record), indent=2, sort_keys=True))
+    state = _named_state(settings, exclusive=False)
+    others = {p: asdict(state.for_product(p).record) for p in state.other_products()}
+    print(json.dumps(asdict(state.record) | ({"products": others} if others else {}), indent=2, sort_keys=True))
     return 0
 
 
 def cmd_rollback(args, settings) -> int:
     from dataclasses import asdict
 
-    print(json.dumps(asdict(_named_state(settings).rollback()), indent=2, sort_keys=True))
+    if len(settings["products"]) != 1:
+        raise DeviceConfigError(f"rollback acts on one product; products: {settings['products']} (--product NAME)")
+    state = _named_state(settings).for_product(settings["products"][0])
+    print(json.dumps(asdict(state.rollback()), indent=2, sort_keys=True))
     return 0
 
 
@@ -289,6 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "targets/; device config tuf_url)")
     channel.add_argument("--trusted-root", metavar="FILE", help="the update channel's root metadata given out of band")
     channel.add_argument("--metadata-dir", metavar="DIR", help="where this device keeps the TUF metadata it has verified")
+    channel.add_argument("--product", action="append", metavar="NAME", default=argparse.SUPPRESS,
+                         help="a product (line of releases) this device pulls, serves and follows; repeatable for "
+                         "serve, the first the default for requests without model (device config products; "
+                         f"default {DEFAULT_PRODUCT})")
     sub = parser.add_subparsers(dest="command", required=True)
 
     v = sub.add_parser("verify", parents=[common], help="verify a release directory or tarball")
@@ -321,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(device config canary_share; default 0)")
     s.add_argument("--max-resident", type=int, default=argparse.SUPPRESS, metavar="N",
                    help="releases kept resident; beyond, the least recently used standby one is unloaded "
-                   f"(device config max_resident; default {DEFAULT_MAX_RESIDENT})")
+                   f"(device config max_resident; default {DEFAULT_MAX_RESIDENT} per product)")
     s.add_argument("--watch", metavar="DIR", help="load as champion newer verified releases that appear in DIR")
     s.add_argument("--watch-interval", type=float, default=2.0, metavar="S", help="seconds between polls of --watch")
     s.add_argument("--tuf-interval", type=float, default=argparse.SUPPRESS, metavar="S",
@@ -364,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     state_only = argparse.ArgumentParser(add_help=False)
     state_only.add_argument("--device-config", metavar="FILE", help="device config JSON (its state_dir)")
     state_only.add_argument("--state-dir", metavar="DIR", default=argparse.SUPPRESS, help="the serve --state-dir")
+    state_only.add_argument("--product", action="append", metavar="NAME", default=argparse.SUPPRESS,
+                            help=f"rollback: the product to roll back (default {DEFAULT_PRODUCT})")
     sub.add_parser("state", parents=[state_only], help="print the device state of a state directory"
                    ).set_defaults(run=cmd_state)
     sub.add_parser("rollback", parents=[state_only], help="with serve stopped: make the previous release the active "

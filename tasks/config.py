@@ -21,6 +21,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kernels.kv_spec import Granularity, KVQuantSpec
+from runtime.release.contract import DEFAULT_PRODUCT, check_product
 from tasks.layout import BASE_MODEL_STAGE_DIR, ArtifactLayout
 
 MONTH_PATTERN = re.compile(r"^\d{4}-(0[1-9]|1[0-2])$")
@@ -42,6 +43,7 @@ def _check_month(value: str) -> str:
 
 
 Month = Annotated[str, AfterValidator(_check_month)]
+Product = Annotated[str, AfterValidator(check_product)]
 
 
 class _Section(BaseModel):
@@ -50,6 +52,10 @@ class _Section(BaseModel):
 
 class DataConfig(_Section):
     month: Month = "2026-11"
+    # The line of releases this project publishes (runtime/release/contract.py): the registry, the update
+    # channel and a device keep champion and candidate per product. The default is what releases published
+    # before products existed are read as.
+    product: Product = DEFAULT_PRODUCT
     dir: str = "data"
     jsonl_dir: str | None = None
     heldout_text: str | None = None

@@ -15,7 +15,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from runtime.release.contract import REGISTRY_CHANNELS, REGISTRY_INDEX
+from runtime.release.contract import DEFAULT_PRODUCT, REGISTRY_CHANNELS, REGISTRY_INDEX, parse_channels, product_path
 from tasks.artifacts import write_json
 from tasks.cli import stage_main
 from tasks.config import GatesConfig, ReleaseConfig, StageError, WeightAccuracyDrop
@@ -46,13 +46,16 @@ def _not_applicable(name: str, why: str) -> Gate:
     return Gate(name, None, None, "n/a", True, why)
 
 
-def current_champion(registry_dir: Path) -> dict | None:
-    """The published champion's month and headline metrics, read from the release registry; None if none."""
-    channels = Path(registry_dir) / REGISTRY_CHANNELS
-    index = Path(registry_dir) / REGISTRY_INDEX
+def current_champion(registry_dir: Path, product: str = DEFAULT_PRODUCT) -> dict | None:
+    """The published champion's month and headline metrics of ``product``, read from the release registry; None if none."""
+    channels = Path(registry_dir) / product_path(REGISTRY_CHANNELS, product)
+    index = Path(registry_dir) / product_path(REGISTRY_INDEX, product)
     if not channels.exists() or not index.exists():
         return None
-    month = json.loads(channels.read_text()).get("champion")
+    try:
+        month = parse_channels(channels.read_bytes(), str(channels)).get("champion")
+    except ValueError as err:
+        raise StageError(str(err)) from None
     if month is None:
         return None
     entry = json.loads(index.read_text()).get(month)
@@ -205,7 +208,7 @@ def run_stage(cfg: ReleaseConfig) -> Path:
     if not metrics_file.exists():
         raise StageError(f"{metrics_file} is missing: run the evaluate stage first")
     metrics = json.loads(metrics_file.read_text())
-    champion = current_champion(Path(cfg.publish.registry_dir))
+    champion = current_champion(Path(cfg.publish.registry_dir), cfg.data.product)
     if champion is not None and champion["month"] == cfg.data.month:
         champion = None  # a month is not compared with its own earlier release
     gates = evaluation_gates(metrics, cfg.gates, champion, cfg.engine.parity_tolerance, cfg.kv.enabled)

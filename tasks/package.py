@@ -38,6 +38,7 @@ from runtime.engine.adapter_config import ADAPTER_FILES, ADAPTER_WEIGHTS, PROVEN
 from runtime.engine.hashing import sha256_file
 from runtime.engine.kv_scales import KV_SCALES_FILES, KV_SCALES_JSON, KVScalesError, read_kv_scales
 from runtime.engine.tokenizer import ChatPrompt, DeviceTokenizer
+from runtime.release.contract import DEFAULT_PRODUCT
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
 from tasks.config import ReleaseConfig, StageError
@@ -167,7 +168,8 @@ def resolve_signing_key(setting: str | Path):
 # ---------------------------------------------------------------- the package
 
 def build_manifest(release_dir: Path, month: str, created: dt.datetime, expiry_days: int, iface, metrics: dict,
-                   gates: dict, key_id: str, tokenizer, pipeline: dict, probes: list[dict]) -> dict:
+                   gates: dict, key_id: str, tokenizer, pipeline: dict, probes: list[dict],
+                   product: str = DEFAULT_PRODUCT) -> dict:
     from runtime.release.contract import FORMAT, FORMAT_VERSION, format_time, make_release_id
 
     provenance = json.loads((release_dir / PROVENANCE).read_text())
@@ -179,6 +181,7 @@ def build_manifest(release_dir: Path, month: str, created: dt.datetime, expiry_d
         "format_version": FORMAT_VERSION,
         "release_id": make_release_id(month, created),
         "month": month,
+        "product": product,
         "created_at": format_time(created),
         "expires_at": format_time(created + dt.timedelta(days=expiry_days)),
         "base_model_hash": provenance["base_model_hash"],
@@ -267,6 +270,7 @@ def build_release(
     now: dt.datetime | None = None,
     repo_dir: Path | None = None,
     probes: Sequence[dict] = (),
+    product: str = DEFAULT_PRODUCT,
 ) -> Path:
     """Package, sign, archive and check one release into ``out_dir`` (replaced as a whole); return it."""
     from runtime.engine.interface import read_interface
@@ -293,7 +297,7 @@ def build_release(
         for name in KV_SCALES_FILES if kv_dir is not None else ():
             shutil.copyfile(Path(kv_dir) / name, release / name)
         manifest = build_manifest(release, month, created, expiry_days, iface, metrics, gates,
-                                  key_id(private.public_key()), tokenizer, git_revision(repo_dir), list(probes))
+                                  key_id(private.public_key()), tokenizer, git_revision(repo_dir), list(probes), product)
         data = manifest_bytes(manifest)
         (release / MANIFEST).write_bytes(data)
         (release / SIGNATURE).write_bytes(sign(private, data))
@@ -345,6 +349,7 @@ def run_stage(cfg: ReleaseConfig) -> Path:
         out_dir=layout.package_dir,
         signing_key=cfg.publish.signing_key,
         month=cfg.data.month,
+        product=cfg.data.product,
         expiry_days=cfg.publish.expiry_days,
         backend=cfg.engine.backend,
         threads=cfg.engine.threads,

@@ -17,7 +17,7 @@ from pathlib import Path
 from runtime.engine.adapter_config import ADAPTER_WEIGHTS
 from runtime.engine.hashing import sha256_file
 from runtime.engine.kv_scales import KV_SCALES_JSON
-from runtime.release.contract import MANIFEST
+from runtime.release.contract import MANIFEST, release_tag
 from tasks.base_model import CARD
 from tasks.config import ReleaseConfig
 from tasks.gates import accuracy_measure, gate_report, package_gates, render_gate_table, scored_metrics
@@ -246,13 +246,13 @@ def registry_entry(cfg: ReleaseConfig, recorded: Recorded | None) -> dict:
 
 def already_published(cfg: ReleaseConfig) -> dict | None:
     """The registry's entry for this month if it holds this very package (same adapter bytes)."""
-    from runtime.release.contract import release_tag
     from tasks.publish import read_index, tag_exists
 
     registry = Path(cfg.publish.registry_dir)
-    entry = read_index(registry).get(cfg.data.month)
+    entry = read_index(registry, cfg.data.product).get(cfg.data.month)
     adapter = cfg.layout.package_release_dir / ADAPTER_WEIGHTS
-    if entry is None or not adapter.exists() or not tag_exists(registry.resolve(), release_tag(cfg.data.month)):
+    if entry is None or not adapter.exists() or not tag_exists(registry.resolve(),
+                                                               release_tag(cfg.data.month, cfg.data.product)):
         return None
     return entry if entry.get("adapter_sha256") == sha256_file(adapter) else None
 
@@ -267,12 +267,12 @@ def reconcile_published(cfg: ReleaseConfig, root: Path, entry: dict) -> list[str
 
     repairs = []
     registry = Path(cfg.publish.registry_dir)
-    publish.push_release(registry, cfg.data.month)
+    publish.push_release(registry, cfg.data.month, cfg.data.product)
     push_outputs(root)
-    if update_channel.publish_from_registry(cfg.publish, cfg.data.month):
+    if update_channel.publish_from_registry(cfg.publish, cfg.data.month, product=cfg.data.product):
         repairs.append(f"{cfg.data.month} and the registry's champion signed into the update channel {cfg.publish.tuf_dir}")
     version = entry.get("mlflow_version")
-    if publish.read_channels(registry).get("champion") == cfg.data.month and version:
+    if publish.read_channels(registry, cfg.data.product).get("champion") == cfg.data.month and version:
         client, _ = tracking.client_for(cfg.publish, root)
         if tracking.alias_version(client, cfg.publish.model_name, tracking.CHAMPION) != str(version):
             tracking.move_champion(client, cfg.publish.model_name, str(version))
@@ -310,7 +310,7 @@ def summary_markdown(cfg: ReleaseConfig, runs: list[StageRun], report: dict, rec
         if recorded.version:
             lines.append(f"- model `{cfg.publish.model_name}` version {recorded.version}")
     lines.append(f"- release directory `{cfg.layout.package_release_dir}`; registry `{Path(cfg.publish.registry_dir).resolve()}` "
-                 f"tag `release/{cfg.data.month}`")
+                 f"tag `{release_tag(cfg.data.month, cfg.data.product)}`")
     if notes is not None:
         lines += ["", re.sub(r"^(#+) ", r"#\1 ", notes, flags=re.MULTILINE)]  # a section of the summary
     return "\n".join(lines) + "\n"

@@ -7,7 +7,10 @@ ngclient (``runtime/release/tuf_pull.py``):
 - ``metadata/<n>.root.json`` every root version (a device walks them from the root it was given);
 - ``metadata/<n>.targets.json``: every release tarball ``releases/<month>.tar.gz`` (custom fields
   month, release id, base model hash, engine interface hash) and ``channels.json`` (champion, the
-  registry's; candidate, the newest month published): the channel pointers are signed like releases;
+  registry's; candidate, the newest month published): the channel pointers are signed like releases.
+  That is the default product's; another product's are ``products/<product>/releases/<month>.tar.gz``
+  and ``products/<product>/channels.json`` (``runtime.release.contract.product_path``), in the same
+  metadata, signed by the same keys;
 - ``metadata/<n>.snapshot.json``, ``metadata/timestamp.json`` (written last: the switch to a new
   state; a crash before it leaves the previous state served);
 - ``targets/<dir>/<sha256>.<name>`` (consistent snapshots: a file once written never changes).
@@ -43,7 +46,8 @@ from tuf.api.serialization.json import JSONSerializer
 
 from runtime.engine.atomic_files import atomic_copy, atomic_write
 from runtime.release.contract import (
-    MANIFEST, TUF_CHANNELS_TARGET, TUF_METADATA_DIR, TUF_TARGETS_DIR, registry_release_path, release_target_path,
+    DEFAULT_PRODUCT, MANIFEST, TUF_CHANNELS_TARGET, TUF_METADATA_DIR, TUF_TARGETS_DIR, channels_bytes, manifest_product,
+    product_path, registry_release_path, release_target_path,
 )
 from runtime.release.package import write_tarball
 from runtime.release.signing import generate_key, load_private_key
@@ -270,12 +274,12 @@ def ensure_repository(channel: Channel, now: dt.datetime | None = None) -> State
     return state
 
 
-def release_target(release_dir: Path, tarball: Path, month: str) -> TargetFile:
+def release_target(release_dir: Path, tarball: Path, month: str, product: str = DEFAULT_PRODUCT) -> TargetFile:
     """The target of a release tarball, with the manifest's identity as custom fields."""
     manifest = json.loads((Path(release_dir) / MANIFEST).read_text())
     custom = {"month": month, "release_id": manifest["release_id"], "base_model_hash": manifest["base_model_hash"],
               "engine_interface_hash": manifest["engine"]["interface_hash"]}
-    target = TargetFile.from_file(release_target_path(month), str(tarball), HASHES)
+    target = TargetFile.from_file(release_target_path(month, product), str(tarball), HASHES)
     target.unrecognized_fields["custom"] = custom
     return target
 
@@ -294,37 +298,46 @@ def _add_target(channel: Channel, state: State, target: TargetFile, source: Path
 
 @_one_writer
 def publish_release(channel: Channel, release_dir: Path, month: str, champion: str | None,
-                    now: dt.datetime | None = None) -> list[str]:
-    """Make ``month``'s release a target, the channels ``champion`` (as given) and ``candidate`` (the
-    newest month of the targets: a rerun of an older month never moves it back) a signed target, and
-    sign new targets, snapshot and timestamp. Idempotent: the same release and channels again write
-    nothing (returns the roles written, [] then). A release of another month is refused: devices refuse it."""
-    signed_month = json.loads((Path(release_dir) / MANIFEST).read_text())["month"]
-    if signed_month != month:
-        raise UpdateChannelError(f"{release_dir}: a release of {signed_month}, not {month}; not published")
+                    now: dt.datetime | None = None, product: str = DEFAULT_PRODUCT) -> list[str]:
+    """Make ``month``'s release a target of ``product``, that product's channels ``champion`` (as given) and
+    ``candidate`` (the newest month of its targets: a rerun of an older month never moves it back) a signed
+    target, and sign new targets, snapshot and timestamp. Idempotent: the same release and channels again write
+    nothing (returns the roles written, [] then). A release of another month or product is refused: devices
+    refuse it."""
+    manifest = json.loads((Path(release_dir) / MANIFEST).read_text())
+    if manifest["month"] != month:
+        raise UpdateChannelError(f"{release_dir}: a release of {manifest['month']}, not {month}; not published")
+    if manifest_product(manifest) != product:
+        raise UpdateChannelError(f"{release_dir}: a release of product {manifest_product(manifest)}, not {product}; "
+                                 "not published")
     state = ensure_repository(channel, now)
     with tempfile.TemporaryDirectory(prefix="tuf-target-") as tmp:
         tarball = write_tarball(Path(release_dir), Path(tmp) / f"{month}.tar.gz")
-        changed = _add_target(channel, state, release_target(release_dir, tarball, month), tarball)
-        newest = max(t.custom["month"] for t in state.targets.signed.targets.values() if t.custom)
+        changed = _add_target(channel, state, release_target(release_dir, tarball, month, product), tarball)
+        newest = max(t.custom["month"] for t in state.targets.signed.targets.values()
+                     if t.custom and t.path == release_target_path(t.custom["month"], product))
         channels = {"candidate": newest} | ({"champion": champion} if champion else {})
         pointer = Path(tmp) / TUF_CHANNELS_TARGET
-        pointer.write_text(json.dumps(channels, indent=2, sort_keys=True) + "\n")
-        changed |= _add_target(channel, state, TargetFile.from_file(TUF_CHANNELS_TARGET, str(pointer), HASHES), pointer)
+        pointer.write_bytes(channels_bytes(channels))
+        changed |= _add_target(channel, state, TargetFile.from_file(product_path(TUF_CHANNELS_TARGET, product),
+                                                                    str(pointer), HASHES), pointer)
     if not changed:
         return []
     return _resign(channel, state, {Targets.type}, signers(channel), _now(now))
 
 
-def publish_from_registry(publish: PublishConfig, month: str, now: dt.datetime | None = None) -> list[str]:
-    """Sign the registry's ``month`` (as ``releases/<month>`` holds it) and its champion into the update
-    channel. The flow runs it once the registry has committed; a rerun (``tasks.release.reconcile_published``)
-    finishes it after a crash. Returns the roles written ([]: the channel already said so)."""
+def publish_from_registry(publish: PublishConfig, month: str, now: dt.datetime | None = None,
+                          product: str = DEFAULT_PRODUCT) -> list[str]:
+    """Sign the registry's ``month`` of ``product`` (as ``releases/<month>`` holds it) and the product's champion
+    into the update channel. The flow runs it once the registry has committed; a rerun
+    (``tasks.release.reconcile_published``) finishes it after a crash. Returns the roles written ([]: the
+    channel already said so)."""
     from tasks.publish import read_channels
 
     registry = Path(publish.registry_dir)
-    champion = read_channels(registry).get("champion")
-    return publish_release(Channel.from_config(publish), registry / registry_release_path(month), month, champion, now)
+    champion = read_channels(registry, product).get("champion")
+    return publish_release(Channel.from_config(publish), registry / registry_release_path(month, product), month,
+                           champion, now, product)
 
 
 @_one_writer

@@ -2,8 +2,9 @@
 
 ``running_server`` starts ``runtime.serve.http_server.BackgroundServer`` (uvicorn in a thread, a free loopback
 port) on the tiny world's engine, tokenizer and key, with the admin API on (``ADMIN_TOKEN``), the
-given release directories and at most ``max_resident`` resident releases; with ``state_dir``, the device state
-and health-gated commit of ``runtime.serve.health`` (``health_window`` seconds), resumed from that directory. ``scrape`` reads ``/metrics`` with ``prometheus_client``'s own parser.
+given release directories and at most ``max_resident`` resident releases, serving ``products`` (the first the
+default); with ``state_dir``, the device state and health-gated commit of ``runtime.serve.health``
+(``health_window`` seconds) of each product, resumed from that directory. ``scrape`` reads ``/metrics`` with ``prometheus_client``'s own parser.
 """
 
 from __future__ import annotations
@@ -11,12 +12,15 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.engine.backends.onnxruntime import OrtEngine
 from runtime.engine.tokenizer import DeviceTokenizer
+from runtime.release.contract import DEFAULT_PRODUCT
 from runtime.release.device_state import DeviceState
 from runtime.release.package import load_trusted_keys
 from runtime.serve.health import ReleaseGate
@@ -25,26 +29,30 @@ from runtime.serve.http_server import BackgroundServer
 from runtime.serve.residents import DEFAULT_MAX_RESIDENT
 from runtime.serve.server import AdapterServer
 
+REPO = Path(__file__).resolve().parents[1]
+
 ADMIN_TOKEN = "test-admin-token-0123456789"
 PROMPT = "inspect board=PCB-3310 line=L1 part=R12 temp_c=251 defect=void void_pct=18 verdict:"
 
 
 @contextlib.contextmanager
 def running_server(w, release_dirs=(), tokenizer=None, max_resident=DEFAULT_MAX_RESIDENT, state_dir=None,
-                   health_window=0.0, **settings):
+                   health_window=0.0, products=(DEFAULT_PRODUCT,), **settings):
     app = AdapterServer(OrtEngine(w["engine"], threads=1), DeviceTokenizer(tokenizer or w["tokenizer"]),
-                        load_trusted_keys([w["trusted_key"]]), max_resident=max_resident)
+                        load_trusted_keys([w["trusted_key"]]), max_resident=max_resident, products=products)
     state = DeviceState(state_dir) if state_dir is not None else None
     config = ServeSettings(**({"admin_token": ADMIN_TOKEN,
                                "release_dirs": tuple(Path(d).resolve() for d in release_dirs)} | settings))
     try:
         if state is not None:
-            ReleaseGate(app, state, health_window, config.decode).resume()
+            for product in products:
+                ReleaseGate(app, state.for_product(product), health_window, config.decode, product).resume()
         with BackgroundServer(app, config) as background:
             yield app, background
     finally:
         if state is not None:
-            app.gate.stop()  # a trial still running would write the state: it ends before the lock goes
+            for gate in app.gates.values():
+                gate.stop()  # a trial still running would write the state: it ends before the lock goes
             state.close()
 
 
@@ -100,3 +108,17 @@ def refusals(samples: dict) -> dict:
 
 def manifest_id(release: Path) -> str:
     return json.loads((release / "manifest.json").read_text())["release_id"]
+
+
+@contextlib.contextmanager
+def serve_process(command: list[str], log: Path) -> Iterator[tuple[subprocess.Popen, int]]:
+    """``python -m runtime serve`` (``command``, with ``--port 0``) run from the repository, and its port; its
+    stderr appended to ``log``; killed at the end if still running."""
+    with open(log, "a") as err:
+        proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        yield proc, int(json.loads(proc.stdout.readline())["listening"].rsplit(":", 1)[1])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)

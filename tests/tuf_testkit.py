@@ -30,7 +30,7 @@ from tuf.api.metadata import Metadata, TargetFile, Targets
 from tuf.api.serialization.json import JSONSerializer
 from tuf.ngclient import Updater
 
-from runtime.release.contract import TUF_CHANNELS_TARGET, TUF_METADATA_DIR, release_target_path
+from runtime.release.contract import DEFAULT_PRODUCT, TUF_CHANNELS_TARGET, TUF_METADATA_DIR, product_path, release_target_path
 from runtime.release.package import write_tarball
 from tasks.update_channel import Channel, _add_target, _resign, load_state, refresh, release_target, signers
 
@@ -117,18 +117,20 @@ def zero_tarball(repo: Path, channel: Channel, month: str = "2026-11") -> None:
     path.write_bytes(bytes(path.stat().st_size))
 
 
-def misnamed_release(repo: Path, channel: Channel, release_dir: Path, month: str) -> None:
-    """Champion ``month`` whose signed target holds ``release_dir``, a release of another month: the steps of
-    ``publish_release`` without its month check, as a mislabelling publisher or a holder of the online keys
-    signs it. Length, hashes and signatures are genuine; only the signed manifest inside says its month."""
+def misnamed_release(repo: Path, channel: Channel, release_dir: Path, month: str, product: str = DEFAULT_PRODUCT) -> None:
+    """Champion ``month`` of ``product`` whose signed target holds ``release_dir``, a release of another month (or
+    product): the steps of ``publish_release`` without its month and product checks, as a mislabelling publisher
+    or a holder of the online keys signs it. Length, hashes and signatures are genuine; only the signed manifest
+    inside says its month and product."""
     served = Channel(repo, channel.keys)
     state = load_state(served)
     with tempfile.TemporaryDirectory(prefix="misnamed-") as tmp:
         tarball = write_tarball(release_dir, Path(tmp) / f"{month}.tar.gz")
-        _add_target(served, state, release_target(release_dir, tarball, month), tarball)
+        _add_target(served, state, release_target(release_dir, tarball, month, product), tarball)
         pointer = Path(tmp) / TUF_CHANNELS_TARGET
         pointer.write_text(json.dumps({"champion": month, "candidate": month}))
-        _add_target(served, state, TargetFile.from_file(TUF_CHANNELS_TARGET, str(pointer), ["sha256"]), pointer)
+        _add_target(served, state, TargetFile.from_file(product_path(TUF_CHANNELS_TARGET, product), str(pointer),
+                                                        ["sha256"]), pointer)
     _resign(served, state, {Targets.type}, signers(served), dt.datetime.now(dt.timezone.utc))
 
 

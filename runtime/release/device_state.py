@@ -4,6 +4,11 @@
     DIR/lock                   held (flock) by the one process using the directory, with its pid
     DIR/releases/<release id>/ verified copies of the active, the previous and the candidate release
                                (and of other resident ones), so a restart needs no network and no --package
+    DIR/products/<product>/    another product's state, laid out as DIR is (``for_product``)
+
+``DIR`` itself is the default product's state (``runtime.release.contract.DEFAULT_PRODUCT``): a state
+directory written before products existed is that product's as it stands. Each product has its own
+champion, candidate, trial and high-water mark: a product's releases never roll another's back.
 
 ``state.json`` (sorted keys)::
 
@@ -48,11 +53,12 @@ from pathlib import Path
 
 from runtime.engine.atomic_files import TEMP_PREFIX, atomic_write, fsync_dir
 from runtime.engine.errors import RefusedInput
-from runtime.release.contract import RELEASE_ID, format_time, release_order
+from runtime.release.contract import DEFAULT_PRODUCT, RELEASE_ID, check_product, format_time, release_order
 
 STATE_FILE = "state.json"
 STATE_LOCK = "lock"
 STATE_RELEASES = "releases"
+STATE_PRODUCTS = "products"
 STATE_FORMAT_VERSION = 1
 TRIAL, COMMITTED, FAILED = "trial", "committed", "failed"
 STATUSES = (TRIAL, COMMITTED, FAILED)
@@ -182,6 +188,7 @@ class DeviceState:
         self._lock = threading.RLock()
         self._held = None
         self._unclaimed: set[str] = set()  # new copies of loads not yet resident: no write removes them
+        self._products: dict[str, DeviceState] = {}  # the other products' states opened through this one
         try:
             self.releases.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -213,10 +220,27 @@ class DeviceState:
         return record
 
     def close(self) -> None:
-        """Let go of the directory's lock (the record stays as written)."""
+        """Let go of the directory's lock, and of its products' (the records stay as written)."""
+        for state in self._products.values():
+            state.close()
         if self._held is not None:
             self._held.close()
             self._held = None
+
+    def for_product(self, product: str) -> DeviceState:
+        """The state of ``product``: this one for the default product, else ``products/<product>/`` (created
+        when missing), opened as this one was (exclusive or not) and closed with it."""
+        if product == DEFAULT_PRODUCT:
+            return self
+        with self._lock:
+            if product not in self._products:
+                self._products[product] = DeviceState(self.directory / STATE_PRODUCTS / check_product(product),
+                                                      exclusive=self._held is not None)
+            return self._products[product]
+
+    def other_products(self) -> list[str]:
+        """The products other than the default with a state written here."""
+        return sorted(p.parent.name for p in (self.directory / STATE_PRODUCTS).glob(f"*/{STATE_FILE}"))
 
     def copy_path(self, release_id: str) -> Path:
         return self.releases / release_id

@@ -58,11 +58,13 @@ from runtime.release.contract import (
     FORMAT_VERSION,
     MANIFEST,
     MONTH,
+    PRODUCT,
     RELEASE_ID,
     SIGNATURE,
     STAMP_FORMAT,
     TIME_FORMAT,
     format_time,
+    manifest_product,
     parse_time,
     release_order,
 )
@@ -153,6 +155,13 @@ class MonthMismatch(PackageError):
     signed manifest is another month's."""
 
     reason, exit_code = "month_mismatch", 24
+
+
+class ProductMismatch(PackageError):
+    """A release fetched as one product's (its registry or update-channel paths, or loaded for a product's
+    channel) whose signed manifest is another product's (``runtime.release.contract.manifest_product``)."""
+
+    reason, exit_code = "product_mismatch", 25
 
 
 EXIT_CODES = {cls.reason: cls.exit_code for cls in PackageError.__subclasses__()}
@@ -265,6 +274,7 @@ class VerifiedRelease:
 
     def summary(self) -> dict:
         return {"ok": True, "release_id": self.release_id, "month": self.manifest["month"],
+                "product": manifest_product(self.manifest),
                 "key_id": self.key_id, "expires_at": self.manifest["expires_at"], "checks": list(self.checks)}
 
 
@@ -294,6 +304,8 @@ def _check_manifest_fields(m: dict, where: Path) -> None:
     need("format", str, lambda v: v == FORMAT, f"must be {FORMAT!r}")
     need("format_version", int, lambda v: v == FORMAT_VERSION, f"this runtime reads version {FORMAT_VERSION}")
     need("month", str, lambda v: MONTH.match(v) is not None, "must be YYYY-MM")
+    if "product" in m:  # absent: packaged before products existed, the default product's
+        need("product", str, lambda v: PRODUCT.match(v) is not None, "must be a product name")
     need("release_id", str, lambda v: RELEASE_ID.match(v) is not None, "must be YYYY-MM+YYYYMMDDTHHMMSSZ")
     for key in ("created_at", "expires_at"):
         need(key, str, lambda v: _parses(v), f"must be a UTC time {TIME_FORMAT}")
@@ -407,6 +419,7 @@ def verify_release(
     tokenizer_sha256: str | None = None,
     stop_token_ids: tuple[int, ...] | None = None,
     month: str | None = None,
+    product: str | None = None,
 ) -> VerifiedRelease:
     """Verify the release directory ``path`` (tarballs: use ``unpacked_release`` first) and return it
     with its engine inputs; raise the ``PackageError`` subclass of the first failed check.
@@ -415,6 +428,7 @@ def verify_release(
     skips the engine-bound checks (and leaves ``lora`` unset). ``active_release``: the release id
     (or bare month) the device runs now, for rollback protection. ``month``: the month the release was
     fetched as (a registry's or an update channel's ``releases/<month>``), which its manifest must say.
+    ``product``: the product it was fetched or loaded as, which its manifest must say (absent: the default).
     """
     from cryptography.exceptions import InvalidSignature
 
@@ -485,6 +499,11 @@ def verify_release(
             raise MonthMismatch(f"{path}: fetched as the release of {month}, but its signed manifest is release "
                                 f"{manifest['release_id']} of {manifest['month']}; refused")
         checks.append(f"month: {month}, as fetched")
+    if product is not None:
+        if manifest_product(manifest) != product:
+            raise ProductMismatch(f"{path}: fetched as a release of product {product}, but its signed manifest is "
+                                  f"release {manifest['release_id']} of product {manifest_product(manifest)}; refused")
+        checks.append(f"product: {product}, as fetched")
 
     if active_release is not None:
         if release_order(manifest["release_id"]) < release_order(active_release):

@@ -7,6 +7,9 @@ default remote holds the release files:
   channels.json          git-tracked aliases: {"champion": "2026-11", ...}
   tag release/<month>    the commit that published <month>
 
+(the default product's; another product's are under ``products/<product>/``, tagged
+``release/<product>/<month>``: ``runtime.release.contract.product_path``).
+
 ``pull`` runs ``dvc get <registry> releases/<month> --rev release/<month>`` (for an alias it
 first gets ``channels.json`` at the registry's default branch, or ``--rev``) into a hidden
 temporary sibling of the target, verifies it there (signature, checksums, expiry, rollback
@@ -31,9 +34,12 @@ from pathlib import Path
 
 from runtime.engine.errors import RefusedInput
 from runtime.release.contract import (
+    DEFAULT_PRODUCT,
     MANIFEST,
     MONTH,
     REGISTRY_CHANNELS,
+    parse_channels,
+    product_path,
     registry_release_path,
     release_order,
     release_tag,
@@ -67,21 +73,21 @@ def dvc_get(registry: str, path: str, out: Path, rev: str | None) -> None:
         raise PullError(f"`dvc {' '.join(cmd[1:])}` failed: {' '.join(detail[-3:]) if detail else 'exit ' + str(done.returncode)}")
 
 
-def resolve_alias(registry: str, alias: str, rev: str | None = None) -> str:
-    """The month an alias of ``channels.json`` names, at ``rev`` (default: the registry's default branch)."""
+def resolve_alias(registry: str, alias: str, rev: str | None = None, product: str = DEFAULT_PRODUCT) -> str:
+    """The month an alias of ``product``'s ``channels.json`` names, at ``rev`` (default: the registry's default branch)."""
     if not ALIAS.match(alias):
         raise PullError(f"alias {alias!r} is not a channel name")
+    path = product_path(REGISTRY_CHANNELS, product)
     with tempfile.TemporaryDirectory(prefix="channels-") as tmp:
         out = Path(tmp) / REGISTRY_CHANNELS
-        dvc_get(registry, REGISTRY_CHANNELS, out, rev)
+        dvc_get(registry, path, out, rev)
         try:
-            channels = json.loads(out.read_text())
-        except json.JSONDecodeError as err:
-            raise PullError(f"{registry}: {REGISTRY_CHANNELS} is not valid JSON ({err.msg})") from None
-    month = channels.get(alias) if isinstance(channels, dict) else None
-    if not isinstance(month, str) or not MONTH.match(month):
-        names = sorted(channels) if isinstance(channels, dict) else []
-        raise PullError(f"{registry}: {REGISTRY_CHANNELS} has no alias {alias!r} naming a month (aliases: {', '.join(names) or 'none'})")
+            channels = parse_channels(out.read_bytes(), f"{registry}: {path}")
+        except ValueError as err:
+            raise PullError(str(err)) from None
+    month = channels.get(alias)
+    if month is None:
+        raise PullError(f"{registry}: {path} has no alias {alias!r} naming a month (aliases: {', '.join(sorted(channels)) or 'none'})")
     return month
 
 
@@ -107,9 +113,10 @@ def pull(
     rev: str | None = None,
     iface=None,
     allow_rollback: bool = False,
+    product: str = DEFAULT_PRODUCT,
     **verify_options,
 ) -> VerifiedRelease:
-    """Fetch ``month`` (or the month ``alias`` names) from ``registry`` into ``target``, verified.
+    """Fetch ``month`` (or the month ``alias`` names) of ``product`` from ``registry`` into ``target``, verified.
 
     ``target`` is replaced as a whole, and only after verification passed; its previous release
     is the active one for rollback protection. Raises PullError or a PackageError subclass.
@@ -117,12 +124,13 @@ def pull(
     if (month is None) == (alias is None):
         raise PullError("give exactly one of a release month or an alias")
     if alias is not None:
-        month = resolve_alias(registry, alias, rev)
+        month = resolve_alias(registry, alias, rev, product)
     if not MONTH.match(month):
         raise PullError(f"release {month!r} is not a month YYYY-MM")
-    fetch = functools.partial(dvc_get, registry, registry_release_path(month), rev=release_tag(month))
-    return install(fetch, f"{registry}: {registry_release_path(month)}", month, target, trusted_keys, iface,
-                   allow_rollback, **verify_options)
+    path = registry_release_path(month, product)
+    fetch = functools.partial(dvc_get, registry, path, rev=release_tag(month, product))
+    return install(fetch, f"{registry}: {path}", month, target, trusted_keys, iface, allow_rollback, product=product,
+                   **verify_options)
 
 
 def install(fetch: Callable[[Path], None], source: str, month: str, target: str | Path, trusted_keys: dict, iface=None,

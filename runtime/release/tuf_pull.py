@@ -10,8 +10,9 @@ lengths, hashes and expiry; metadata it cannot get fresh is never used: the pull
 (``UpdateRefused``, with a reason and an exit code) and the installed release stays.
 
 The release target is ``releases/<month>.tar.gz``; by channel (``champion``, ``candidate``) the
-month comes from the signed target ``channels.json``. The tarball, its length and sha256 checked
-by ngclient, is unpacked (``extract_tarball``) and goes through ``verify_release`` unchanged
+month comes from the signed target ``channels.json`` (the default product's; another product's are
+``products/<product>/releases/<month>.tar.gz`` and ``products/<product>/channels.json``). The tarball,
+its length and sha256 checked by ngclient, is unpacked (``extract_tarball``) and goes through ``verify_release`` unchanged
 (``runtime.release.pull.install``: manifest signature, files, rollback against the installed release,
 engine checks), then is renamed into place. Torch-free, no DVC, git or Prefect.
 
@@ -22,7 +23,6 @@ loads the tarball through ``AdapterServer.load`` instead of ``install``.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path, PurePosixPath
 
@@ -32,11 +32,14 @@ from tuf.ngclient import Updater, UpdaterConfig
 
 from runtime.engine.errors import RefusedInput
 from runtime.release.contract import (
+    DEFAULT_PRODUCT,
     MONTH,
     TUF_CHANNELS,
     TUF_CHANNELS_TARGET,
     TUF_METADATA_DIR,
     TUF_TARGETS_DIR,
+    parse_channels,
+    product_path,
     release_target_path,
 )
 from runtime.release.package import DEFAULT_MAX_PACKAGE_BYTES, SizeLimitExceeded, VerifiedRelease, extract_tarball
@@ -121,17 +124,17 @@ def download(updater: Updater, url: str, info: TargetFile, out: Path) -> Path:
         raise refusal(err, url) from None
 
 
-def signed_channels(updater: Updater, url: str, workdir: Path) -> dict:
-    """The signed ``channels.json`` (downloaded into ``workdir``): channel -> month."""
-    info = target_info(updater, url, TUF_CHANNELS_TARGET, MAX_CHANNELS_BYTES)
-    path = download(updater, url, info, Path(workdir) / TUF_CHANNELS_TARGET)
+def signed_channels(updater: Updater, url: str, workdir: Path, product: str = DEFAULT_PRODUCT) -> dict:
+    """The signed ``channels.json`` of ``product`` (downloaded into ``workdir``): channel -> month."""
+    target = product_path(TUF_CHANNELS_TARGET, product)
+    info = target_info(updater, url, target, MAX_CHANNELS_BYTES)
+    folder = Path(workdir) / product
+    folder.mkdir(parents=True, exist_ok=True)
+    path = download(updater, url, info, folder / TUF_CHANNELS_TARGET)
     try:
-        channels = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UpdateRefused("repository", f"update channel {url}: the signed {TUF_CHANNELS_TARGET} is not JSON ({err})") from None
-    if not isinstance(channels, dict):
-        raise UpdateRefused("repository", f"update channel {url}: the signed {TUF_CHANNELS_TARGET} is not an object")
-    return channels
+        return parse_channels(path.read_bytes(), f"update channel {url}: the signed {target}")
+    except ValueError as err:
+        raise UpdateRefused("repository", str(err)) from None
 
 
 def channel_month(channels: dict, url: str, channel: str) -> str:
@@ -159,9 +162,10 @@ def tuf_pull(
     iface=None,
     allow_rollback: bool = False,
     max_bytes: int = DEFAULT_MAX_PACKAGE_BYTES,
+    product: str = DEFAULT_PRODUCT,
     **verify_options,
 ) -> VerifiedRelease:
-    """Install ``month`` (or the month ``channel`` names) from the update channel at ``url`` into ``target``.
+    """Install ``month`` (or the month ``channel`` names) of ``product`` from the update channel at ``url`` into ``target``.
 
     Raises UpdateRefused (stale, unsigned, rolled-back, altered or oversized metadata or target),
     or what ``runtime.release.pull.install`` raises (a PackageError subclass, PullError)."""
@@ -173,12 +177,12 @@ def tuf_pull(
     updater = refreshed(url, trusted_root, metadata_dir)
     if channel is not None:
         with tempfile.TemporaryDirectory(prefix="tuf-channels-") as tmp:
-            month = channel_month(signed_channels(updater, url, Path(tmp)), url, channel)
-    path = release_target_path(month)
+            month = channel_month(signed_channels(updater, url, Path(tmp), product), url, channel)
+    path = release_target_path(month, product)
     info = target_info(updater, url, path, max_bytes)
 
     def fetch(out: Path) -> None:
         extract_tarball(release_tarball(updater, url, info, out.parent), out, max_bytes)
 
     return install(fetch, f"update channel {url}: {path}", month, target, trusted_keys, iface, allow_rollback,
-                   max_bytes=max_bytes, **verify_options)
+                   max_bytes=max_bytes, product=product, **verify_options)

@@ -43,6 +43,12 @@ channel's state: the device still answers correctly with the release it verified
 balancer that took it out would turn an update outage into a serving outage. Alert on
 ``adapter_update_channel_fresh`` and on the age of its last success instead.
 
+**Products.** The device follows the channels of every product it serves (``--product``, device config
+``products``): one refresh of the metadata per poll, then each product's signed ``channels.json``
+(``products/<product>/channels.json``, the default product's at the top) and its releases, loaded on that
+product's channels and checked against that product's champion and high-water mark. A refusal in one
+product never stops the others from being followed; the poll's outcome is the first refusal, else fresh.
+
 A release ``verify_release`` refused is remembered by its target's path and sha256 and not downloaded
 again (the last ``MAX_REJECTED`` of them: a channel that names ever new refused targets cannot grow the
 device's memory); a download ngclient refused is tried again at the next poll (a mirror may be repaired).
@@ -103,7 +109,7 @@ class ChannelWatcher(threading.Thread):
         self.polls = 0
         self.last_poll: float | None = None
         self.last_success: float | None = None
-        self.named: dict[str, str] = {}  # channel -> month, as the last fresh channels.json said
+        self.named: dict[str, dict[str, str]] = {}  # product -> channel -> month, as its last fresh channels.json said
         self._rejected: OrderedDict[tuple[str, str], PackageError] = OrderedDict()  # (target path, sha256) -> refusal
         self.max_rejected = MAX_REJECTED
         self._lock = threading.Lock()  # one poll at a time: the thread's, or a test's poll_once
@@ -130,32 +136,39 @@ class ChannelWatcher(threading.Thread):
         except UpdateRefused as err:
             return Outcome(STALE, err.reason, str(err))
         self.last_success = time.time()
+        refusals = [self._follow_product(updater, product, workdir) for product in self.app.residents.products]
+        return next((outcome for outcome in refusals if outcome is not None), Outcome(FRESH))
+
+    def _follow_product(self, updater, product: str, workdir: Path) -> Outcome | None:
+        """Follow ``product``'s channels; an Outcome when something it names was refused."""
         try:
-            channels = signed_channels(updater, self.url, workdir)
-            self.named = {c: channels[c] for c in (CHAMPION, CANDIDATE) if c in channels}
+            channels = signed_channels(updater, self.url, workdir, product)
+            self.named[product] = {c: channels[c] for c in (CHAMPION, CANDIDATE) if c in channels}
             for channel in (CHAMPION, CANDIDATE):
                 if channel == CHAMPION or channel in channels:
-                    refused = self._follow(updater, channel, channel_month(channels, self.url, channel), workdir)
+                    refused = self._follow(updater, product, channel, channel_month(channels, self.url, channel),
+                                           workdir)
                     if refused is not None:
                         return refused
         except (UpdateRefused, PackageError) as err:
             return Outcome(REFUSED, err.reason, str(err))
         except ResidencyError as err:  # the resident set changed under this poll (an admin call)
             return Outcome(REFUSED, err.code, str(err))
-        return Outcome(FRESH)
+        return None
 
-    def _follow(self, updater, channel: str, month: str, workdir: Path) -> Outcome | None:
-        """Load what ``channel`` names if this device should; an Outcome when it refuses it without a download."""
-        info = target_info(updater, self.url, release_target_path(month), self.app.max_bytes)
+    def _follow(self, updater, product: str, channel: str, month: str, workdir: Path) -> Outcome | None:
+        """Load what ``channel`` of ``product`` names if this device should; an Outcome when it refuses it without
+        a download."""
+        info = target_info(updater, self.url, release_target_path(month, product), self.app.max_bytes)
         release_id = (info.custom or {}).get("release_id")
         try:
             order = release_order(release_id)
         except ValueError:
             raise UpdateRefused("repository", f"update channel {self.url}: target {info.path} has no signed custom "
                                 f"release_id (got {release_id!r:.80})") from None
-        residents, gate = self.app.residents, self.app.gate
-        champion = residents.champion
-        held = champion if channel == CHAMPION else residents.candidate
+        residents, gate = self.app.residents, self.app.gates.get(product)
+        champion = residents.holder(CHAMPION, product)
+        held = residents.holder(channel, product)
         if held is not None and held.release_id == release_id:
             return None  # serving it already
         if channel == CANDIDATE and (champion is None or order <= release_order(champion.release_id)
@@ -174,7 +187,8 @@ class ChannelWatcher(threading.Thread):
             return Outcome(REFUSED, rejected.reason, str(rejected))
         tarball = release_tarball(updater, self.url, info, workdir)
         try:
-            self.app.load(tarball, channel=channel, month=month)  # the month it was named by: a mislabel is refused
+            # the month and product it was named by: a mislabel is refused
+            self.app.load(tarball, channel=channel, month=month, product=product)
         except PackageError as err:  # these signed bytes will never pass: not downloaded again
             self._rejected[(info.path, info.hashes["sha256"])] = err
             while len(self._rejected) > self.max_rejected:
@@ -206,7 +220,8 @@ class ChannelWatcher(threading.Thread):
         o = self.outcome
         return {"state": o.state, "reason": o.reason, "detail": o.detail, "url": self.url,
                 "last_success": _time(self.last_success), "last_poll": _time(self.last_poll), "polls": self.polls,
-                "interval_s": self.interval, "channels": dict(self.named)}
+                "interval_s": self.interval, "channels": dict(self.named.get(self.app.residents.default_product, {})),
+                "products": {product: dict(channels) for product, channels in self.named.items()}}
 
 
 def _time(t: float | None) -> str | None:

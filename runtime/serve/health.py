@@ -20,6 +20,10 @@ start. The candidate channel's release is recorded too (every write of the state
 resident then) and resumed on that channel at the next start; a candidate is never on trial. With
 nothing to revert to (the first release of a device), a failed check leaves the release serving, with
 status ``failed`` in ``/healthz``.
+
+Each product a device serves has a gate of its own (``product``), on that product's state
+(``runtime.release.device_state.DeviceState.for_product``): its champion's trial, its revert target, its
+high-water mark. Products never revert or block one another.
 """
 
 from __future__ import annotations
@@ -49,15 +53,16 @@ class ReleaseGate:
     """The trial of each new champion on ``server``, recorded in ``state``."""
 
     def __init__(self, server: AdapterServer, state: DeviceState, window_s: float = DEFAULT_HEALTH_WINDOW_S,
-                 decode: str = "batched"):
+                 decode: str = "batched", product: str | None = None):
         if window_s < 0:
             raise ValueError(f"health window {window_s}: seconds, 0 or more")
         self.server, self.state, self.window_s = server, state, window_s
+        self.product = product or server.residents.default_product  # ``state`` is this product's
         self.decode = decode  # the serve's --decode: probes decode as its clients' requests do
         self._lock = threading.RLock()
         self._cancel = threading.Event()
         self._thread: threading.Thread | None = None
-        server.gate = self
+        server.gates[self.product] = self
         self._show()
 
     # ------------------------------------------------------------------ hooks of AdapterServer.load
@@ -105,13 +110,14 @@ class ReleaseGate:
             raise StateError(f"{self.state.path}: active release {record.active} is older than the high-water mark "
                              f"{record.high_water}; the state was altered")
         if record.status == TRIAL and record.previous is not None:
-            self.server.load(self.state.copy_path(record.previous), allow_rollback=True, trial=False)
-        self.server.load(self.state.copy_path(record.active), allow_rollback=True, trial=False)
+            self.server.load(self.state.copy_path(record.previous), allow_rollback=True, trial=False, product=self.product)
+        self.server.load(self.state.copy_path(record.active), allow_rollback=True, trial=False, product=self.product)
         if record.candidate is not None:  # before the trial starts: its commit writes the candidate resident then
-            self.server.load(self.state.copy_path(record.candidate), allow_rollback=True, channel=CANDIDATE)
+            self.server.load(self.state.copy_path(record.candidate), allow_rollback=True, channel=CANDIDATE,
+                             product=self.product)
         if record.status == TRIAL:
             with self._lock:
-                self._start(self.server.active)
+                self._start(self._champion())
         self._show()
 
     # ------------------------------------------------------------------ the trial
@@ -136,7 +142,8 @@ class ReleaseGate:
 
     def _trial(self, release: ActiveRelease, cancel: threading.Event) -> None:
         def errors() -> float:
-            return self.server.metrics.value("adapter_generation_errors_total", release_id=release.release_id)
+            return self.server.metrics.value("adapter_generation_errors_total", release_id=release.release_id,
+                                             product=release.product)
 
         errors_before = errors()
         started = time.monotonic()
@@ -156,7 +163,7 @@ class ReleaseGate:
             elif cancel.wait(min(POLL_S, max(deadline - time.monotonic(), 0))):
                 return
         with self._lock:
-            if cancel.is_set() or self.server.residents.champion is not release:
+            if cancel.is_set() or self._champion() is not release:
                 return  # superseded by a newer champion, which runs its own trial
             seconds = time.monotonic() - started
             if failure is None:
@@ -196,7 +203,7 @@ class ReleaseGate:
         if previous is not None and previous.release_id == record.previous:
             self.server.residents.add(previous, CHAMPION, allow_rollback=True)  # resident on standby: a channel flip
         else:  # unloaded meanwhile: from its verified copy
-            self.server.load(self.state.copy_path(record.previous), allow_rollback=True, trial=False)
+            self.server.load(self.state.copy_path(record.previous), allow_rollback=True, trial=False, product=self.product)
         try:
             self.server.residents.remove(release.release_id)  # requests running on it finish on it
         except ResidencyError:
@@ -221,19 +228,23 @@ class ReleaseGate:
         self.state.write(candidate=self._candidate_id(), keep={r.release_id for r, _ in self.server.residents.listing()},
                          **changes)
 
+    def _champion(self) -> ActiveRelease | None:
+        return self.server.residents.holder(CHAMPION, self.product)
+
     def _candidate_id(self) -> str | None:
-        candidate = self.server.residents.candidate
+        candidate = self.server.residents.holder(CANDIDATE, self.product)
         return candidate.release_id if candidate else None
 
     def _show(self) -> None:
         status = self.state.record.status or "none"
         for state in CHAMPION_STATES:
-            self.server.metrics.champion_state.labels(state).set(1 if state == status else 0)
+            self.server.metrics.champion_state.labels(state, self.product).set(1 if state == status else 0)
 
     def summary(self) -> dict:
-        """What ``/healthz`` says of the device state."""
+        """What ``/healthz`` says of the product's device state."""
         record = self.state.record
-        return {"state": record.status or "none", "release_id": record.active, "previous": record.previous,
+        return {"product": self.product, "state": record.status or "none", "release_id": record.active,
+                "previous": record.previous,
                 "candidate": record.candidate,
                 "high_water": record.high_water, "health_window_s": self.window_s, "last_check": record.last_check,
                 "reverted": sorted(record.reverted), "state_dir": str(self.state.directory)}

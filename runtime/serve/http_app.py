@@ -3,7 +3,7 @@
     POST /v1/completions        OpenAI completions: prompt (string or list), max_tokens, stop, temperature,
                                 top_p, seed, stream (server-sent events ending in ``data: [DONE]``)
     POST /v1/chat/completions   the same for messages, when the tokenizer has a chat template (else 400)
-    GET  /v1/models             every resident release: id = release id, month, channel, owned_by
+    GET  /v1/models             every resident release: id = release id, month, product, channel, owned_by
     GET  /healthz               liveness: always 200, with the champion (or none), the candidate and, with a
                                 state directory, the device state (``runtime.serve.health.ReleaseGate.summary``); with
                                 an update channel, its state (``runtime.serve.channel_watch.ChannelWatcher.summary``)
@@ -12,13 +12,16 @@
     GET  /metrics               Prometheus text format (``runtime.serve.metrics``)
     POST /v1/adapters           admin: verify, bind and load a release {"path", "channel": "champion" (default,
                                 a swap) or "candidate"}
-    POST /v1/adapters/promote   admin: the candidate becomes the champion, the champion goes to standby
+    POST /v1/adapters/promote   admin: {"product"} (default: the device's default product): its candidate becomes
+                                its champion, the champion goes to standby
     POST /v1/adapters/unload    admin: {"model"}: forget a resident release that is not the champion
 
-A request's ``model`` picks a resident release (``runtime.serve.residents``): a release id, a month, or a channel,
-``champion`` or ``candidate``; an unknown one is 404 ``model_not_found``, with the resident list. Without
-``model`` a request gets the champion, or the candidate for the ``canary_share`` of such requests
-(``runtime.serve.residents.CanarySplit``: an exact, even split, no coin flip).
+A request's ``model`` picks a resident release (``runtime.serve.residents``): a product (its champion),
+``<product>:candidate``, a release id, a month, or a channel, ``champion`` or ``candidate`` (the default
+product's); an unknown one is 404 ``model_not_found``, with the resident list, a month of several products
+400 ``ambiguous_model``. Without ``model`` a request gets the default product's champion, or its candidate
+for the ``canary_share`` of such requests (``runtime.serve.residents.CanarySplit``: an exact, even split, no
+coin flip).
 
 Every answer other than 2xx is OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``.
 Generation is CPU-bound and runs off the event loop, which stays free to answer health checks, metrics
@@ -221,9 +224,14 @@ class DeviceAPI:
         residents = self.server.residents
         champion = self.champion()
         if model is not None:
-            release = residents.find(model)
+            try:
+                release = residents.find(model)
+            except ResidencyError as err:
+                raise residency_error(err, "model") from None
             if release is None:
-                listed = ", ".join(f"{r.release_id} ({channel})" for r, channel in residents.listing())
+                listed = ", ".join(f"{r.release_id} ({channel}"
+                                   + ("" if r.product == residents.default_product else f" of {r.product}") + ")"
+                                   for r, channel in residents.listing())
                 raise APIError(404, f"model {model!r} is not resident here; resident: {listed} (GET /v1/models)",
                                "invalid_request_error", param="model", code="model_not_found")
             return release
@@ -257,7 +265,7 @@ class DeviceAPI:
         return Response(body, media_type=content_type)
 
     async def models(self, request: Request) -> Response:
-        data = [model_card(r.release_id, r.manifest["month"], int(r.loaded_at)) | {"channel": channel}
+        data = [model_card(r.release_id, r.manifest["month"], int(r.loaded_at)) | {"product": r.product, "channel": channel}
                 for r, channel in self.server.residents.listing()]
         return JSONResponse({"object": "list", "data": data})
 
@@ -297,7 +305,7 @@ class DeviceAPI:
                            f"context of {self.settings.max_context_tokens} tokens", param="prompt",
                            code="context_length_exceeded")
         release = self.pick_release(body.model)
-        request.state.release_id = release.release_id
+        request.state.release_id, request.state.product = release.release_id, release.product
         self.admission.admit()
         try:
             generation = self.server.start_generation(release, prompts, max_tokens,
@@ -362,7 +370,8 @@ class DeviceAPI:
                     yield sse(chunk_body(request_id, model, c.index, c.text, c.finish_reason, chat) | extra)
         except Exception as err:  # the status line is sent: say it in the stream, as OpenAI does
             log.exception("generation failed mid-stream")
-            self.metrics.generation_errors.labels(model).inc()  # a 200 was sent: the request log cannot count it
+            # a 200 was sent: the request log cannot count it
+            self.metrics.generation_errors.labels(model, generation.release.product).inc()
             yield sse(APIError(500, f"{type(err).__name__}: {err}", "server_error").body())
         else:
             if body.include_usage:
@@ -424,9 +433,12 @@ class DeviceAPI:
         return JSONResponse(result)
 
     async def promote(self, request: Request) -> Response:
-        await self.admin_body(request, ())
+        product = (await self.admin_body(request, ("product",))).get("product")
+        if product is not None and product not in self.server.residents.products:
+            raise APIError(400, f"product {product!r}: one of {', '.join(self.server.residents.products)}",
+                           param="product", code="unknown_product")
         try:
-            return JSONResponse(self.server.promote())
+            return JSONResponse(self.server.promote(product))
         except (ResidencyError, RollbackRefused) as err:
             raise residency_error(err, None) from None
 
@@ -441,9 +453,11 @@ class DeviceAPI:
 
 
 def residency_error(err: ResidencyError | RollbackRefused, param: str | None) -> APIError:
-    """A resident-set change refused: 404 for a model not resident, 409 for any other state that forbids it."""
+    """A resident-set change refused: 404 for a model not resident, 400 for a model that names releases of several
+    products, 409 for any other state that forbids it."""
     code = err.code if isinstance(err, ResidencyError) else err.reason
-    return APIError(404 if code == "model_not_found" else 409, str(err), "invalid_request_error", param=param, code=code)
+    status = {"model_not_found": 404, "ambiguous_model": 400}.get(code, 409)
+    return APIError(status, str(err), "invalid_request_error", param=param, code=code)
 
 
 class RequestLog:
@@ -478,7 +492,8 @@ class RequestLog:
             self.metrics.requests.labels(endpoint, str(status)).inc()
             self.metrics.request_seconds.labels(endpoint).observe(seconds)
             if status == 500 and endpoint in GENERATION_ENDPOINTS and scope["state"].get("release_id"):
-                self.metrics.generation_errors.labels(scope["state"]["release_id"]).inc()  # a health trial watches it
+                self.metrics.generation_errors.labels(scope["state"]["release_id"],  # a health trial watches it
+                                                      scope["state"]["product"]).inc()
             log.info("request", extra={"fields": {
                 "request_id": request_id, "method": scope["method"], "path": scope["path"], "status": status,
                 "duration_s": round(seconds, 6), "release_id": scope["state"].get("release_id")}})

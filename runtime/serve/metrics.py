@@ -13,6 +13,9 @@ leave, then are removed. Removing them at once would lose the requests counted b
 scrape and the unload (a scrape after it would find no series); kept for the next few departures,
 a scrape at any usual interval reads the final count, and a release loaded again later starts at 0
 (a counter reset, which ``rate`` and ``increase`` handle).
+
+Every series of a release or a champion carries its ``product`` label (``runtime.release.contract``): a
+device serving several products tells their requests, errors, releases and health states apart.
 """
 
 from __future__ import annotations
@@ -49,15 +52,16 @@ class ResidentCollector:
         self.listing = listing
 
     def collect(self):
-        info = GaugeMetricFamily(f"{PREFIX}_release_info", "A resident release (value 1), by release id, month "
-                                 "and channel", labels=["release_id", "month", "channel"])
+        info = GaugeMetricFamily(f"{PREFIX}_release_info", "A resident release (value 1), by release id, month, "
+                                 "channel and product", labels=["release_id", "month", "channel", "product"])
         expires = GaugeMetricFamily(f"{PREFIX}_release_expires_in_seconds", "Seconds until a resident release's "
-                                    "manifest expires_at (negative: expired)", labels=["release_id", "channel"])
+                                    "manifest expires_at (negative: expired)", labels=["release_id", "channel", "product"])
         residents = self.listing()
         now = time.time()
         for release, channel in residents:
-            info.add_metric([release.release_id, release.manifest["month"], channel], 1)
-            expires.add_metric([release.release_id, channel], parse_time(release.manifest["expires_at"]).timestamp() - now)
+            info.add_metric([release.release_id, release.manifest["month"], channel, release.product], 1)
+            expires.add_metric([release.release_id, channel, release.product],
+                               parse_time(release.manifest["expires_at"]).timestamp() - now)
         yield info
         yield expires
         yield GaugeMetricFamily(f"{PREFIX}_resident_releases", "Releases resident now", value=len(residents))
@@ -91,8 +95,8 @@ class ServerMetrics:
         self.first_token_seconds = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Request start to its first "
                                              "generated token, queueing included", buckets=FIRST_TOKEN_BUCKETS, registry=r)
         self.tokens = Counter(f"{PREFIX}_generated_tokens", "Tokens generated", registry=r)
-        self.by_release = Counter(f"{PREFIX}_release_requests", "Generation requests per release they ran on and "
-                                  "the channel it held", ["release_id", "channel"], registry=r)
+        self.by_release = Counter(f"{PREFIX}_release_requests", "Generation requests per release they ran on, "
+                                  "the channel it held and its product", ["release_id", "channel", "product"], registry=r)
         self.in_flight = Gauge(f"{PREFIX}_generations_in_flight", "Generations running now", registry=r)
         self.queue_depth = Gauge(f"{PREFIX}_generation_queue_depth", "Generations waiting for a slot", registry=r)
         self.swaps = Counter(f"{PREFIX}_swaps", "Releases verified, bound and made resident (either channel)", registry=r)
@@ -107,14 +111,15 @@ class ServerMetrics:
                                     buckets=BATCH_ROW_BUCKETS, registry=r)
         self.refusals = Counter(f"{PREFIX}_refusals", "Releases refused, by reason", ["reason"], registry=r)
         self.generation_errors = Counter(f"{PREFIX}_generation_errors", "Generation requests that failed (500), by "
-                                         "the release they ran on", ["release_id"], registry=r)
+                                         "the release they ran on and its product", ["release_id", "product"], registry=r)
         self.commits = Counter(f"{PREFIX}_release_commits", "New champions committed by their health check", registry=r)
         self.reverts = Counter(f"{PREFIX}_release_reverts", "New champions the device reverted, by reason", ["reason"],
                                registry=r)
         for reason in REVERT_REASONS:
             self.reverts.labels(reason)
-        self.champion_state = Gauge(f"{PREFIX}_champion_state", "The champion's health state (1: this one): none, "
-                                    "trial, committed, failed; absent without a state directory", ["state"], registry=r)
+        self.champion_state = Gauge(f"{PREFIX}_champion_state", "A product's champion's health state (1: this one): "
+                                    "none, trial, committed, failed; absent without a state directory",
+                                    ["state", "product"], registry=r)
         r.register(ResidentCollector(residents))
         self.per_release = (self.by_release, self.generation_errors)  # their first label is the release id
         self._left: OrderedDict[str, None] = OrderedDict()  # releases no longer resident, in the order seen gone

@@ -35,7 +35,8 @@ class StreamOptions(BaseModel):
 class OpenAIRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: StrictStr | None = None  # a release id, a month or a channel name; none: the champion or the canary
+    # a product, <product>:candidate, a release id, a month or a channel name; none: the champion or the canary
+    model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2, strict=True)  # strict: an int is a float still, a bool or str is not
     top_p: float = Field(1.0, gt=0, le=1, strict=True)

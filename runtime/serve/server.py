@@ -11,8 +11,13 @@ load, promotion or unload only changes which releases new requests can get (unde
 verification and binding are done), while requests in flight finish on theirs. A release that fails
 verification raises its ``PackageError`` (``reason``, ``exit_code``); the resident ones keep serving.
 
-With a state directory (``gate``: ``runtime.serve.health``), a load is also checked against the high-water
-mark, a release is copied there, and a new champion is health-checked, then committed or reverted.
+With a state directory (``gates``, one per product: ``runtime.serve.health``), a load is also checked against
+its product's high-water mark, a release is copied there, and a new champion is health-checked, then
+committed or reverted.
+
+A device serves the products it is configured for (``products``, the first its default: what requests
+without ``model`` get); each release is of the product its signed manifest names, and holds a channel of
+that product only (``runtime.serve.residents``).
 
 Watch mode polls a directory for release directories or tarballs and loads as champion any verified
 one newer than the champion (never a rollback, nor a release reverted here). Publish into it atomically (write elsewhere,
@@ -24,6 +29,7 @@ The HTTP side is ``runtime.serve.http_app`` (routes) and ``runtime.serve.http_se
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -32,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runtime.engine.generate import decode_steps
-from runtime.release.contract import MANIFEST
+from runtime.release.contract import DEFAULT_PRODUCT, MANIFEST, manifest_product
 from runtime.release.package import (
     DEFAULT_MAX_PACKAGE_BYTES,
     PackageError,
@@ -44,7 +50,7 @@ from runtime.release.package import (
 from runtime.serve.batcher import BatchedGeneration, Batcher
 from runtime.serve.generation import ForkedGeneration, Generation, StopText
 from runtime.serve.metrics import ServerMetrics
-from runtime.serve.residents import CANDIDATE, CHAMPION, DEFAULT_MAX_RESIDENT, ResidentSet
+from runtime.serve.residents import CANDIDATE, CHAMPION, DEFAULT_MAX_RESIDENT, ResidencyError, ResidentSet
 
 if TYPE_CHECKING:
     from runtime.serve.channel_watch import ChannelWatcher
@@ -61,54 +67,79 @@ class ActiveRelease:
     handle: object  # an engine handle with this release bound; forked per batch or request, never rebound
     loaded_at: float
 
+    @property
+    def product(self) -> str:
+        return manifest_product(self.manifest)
+
+
+def claimed_product(release_dir: Path) -> str:
+    """The product a release's manifest names, read before it is verified: it picks the product whose champion
+    and high-water mark the release is checked against, and ``verify_release`` then refuses the release unless
+    its signed manifest names the same (``product_mismatch``)."""
+    try:
+        return manifest_product(json.loads((Path(release_dir) / MANIFEST).read_bytes()))
+    except (OSError, ValueError, AttributeError):  # no manifest, or not an object: verify_release says which
+        return DEFAULT_PRODUCT
+
 
 class AdapterServer:
     """The engine, the tokenizer, the trusted keys and the resident releases; thread-safe."""
 
     def __init__(self, engine, tokenizer, trusted_keys: dict, max_bytes: int = DEFAULT_MAX_PACKAGE_BYTES,
-                 max_resident: int = DEFAULT_MAX_RESIDENT):
+                 max_resident: int = DEFAULT_MAX_RESIDENT, products: tuple[str, ...] = (DEFAULT_PRODUCT,)):
         if not hasattr(engine, "fork"):
             raise ValueError(f"{type(engine).__name__} cannot be shared between requests; serve runs the onnxruntime backend")
         self.engine, self.tokenizer, self.trusted_keys, self.max_bytes = engine, tokenizer, trusted_keys, max_bytes
-        self.residents = ResidentSet(max_resident)
+        self.residents = ResidentSet(max_resident, products)
         self.metrics = ServerMetrics(self.residents.listing)
         self._loads = 0
         self._load_lock = threading.Lock()
         # One scheduler for every release's batch; None where the cache cannot be merged (fp16 sink tokens).
         self.batcher = (Batcher(tokenizer.stop_ids, tokenizer.pad_id, self.metrics)
                         if getattr(engine, "merges_caches", False) else None)
-        self.gate: ReleaseGate | None = None  # set by runtime.serve.health.ReleaseGate: the state directory and its trials
+        # set by runtime.serve.health.ReleaseGate: per product, the state directory and its trials
+        self.gates: dict[str, ReleaseGate] = {}
         self.channel: ChannelWatcher | None = None  # set by runtime.serve.channel_watch.ChannelWatcher: the update channel
 
     @property
+    def gate(self) -> ReleaseGate | None:
+        """The default product's gate (None without a state directory)."""
+        return self.gates.get(self.residents.default_product)
+
+    @property
     def active(self) -> ActiveRelease | None:
-        """The champion: what a request that names no model gets."""
+        """The default product's champion: what a request that names no model gets."""
         return self.residents.champion
 
     def load(self, path: str | Path, allow_rollback: bool = False, channel: str = CHAMPION, trial: bool = True,
-             month: str | None = None) -> dict:
-        """Verify the release at ``path`` (of ``month`` when it was fetched by that name), bind it to a new
-        handle, make it resident on ``channel``
-        (never older than the champion, nor than the state's high-water mark, unless ``allow_rollback``);
-        raise PackageError or ResidencyError. With a state directory (``gate``) a new champion starts its
+             month: str | None = None, product: str | None = None) -> dict:
+        """Verify the release at ``path`` (of ``month`` and ``product`` when it was fetched by those names), bind
+        it to a new handle, make it resident on ``channel`` of its product
+        (never older than that product's champion, nor than its high-water mark, unless ``allow_rollback``);
+        raise PackageError or ResidencyError. With a state directory (``gates``) a new champion starts its
         health trial unless ``trial`` is False (the device's own resume and revert), and a candidate is recorded."""
         start = time.perf_counter()
-        champion = self.residents.champion
         try:
             with unpacked_release(path, self.max_bytes) as d:
+                product = product or claimed_product(d)
+                gate, champion = self.gates.get(product), self.residents.holder(CHAMPION, product)
                 verified = verify_release(
                     d, self.trusted_keys, self.engine.interface,
-                    active_release=self.gate.floor(champion) if self.gate else champion and champion.release_id,
+                    active_release=gate.floor(champion) if gate else champion and champion.release_id,
                     allow_rollback=allow_rollback, max_bytes=self.max_bytes, tokenizer_sha256=self.tokenizer.sha256,
-                    stop_token_ids=self.tokenizer.stop_ids, month=month,
+                    stop_token_ids=self.tokenizer.stop_ids, month=month, product=product,
                 )
-                if self.gate is not None:
-                    self.gate.admit(d, verified)
+                if product not in self.residents.products:
+                    raise ResidencyError("unknown_product", f"{path}: release {verified.release_id} is of product "
+                                         f"{product}, which this device does not serve (products: "
+                                         f"{', '.join(self.residents.products)}; --product)")
+                if gate is not None:
+                    gate.admit(d, verified)
             handle = self.engine.fork()
             bind_release(handle, verified)  # the arrays are copied into ORT values: the files may go
             flip = time.perf_counter()
             with self._load_lock:
-                previous = self.residents.candidate if channel == CANDIDATE else self.residents.champion
+                previous = self.residents.holder(channel, product)
                 release = ActiveRelease(verified.release_id, self._loads + 1, verified.manifest, handle, time.time())
                 try:  # the order is checked again: another load may have won while this one verified
                     unloaded = self.residents.add(release, channel, allow_rollback)
@@ -122,39 +153,42 @@ class AdapterServer:
         except PackageError as err:
             self.metrics.refusals.labels(err.reason).inc()
             raise
-        if self.gate is not None and channel == CHAMPION and trial:
-            self.gate.begin(release)
-        elif self.gate is not None and channel == CANDIDATE:
-            self.gate.record_candidate()
+        if gate is not None and channel == CHAMPION and trial:
+            gate.begin(release)
+        elif gate is not None and channel == CANDIDATE:
+            gate.record_candidate()
         swap_ms, activate_ms = (done - start) * 1e3, (done - flip) * 1e3
-        log.info("%s %s (activation %d) in %.1f ms", channel, verified.release_id, release.activation, swap_ms)
-        return {"release_id": verified.release_id, "channel": channel, "activation": release.activation,
+        log.info("%s %s of %s (activation %d) in %.1f ms", channel, verified.release_id, product, release.activation,
+                 swap_ms)
+        return {"release_id": verified.release_id, "product": product, "channel": channel, "activation": release.activation,
                 "previous": previous.release_id if previous else None, "unloaded": [r.release_id for r in unloaded],
                 "resident": self.resident_summary(),
                 "swap_ms": round(swap_ms, 3), "activate_ms": round(activate_ms, 4), "checks": verified.checks}
 
-    def promote(self) -> dict:
-        """The candidate becomes the champion; the champion stays resident on standby. Raise ResidencyError
-        without a candidate."""
-        champion, previous = self.residents.promote()
+    def promote(self, product: str | None = None) -> dict:
+        """``product``'s (default: the device's default product) candidate becomes its champion; the champion
+        stays resident on standby. Raise ResidencyError without a candidate."""
+        champion, previous = self.residents.promote(product)
         self.metrics.promotions.inc()
-        if self.gate is not None:
-            self.gate.begin(champion)
-        log.info("promoted %s to champion (was %s)", champion.release_id, previous.release_id)
-        return {"champion": champion.release_id, "previous": previous.release_id, "resident": self.resident_summary()}
+        if champion.product in self.gates:
+            self.gates[champion.product].begin(champion)
+        log.info("promoted %s to champion of %s (was %s)", champion.release_id, champion.product, previous.release_id)
+        return {"champion": champion.release_id, "product": champion.product, "previous": previous.release_id,
+                "resident": self.resident_summary()}
 
     def unload(self, model: str) -> dict:
-        """Forget the resident release ``model`` names (not the champion); requests running on it finish."""
+        """Forget the resident release ``model`` names (not a champion); requests running on it finish."""
         release = self.residents.remove(model)
         self.metrics.unloads.labels("admin").inc()
         self.metrics.sweep_releases(r.release_id for r, _ in self.residents.listing())
-        if self.gate is not None:
-            self.gate.record_candidate()
+        if release.product in self.gates:
+            self.gates[release.product].record_candidate()
         log.info("unloaded %s", release.release_id)
         return {"unloaded": release.release_id, "resident": self.resident_summary()}
 
     def resident_summary(self) -> list[dict]:
-        return [{"release_id": r.release_id, "channel": channel} for r, channel in self.residents.listing()]
+        return [{"release_id": r.release_id, "product": r.product, "channel": channel}
+                for r, channel in self.residents.listing()]
 
     def start_generation(self, release: ActiveRelease, prompts: list[list[int]], max_tokens: int, sample,
                          stops: list[str], decode: str = "batched") -> Generation:
@@ -162,7 +196,7 @@ class AdapterServer:
         request started), for every step of it; a swap cannot reach it. ``decode="batched"``: decoded
         with the other requests on ``release`` (``runtime.serve.batcher``) when the engine's cache can be
         merged, else, and with ``"fork"``, alone on a fork of the release's handle."""
-        self.metrics.by_release.labels(release.release_id, self.residents.channel_of(release)).inc()
+        self.metrics.by_release.labels(release.release_id, self.residents.channel_of(release), release.product).inc()
         texts = [StopText(self.tokenizer, stops) for _ in prompts]
         if decode == "batched" and self.batcher is not None:
             return BatchedGeneration(self.batcher, release, prompts, sample, texts, max_tokens)
@@ -171,14 +205,22 @@ class AdapterServer:
         return ForkedGeneration(release, steps, texts, max_tokens)
 
     def health(self) -> dict:
-        """The champion (id, activation, month, expiry) at the top level, the candidate's the same under
-        ``candidate`` (None without one), and the number of resident releases."""
+        """The default product's champion (id, activation, month, expiry) at the top level, its candidate's the
+        same under ``candidate`` (None without one), the number of resident releases, and under ``products``
+        each product's champion, candidate and (with a state directory) device state."""
         champion, candidate = self.residents.champion, self.residents.candidate
         return {"status": "ok" if champion else "no_release", **release_card(champion),
                 "candidate": release_card(candidate) if candidate else None,
-                "resident": len(self.residents.listing()), "weights": self.engine.interface.weight_precision} | \
+                "resident": len(self.residents.listing()), "weights": self.engine.interface.weight_precision,
+                "products": {p: self.product_health(p) for p in self.residents.products}} | \
             ({"device_state": self.gate.summary()} if self.gate else {}) | \
             ({"update_channel": self.channel.summary()} if self.channel else {})
+
+    def product_health(self, product: str) -> dict:
+        champion, candidate = self.residents.holder(CHAMPION, product), self.residents.holder(CANDIDATE, product)
+        return {"champion": release_card(champion) if champion else None,
+                "candidate": release_card(candidate) if candidate else None} | \
+            ({"device_state": self.gates[product].summary()} if product in self.gates else {})
 
 
 def release_card(release: ActiveRelease | None) -> dict:
@@ -218,9 +260,10 @@ class Watcher(threading.Thread):
         for path in self.candidates():
             try:
                 results.append(self.app.load(path, allow_rollback=False, channel=CHAMPION) | {"path": str(path)})
-            except PackageError as err:
+            except (PackageError, ResidencyError) as err:  # a release of a product this device does not serve
                 log.warning("watch: refused %s: %s", path, err)
-                results.append({"path": str(path), "refused": err.reason, "error": str(err)})
+                results.append({"path": str(path), "refused": err.reason if isinstance(err, PackageError) else err.code,
+                                "error": str(err)})
         return results
 
     def run(self):

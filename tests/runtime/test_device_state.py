@@ -224,8 +224,8 @@ def test_probes_that_pass_commit_and_failing_probes_revert_to_the_previous_relea
     assert sample(samples, "adapter_release_commits_total") == 2
     assert sample(samples, "adapter_release_reverts_total", reason="probe_mismatch") == 1
     assert sample(samples, "adapter_release_reverts_total", reason="generation_errors") == 0
-    assert sample(samples, "adapter_champion_state", state="committed") == 1
-    assert sample(samples, "adapter_champion_state", state="trial") == 0
+    assert sample(samples, "adapter_champion_state", state="committed", product="default") == 1
+    assert sample(samples, "adapter_champion_state", state="trial", product="default") == 0
     record = json.loads((state_dir / STATE_FILE).read_text())
     assert record["reverted"][manifest_id(w["bad"])]["reason"] == "probe_mismatch"
     assert sorted(p.name for p in (state_dir / "releases").iterdir()) == [manifest_id(w["a"]), good]
@@ -263,7 +263,8 @@ def test_probes_decode_in_the_servers_decode_mode(w, tmp_path, decode):
     assert (state["state"], state["last_check"]["result"]) == ("committed", "committed"), state["last_check"]
     steps = sample(samples, "adapter_decode_batch_rows_count")
     assert (steps > 0) if decode == "batched" else (steps == 0), steps
-    assert sample(samples, "adapter_release_requests_total", release_id=manifest_id(w["good"]), channel="champion") == 1
+    assert sample(samples, "adapter_release_requests_total", release_id=manifest_id(w["good"]), channel="champion",
+                  product="default") == 1
 
 
 @pytest.mark.parametrize("decode", ["fork", "batched"])
@@ -328,11 +329,11 @@ def test_a_request_failing_on_a_new_champion_reverts_it(w, tmp_path, decode):
         (good, "reverted", "generation_errors")
     assert state["last_check"]["detail"] == "1 request(s) failed (500) on it within the 30 s window"
     assert json.loads((state_dir / STATE_FILE).read_text())["reverted"][good]["reason"] == "generation_errors"
-    assert sample(samples, "adapter_generation_errors_total", release_id=good) == 1
+    assert sample(samples, "adapter_generation_errors_total", release_id=good, product="default") == 1
     assert sample(samples, "adapter_requests_total", endpoint="/v1/completions", status="500") == 1
     assert sample(samples, "adapter_release_reverts_total", reason="generation_errors") == 1
     assert sample(samples, "adapter_release_reverts_total", reason="probe_mismatch") == 0
-    assert sample(samples, "adapter_champion_state", state="committed") == 1
+    assert sample(samples, "adapter_champion_state", state="committed", product="default") == 1
     assert [m["id"] for m in models["data"]] == [a]
     # Every stderr line is JSON, ONNX Runtime's failure included: its own (C++) logger, which writes plain text, is
     # silenced, and the error reaches the log as the exception of the request that failed

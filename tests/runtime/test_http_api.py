@@ -332,9 +332,10 @@ def test_metrics_parse_as_prometheus_and_follow_the_active_release(w):
     assert sample(first, "adapter_time_to_first_token_seconds_count") == 2
     assert sample(first, "adapter_request_duration_seconds_count", endpoint="/v1/completions") == 2
     assert sample(first, "adapter_requests_total", endpoint="/v1/completions", status="200") == 2
-    assert sample(first, "adapter_release_requests_total", release_id=a, channel="champion") == 2
-    assert sample(first, "adapter_release_info", release_id=a, month="2026-10", channel="champion") == 1
-    assert 0 < sample(first, "adapter_release_expires_in_seconds", release_id=a, channel="champion") <= 121 * 86400
+    assert sample(first, "adapter_release_requests_total", release_id=a, channel="champion", product="default") == 2
+    assert sample(first, "adapter_release_info", release_id=a, month="2026-10", channel="champion", product="default") == 1
+    assert 0 < sample(first, "adapter_release_expires_in_seconds", release_id=a, channel="champion",
+                      product="default") <= 121 * 86400
     assert sample(first, "adapter_generations_in_flight") == 0 and sample(first, "adapter_generation_queue_depth") == 0
     info = {(dict(labels)["release_id"], dict(labels)["channel"]) for (name, labels) in second
             if name == "adapter_release_info"}
@@ -362,9 +363,9 @@ def test_per_release_series_stay_bounded_however_many_releases_come_and_go(w, tm
         after_unload = scrape(port)
     assert [len(ids) for ids in counted] == [min(n, resident + RETAINED_UNLOADED) for n in range(1, len(months) + 1)]
     assert first not in counted[-1] and sample(samples, "adapter_release_requests_total", release_id=last,
-                                               channel="champion") == 1
+                                               channel="champion", product="default") == 1
     assert sample(after_unload, "adapter_release_requests_total", release_id=f"{months[-2]}+{stamp}",
-                  channel="champion") == 1  # an admin unload keeps it among the retained too
+                  channel="champion", product="default") == 1  # an admin unload keeps it among the retained too
 
 
 def test_a_client_that_leaves_a_stream_stops_its_decode_and_frees_its_slot(w):

@@ -71,10 +71,10 @@ def test_model_picks_a_resident_release_by_id_month_or_channel(w):
         assert (status, body["error"]["code"], body["error"]["param"]) == (404, "model_not_found", "model")
         assert f"{a} (champion), {b} (candidate)" in body["error"]["message"]
         samples = scrape(port)
-    assert sample(samples, "adapter_release_requests_total", release_id=a, channel="champion") == 5
-    assert sample(samples, "adapter_release_requests_total", release_id=b, channel="candidate") == 4
-    assert sample(samples, "adapter_release_info", release_id=b, month="2026-11", channel="candidate") == 1
-    assert 0 < sample(samples, "adapter_release_expires_in_seconds", release_id=b, channel="candidate") <= 121 * 86400
+    assert sample(samples, "adapter_release_requests_total", release_id=a, channel="champion", product="default") == 5
+    assert sample(samples, "adapter_release_requests_total", release_id=b, channel="candidate", product="default") == 4
+    assert sample(samples, "adapter_release_info", release_id=b, month="2026-11", channel="candidate", product="default") == 1
+    assert 0 < sample(samples, "adapter_release_expires_in_seconds", release_id=b, channel="candidate", product="default") <= 121 * 86400
     assert sample(samples, "adapter_resident_releases") == 2
 
 
@@ -111,7 +111,7 @@ def test_at_the_cap_the_least_recently_used_standby_release_is_unloaded_and_its_
     assert sample(samples, "adapter_unloads_total", reason="lru") == 1
     assert sample(samples, "adapter_unloads_total", reason="admin") == 0
     assert {dict(labels)["release_id"] for (name, labels) in samples if name == "adapter_release_info"} == {b, c}
-    assert sample(samples, "adapter_release_requests_total", release_id=a, channel="standby") == 1
+    assert sample(samples, "adapter_release_requests_total", release_id=a, channel="standby", product="default") == 1
 
 
 def test_a_canary_share_sends_exactly_that_fraction_of_requests_without_model_to_the_candidate(w):
@@ -127,8 +127,8 @@ def test_a_canary_share_sends_exactly_that_fraction_of_requests_without_model_to
         samples = scrape(port)
     assert [i for i, (model, _) in enumerate(got) if model == b] == list(range(3, 40, 4))  # every 4th: 10 of 40
     assert all(text == texts[model] for model, text in got)
-    assert sample(samples, "adapter_release_requests_total", release_id=b, channel="candidate") == 10 + 1
-    assert sample(samples, "adapter_release_requests_total", release_id=a, channel="champion") == 30 + 3 + 1
+    assert sample(samples, "adapter_release_requests_total", release_id=b, channel="candidate", product="default") == 10 + 1
+    assert sample(samples, "adapter_release_requests_total", release_id=a, channel="champion", product="default") == 30 + 3 + 1
 
 
 @pytest.mark.parametrize("share,n", [(0.1, 1000), (0.3, 77), (1.0, 9), (0.0, 9), (2 / 3, 301)])
@@ -183,7 +183,8 @@ def test_promote_and_unload_through_the_admin_api(w):
         assert (status, body["error"]["code"]) == (409, "champion")
         status, body = call(port, "POST", "/v1/adapters/unload", {"model": "2026-10"})
         assert status == 200 and body["unloaded"] == a
-        assert body["resident"] == [{"release_id": b, "channel": "champion"}, {"release_id": c, "channel": "candidate"}]
+        assert body["resident"] == [{"release_id": b, "product": "default", "channel": "champion"},
+                                    {"release_id": c, "product": "default", "channel": "candidate"}]
         assert call(port, "POST", "/v1/completions", {"prompt": PROMPT, "model": a})[0] == 404
         assert call(port, "POST", "/v1/adapters/unload", {"model": a})[0] == 404
         assert call(port, "POST", "/v1/adapters/unload", {"model": "candidate"})[1]["unloaded"] == c

@@ -14,7 +14,6 @@ device (``runtime.serve.channel_watch``), the health-gated revert and the restar
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import shutil
@@ -22,14 +21,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from openai import OpenAI
 from release_testkit import copy_release, resign, world
 from securesystemslib.signer import CryptoSigner
-from server_testkit import PROMPT, call, manifest_id, running_server, sample, scrape
+from server_testkit import PROMPT, call, manifest_id, running_server, sample, scrape, serve_process
 from tuf_testkit import (
     endless_tarball, endless_timestamp, expire_timestamp, fast_forward, mirror, misnamed_release, mix_and_match,
     resign_metadata, wrong_key, zero_tarball,
@@ -191,19 +189,6 @@ ON_S2 = (  # attack: (change to a copy of S2, the device's state and reason); A 
 )
 
 
-@contextlib.contextmanager
-def device(command: list[str], log: Path) -> Iterator[tuple[subprocess.Popen, int]]:
-    """The serve process and its port, killed at the end if still running."""
-    with open(log, "a") as err:
-        proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
-    try:
-        yield proc, int(json.loads(proc.stdout.readline())["listening"].rsplit(":", 1)[1])
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=30)
-
-
 def health(port: int) -> dict:
     return call(port, "GET", "/healthz")[1]
 
@@ -270,8 +255,8 @@ def test_attacks_on_the_channel_are_refused_by_a_running_device_whose_release_ke
     a, b = manifest_id(w["a"]), manifest_id(w["b"])
     state_dir, metadata_dir, log = tmp_path / "state", tmp_path / "metadata", tmp_path / "serve.log"
     s2 = w["s2"]
-    with mirror(tmp_path, w["s1"]) as served, device(serve_command(w, state_dir, metadata_dir, served.url), log) as (
-            proc, port):
+    with mirror(tmp_path, w["s1"]) as served, serve_process(serve_command(w, state_dir, metadata_dir, served.url),
+                                                            log) as (proc, port):
         suite = Suite(served, port, tmp_path / "attack_table.json")
         until(port, lambda h: h["release_id"] == a and h["device_state"]["state"] == "committed", timeout=60)
         answer_a = greedy(port)
@@ -352,7 +337,7 @@ def test_attacks_on_the_channel_are_refused_by_a_running_device_whose_release_ke
         # restart with the same state directory; the TUF metadata folder is lost, the mirror serves S1 (A champion)
         served.show(w["s1"])
         started = time.monotonic()
-        with device(serve_command(w, state_dir, tmp_path / "metadata-lost", served.url), log) as (proc, port):
+        with serve_process(serve_command(w, state_dir, tmp_path / "metadata-lost", served.url), log) as (proc, port):
             answers = greedy(port)
             resumed_s = time.monotonic() - started
             suite.port = port

@@ -133,3 +133,13 @@ def test_command_line_assignments_are_dotted_settings_with_yaml_values():
     with pytest.raises(ConfigError, match=r"--set: 1 unknown setting\(s\)\n  publish\.trackinguri: not a setting of "
                                           r"params\.yaml \(did you mean publish\.tracking_uri\?\)"):
         with_settings(ReleaseConfig(), parse_assignments(["publish.trackinguri=x"], source="--set"), source="--set")
+
+
+def test_the_product_defaults_to_the_one_of_releases_before_products_and_is_checked():
+    from runtime.release.contract import DEFAULT_PRODUCT
+
+    assert parse_config({}).data.product == DEFAULT_PRODUCT == "default"
+    assert parse_config({"data": {"product": "pcb-solder"}}).data.product == "pcb-solder"
+    for bad in ("PCB", "beta:candidate", "2026-11", "candidate"):
+        with pytest.raises(ConfigError, match=r"data\.product: Value error, product"):
+            parse_config({"data": {"product": bad}})

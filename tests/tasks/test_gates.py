@@ -76,6 +76,19 @@ def test_the_champion_comes_from_the_registry_channels_and_index(tmp_path):
     assert current_champion(tmp_path) == {"month": "2026-10", "release_id": "r", "accuracy_new": 0.97}
 
 
+def test_a_products_champion_is_its_own_products_not_the_default_ones(tmp_path):
+    (tmp_path / "releases").mkdir()
+    (tmp_path / "channels.json").write_text(json.dumps({"champion": "2026-10"}))
+    (tmp_path / "releases" / "index.json").write_text(json.dumps({"2026-10": {"release_id": "d", "accuracy_new": 0.9}}))
+    assert current_champion(tmp_path, "beta") is None  # beta has published nothing yet
+    (tmp_path / "products" / "beta" / "releases").mkdir(parents=True)
+    (tmp_path / "products" / "beta" / "channels.json").write_text(json.dumps({"champion": "2026-09"}))
+    (tmp_path / "products" / "beta" / "releases" / "index.json").write_text(
+        json.dumps({"2026-09": {"release_id": "b", "accuracy_new": 0.99}}))
+    assert current_champion(tmp_path, "beta") == {"month": "2026-09", "release_id": "b", "accuracy_new": 0.99}
+    assert current_champion(tmp_path)["release_id"] == "d"
+
+
 def test_the_gates_stage_writes_its_verdict_even_when_a_gate_fails(tmp_path):
     cfg = ReleaseConfig.model_validate({"train": {"output_dir": str(tmp_path / "artifacts")},
                                         "publish": {"registry_dir": str(tmp_path / "registry")},

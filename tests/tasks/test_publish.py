@@ -46,6 +46,29 @@ def test_a_published_release_is_committed_tagged_indexed_and_in_the_remote(tmp_p
     assert (out / "adapter_model.safetensors").read_bytes() == b"weights-1"
 
 
+def test_a_second_product_publishes_beside_the_first_and_devices_pull_it_by_product(tmp_path, registry):
+    from runtime.release.pull import resolve_alias
+
+    publish_release(registry, package(tmp_path, "d-2026-11", b"weights-d"), "2026-11", entry("d-2026-11", "ddd"),
+                    champion=True)
+    published = publish_release(registry, package(tmp_path, "b-2026-11", b"weights-b"), "2026-11",
+                                entry("b-2026-11", "bbb"), champion=True, product="beta")
+    assert (published.tag, published.product) == ("release/beta/2026-11", "beta")
+    assert git(registry, "rev-list", "-n", "1", "release/beta/2026-11") == published.commit
+    assert git(registry, "ls-files", "products") == ("products/beta/channels.json\nproducts/beta/releases/.gitignore\n"
+                                                     "products/beta/releases/2026-11.dvc\nproducts/beta/releases/index.json")
+    assert read_channels(registry) == {"champion": "2026-11"} and read_index(registry)["2026-11"]["release_id"] == "d-2026-11"
+    assert read_channels(registry, "beta") == {"champion": "2026-11"}
+    assert read_index(registry, "beta")["2026-11"]["release_id"] == "b-2026-11"
+    assert resolve_alias(str(registry), "champion", product="beta") == "2026-11"  # the device reads the same file
+    out = tmp_path / "pulled"
+    subprocess.run([sys.executable, "-m", "dvc", "get", str(registry), "products/beta/releases/2026-11", "--rev",
+                    "release/beta/2026-11", "-o", str(out)],
+                   check=True, capture_output=True, env={**os.environ, "DVC_NO_ANALYTICS": "1"})
+    assert (out / "adapter_model.safetensors").read_bytes() == b"weights-b"
+    assert git(registry, "status", "--porcelain") == ""
+
+
 def test_publishing_the_same_release_twice_reports_the_first(tmp_path, registry):
     pkg = package(tmp_path, "r", b"weights-1")
     first = publish_release(registry, pkg, "2026-11", entry("r", "aaa"), champion=True)

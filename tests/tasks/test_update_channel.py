@@ -23,7 +23,7 @@ from tuf.api import exceptions
 from tuf.api.metadata import Metadata
 from tuf_testkit import resign_metadata, same_length_change, serve, updater
 
-from runtime.release.contract import TUF_CHANNELS_TARGET, release_target_path
+from runtime.release.contract import TUF_CHANNELS_TARGET, product_path, release_target_path
 from runtime.release.package import write_tarball
 from runtime.release.signing import load_private_key
 from tasks.config import ConfigError, PublishConfig, parse_config
@@ -35,11 +35,11 @@ from tasks.update_channel import (
 REPO = Path(__file__).resolve().parents[2]
 
 
-def fake_release(folder: Path, month: str) -> Path:
+def fake_release(folder: Path, month: str, product: str | None = None) -> Path:
     folder.mkdir(parents=True)
-    (folder / "adapter_model.safetensors").write_bytes(hashlib.sha256(month.encode()).digest() * 64)
+    (folder / "adapter_model.safetensors").write_bytes(hashlib.sha256(f"{product}{month}".encode()).digest() * 64)
     manifest = {"month": month, "release_id": f"{month}+20261101T000000Z", "base_model_hash": "b" * 64,
-                "engine": {"interface_hash": "e" * 64}}
+                "engine": {"interface_hash": "e" * 64}} | ({"product": product} if product else {})
     (folder / "manifest.json").write_text(json.dumps(manifest, sort_keys=True))
     return folder
 
@@ -109,6 +109,28 @@ def test_candidate_is_the_newest_month_and_champion_what_the_registry_names(chan
     assert pointer == {"candidate": "2026-11", "champion": "2026-10"}
     assert sorted(status(channel)["targets"]) == [TUF_CHANNELS_TARGET, release_target_path("2026-10"),
                                                   release_target_path("2026-11")]
+
+
+def test_each_product_has_its_own_channels_and_candidate_in_one_repository(channel, tmp_path):
+    publish_release(channel, fake_release(tmp_path / "d", "2026-11"), "2026-11", "2026-11")  # the default product
+    publish_release(channel, fake_release(tmp_path / "b10", "2026-10", "beta"), "2026-10", "2026-10", product="beta")
+    publish_release(channel, fake_release(tmp_path / "b12", "2026-12", "beta"), "2026-12", "2026-10", product="beta")
+    beta_channels = product_path(TUF_CHANNELS_TARGET, "beta")
+    assert beta_channels == "products/beta/channels.json"
+    # beta's newer month is beta's candidate only: the default product's pointer is as a single product left it
+    assert json.loads(served_target(channel, TUF_CHANNELS_TARGET).read_text()) == {"candidate": "2026-11",
+                                                                                  "champion": "2026-11"}
+    assert json.loads(served_target(channel, beta_channels).read_text()) == {"candidate": "2026-12", "champion": "2026-10"}
+    assert sorted(status(channel)["targets"]) == [TUF_CHANNELS_TARGET, beta_channels,
+                                                  "products/beta/releases/2026-10.tar.gz",
+                                                  "products/beta/releases/2026-12.tar.gz", release_target_path("2026-11")]
+    with serve(channel.repo) as url:  # python-tuf's ngclient reads both products' signed pointers
+        client = updater(url, first_root(channel), tmp_path / "device")
+        client.refresh()
+        info = client.get_targetinfo(release_target_path("2026-12", "beta"))
+        assert info.custom["release_id"] == "2026-12+20261101T000000Z"
+    with pytest.raises(UpdateChannelError, match="a release of product beta, not default"):
+        publish_release(channel, fake_release(tmp_path / "b11", "2026-11", "beta"), "2026-11", None)
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace (to see the file system calls) is not installed")
