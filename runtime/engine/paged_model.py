@@ -1,0 +1,71 @@
+"""A backbone whose cache is paged: what the version-6 engine exports (``runtime.engine.interface.paged_kv_tensors``).
+
+``PagedKVBackbone`` wraps the padded forward (``runtime.engine.model.Backbone``, float cache, or
+``runtime.engine.kv_model.QuantizedKVBackbone``, packed cache) and changes only where the past comes from
+and what goes out:
+
+  1. read: every cache tensor of a layer is a pool of fixed-size blocks (N, nkv, bs, w); one Gather by the
+     block table (B, M) gives each row its M blocks, laid end to end as the padded past (B, nkv, M bs, w).
+     Slots a row has not filled (the tail of its last block, the blocks past its count) hold whatever the
+     pool holds there; the attention mask (B, M bs + T) masks them, as it masks left padding today;
+  2. the wrapped forward runs as it does on a padded past (same attention, same quantizer);
+  3. write: only the new tokens' slots leave the graph (the last T of each ``present``), which the runtime
+     copies into each row's blocks. The gathered past is a transient of one layer that ONNX Runtime's
+     memory planner frees after its attention: what persists is the pool, sized by the device's budget.
+
+Why a gather and not a contrib op: ORT's ``PagedAttention`` runs on CUDA only, and its ``GroupQueryAttention``
+takes a padded past; the gather keeps the one quantized attention the padded engine runs (same
+integers, same logits) and the standard-ops float engine alike. Shapes: B batch, T new tokens, M blocks
+per row in the table, bs block size, N blocks in the pool, w the stored width (d, or d / 2 packed).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def gathered(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """pool (N, nkv, bs, w) read through block_table (B, M) -> the rows' pasts (B, nkv, M bs, w)."""
+    B, M = block_table.shape
+    _, nkv, bs, w = pool.shape
+    blocks = pool[block_table]  # (B, M, nkv, bs, w): one Gather
+    return blocks.permute(0, 2, 1, 3, 4).reshape(B, nkv, M * bs, w)
+
+
+class PagedKVBackbone(nn.Module):
+    """forward(input_ids, position_ids, attention_mask, block_table, pools, static_or_lora, lora) -> (logits, *new slots).
+
+    ``pools``: per layer the pool of every cache tensor the wrapped forward takes as its past, in the
+    wrapped interface's order; then the LoRA inputs for the float backbone, or the static KV inputs and the
+    LoRA inputs for the quantized one (torch.export takes no ``*args``). attention_mask (B, M bs + T): 1 for a
+    row's filled slots and its real new tokens.
+    """
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.quantized = hasattr(inner, "spec")  # QuantizedKVBackbone; Backbone has none
+        self.backbone = inner.backbone if self.quantized else inner
+
+    @property
+    def cfg(self):
+        return self.backbone.cfg
+
+    def forward(self, input_ids, position_ids, attention_mask, block_table, pools: list, static_or_lora: list,
+                lora: list | None = None):
+        rest = (static_or_lora,) if lora is None else (static_or_lora, lora)
+        T = input_ids.shape[1]
+        past = [gathered(p, block_table) for p in pools]  # each (B, nkv, M bs, w)
+        P = past[0].shape[2]
+        if not self.quantized:
+            logits, present = self.inner(input_ids, position_ids, attention_mask, tuple(past), *rest)
+            return (logits, *(t.narrow(2, P, T) for t in present))  # present = past ++ new: the new slots
+        cache, per_layer = [], len(pools) // self.cfg.num_layers
+        empty_sink = past[0].new_zeros((past[0].shape[0], self.cfg.num_kv_heads, 0, self.cfg.head_dim), dtype=torch.float16)
+        for i in range(self.cfg.num_layers):  # the padded engine's order: the layer's past_*, then its two sinks
+            cache += past[i * per_layer : (i + 1) * per_layer] + [empty_sink, empty_sink]
+        logits, *outputs = self.inner(input_ids, position_ids, attention_mask, cache, *rest)
+        per_out = per_layer + 2  # present_* of the layer, then new_key / new_value in fp16 (for a sink: none here)
+        return (logits, *(outputs[i * per_out + j].narrow(2, P, T)
+                          for i in range(self.cfg.num_layers) for j in range(per_layer)))
