@@ -109,7 +109,7 @@ def run(iters: int, threads: int, block: int, work: Path) -> dict:
             else:
                 engine.set_adapter(lora, kv_scales=calibrate_random(model_dir, lora, KVQuantSpec(**spec)))
             engines[layout] = engine
-        stats = interleaved({layout: decode_rounds(e, vocab) for layout, e in engines.items()}, iters, rounds=10)
+        stats = interleaved({layout: decode_rounds(e, vocab) for layout, e in engines.items()}, iters, rounds=20)
         for layout, engine in engines.items():
             cache, _ = merged_batch(engine, vocab)
             allocated, needed = cache_bytes(engine, cache), needed_bytes(engines["padded"])

@@ -26,11 +26,16 @@ import torch.nn as nn
 
 
 def gathered(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """pool (N, nkv, bs, w) read through block_table (B, M) -> the rows' pasts (B, nkv, M bs, w)."""
+    """pool (N, nkv, bs, w) read through block_table (B, M) -> the rows' pasts (B, nkv, M bs, w).
+
+    One Gather of (block, head) slabs straight into the past's order, (B, nkv, M) slab indices, so the
+    result is the past by a free reshape: gathering whole blocks (B, M, nkv, bs, w) needs a Transpose after
+    it, a second copy of the past per layer and step (measured: paged decode 0.82x the padded engine's
+    tokens/s with it, tiny engine, 8 rows of 128-1024 tokens)."""
     B, M = block_table.shape
-    _, nkv, bs, w = pool.shape
-    blocks = pool[block_table]  # (B, M, nkv, bs, w): one Gather
-    return blocks.permute(0, 2, 1, 3, 4).reshape(B, nkv, M * bs, w)
+    N, nkv, bs, w = pool.shape
+    slabs = block_table[:, None, :] * nkv + torch.arange(nkv, device=pool.device)[None, :, None]  # (B, nkv, M)
+    return pool.reshape(N * nkv, bs, w)[slabs].reshape(B, nkv, M * bs, w)  # (B, nkv, M, bs, w) -> (B, nkv, M bs, w)
 
 
 class PagedKVBackbone(nn.Module):

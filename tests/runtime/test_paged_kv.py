@@ -14,7 +14,7 @@ import time
 import numpy as np
 import openai
 import pytest
-from engine_testkit import TARGETS, calibrate
+from engine_testkit import TARGETS, calibrate, engine_run
 from release_testkit import world
 from server_testkit import PROMPT, running_server
 
@@ -28,24 +28,35 @@ from runtime.engine.kv_blocks import BlockPool, KVBudgetExceeded, PagedCache, Po
 from tasks.compile import CompileError, compile_engine
 
 GQA = KVQuantSpec()  # the shipped scheme: ONNX Runtime's GroupQueryAttention over the 4-bit packed cache
+# Standard ONNX ops: 8-bit keys, asymmetric 3-bit per-token values (fp16 scale and zero pools beside the codes)
+STANDARD = KVQuantSpec(k_bits=8, v_bits=3, v_granularity="token", v_symmetric=False)
 BLOCK = 4
 OTHER_PROMPT = "inspect board=PCB-1201 line=L2 part=C7 temp_c=244 defect=lifted lift_um=40 verdict:"
 
 
-@pytest.fixture(scope="module")
-def gqa_pair(tiny_qwen, qwen_adapter, tmp_path_factory):
-    """(padded, paged) GroupQueryAttention engines of the tiny backbone, the same adapter and scales bound."""
+def quantized_pair(spec: KVQuantSpec, attention: str, model_dir, adapter_dir, tmp_path_factory):
+    """(padded, paged) engines of ``spec`` read by ``attention``, the same adapter and scales bound."""
     engines = []
     for block in (None, BLOCK):
-        engine_dir = tmp_path_factory.mktemp("paged") / f"gqa-{block}"
-        compile_engine(tiny_qwen, engine_dir, max_rank=8, target_modules=TARGETS, kv_spec=GQA.to_dict(),
-                       kv_attention="gqa", kv_block_size=block)
+        engine_dir = tmp_path_factory.mktemp("paged") / f"{attention}-{block}"
+        compile_engine(model_dir, engine_dir, max_rank=8, target_modules=TARGETS, kv_spec=spec.to_dict(),
+                       kv_attention=attention, kv_block_size=block)
         engines.append(OrtEngine(engine_dir, threads=2))
-    lora = load_adapter(qwen_adapter, engines[0].interface)
-    scales = calibrate(tiny_qwen, GQA, lora)
+    lora = load_adapter(adapter_dir, engines[0].interface)
+    scales = calibrate(model_dir, spec, lora)
     for engine in engines:
         engine.set_adapter(lora, kv_scales=scales)
     return tuple(engines)
+
+
+@pytest.fixture(scope="module")
+def gqa_pair(tiny_qwen, qwen_adapter, tmp_path_factory):
+    return quantized_pair(GQA, "gqa", tiny_qwen, qwen_adapter, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def standard_pair(tiny_qwen, qwen_adapter, tmp_path_factory):
+    return quantized_pair(STANDARD, "standard", tiny_qwen, qwen_adapter, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -60,32 +71,20 @@ def float_pair(tiny_engine, tiny_qwen, qwen_adapter, tmp_path_factory):
     return engines
 
 
-def run_chunks(engine, ids: np.ndarray, split: int):
-    """Prefill ``split`` tokens, then one token per step: (logits of every position, the cache)."""
-    B, T = ids.shape
-    pos, mask = np.broadcast_to(np.arange(T), (B, T)), np.ones((B, T), dtype=np.int64)
-    logits, cache = engine.forward(ids[:, :split], pos[:, :split], mask[:, :split], None)
-    out = [logits]
-    for t in range(split, T):
-        logits, cache = engine.forward(ids[:, t : t + 1], pos[:, t : t + 1], mask[:, : t + 1], cache)
-        out.append(logits)
-    return np.concatenate(out, axis=1), cache
-
-
-@pytest.mark.parametrize("kind", ["gqa", "float"])
-def test_the_paged_engine_computes_the_padded_engines_logits_and_stores_its_cache(kind, gqa_pair, float_pair):
-    padded, paged = gqa_pair if kind == "gqa" else float_pair
+@pytest.mark.parametrize("kind", ["gqa", "float", "standard"])
+def test_the_paged_engine_computes_the_padded_engines_logits_and_stores_its_cache(kind, request):
+    padded, paged = request.getfixturevalue(f"{kind}_pair")
     ids = np.random.default_rng(0).integers(0, 96, (2, 14))
 
-    want, padded_cache = run_chunks(padded, ids, split=7)
-    got, paged_cache = run_chunks(paged, ids, split=7)
+    want, padded_cache = engine_run(padded, ids, split=7)
+    got, paged_cache = engine_run(paged, ids, split=7)
 
     assert np.abs(got - want).max() <= 1e-5
     stored, expected = paged.cache_to_numpy(paged_cache), padded.cache_to_numpy(padded_cache)
-    names = sorted(stored) if kind == "gqa" else range(len(expected))  # the padded one also has empty sinks
-    assert len(names) == 2 * paged.interface.num_layers
-    for name in names:  # the GQA op's 4-bit integers are the same bytes; the float cache the same floats
-        if kind == "gqa":
+    names = range(len(expected)) if kind == "float" else sorted(stored)  # the padded one also has empty sinks
+    assert len(names) == (2 if kind != "standard" else 4) * paged.interface.num_layers  # + V's scale and zero
+    for name in names:  # the quantized integers (and fp16 scales) are the same bytes; the float cache the same floats
+        if kind != "float":
             assert np.array_equal(stored[name], expected[name]), name
         else:
             np.testing.assert_allclose(stored[name], expected[name], atol=1e-6)
