@@ -84,10 +84,10 @@ def test_the_paged_engine_computes_the_padded_engines_logits_and_stores_its_cach
     names = range(len(expected)) if kind == "float" else sorted(stored)  # the padded one also has empty sinks
     assert len(names) == (2 if kind != "standard" else 4) * paged.interface.num_layers  # + V's scale and zero
     for name in names:  # the quantized integers (and fp16 scales) are the same bytes; the float cache the same floats
-        if kind != "float":
+        if kind != "float":  # up to rounding: the paged float attention sums past and new tokens apart
             assert np.array_equal(stored[name], expected[name]), name
         else:
-            np.testing.assert_allclose(stored[name], expected[name], atol=1e-6)
+            np.testing.assert_allclose(stored[name], expected[name], rtol=1e-5, atol=1e-6)
     assert paged_cache.lengths.tolist() == [14, 14] and [len(b) for b in paged_cache.blocks] == [4, 4]  # ceil(14 / 4)
 
 
