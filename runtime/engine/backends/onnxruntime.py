@@ -367,7 +367,7 @@ class OrtEngine:
         """Pool ``name`` read through the cache's blocks: (B, nkv, longest row, w), zeros past a row's length."""
         pool = self.pool.arrays[name]
         table = cache.block_table()  # (B, M)
-        B, (N, nkv, bs, w) = cache.batch, pool.shape
+        B, (_, nkv, bs, w) = cache.batch, pool.shape
         rows = pool[table].transpose(0, 2, 1, 3, 4).reshape(B, nkv, table.shape[1] * bs, w)
         rows = rows[:, :, : int(cache.lengths.max(initial=0))].copy()
         for b, n in enumerate(cache.lengths):
