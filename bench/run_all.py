@@ -78,6 +78,8 @@ def plan(flow_ready: bool) -> list[Bench]:
               ("--out", f"{RESULTS}/engine_bench.json"), "full (default flags: tiny and 0.5B-width, 400 iterations)", 900),
         Bench("kv_engine_bench", "quantized vs float KV cache inside the ONNX Runtime engine",
               ("--out", f"{RESULTS}/kv_engine_bench.json"), "full (default flags: 300 iterations)", 900),
+        Bench("paged_kv_bench", "paged vs padded KV cache: bytes allocated for rows of 128-1024 tokens, decode tokens/s",
+              ("--out", f"{RESULTS}/paged_kv_bench.json"), "full (default flags: 200 iterations, blocks of 16 tokens)", 900),
         Bench("weight_quant_bench", "weight-only quantization: fp32 vs int8 vs int4 engines",
               ("--configs", "tiny,0.5b-width", "--variants", "fp32,int8,int4", "--pasts", "512", "--iters", "60",
                "--out", f"{RESULTS}/weight_quant_bench.json"),
@@ -160,6 +162,17 @@ def engine_figures(p: dict) -> list[tuple]:
         for key, label in (("decode_128", "decode past 128"), ("decode_512", "decode past 512"), ("prefill_128", "prefill 128")):
             v, p10 = 100 * r[f"lora_overhead_{key}"], 100 * r[f"lora_overhead_{key}_p10"]
             rows.append((f"{cfg}: LoRA-as-input overhead vs merged, {label} (median; p10)", v, f"{_pct(v)} ({_pct(p10)})"))
+    return rows
+
+
+def paged_kv_figures(p: dict) -> list[tuple]:
+    rows = []
+    for name, row in p["results"]["rows"].items():
+        v = row["kv_allocated_over_needed"]
+        rows.append((f"KV bytes allocated / needed, 8 rows of 128-1024 tokens, {name}", v, f"{v:.3f}"))
+    for name, r in p["results"]["ratios"].items():
+        v = r["paged_over_padded_tokens_per_s"]
+        rows.append((f"paged / padded decode tokens/s, 8 rows, {name}", v, f"{v:.2f}x"))
     return rows
 
 
@@ -293,7 +306,7 @@ def gpu_figures(p: dict) -> list[tuple]:
 
 
 FIGURES = {"flow_bench": flow_figures, "kv_quality": kv_quality_figures, "hotswap_bench": hotswap_figures,
-           "engine_bench": engine_figures, "kv_engine_bench": kv_engine_figures,
+           "engine_bench": engine_figures, "kv_engine_bench": kv_engine_figures, "paged_kv_bench": paged_kv_figures,
            "weight_quant_bench": weight_quant_figures, "gpu_check": gpu_figures,
            "real_model_quality": real_model_quality_figures, "real_model_speed": real_model_speed_figures}
 

@@ -10,7 +10,7 @@
                             [--port 8080] [--host 127.0.0.1] [--watch DIR]
                             [--candidate DIR --canary-share F] [--max-resident N]
                             [--admin-token-file FILE --release-dir DIR ...]
-                            [--state-dir DIR [--health-window S]]
+                            [--state-dir DIR [--health-window S]] [--kv-budget-mb MB] [--kv-wait S]
                             [--tuf-url URL --trusted-root FILE --metadata-dir DIR [--tuf-interval S]]
                             [--product NAME ...]  (python -m runtime serve --help)
     python -m runtime state --state-dir DIR       the device state: active, previous, high-water mark, reverts
@@ -29,7 +29,7 @@ relative paths are relative to the file); flags add to it or override it:
      "admin_token_file": "admin.token", "release_dirs": ["releases"], "max_resident": 3, "canary_share": 0.0,
      "state_dir": "/var/lib/adapter", "health_window": 30,
      "tuf_url": "http://updates.example:8000", "trusted_root": "1.root.json", "metadata_dir": "tuf-metadata",
-     "tuf_interval": 300, "products": ["default"]}
+     "tuf_interval": 300, "kv_budget_mb": 512, "kv_wait_s": 30, "products": ["default"]}
 
 Exit codes: 0 success, 1 crash (a bug), 2 bad usage or device configuration, 30 the registry
 could not give the release, 31-38 the update channel refused (``runtime.release.tuf_pull.EXIT_CODES``:
@@ -55,6 +55,7 @@ from runtime.release.package import DEFAULT_MAX_PACKAGE_BYTES, EXIT_CODES, Packa
 from runtime.serve.channel_watch import DEFAULT_TUF_INTERVAL_S
 from runtime.serve.health import DEFAULT_HEALTH_WINDOW_S
 from runtime.serve.http_app import DECODE_MODES, DEFAULT_MAX_CONCURRENT, ServeSettings
+from runtime.serve.batcher import KV_WAIT_S
 from runtime.serve.residents import CANDIDATE, CHANNELS, DEFAULT_MAX_RESIDENT
 
 EXIT_USAGE = 2
@@ -74,7 +75,7 @@ def device_settings(args) -> dict:
                 "max_resident": None, "canary_share": 0.0, "state_dir": None,
                 "health_window": DEFAULT_HEALTH_WINDOW_S,
                 "tuf_url": None, "trusted_root": None, "metadata_dir": None, "tuf_interval": DEFAULT_TUF_INTERVAL_S,
-                "products": [DEFAULT_PRODUCT]}
+                "kv_budget_mb": None, "kv_wait_s": KV_WAIT_S, "products": [DEFAULT_PRODUCT]}
     if args.device_config is not None:
         path = Path(args.device_config)
         try:
@@ -93,7 +94,7 @@ def device_settings(args) -> dict:
     settings["trusted_keys"] = list(settings["trusted_keys"]) + list(getattr(args, "trusted_key", None) or [])
     settings["release_dirs"] = list(settings["release_dirs"]) + list(getattr(args, "release_dir", None) or [])
     for key in ("engine", "tokenizer", "admin_token_file", "max_resident", "canary_share", "state_dir", "health_window",
-                "tuf_url", "trusted_root", "metadata_dir", "tuf_interval"):
+                "tuf_url", "trusted_root", "metadata_dir", "tuf_interval", "kv_budget_mb", "kv_wait_s"):
         if getattr(args, key, None) is not None:
             settings[key] = getattr(args, key)
     if getattr(args, "product", None):
@@ -121,6 +122,25 @@ def _resident_settings(settings) -> tuple[int, float]:
     if type(share) not in (int, float) or not 0 <= share <= 1:
         raise DeviceConfigError(f"canary_share (--canary-share) {share!r}: a fraction from 0 to 1")
     return max_resident, float(share)
+
+
+def _kv_settings(settings, iface) -> tuple[int | None, float]:
+    """(KV budget in bytes, seconds a request waits for KV blocks), checked. The budget bounds a paged
+    engine's pool (interface version 6): ``kv_budget_mb``, or by default a quarter of the available memory
+    (``runtime.engine.kv_blocks.default_kv_budget_bytes``); a padded engine has no pool and takes none."""
+    budget, wait = settings["kv_budget_mb"], settings["kv_wait_s"]
+    if budget is not None and (type(budget) not in (int, float) or budget <= 0):
+        raise DeviceConfigError(f"kv_budget_mb (--kv-budget-mb) {budget!r}: megabytes (2^20 bytes), more than 0")
+    if type(wait) not in (int, float) or wait <= 0:
+        raise DeviceConfigError(f"kv_wait_s (--kv-wait) {wait!r}: seconds, more than 0")
+    if not iface.paged:
+        if budget is not None:
+            raise DeviceConfigError(f"kv_budget_mb (--kv-budget-mb): the engine {settings['engine']} has a padded KV "
+                                    f"cache (interface version {iface.version}); a budget needs a paged engine (version 6)")
+        return None, float(wait)
+    from runtime.engine.kv_blocks import default_kv_budget_bytes
+
+    return (int(budget * (1 << 20)) if budget is not None else default_kv_budget_bytes()), float(wait)
 
 
 def _open_interface(engine_dir):
@@ -226,10 +246,15 @@ def cmd_serve(args, settings) -> int:
         keep_alive_s=args.keep_alive, graceful_shutdown_s=args.graceful_shutdown,
         admin_token=_admin_token(settings["admin_token_file"]),
         release_dirs=tuple(Path(d).resolve() for d in settings["release_dirs"]), canary_share=canary_share)
+    kv_budget, kv_wait = _kv_settings(settings, _open_interface(settings["engine"]))
     keys = load_trusted_keys(settings["trusted_keys"])
-    engine = open_engine(settings["engine"], settings["backend"], threads=settings["threads"])
+    engine = open_engine(settings["engine"], settings["backend"], threads=settings["threads"],
+                         **({"kv_budget_bytes": kv_budget} if kv_budget is not None else {}))
+    if kv_budget is not None:
+        logging.getLogger(__name__).info("KV budget %d MiB: %d blocks of %d tokens", kv_budget >> 20,
+                                         engine.pool.capacity, engine.pool.block_size)
     app = AdapterServer(engine, DeviceTokenizer(settings["tokenizer"]), keys, settings["max_package_bytes"],
-                        max_resident, products)
+                        max_resident, products, kv_wait)
     if state is not None:
         from runtime.serve.health import ReleaseGate
 
@@ -394,6 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--health-window", type=float, default=argparse.SUPPRESS, metavar="S",
                    help="with --state-dir: after a new champion's probes pass, a request failing on it within "
                    f"this many seconds reverts it; 0 commits after the probes (default {DEFAULT_HEALTH_WINDOW_S:g})")
+    s.add_argument("--kv-budget-mb", type=float, default=argparse.SUPPRESS, metavar="MB",
+                   help="a paged engine's KV cache holds at most this many MiB (device config kv_budget_mb; default "
+                   "a quarter of the memory available at start); a request waits for its worst case (prompt + "
+                   "max_tokens) to fit, or gets 503 with Retry-After")
+    s.add_argument("--kv-wait", dest="kv_wait_s", type=float, default=argparse.SUPPRESS, metavar="S",
+                   help=f"seconds a request waits for KV blocks before its 503 (device config kv_wait_s; default {KV_WAIT_S:g})")
     s.set_defaults(run=cmd_serve)
 
     state_only = argparse.ArgumentParser(add_help=False)

@@ -41,7 +41,8 @@ def exporter_version() -> dict:
 
 
 # The code that defines the exported graph: editing any of it must rebuild the engine.
-GRAPH_SOURCES = ("runtime/engine/model.py", "runtime/engine/kv_model.py", "runtime/engine/interface.py", "kernels/kv_spec.py",
+GRAPH_SOURCES = ("runtime/engine/model.py", "runtime/engine/kv_model.py", "runtime/engine/paged_model.py",
+                 "runtime/engine/interface.py", "kernels/kv_spec.py",
                  "kernels/rope.py", "kernels/kv_quant.py", "kernels/gqa_attention.py")
 
 
@@ -54,12 +55,13 @@ def graph_source_hash() -> str:
 
 
 def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], opset: int, kv_spec: dict | None = None,
-              kv_attention: str = "standard") -> dict:
-    from runtime.engine.interface import INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSION
+              kv_attention: str = "standard", kv_block_size: int | None = None) -> dict:
+    from runtime.engine.interface import INTERFACE_VERSION, PAGED_INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSION
 
+    version = INTERFACE_VERSION if kv_spec is None else QUANT_KV_INTERFACE_VERSION
     key = {
         "backbone_hash": backbone_hash,
-        "interface_version": INTERFACE_VERSION if kv_spec is None else QUANT_KV_INTERFACE_VERSION,
+        "interface_version": version if kv_block_size is None else PAGED_INTERFACE_VERSION,
         "exporter": exporter_version(),
         "graph_source": graph_source_hash(),
         "max_rank": max_rank,
@@ -69,6 +71,8 @@ def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...]
     if kv_spec is not None:  # absent for float engines: their key (and cached builds) stay as they were
         key["kv_spec"] = dict(kv_spec)
         key["kv_attention"] = kv_attention
+    if kv_block_size is not None:  # absent for padded engines: their key stays as it was
+        key["kv_block_size"] = kv_block_size
     key["key"] = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     return key
 
@@ -110,6 +114,7 @@ def export_backbone(
     merged_lora: dict | None = None,
     kv_spec: dict | None = None,
     kv_attention: str = "standard",
+    kv_block_size: int | None = None,
 ):
     """Export the hand-written forward with dynamic batch/seq/past; return its EngineInterface.
 
@@ -118,6 +123,8 @@ def export_backbone(
     ``kv_spec`` (a ``kernels.kv_spec.KVQuantSpec`` dict) exports the quantized-KV engine
     (``runtime.engine.kv_model``) instead of the float-KV one, its attention as ``kv_attention`` says
     (``runtime.engine.kv_model.KV_ATTENTION``: standard ONNX ops, or ONNX Runtime's GroupQueryAttention).
+    ``kv_block_size`` exports either with a paged cache of blocks of that many tokens
+    (``runtime.engine.paged_model``, interface version 6).
     """
     import torch
 
@@ -128,14 +135,18 @@ def export_backbone(
 
     merged = None if merged_lora is None else {k: torch.from_numpy(v) for k, v in merged_lora.items()}
     model = load_backbone(model_dir, tuple(target_modules), merged_lora=merged)
-    iface = build_interface(model.cfg, backbone_hash(model_dir), max_rank, tuple(target_modules), kv_spec)
+    iface = build_interface(model.cfg, backbone_hash(model_dir), max_rank, tuple(target_modules), kv_spec, kv_block_size)
     if kv_spec is not None:
         from kernels.gqa_attention import onnx_translation
         from kernels.kv_spec import KVQuantSpec
         from runtime.engine.kv_model import QuantizedKVBackbone
 
         model = QuantizedKVBackbone(model, KVQuantSpec.from_dict(kv_spec), kv_attention).eval()
-    args = example_inputs(model.backbone if kv_spec else model, iface, TRACE_BATCH, TRACE_SEQ, TRACE_PAST)
+    if kv_block_size is not None:
+        from runtime.engine.paged_model import PagedKVBackbone
+
+        model = PagedKVBackbone(model).eval()
+    args = example_inputs(model.backbone if kv_spec or kv_block_size else model, iface, TRACE_BATCH, TRACE_SEQ, TRACE_PAST)
     # LoRA (and static KV-scale) inputs have fixed shapes: (r_max, in), (out, r_max), (1,), (nkv, d).
     dynamic_shapes = export_dynamic_shapes(iface, args, torch.export.Dim)
     t0 = time.perf_counter()
@@ -177,13 +188,15 @@ def compile_engine(
     metrics_path: Path | None = None,
     kv_spec: dict | None = None,
     kv_attention: str = "standard",
+    kv_block_size: int | None = None,
 ) -> dict:
     """Build ``engine_dir`` unless a build for the same key is already there; return metrics.
 
     ``kv_spec`` None builds the float-KV engine; a ``KVQuantSpec`` dict the quantized-KV one
     (part of the cache key, so give the two different directories), read by standard ONNX ops or,
     with ``kv_attention="gqa"``, by ONNX Runtime's GroupQueryAttention (ORT only; 4-bit symmetric
-    per-channel K and V after RoPE, no sink: ``kernels.gqa_attention``).
+    per-channel K and V after RoPE, no sink: ``kernels.gqa_attention``). ``kv_block_size`` builds either
+    with a paged cache (interface version 6; a cache with fp16 sink tokens or pre-RoPE keys is refused).
 
     The new engine is written into a temporary sibling and renamed into place only when the
     export, the interface check and the ORT optimization all succeeded.
@@ -200,7 +213,13 @@ def compile_engine(
         spec = KVQuantSpec.from_dict(dict(kv_spec))
         check_engine_spec(spec, kv_attention)
         kv_spec = spec.to_dict()  # validated, every field spelled out
-    key = cache_key(bhash, max_rank, tuple(target_modules), opset, kv_spec, kv_attention)
+    if kv_block_size is not None:
+        from runtime.engine.interface import paged_problems
+
+        problems = paged_problems(kv_spec, kv_block_size)
+        if problems:
+            raise CompileError(f"{engine_dir}: this cache cannot be paged: " + "; ".join(problems))
+    key = cache_key(bhash, max_rank, tuple(target_modules), opset, kv_spec, kv_attention, kv_block_size)
     key_file = engine_dir / CACHE_KEY_FILE
     metrics = {"backbone_hash": bhash, "cache_key": key["key"]}
     if key_file.exists() and json.loads(key_file.read_text()).get("key") == key["key"]:
@@ -211,7 +230,7 @@ def compile_engine(
         t0 = time.perf_counter()
         with atomic_output_dir(engine_dir) as tmp:
             iface = export_backbone(model_dir, tmp / ENGINE_ONNX, max_rank, tuple(target_modules), opset, kv_spec=kv_spec,
-                                    kv_attention=kv_attention)
+                                    kv_attention=kv_attention, kv_block_size=kv_block_size)
             # The exported program and the module hold each other in reference cycles, so their copies of
             # the weights outlive the export until a collection; collected here, before ORT loads the graph
             # (measured on the 0.5B shape: the compile stage's peak RSS 10.5 -> 8.4 GB).

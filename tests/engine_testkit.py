@@ -77,6 +77,21 @@ def calibrate(model_dir: Path, spec, lora: dict | None = None, rotated: bool = F
     return kv_scales_from_stats(stats, spec, record={}, rotation=rotation)
 
 
+def engine_run(engine, ids, split: int):
+    """Prefill ``split`` tokens of ``ids`` (B, T), then one token per step: (logits of every position, the cache)."""
+    import numpy as np
+
+    B, T = ids.shape
+    pos = np.broadcast_to(np.arange(T), (B, T))
+    mask = np.ones((B, T), dtype=np.int64)
+    logits, cache = engine.forward(ids[:, :split], pos[:, :split], mask[:, :split], None)
+    out = [logits]
+    for t in range(split, T):
+        logits, cache = engine.forward(ids[:, t : t + 1], pos[:, t : t + 1], mask[:, : t + 1], cache)
+        out.append(logits)
+    return np.concatenate(out, axis=1), cache
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen(tmp_path_factory) -> Path:
     return make_model(tmp_path_factory.mktemp("qwen"), "qwen2")

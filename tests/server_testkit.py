@@ -1,10 +1,11 @@
 """Device server test kit: the real app under uvicorn in this process, HTTP calls, and a Prometheus scrape.
 
 ``running_server`` starts ``runtime.serve.http_server.BackgroundServer`` (uvicorn in a thread, a free loopback
-port) on the tiny world's engine, tokenizer and key, with the admin API on (``ADMIN_TOKEN``), the
-given release directories and at most ``max_resident`` resident releases, serving ``products`` (the first the
-default); with ``state_dir``, the device state and health-gated commit of ``runtime.serve.health``
-(``health_window`` seconds) of each product, resumed from that directory. ``scrape`` reads ``/metrics`` with ``prometheus_client``'s own parser.
+port) on the tiny world's engine (or ``engine``, a paged one with ``kv_budget_bytes``), tokenizer and key, with
+the admin API on (``ADMIN_TOKEN``), the given release directories and at most ``max_resident`` resident releases,
+serving ``products`` (the first the default); with ``state_dir``, the device state and health-gated commit of
+``runtime.serve.health`` (``health_window`` seconds) of each product, resumed from that directory. ``scrape``
+reads ``/metrics`` with ``prometheus_client``'s own parser.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from runtime.release.device_state import DeviceState
 from runtime.release.package import load_trusted_keys
 from runtime.serve.health import ReleaseGate
 from runtime.serve.http_app import ServeSettings
+from runtime.serve.batcher import KV_WAIT_S
 from runtime.serve.http_server import BackgroundServer
 from runtime.serve.residents import DEFAULT_MAX_RESIDENT
 from runtime.serve.server import AdapterServer
@@ -37,9 +39,12 @@ PROMPT = "inspect board=PCB-3310 line=L1 part=R12 temp_c=251 defect=void void_pc
 
 @contextlib.contextmanager
 def running_server(w, release_dirs=(), tokenizer=None, max_resident=DEFAULT_MAX_RESIDENT, state_dir=None,
-                   health_window=0.0, products=(DEFAULT_PRODUCT,), **settings):
-    app = AdapterServer(OrtEngine(w["engine"], threads=1), DeviceTokenizer(tokenizer or w["tokenizer"]),
-                        load_trusted_keys([w["trusted_key"]]), max_resident=max_resident, products=products)
+                   health_window=0.0, products=(DEFAULT_PRODUCT,), engine=None, kv_budget_bytes=None, kv_wait_s=KV_WAIT_S,
+                   **settings):
+    budget = {} if kv_budget_bytes is None else {"kv_budget_bytes": kv_budget_bytes}
+    app = AdapterServer(OrtEngine(engine or w["engine"], threads=1, **budget), DeviceTokenizer(tokenizer or w["tokenizer"]),
+                        load_trusted_keys([w["trusted_key"]]), max_resident=max_resident, products=products,
+                        kv_wait_s=kv_wait_s)
     state = DeviceState(state_dir) if state_dir is not None else None
     config = ServeSettings(**({"admin_token": ADMIN_TOKEN,
                                "release_dirs": tuple(Path(d).resolve() for d in release_dirs)} | settings))

@@ -8,6 +8,6 @@ protocol (``engine``), the adapter's and the KV scales' files and the inputs mad
 (``generate``), and the small pieces every layer above shares: ``errors``, ``hashing``,
 ``atomic_files``, ``latency``.
 
-Imports neither ``runtime.release`` nor ``runtime.serve``. Only ``model``, ``kv_model``, the eager and
+Imports neither ``runtime.release`` nor ``runtime.serve``. Only ``model``, ``kv_model``, ``paged_model``, the eager and
 TensorRT backends and tracing take torch; the rest is the ONNX Runtime serving path.
 """

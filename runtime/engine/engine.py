@@ -7,7 +7,9 @@ Logits always come back as a float32 numpy array (B, T, V).
 A backend that serves continuous batching (``runtime.serve.batcher``; onnxruntime) also merges and splits
 caches along the batch axis: ``merges_caches`` (whether it can), ``concat_caches(caches)`` (rows in
 order, each left-padded along the past axis to the longest, the padding masked by the caller) and
-``take_cache_rows(cache, rows, drop)`` (some rows, without their first ``drop`` past slots).
+``take_cache_rows(cache, rows, drop)`` (some rows, without their first ``drop`` past slots). A paged
+engine's cache (``runtime.engine.kv_blocks.PagedCache``) is never padded: both move its rows' blocks and
+consume the caches given, and a step extends the cache it is given.
 """
 
 from __future__ import annotations

@@ -27,13 +27,20 @@ if TYPE_CHECKING:  # the ONNX Runtime side reads interfaces without importing to
 # 5: version 4 with a static ``kv_rotation.i`` (d, d) per layer when keys are cached after RoPE: the
 #    release's orthogonal rotation of K and V (identity = none). Version-4 engines still load; they
 #    take releases without a rotation only.
+# 6: a paged cache (float, or quantized as version 5 without a sink): per layer a POOL of fixed-size blocks
+#    ``pool_*.i`` (blocks, nkv, kv_block_size, ·) and one ``block_table`` (B, max_blocks) int64 instead of the
+#    per-row past; the graph outputs only the new tokens' slots ``new_*.i`` (B, nkv, T, ·), which the
+#    runtime writes into each row's blocks (``paged_kv_tensors``). Versions 3-5 still load (padded path).
 INTERFACE_VERSION = 3
 QUANT_KV_INTERFACE_VERSION = 5
-SUPPORTED_VERSIONS = (INTERFACE_VERSION, 4, QUANT_KV_INTERFACE_VERSION)
+PAGED_INTERFACE_VERSION = 6
+SUPPORTED_VERSIONS = (INTERFACE_VERSION, 4, QUANT_KV_INTERFACE_VERSION, PAGED_INTERFACE_VERSION)
 INTERFACE_FILE = "interface.json"
 ENGINE_ONNX = "model.onnx"  # beside it in an engine folder (tasks/compile.py)
 CACHE_KEY_FILE = "cache_key.json"  # what the engine was built from; its presence means the build completed
 KV_LAYOUT = "B,num_kv_heads,past_len,head_dim"  # one key and one value tensor per layer
+PAGED_KV_LAYOUT = "blocks,num_kv_heads,block_size,head_dim"  # one pool per cache tensor and layer
+BLOCK_TABLE = "block_table"
 QUANT_KV_DTYPE = "packed-uint8"
 KV_ROTATION_INPUT = "kv_rotation"
 
@@ -90,9 +97,10 @@ class EngineInterface:
     inputs: tuple[TensorSpec, ...] = field(default_factory=tuple)
     outputs: tuple[TensorSpec, ...] = field(default_factory=tuple)
     kv_spec: dict | None = None  # KVQuantSpec.to_dict() of a quantized cache; None = float cache
-    # Hash of the same engine with a float cache: the LoRA contract an adapter was made for is
-    # identical, so an adapter bound to the float engine also runs on the quantized one.
+    # Hash of the same engine with a float, padded cache: the LoRA contract an adapter was made for is
+    # identical, so an adapter bound to the float engine also runs on the quantized or paged one.
     float_interface_hash: str | None = None
+    kv_block_size: int | None = None  # tokens per block of a paged cache (version 6); None = padded
     # How the graph stores the backbone weights, e.g. {"precision": "int4", "format": "matmulnbits",
     # "block_size": 128}; None = fp32. Recorded, not hashed: the LoRA contract is the same, so an
     # adapter made for the float engine binds to its weight-quantized copy.
@@ -105,6 +113,10 @@ class EngineInterface:
     @property
     def quantized_kv(self) -> bool:
         return self.kv_spec is not None
+
+    @property
+    def paged(self) -> bool:
+        return self.kv_block_size is not None
 
     @property
     def input_names(self) -> list[str]:
@@ -120,8 +132,10 @@ class EngineInterface:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        if self.kv_spec is None:  # absent, not null: float engines keep the hash they had before version 2
-            del d["kv_spec"], d["float_interface_hash"]
+        # absent, not null: each engine keeps the hash it had before the field existed
+        for key in ("kv_spec", "float_interface_hash", "kv_block_size"):
+            if d[key] is None:
+                del d[key]
         if self.weights is None:
             del d["weights"]
         d["target_modules"] = list(self.target_modules)
@@ -195,10 +209,50 @@ def quantized_kv_tensors(num_layers: int, num_kv_heads: int, head_dim: int, spec
     return cache, static, outputs
 
 
+def paged_kv_tensors(padded: EngineInterface, block_size: int) -> tuple[list, list]:
+    """(pool inputs, new-slot outputs) of the paged engine made from the ``padded`` interface (version 3
+    or 5): each per-row cache input ``past_X.i`` (batch, nkv, past, w) becomes ``pool_X.i`` (blocks, nkv,
+    block_size, w) of the same dtype, read through ``block_table``; its output is ``new_X.i`` (batch, nkv,
+    seq, w), the new tokens' slots as ``present_X.i`` would end. Sinks and slot positions have no paged form."""
+    pools, outputs = [], []
+    for t in padded.inputs:
+        if t.name.startswith("past_"):
+            rest = t.name[len("past_"):]
+            pools.append(TensorSpec(f"pool_{rest}", t.dtype, ("blocks", t.shape[1], block_size, t.shape[3])))
+            outputs.append(TensorSpec(f"new_{rest}", t.dtype, ("batch", t.shape[1], "seq", t.shape[3])))
+    return pools, outputs
+
+
+def paged_problems(kv_spec: dict | None, block_size: int) -> list[str]:
+    """Why a cache of ``kv_spec`` cannot be paged in blocks of ``block_size`` (empty: it can): fp16 sink
+    tokens are each row's first tokens kept apart, and pre-RoPE keys need every slot's position; neither
+    is a block of slots."""
+    problems = [] if block_size >= 1 else [f"kv_block_size={block_size} (needs >= 1)"]
+    if kv_spec is not None:
+        problems += [f"sink_tokens={kv_spec['sink_tokens']} (needs 0)"] if kv_spec["sink_tokens"] else []
+        problems += ["pre_rope_keys=True (needs False)"] if kv_spec["pre_rope_keys"] else []
+    return problems
+
+
 def build_interface(
-    cfg: "BackboneConfig", backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], kv_spec: dict | None = None
+    cfg: "BackboneConfig", backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], kv_spec: dict | None = None,
+    kv_block_size: int | None = None,
 ) -> EngineInterface:
-    """The interface of the float-KV engine, or with ``kv_spec`` of the quantized-KV engine."""
+    """The interface of the float-KV engine, or with ``kv_spec`` of the quantized-KV engine; with
+    ``kv_block_size``, of its paged form (version 6)."""
+    if kv_block_size is not None:
+        problems = paged_problems(kv_spec, kv_block_size)
+        if problems:
+            raise ValueError("this cache cannot be paged: " + "; ".join(problems))
+        padded = build_interface(cfg, backbone_hash, max_rank, target_modules, kv_spec)
+        pools, new_slots = paged_kv_tensors(padded, kv_block_size)
+        head = [t for t in padded.inputs if t.name in ("input_ids", "position_ids", "attention_mask")]
+        static = [t for t in padded.inputs[len(head):] if not t.name.startswith(("past_", "sink_"))]  # scales, LoRA
+        return EngineInterface(
+            **{**padded.__dict__, "version": PAGED_INTERFACE_VERSION, "kv_layout": PAGED_KV_LAYOUT,
+               "inputs": tuple(head + [TensorSpec(BLOCK_TABLE, "int64", ("batch", "max_blocks"))] + pools + static),
+               "outputs": padded.outputs[:1] + tuple(new_slots), "kv_block_size": kv_block_size,
+               "float_interface_hash": padded.float_interface_hash or padded.interface_hash})
     L, nkv, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     inputs = [
         TensorSpec("input_ids", "int64", ("batch", "seq")),

@@ -8,16 +8,19 @@ imports nothing from here.
 
 from __future__ import annotations
 
-from runtime.engine.interface import quantized_kv_tensors
+from runtime.engine.interface import KV_ROTATION_INPUT, quantized_kv_tensors
+from runtime.engine.kv_scales import KV_SCALE_KINDS
 
 # Sizes used to trace: deliberately not 0 or 1, which torch.export would specialize to constants.
 TRACE_BATCH, TRACE_SEQ, TRACE_PAST, TRACE_SINK = 2, 3, 5, 2
+TRACE_BLOCKS, TRACE_POOL = 4, 7  # a paged cache: blocks per row in the table, blocks in the pool
 # Upper bounds of the dynamic axes.
 MAX_BATCH, MAX_SEQ, MAX_PAST = 64, 4096, 4096
 
 
 def example_inputs(model, iface, batch: int, seq: int, past: int):
-    """Random inputs in interface order: ids, positions, mask, the cache (float or packed), LoRA."""
+    """Random inputs in interface order: ids, positions, mask, the cache (float or packed; or the block
+    table and pools of a paged one, ``TRACE_BLOCKS`` blocks per row), (static scales,) LoRA."""
     import torch
 
     cfg = model.cfg
@@ -25,6 +28,16 @@ def example_inputs(model, iface, batch: int, seq: int, past: int):
     pos = (torch.arange(seq) + past).expand(batch, seq).contiguous()  # (B, T)
     shapes = {t.name: t.shape for t in iface.inputs}
     lora = [torch.randn(*shapes[n]) * 0.05 for n in iface.lora_names]
+    if iface.paged:
+        table = torch.randint(0, TRACE_POOL, (batch, TRACE_BLOCKS))  # (B, M)
+        mask = torch.ones(batch, TRACE_BLOCKS * iface.kv_block_size + seq, dtype=torch.long)  # (B, M bs + T)
+        pools = [random_cache_tensor(torch, [TRACE_POOL if a == "blocks" else a for a in t.shape], t.dtype)
+                 for t in iface.inputs if t.name.startswith("pool_")]
+        if iface.quantized_kv:  # the static inputs in interface order: per layer its scales, then its rotation
+            static = [torch.eye(cfg.head_dim) if n.startswith(KV_ROTATION_INPUT) else torch.rand(*shapes[n]) * 0.1 + 0.01
+                      for n in iface.input_names if n.split(".")[0] in (*KV_SCALE_KINDS, KV_ROTATION_INPUT)]
+            return ids, pos, mask, table, pools, static, lora
+        return ids, pos, mask, table, pools, lora
     if iface.quantized_kv:
         cache, static = quantized_example_inputs(iface, batch, past)
         mask = torch.ones(batch, TRACE_SINK + past + seq, dtype=torch.long)  # (B, sink + P + T)
@@ -43,14 +56,21 @@ def quantized_example_inputs(iface, batch: int, past: int):
     cache = []
     for t in cache_specs:
         shape = [sizes.get(a, a) for a in t.shape]
-        if t.dtype == "uint8":
-            cache.append(torch.randint(0, 256, shape, dtype=torch.uint8))
-        elif t.dtype == "int64":
+        if t.dtype == "int64":
             cache.append(torch.arange(past).expand(batch, past).contiguous())
         else:
-            cache.append((torch.rand(shape) * 0.1 + 0.01).to(torch.float16))
+            cache.append(random_cache_tensor(torch, shape, t.dtype))
     static = [torch.rand(*t.shape) * 0.1 + 0.01 for t in static_specs]
     return cache, static
+
+
+def random_cache_tensor(torch, shape: list, dtype: str):
+    """Random packed bytes (uint8), fp16 scales or sinks, or a float32 cache of ``shape``."""
+    if dtype == "uint8":
+        return torch.randint(0, 256, shape, dtype=torch.uint8)
+    if dtype == "float16":
+        return (torch.rand(shape) * 0.1 + 0.01).to(torch.float16)
+    return torch.randn(shape)
 
 
 def export_dynamic_shapes(iface, args, Dim):
@@ -59,6 +79,10 @@ def export_dynamic_shapes(iface, args, Dim):
     seq = Dim("seq", min=1, max=MAX_SEQ)
     past = Dim("past", min=0, max=MAX_PAST)  # 0 = prefill with an empty cache
     head = ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: Dim.DYNAMIC})  # total = past + seq: derived
+    if iface.paged:
+        blocks = Dim("max_blocks", min=0, max=MAX_PAST // iface.kv_block_size)  # 0 = prefill with an empty cache
+        pool = Dim("blocks", min=1, max=None)
+        return head + ({0: batch, 1: blocks}, [{0: pool} for _ in args[4]]) + tuple([None for _ in a] for a in args[5:])
     if not iface.quantized_kv:
         return head + ([{0: batch, 2: past} for _ in args[3]], [None for _ in args[4]])
     sink = Dim("sink", min=0, max=MAX_PAST)  # up to sink_tokens; traced at 2 so it is not specialized

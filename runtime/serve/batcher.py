@@ -22,8 +22,16 @@ batch. Each turn of the loop:
 
 Every row's real slots are the last ``lengths[b]`` of the batch's past, so the past is as long as
 the longest row and a row's next position is its length: it decodes as it would alone, up to float
-rounding. The thread runs while there is work and ends once there has been none for ``IDLE_S``; the
-next request starts another. An engine whose cache cannot be merged (fp16 sink tokens) is served per
+rounding. On a paged engine (``runtime.engine.kv_blocks``) no row is padded: each holds the blocks its
+own length needs, and the pool of blocks, which every release's batch shares, is bounded by the device's
+KV budget. A request is admitted only when the worst case of every admitted row (prompt + max_tokens - 1
+tokens each) fits the pool together with its own, so no row ever runs out of blocks mid-decode
+(TensorRT-LLM's ``GUARANTEED_NO_EVICT`` policy; vLLM instead preempts and recomputes). A request that
+does not fit waits, first come first served, at most ``kv_wait_s``; then, or at once if it could never
+fit, it fails with ``KVBudgetExceeded`` (the HTTP API answers 503 with ``Retry-After``).
+
+The thread runs while there is work and ends once there has been none for ``IDLE_S``; the next request
+starts another. An engine whose cache cannot be merged (fp16 sink tokens) is served per
 request instead (``runtime.serve.generation.ForkedGeneration``).
 """
 
@@ -32,11 +40,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from runtime.engine.generate import left_padded
+from runtime.engine.kv_blocks import BlockPool, KVBudgetExceeded
 from runtime.engine.sampling import greedy
 from runtime.engine.tracing import MAX_BATCH
 from runtime.serve.generation import Choice, Generation, StopText
@@ -46,6 +56,22 @@ log = logging.getLogger(__name__)
 # starts another): a client's next request, sent when its answer ended, finds it running. Starting a
 # thread took 0.2-0.8 ms on the 2 shared cores, paid by every request at 1 client.
 IDLE_S = 0.5
+KV_WAIT_S = 30.0  # a request waits at most this long for KV blocks, then gets 503 with Retry-After
+
+
+def worst_case_blocks(pool: BlockPool | None, prompts: list[list[int]], max_tokens: int) -> list[int]:
+    """Per row, the blocks it may come to hold (its last sampled token is never fed back); zeros without a budget.
+    ``KVBudgetExceeded`` (never) when the whole pool cannot hold the request."""
+    if pool is None or not pool.fixed:
+        return [0] * len(prompts)
+    rows = [pool.blocks_for(len(p) + max_tokens - 1) for p in prompts]
+    need = sum(rows)
+    if need > pool.capacity:
+        raise KVBudgetExceeded(
+            f"{len(prompts)} prompt(s) of up to {max(map(len, prompts))} tokens plus max_tokens {max_tokens} need "
+            f"{need * pool.block_bytes} bytes of KV cache; this device's budget holds {pool.capacity * pool.block_bytes}",
+            never=True)
+    return rows
 
 
 class BatchedGeneration(Generation):
@@ -58,6 +84,8 @@ class BatchedGeneration(Generation):
                  max_tokens: int):
         super().__init__(release, texts, max_tokens)
         self.batcher, self.prompts, self.sample = batcher, prompts, sample
+        self.row_blocks = worst_case_blocks(batcher.pool, prompts, max_tokens)  # per row (0: no budget)
+        self.submitted = 0.0  # time.monotonic() when submitted: how long it has waited for KV blocks
         self.cancelled = False  # set by the event loop (the client left), read by the scheduler thread
         self.loop: asyncio.AbstractEventLoop | None = None
         # Each step's choices, None once every choice has finished, or the error that ended the decode:
@@ -106,6 +134,10 @@ class Row:
     generation: BatchedGeneration
     index: int  # its choice index in the request
 
+    @property
+    def kv_blocks(self) -> int:
+        return self.generation.row_blocks[self.index]
+
 
 class ReleaseBatch:
     """The running rows of one release, their cache, and per row its real length and last token."""
@@ -122,11 +154,14 @@ class ReleaseBatch:
 class Batcher:
     """The scheduler of one ``AdapterServer``: ``submit`` a generation, its thread does the rest."""
 
-    def __init__(self, stop_ids, pad_id: int, metrics, max_rows: int = MAX_BATCH):
+    def __init__(self, stop_ids, pad_id: int, metrics, max_rows: int = MAX_BATCH, pool: BlockPool | None = None,
+                 kv_wait_s: float = KV_WAIT_S):
         """``max_rows``: rows one release's batch decodes at most (the engine was exported for batches up
-        to ``MAX_BATCH``); arrivals beyond it wait, in order, for rows to leave."""
+        to ``MAX_BATCH``); arrivals beyond it wait, in order, for rows to leave. ``pool``: a paged engine's
+        KV blocks, which every release's batch shares; with a budget, arrivals also wait (at most
+        ``kv_wait_s``) for their worst case to fit."""
         self.stop_ids, self.pad_id, self.metrics = frozenset(int(t) for t in stop_ids), pad_id, metrics
-        self.max_rows = max_rows
+        self.max_rows, self.pool, self.kv_wait_s = max_rows, pool, kv_wait_s
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # notified when a request arrives for a waiting thread
         self._arrivals: list[BatchedGeneration] = []
@@ -137,6 +172,7 @@ class Batcher:
         self._handed: dict[asyncio.AbstractEventLoop, list] = {}  # items an event loop has yet to take
 
     def submit(self, generation: BatchedGeneration) -> None:
+        generation.submitted = time.monotonic()
         with self._lock:
             self._arrivals.append(generation)
             if self._thread is None:
@@ -168,7 +204,7 @@ class Batcher:
                 self._thread = None
                 return False
             arrivals, self._arrivals = self._fitting(self._arrivals)
-        self._admit([g for g in arrivals if not g.cancelled])
+        self._admit(arrivals)
         self._hand_over()
         for batch in list(self._batches):
             self._step(batch)
@@ -176,18 +212,35 @@ class Batcher:
         return True
 
     def _fitting(self, arrivals: list[BatchedGeneration]) -> tuple[list[BatchedGeneration], list[BatchedGeneration]]:
-        """(the arrivals whose rows fit their release's batch, in order; those that wait). Once one
-        request of a release waits, the later ones of that release wait too: first come, first served."""
+        """(the arrivals whose rows fit their release's batch and whose KV worst case fits the pool, in order;
+        those that wait). Once one request of a release waits for rows, the later ones of that release wait
+        too, and once one waits for KV blocks, every later one does: first come, first served. A request
+        that waited ``kv_wait_s`` for blocks fails with ``KVBudgetExceeded``; a cancelled one is dropped."""
         rows = {id(b.release): len(b.rows) for b in self._batches}
-        admit, wait, full = [], [], set()
+        free = self.pool.capacity - sum(r.kv_blocks for b in self._batches for r in b.rows) \
+            if self.pool is not None and self.pool.fixed else None  # blocks no admitted row may come to need
+        admit, wait, full, kv_full = [], [], set(), False
+        now = time.monotonic()
         for g in arrivals:
-            key = id(g.release)
+            if g.cancelled:
+                continue
+            key, need = id(g.release), sum(g.row_blocks)
             taken = rows.get(key, 0)
-            if key in full or (taken and taken + len(g.prompts) > self.max_rows):
+            if kv_full or (free is not None and need > free):
+                if now - g.submitted >= self.kv_wait_s:
+                    self._deliver(g, KVBudgetExceeded(
+                        f"waited {now - g.submitted:.1f} s for {need * self.pool.block_bytes} bytes of KV cache; "
+                        f"{free * self.pool.block_bytes} of {self.pool.capacity * self.pool.block_bytes} are not "
+                        "promised to running requests"))
+                    continue
+                kv_full = True
+                wait.append(g)
+            elif key in full or (taken and taken + len(g.prompts) > self.max_rows):
                 full.add(key)
                 wait.append(g)
             else:  # an empty batch takes any request (its prompts are capped far below MAX_BATCH)
                 rows[key] = taken + len(g.prompts)
+                free = None if free is None else free - need
                 admit.append(g)
         return admit, wait
 
@@ -234,7 +287,7 @@ class Batcher:
                 self._batches.append(batch)
             self._prefill(batch, gens)
             if not batch.rows:
-                self._batches.remove(batch)
+                self._drop(batch)
 
     def _prefill(self, batch: ReleaseBatch, gens: list[BatchedGeneration]) -> None:
         """Prefill ``gens`` together and join their rows to ``batch``. When the engine refuses them
@@ -291,7 +344,7 @@ class Batcher:
             log.exception("decode step failed")
             for g in {id(r.generation): r.generation for r in batch.rows}.values():
                 self._deliver(g, err)
-            self._batches.remove(batch)
+            self._drop(batch)
             return
         self.metrics.batch_rows.observe(B)
         batch.lengths = lengths
@@ -324,12 +377,17 @@ class Batcher:
                 self._deliver(g, None)
         return tokens, [not (r.generation.cancelled or r.generation.finished[r.index]) for r in rows]
 
+    def _drop(self, batch: ReleaseBatch) -> None:
+        """The batch leaves, its cache now: a paged one's blocks are free before its last choices are handed over."""
+        batch.cache = None
+        self._batches.remove(batch)
+
     def _keep(self, batch: ReleaseBatch, keep: list[bool]) -> None:
         """Only the rows where ``keep`` (one bool per row); the past slots masked in all of them are dropped."""
         if all(keep):  # a Python list: most steps keep every row, and numpy's all() on it costs more
             return
         if not any(keep):
-            self._batches.remove(batch)
+            self._drop(batch)
             return
         keep = np.array(keep)
         drop = int(batch.lengths.max() - batch.lengths[keep].max())

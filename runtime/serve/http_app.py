@@ -29,7 +29,9 @@ and refusals: by default (``decode="batched"``) the requests on one release are 
 one scheduler thread (``runtime.serve.batcher``), each step's choices handed to the loop; with
 ``decode="fork"`` each request decodes alone, one step per worker-thread call. At most
 ``max_concurrent`` generations run at once, ``max_queue`` more wait; beyond that a request gets 503
-with ``Retry-After`` at once. A client that leaves (streamed or not) ends its decode at the next step.
+with ``Retry-After`` at once. On a paged engine with a KV budget, a request whose KV cache the budget
+cannot hold (ever, or within the batcher's wait) gets 503 ``kv_budget_exceeded`` with ``Retry-After``
+(in the stream, as its error event, once the stream has started). A client that leaves (streamed or not) ends its decode at the next step.
 The admin API is off (404) unless a token is configured; paths must lie in a configured release
 directory (403), and a rollback is never accepted from the network (403): it is a local act.
 """
@@ -54,6 +56,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from runtime.engine.kv_blocks import KVBudgetExceeded
 from runtime.engine.sampling import make_sampler
 from runtime.engine.tokenizer import NoChatTemplate
 from runtime.engine.tracing import MAX_SEQ
@@ -368,6 +371,8 @@ class DeviceAPI:
             async for choices in self.decode(generation, started):
                 for c in choices:
                     yield sse(chunk_body(request_id, model, c.index, c.text, c.finish_reason, chat) | extra)
+        except KVBudgetExceeded as err:  # not a failure of the release: the device is full
+            yield sse(self.kv_budget_error(err).body())
         except Exception as err:  # the status line is sent: say it in the stream, as OpenAI does
             log.exception("generation failed mid-stream")
             # a 200 was sent: the request log cannot count it
@@ -377,6 +382,10 @@ class DeviceAPI:
             if body.include_usage:
                 yield sse(usage_chunk(request_id, model, usage(prompt_tokens, generation.completion_tokens), chat))
         yield sse("[DONE]")
+
+    def kv_budget_error(self, err: KVBudgetExceeded) -> APIError:
+        return APIError(503, str(err), "server_error", code="kv_budget_exceeded",
+                        headers={"Retry-After": str(self.settings.retry_after_s)})
 
     # ------------------------------------------------------------------ admin
 
@@ -509,6 +518,10 @@ async def http_error(request: Request, err: HTTPException) -> Response:
     return error_response(APIError(err.status_code, message, kind, headers=dict(err.headers or {})))
 
 
+async def kv_budget_error(request: Request, err: KVBudgetExceeded) -> Response:
+    return error_response(request.app.state.api.kv_budget_error(err))
+
+
 async def server_error(request: Request, err: Exception) -> Response:
     log.exception("request failed")
     return error_response(APIError(500, f"{type(err).__name__}: {err}", "server_error"))
@@ -528,7 +541,7 @@ def build_app(server: AdapterServer, settings: ServeSettings = ServeSettings()) 
         Route("/metrics", api.metrics_text, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={APIError: api_error, HTTPException: http_error,
-                                                       Exception: server_error})
+                                                       KVBudgetExceeded: kv_budget_error, Exception: server_error})
     app.add_middleware(RequestLog, metrics=server.metrics)
     app.state.api = api
     return app

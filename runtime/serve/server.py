@@ -47,7 +47,7 @@ from runtime.release.package import (
     unpacked_release,
     verify_release,
 )
-from runtime.serve.batcher import BatchedGeneration, Batcher
+from runtime.serve.batcher import KV_WAIT_S, BatchedGeneration, Batcher, worst_case_blocks
 from runtime.serve.generation import ForkedGeneration, Generation, StopText
 from runtime.serve.metrics import ServerMetrics
 from runtime.serve.residents import CANDIDATE, CHAMPION, DEFAULT_MAX_RESIDENT, ResidencyError, ResidentSet
@@ -86,7 +86,9 @@ class AdapterServer:
     """The engine, the tokenizer, the trusted keys and the resident releases; thread-safe."""
 
     def __init__(self, engine, tokenizer, trusted_keys: dict, max_bytes: int = DEFAULT_MAX_PACKAGE_BYTES,
-                 max_resident: int = DEFAULT_MAX_RESIDENT, products: tuple[str, ...] = (DEFAULT_PRODUCT,)):
+                 max_resident: int = DEFAULT_MAX_RESIDENT, products: tuple[str, ...] = (DEFAULT_PRODUCT,),
+                 kv_wait_s: float = KV_WAIT_S):
+        """``kv_wait_s``: on a paged engine with a KV budget, how long a batched request waits for blocks."""
         if not hasattr(engine, "fork"):
             raise ValueError(f"{type(engine).__name__} cannot be shared between requests; serve runs the onnxruntime backend")
         self.engine, self.tokenizer, self.trusted_keys, self.max_bytes = engine, tokenizer, trusted_keys, max_bytes
@@ -95,7 +97,8 @@ class AdapterServer:
         self._loads = 0
         self._load_lock = threading.Lock()
         # One scheduler for every release's batch; None where the cache cannot be merged (fp16 sink tokens).
-        self.batcher = (Batcher(tokenizer.stop_ids, tokenizer.pad_id, self.metrics)
+        self.batcher = (Batcher(tokenizer.stop_ids, tokenizer.pad_id, self.metrics, pool=getattr(engine, "pool", None),
+                                kv_wait_s=kv_wait_s)
                         if getattr(engine, "merges_caches", False) else None)
         # set by runtime.serve.health.ReleaseGate: per product, the state directory and its trials
         self.gates: dict[str, ReleaseGate] = {}
@@ -195,7 +198,9 @@ class AdapterServer:
         """A generation of ``prompts`` (token ids) on ``release`` (read once from ``active`` when the
         request started), for every step of it; a swap cannot reach it. ``decode="batched"``: decoded
         with the other requests on ``release`` (``runtime.serve.batcher``) when the engine's cache can be
-        merged, else, and with ``"fork"``, alone on a fork of the release's handle."""
+        merged, else, and with ``"fork"``, alone on a fork of the release's handle. Raises
+        ``runtime.engine.kv_blocks.KVBudgetExceeded`` for a request whose worst case the KV budget never holds."""
+        worst_case_blocks(getattr(self.engine, "pool", None), prompts, max_tokens)  # refused before it is counted
         self.metrics.by_release.labels(release.release_id, self.residents.channel_of(release), release.product).inc()
         texts = [StopText(self.tokenizer, stops) for _ in prompts]
         if decode == "batched" and self.batcher is not None:

@@ -132,7 +132,7 @@ def test_the_scan_resolves_relative_and_lazy_imports(tmp_path):
 SERVING_PATH = (
     "runtime.__main__",
     *(f"runtime.engine.{m}" for m in ("adapter", "adapter_config", "atomic_files", "engine", "errors", "generate",
-                                      "hashing", "interface", "kv_scales", "latency", "sampling", "tokenizer",
+                                      "hashing", "interface", "kv_blocks", "kv_scales", "latency", "sampling", "tokenizer",
                                       "backends.onnxruntime")),
     *(f"runtime.release.{m}" for m in ("contract", "device_state", "package", "pull", "signing", "tuf_pull")),
     *(f"runtime.serve.{m}" for m in ("batcher", "channel_watch", "generation", "health", "http_app", "http_server",

@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from engine_testkit import make_adapter
+from engine_testkit import engine_run, make_adapter
 
 from runtime.engine.adapter import load_adapter
 from runtime.engine.backends.onnxruntime import OrtEngine
@@ -40,15 +40,7 @@ def second_adapter(tiny_qwen, tmp_path_factory):
 
 
 def prefill_then_decode(engine, ids: np.ndarray, split: int) -> np.ndarray:
-    B, T = ids.shape
-    pos = np.broadcast_to(np.arange(T), (B, T))
-    mask = np.ones((B, T), dtype=np.int64)
-    first, cache = engine.forward(ids[:, :split], pos[:, :split], mask[:, :split], None)
-    rest = [first]
-    for t in range(split, T):
-        logits, cache = engine.forward(ids[:, t : t + 1], pos[:, t : t + 1], mask[:, : t + 1], cache)
-        rest.append(logits)
-    return np.concatenate(rest, axis=1)
+    return engine_run(engine, ids, split)[0]  # the logits of every position
 
 
 def test_ort_engine_with_adapter_matches_peft_merged_within_1e4(engine, tiny_qwen, qwen_adapter):
@@ -152,7 +144,7 @@ def test_interface_of_another_version_is_refused(tiny_engine, tmp_path):
     shutil.copytree(tiny_engine, copy)
     spec = json.loads((copy / "interface.json").read_text()) | {"version": 99}
     (copy / "interface.json").write_text(json.dumps(spec))
-    with pytest.raises(InterfaceError, match="interface version 99 but this runtime speaks 3, 4, 5; recompile"):
+    with pytest.raises(InterfaceError, match="interface version 99 but this runtime speaks 3, 4, 5, 6; recompile"):
         open_engine(copy)
 
 

@@ -19,7 +19,7 @@ from runtime.engine.interface import INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSI
 from runtime.engine.kv_scales import KVScales
 from runtime.engine.model import load_backbone
 from tasks.calibrate import cache_kwargs
-from engine_testkit import TARGETS, calibrate
+from engine_testkit import TARGETS, calibrate, engine_run
 
 # The other corner: 8-bit symmetric post-RoPE keys (ORT GroupQueryAttention's layout), asymmetric
 # 3-bit per-token values (a zero point input, a non-byte-aligned width), no sink.
@@ -45,18 +45,6 @@ def reference_run(model_dir, iface, lora: dict, spec: KVQuantSpec, scales: KVSca
             for i in range(L):
                 cache.append(i, present[2 * i][:, :, a:], present[2 * i + 1][:, :, a:], pos[:, a:b])
             out.append(logits.numpy())
-    return np.concatenate(out, axis=1), cache
-
-
-def engine_run(engine, ids: np.ndarray, split: int):
-    B, T = ids.shape
-    pos = np.broadcast_to(np.arange(T), (B, T))
-    mask = np.ones((B, T), dtype=np.int64)
-    logits, cache = engine.forward(ids[:, :split], pos[:, :split], mask[:, :split], None)
-    out = [logits]
-    for t in range(split, T):
-        logits, cache = engine.forward(ids[:, t : t + 1], pos[:, t : t + 1], mask[:, : t + 1], cache)
-        out.append(logits)
     return np.concatenate(out, axis=1), cache
 
 

@@ -14,6 +14,13 @@ A quantized-KV engine (interface version 2) keeps the same binding; its cache is
 new tokens; past bytes are never rewritten), the fp16 sink tokens and the slot positions.
 Its static per-channel scales belong to the release, so they come with the adapter:
 ``set_adapter(lora, kv_scales=...)``; the engine refuses to run until it has them.
+
+A paged engine (interface version 6) keeps every row's cache in one ``runtime.engine.kv_blocks.BlockPool``
+that all handles of the session share (``kv_budget_bytes`` bounds it); its cache is a ``PagedCache``
+(each row's blocks and length). A step binds the pools (ORT values over the pools' own memory), the
+block table and a mask of each row's filled slots, and writes the new tokens' slots the graph returns
+into the rows' blocks. The caller's ``attention_mask`` keeps its meaning: only its last T columns are
+read (which new tokens are real), since a paged row stores its real tokens only.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from onnxruntime.capi import _pybind_state as _C
 
 from runtime.engine.adapter import check_lora_inputs, zero_lora_inputs
 from runtime.engine.errors import RefusedInput
-from runtime.engine.interface import ENGINE_ONNX, read_interface
+from runtime.engine.interface import BLOCK_TABLE, ENGINE_ONNX, read_interface
+from runtime.engine.kv_blocks import BlockPool, PagedCache, PoolTensor
 from runtime.engine.kv_scales import kv_scale_inputs
 
 # Per ORT version: an optimized graph from another version may hold kernels this one lacks.
@@ -89,9 +97,10 @@ class PackedCache:
 
 class OrtEngine:
     def __init__(self, engine_dir: str | Path, threads: int = 2, onnx_file: str = ENGINE_ONNX, use_optimized: bool = True,
-                 session_config: Mapping[str, str] | None = None):
+                 session_config: Mapping[str, str] | None = None, kv_budget_bytes: int | None = None):
         """``session_config``: ORT session config entries (e.g. how Q/DQ weights are fused); the
-        saved optimized graph bakes in one set of them, so with any given it is neither read nor written."""
+        saved optimized graph bakes in one set of them, so with any given it is neither read nor written.
+        ``kv_budget_bytes``: a paged engine's pool of KV blocks holds at most this (None: it grows)."""
         self.engine_dir = engine_dir = Path(engine_dir)
         self.interface = read_interface(engine_dir)
         opts = ort.SessionOptions()
@@ -147,6 +156,14 @@ class OrtEngine:
         self._binding = self.session.io_binding()
         self._cpu = ort.OrtDevice.make("cpu", 0)._get_c_device()
         self._array_inputs = ("input_ids", "position_ids", "attention_mask", "past_positions")  # bound from numpy each step
+        self.pool = None
+        if self.interface.paged:
+            self._array_inputs = ("input_ids", "position_ids", "attention_mask", BLOCK_TABLE)
+            pools = [PoolTensor(t.name, tuple(t.shape[1:]), t.dtype) for t in self.interface.inputs if t.name.startswith("pool_")]
+            self.pool = BlockPool.for_budget(pools, self.interface.kv_block_size, kv_budget_bytes, _ort)
+        elif kv_budget_bytes is not None:
+            raise ValueError(f"{engine_dir}: a KV budget needs a paged engine (interface version 6), this one is "
+                             f"version {self.interface.version}")
         self._bind_lora(None)
 
     def set_adapter(self, lora: Mapping[str, np.ndarray] | None, kv_scales=None) -> None:
@@ -207,6 +224,8 @@ class OrtEngine:
 
     def empty_cache(self, batch: int):
         i = self.interface
+        if self.pool is not None:
+            return PagedCache(self.pool, [[] for _ in range(batch)], np.zeros(batch, dtype=np.int64))
         if self.kv_spec is None:
             empty = np.zeros((batch, i.num_kv_heads, 0, i.head_dim), dtype=np.float32)
             return [ort.OrtValue.ortvalue_from_numpy(empty) for _ in self._kv_names]
@@ -224,6 +243,8 @@ class OrtEngine:
             raise RefusedInput("quantized KV engine without KV scales: call set_adapter(lora, kv_scales=...) first")
         if past is None:
             past = self.empty_cache(input_ids.shape[0])
+        if self.pool is not None:
+            return self._forward_paged(input_ids, position_ids, attention_mask, past)
         # The binding's and session's pybind objects directly: the Python wrappers' per-call checks,
         # OrtDevice objects and bookkeeping cost ~0.06 ms a step (6% of a batch-8 decode step on the
         # tiny engine, measured against the wrapper calls, with identical logits).
@@ -252,6 +273,27 @@ class OrtEngine:
         # indexed, not iterated: iterating the vector gives views of its slots, which the next step reuses
         return outputs[0].numpy(), self._next_cache(past, {n: outputs[i] for i, n in enumerate(self._outputs)}, position_ids)
 
+    def _forward_paged(self, input_ids, position_ids, attention_mask, past: PagedCache):
+        binding, cpu = self._binding._iobinding, self._cpu
+        T = input_ids.shape[1]
+        real = np.asarray(attention_mask)[:, -T:] > 0  # (B, T): the new tokens a row stores
+        table = past.block_table()  # (B, M)
+        filled = np.arange(table.shape[1] * self.pool.block_size)[None, :] < past.lengths[:, None]  # (B, M bs)
+        arrays = [np.ascontiguousarray(input_ids, dtype=np.int64), np.ascontiguousarray(position_ids, dtype=np.int64),
+                  np.concatenate([filled, real], axis=1).astype(np.int64), table]
+        for name, array in zip(self._array_inputs, arrays):
+            binding.bind_ortvalue_input(name, _C.OrtValue.ortvalue_from_numpy(array, cpu))
+        for name, value in self.pool.values.items():  # read by the next step after the writes below: never copied
+            binding.bind_ortvalue_input(name, value._ortvalue)
+        binding.clear_binding_outputs()
+        for name in self._outputs:
+            binding.bind_output(name, cpu)
+        self.session._sess.run_with_iobinding(binding, None)
+        outputs = binding.get_outputs()
+        self._step_inputs = arrays  # not the cache: a finished generation's blocks go back when it is dropped
+        past.append({"pool_" + n[len("new_"):]: outputs[i].numpy() for i, n in enumerate(self._outputs) if i}, real)
+        return outputs[0].numpy(), past
+
     def _next_cache(self, past: PackedCache, out: dict, position_ids: np.ndarray) -> PackedCache:
         """The graph appended every new token to the packed cache. While the sink is not full
         (only before any token was quantized: the sink holds the *first* tokens), the first
@@ -279,7 +321,10 @@ class OrtEngine:
     def concat_caches(self, caches: list):
         """One cache of every row of ``caches``, in order, each left-padded with zero slots along the
         past axis to the longest: the caller masks those slots (attention mask 0), as ``runtime.engine.generate``
-        left-pads prompts, so every row decodes as it would alone (up to float rounding)."""
+        left-pads prompts, so every row decodes as it would alone (up to float rounding). Paged caches are
+        not padded: their rows move into the result (the caches given are consumed)."""
+        if self.pool is not None:
+            return PagedCache.concat(caches)
         if not self.merges_caches:
             raise ValueError(f"a cache with {self.kv_spec['sink_tokens']} fp16 sink tokens cannot be merged")
         if self.kv_spec is None:  # [K.0, V.0, ...], each (B, nkv, P, d)
@@ -291,7 +336,11 @@ class OrtEngine:
 
     def take_cache_rows(self, cache, rows: np.ndarray, drop: int = 0):
         """The cache of ``rows`` (indices, in order) without its first ``drop`` past slots, which must
-        be masked in every one of them (what is left when the longest rows have gone)."""
+        be masked in every one of them (what is left when the longest rows have gone). A paged cache has no
+        such slots: it is consumed, the other rows' blocks going back to the pool."""
+        if self.pool is not None:
+            return cache.take_rows(rows)
+
         def take(value, axis=2):
             index = (rows,) + (slice(None),) * (axis - 1) + (slice(drop, None),)
             return np.ascontiguousarray(value[index])
@@ -309,4 +358,18 @@ class OrtEngine:
         if isinstance(cache, PackedCache):
             arrays = {n: v.numpy().copy() for n, v in (cache.body | cache.sink).items()}
             return arrays | {"past_positions": cache.positions.copy()}
+        if isinstance(cache, PagedCache):  # as the padded engine's cache of rows this long, right-padded with zeros
+            arrays = {"past_" + n[len("pool_"):]: self._rows_of(cache, n) for n in self.pool.values}
+            return list(arrays.values()) if self.kv_spec is None else arrays
         return [v.numpy().copy() for v in cache]
+
+    def _rows_of(self, cache: PagedCache, name: str) -> np.ndarray:
+        """Pool ``name`` read through the cache's blocks: (B, nkv, longest row, w), zeros past a row's length."""
+        pool = self.pool.arrays[name]
+        table = cache.block_table()  # (B, M)
+        B, (_, nkv, bs, w) = cache.batch, pool.shape
+        rows = pool[table].transpose(0, 2, 1, 3, 4).reshape(B, nkv, table.shape[1] * bs, w)
+        rows = rows[:, :, : int(cache.lengths.max(initial=0))].copy()
+        for b, n in enumerate(cache.lengths):
+            rows[b, :, n:] = 0
+        return rows

@@ -1,0 +1,197 @@
+"""The paged KV cache's memory: a pool of fixed-size blocks per cache tensor and layer, and each row's blocks.
+
+A version-6 engine (``runtime.engine.interface.paged_kv_tensors``) reads its past through a block table, so a
+row holds ceil(length / block_size) blocks wherever they lie in the pool, takes one more when it crosses a
+block boundary, and gives them all back when it leaves: no row is padded to the longest (vLLM's
+PagedAttention, Kwon et al. 2023, sec. 4.1). ``BlockPool`` owns the numpy pools, shared with the backend as
+its own values (``wrap``: ONNX Runtime's ``ortvalue_from_numpy``, same memory, so a write is seen by the next
+step without a copy); ``PagedCache`` is the rows of one batch. Neither torch nor ONNX Runtime is imported here:
+the serving path's command and HTTP layer read the budget's errors without loading an engine.
+
+Capacity: a pool with a budget (``BlockPool.for_budget``) has a fixed number of blocks and refuses, with
+``KVBudgetExceeded``, an allocation past them; the scheduler admits a request only when its worst case
+fits (``runtime.serve.batcher``). Without one the pool doubles when it runs out (evaluation, tests).
+Every pool is zero-filled: a slot no row has written is masked, and a masked slot must still be finite
+(0 x NaN is NaN in the attention's weighted sum).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+
+from typing import Any, Callable
+
+import numpy as np
+
+from runtime.engine.errors import RefusedInput
+
+INITIAL_BLOCKS = 64  # a pool without a budget starts this big, then doubles
+# serve's default budget: a quarter of the available memory leaves the rest to the weights (int4 0.5B: ~0.4 GB),
+# ORT's per-step transients (one layer's gathered past at a time) and the other processes of the device
+DEFAULT_BUDGET_SHARE = 0.25
+
+
+class KVBudgetExceeded(RefusedInput):
+    """More KV blocks than the device's budget holds: now (wait and retry) or ever (``never`` True)."""
+
+    def __init__(self, message: str, never: bool = False):
+        super().__init__(message)
+        self.never = never
+
+
+@dataclass(frozen=True)
+class PoolTensor:
+    name: str  # the engine input, ``pool_*.i``
+    shape: tuple[int, int, int]  # (nkv, block_size, width) of one block
+    dtype: str
+
+    @property
+    def block_bytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+
+class BlockPool:
+    """Blocks of every cache tensor of every layer; block b of each pool together hold one block of tokens."""
+
+    def __init__(self, tensors: list[PoolTensor], capacity: int | None, block_size: int,
+                 wrap: Callable[[np.ndarray], Any] = lambda a: a):
+        """``capacity``: blocks, fixed; None: start at ``INITIAL_BLOCKS`` and double when full. ``wrap``: a
+        pool array as the backend binds it, sharing its memory (``values``, made again when the pool grows)."""
+        self.tensors, self.block_size, self.fixed, self.wrap = tensors, block_size, capacity is not None, wrap
+        self.block_bytes = sum(t.block_bytes for t in tensors)
+        # Allocation, freeing, writes and growth; ONNX Runtime only reads. Reentrant: a cache the garbage
+        # collector finalizes while this thread holds the lock gives its blocks back under it.
+        self.lock = threading.RLock()
+        self._allocate(capacity if capacity is not None else INITIAL_BLOCKS)
+        self._free = list(range(self.capacity - 1, -1, -1))  # a stack: block 0 first, freed blocks reused first
+
+    @classmethod
+    def for_budget(cls, tensors: list[PoolTensor], block_size: int, budget_bytes: int | None,
+                   wrap: Callable[[np.ndarray], Any] = lambda a: a) -> "BlockPool":
+        """A pool of as many blocks as ``budget_bytes`` holds (None: growing)."""
+        if budget_bytes is None:
+            return cls(tensors, None, block_size, wrap)
+        block_bytes = sum(t.block_bytes for t in tensors)
+        if budget_bytes < block_bytes:
+            raise KVBudgetExceeded(f"a KV budget of {budget_bytes} bytes is less than one block of "
+                                   f"{block_bytes} bytes ({block_size} tokens)", never=True)
+        return cls(tensors, budget_bytes // block_bytes, block_size, wrap)
+
+    def _allocate(self, blocks: int) -> None:
+        old = getattr(self, "arrays", None)
+        self.arrays = {t.name: np.zeros((blocks, *t.shape), dtype=t.dtype) for t in self.tensors}  # (N, nkv, bs, w)
+        if old is not None:
+            for name, array in old.items():
+                self.arrays[name][: len(array)] = array
+        self.values = {name: self.wrap(a) for name, a in self.arrays.items()}
+        self.capacity = blocks
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.capacity - len(self._free)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def take(self, count: int) -> list[int]:
+        """``count`` free blocks (caller holds ``lock``); a pool without a budget grows, one with refuses."""
+        if count > len(self._free):
+            if self.fixed:
+                raise KVBudgetExceeded(f"{count} KV blocks needed, {len(self._free)} of {self.capacity} free")
+            grown = max(2 * self.capacity, self.capacity + count)
+            self._free = list(range(grown - 1, self.capacity - 1, -1)) + self._free
+            self._allocate(grown)
+        taken, self._free = self._free[len(self._free) - count :], self._free[: len(self._free) - count]
+        return taken[::-1]
+
+    def release(self, rows: list[list[int]]) -> None:
+        """Give back every block of ``rows`` and empty them (the rows left their batch)."""
+        with self.lock:
+            for blocks in rows:
+                self._free += blocks[::-1]
+                blocks.clear()
+
+
+class PagedCache:
+    """The rows of one batch: each row's blocks, in order, and its length (tokens written).
+
+    A cache is consumed by ``concat`` and ``take_rows`` (its rows move to the result, or go back to the
+    pool); rows still held when a cache is collected go back too (a generator closed mid-decode)."""
+
+    def __init__(self, pool: BlockPool, blocks: list[list[int]], lengths: np.ndarray):
+        self.pool, self.blocks, self.lengths = pool, blocks, lengths  # lengths (B,) int64
+        weakref.finalize(self, pool.release, blocks)  # the same list object: emptied in place when rows move
+
+    @property
+    def batch(self) -> int:
+        return len(self.blocks)
+
+    def _moved(self) -> list[list[int]]:
+        rows = list(self.blocks)
+        self.blocks.clear()
+        return rows
+
+    @staticmethod
+    def concat(caches: list["PagedCache"]) -> "PagedCache":
+        lengths = np.concatenate([c.lengths for c in caches])
+        return PagedCache(caches[0].pool, [row for c in caches for row in c._moved()], lengths)
+
+    def take_rows(self, rows: np.ndarray) -> "PagedCache":
+        """The rows ``rows`` (indices, in order); the others' blocks go back to the pool."""
+        lengths, moved = self.lengths[rows], self._moved()
+        kept = set(int(r) for r in rows)
+        self.pool.release([blocks for i, blocks in enumerate(moved) if i not in kept])
+        return PagedCache(self.pool, [moved[int(r)] for r in rows], lengths)
+
+    def block_table(self) -> np.ndarray:
+        """(B, M) int64: each row's blocks that hold its past, M the most any row has; unused entries 0 (masked)."""
+        return self._table([self.pool.blocks_for(int(n)) for n in self.lengths])
+
+    def _table(self, held: list[int]) -> np.ndarray:
+        """(B, max(held)) int64: the first ``held[b]`` blocks of each row b, then zeros."""
+        table = np.zeros((self.batch, max(held, default=0)), dtype=np.int64)
+        for b, (blocks, n) in enumerate(zip(self.blocks, held)):
+            table[b, :n] = blocks[:n]
+        return table
+
+    def append(self, outputs: dict[str, np.ndarray], real: np.ndarray) -> None:
+        """Write the new tokens ``real`` marks (B, T) of ``outputs`` ({pool name: (B, nkv, T, w)}) after each
+        row's last token, taking the blocks they need first; raises ``KVBudgetExceeded`` before any write."""
+        pool, bs = self.pool, self.pool.block_size
+        counts = real.sum(axis=1)
+        rows, steps = np.nonzero(real)  # (K,) each: the row and step of every token written, row-major
+        slot = self.lengths[rows] + (np.cumsum(real, axis=1) - 1)[rows, steps]  # its slot in its row
+        with pool.lock:
+            need = [pool.blocks_for(int(n + c)) - len(blocks) for blocks, n, c in zip(self.blocks, self.lengths, counts)]
+            taken = pool.take(sum(max(n, 0) for n in need))
+            for blocks, n in zip(self.blocks, need):
+                if n > 0:
+                    blocks += taken[:n]
+                    taken = taken[n:]
+            table = self._table([len(blocks) for blocks in self.blocks])  # every block held
+            block, offset = table[rows, slot // bs], slot % bs  # (K,) each
+            for name, new in outputs.items():
+                pool.arrays[name][block, :, offset] = new[rows, :, steps]  # (K, nkv, w)
+        self.lengths = self.lengths + counts
+
+    def allocated_bytes(self) -> int:
+        return sum(len(b) for b in self.blocks) * self.pool.block_bytes
+
+
+def default_kv_budget_bytes(share: float = DEFAULT_BUDGET_SHARE) -> int:
+    """``share`` of the memory the kernel says is available now (``MemAvailable`` of /proc/meminfo; where
+    there is none, of the physical memory): serve's KV budget when none is configured. The pool's pages
+    are zero pages until a block is first written, so an idle budget costs no resident memory."""
+    try:
+        with open("/proc/meminfo") as fh:
+            available = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(available * share)

@@ -1,0 +1,259 @@
+"""The paged KV cache (interface version 6): the padded engine's tokens and integers, blocks taken and given
+back, the KV budget's waits and 503s through the real server and the openai SDK.
+
+Engines are compiled from the tiny test backbone (``engine_testkit``) and the tiny release world
+(``release_testkit``) with blocks of 4 tokens, so rows cross block boundaries every few steps.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import numpy as np
+import openai
+import pytest
+from engine_testkit import TARGETS, calibrate, engine_run
+from release_testkit import world
+from server_testkit import PROMPT, running_server
+
+from kernels.kv_spec import PRE_ROPE_SCHEME, KVQuantSpec
+from runtime.__main__ import main as runtime_main
+from runtime.engine.adapter import load_adapter
+from runtime.engine.backends.onnxruntime import OrtEngine
+from runtime.engine.generate import greedy_generate
+from runtime.engine.interface import PAGED_INTERFACE_VERSION, SUPPORTED_VERSIONS, read_interface
+from runtime.engine.kv_blocks import BlockPool, KVBudgetExceeded, PagedCache, PoolTensor
+from tasks.compile import CompileError, compile_engine
+
+GQA = KVQuantSpec()  # the shipped scheme: ONNX Runtime's GroupQueryAttention over the 4-bit packed cache
+# Standard ONNX ops: 8-bit keys, asymmetric 3-bit per-token values (fp16 scale and zero pools beside the codes)
+STANDARD = KVQuantSpec(k_bits=8, v_bits=3, v_granularity="token", v_symmetric=False)
+BLOCK = 4
+OTHER_PROMPT = "inspect board=PCB-1201 line=L2 part=C7 temp_c=244 defect=lifted lift_um=40 verdict:"
+
+
+def quantized_pair(spec: KVQuantSpec, attention: str, model_dir, adapter_dir, tmp_path_factory):
+    """(padded, paged) engines of ``spec`` read by ``attention``, the same adapter and scales bound."""
+    engines = []
+    for block in (None, BLOCK):
+        engine_dir = tmp_path_factory.mktemp("paged") / f"{attention}-{block}"
+        compile_engine(model_dir, engine_dir, max_rank=8, target_modules=TARGETS, kv_spec=spec.to_dict(),
+                       kv_attention=attention, kv_block_size=block)
+        engines.append(OrtEngine(engine_dir, threads=2))
+    lora = load_adapter(adapter_dir, engines[0].interface)
+    scales = calibrate(model_dir, spec, lora)
+    for engine in engines:
+        engine.set_adapter(lora, kv_scales=scales)
+    return tuple(engines)
+
+
+@pytest.fixture(scope="module")
+def gqa_pair(tiny_qwen, qwen_adapter, tmp_path_factory):
+    return quantized_pair(GQA, "gqa", tiny_qwen, qwen_adapter, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def standard_pair(tiny_qwen, qwen_adapter, tmp_path_factory):
+    return quantized_pair(STANDARD, "standard", tiny_qwen, qwen_adapter, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def float_pair(tiny_engine, tiny_qwen, qwen_adapter, tmp_path_factory):
+    """(padded, paged) float-cache engines of the tiny backbone with the same adapter bound."""
+    engine_dir = tmp_path_factory.mktemp("paged") / "float"
+    compile_engine(tiny_qwen, engine_dir, max_rank=8, target_modules=TARGETS, kv_block_size=BLOCK)
+    engines = (OrtEngine(tiny_engine, threads=2), OrtEngine(engine_dir, threads=2))
+    lora = load_adapter(qwen_adapter, engines[0].interface)
+    for engine in engines:
+        engine.set_adapter(lora)
+    return engines
+
+
+@pytest.mark.parametrize("kind", ["gqa", "float", "standard"])
+def test_the_paged_engine_computes_the_padded_engines_logits_and_stores_its_cache(kind, request):
+    padded, paged = request.getfixturevalue(f"{kind}_pair")
+    ids = np.random.default_rng(0).integers(0, 96, (2, 14))
+
+    want, padded_cache = engine_run(padded, ids, split=7)
+    got, paged_cache = engine_run(paged, ids, split=7)
+
+    assert np.abs(got - want).max() <= 1e-5
+    stored, expected = paged.cache_to_numpy(paged_cache), padded.cache_to_numpy(padded_cache)
+    names = range(len(expected)) if kind == "float" else sorted(stored)  # the padded one also has empty sinks
+    assert len(names) == (2 if kind != "standard" else 4) * paged.interface.num_layers  # + V's scale and zero
+    for name in names:  # the quantized integers (and fp16 scales) are the same bytes; the float cache the same floats
+        if kind != "float":  # up to rounding: the paged float attention sums past and new tokens apart
+            assert np.array_equal(stored[name], expected[name]), name
+        else:
+            np.testing.assert_allclose(stored[name], expected[name], rtol=1e-5, atol=1e-6)
+    assert paged_cache.lengths.tolist() == [14, 14] and [len(b) for b in paged_cache.blocks] == [4, 4]  # ceil(14 / 4)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "float"])
+def test_greedy_answers_through_the_paged_engine_equal_the_padded_engines_batched_and_alone(kind, gqa_pair, float_pair):
+    padded, paged = gqa_pair if kind == "gqa" else float_pair
+    prompts = [[3, 14, 15, 92, 65, 35, 89, 7, 9], [35, 89, 7], [5] * 13]  # left-padded to 13 together
+
+    want = greedy_generate(padded, prompts, max_new_tokens=12)
+    batched, alone = greedy_generate(paged, prompts, max_new_tokens=12), greedy_generate(paged, prompts, 12, batch_size=1)
+
+    assert [len(t) for t in want] == [12, 12, 12] and len({tuple(t) for t in want}) == 3
+    assert batched == want and alone == want
+    assert paged.pool.used_blocks == 0  # every generation's rows gave their blocks back
+
+
+def test_rows_take_blocks_as_they_grow_move_between_caches_and_give_them_back(gqa_pair):
+    _, engine = gqa_pair
+    pool = engine.pool
+    before = pool.used_blocks
+    caches = []
+    for n in (5, 9):  # prefilled alone: 2 and 3 blocks of 4 tokens
+        ids = np.arange(n, dtype=np.int64)[None] % 90
+        caches.append(engine.forward(ids, np.arange(n)[None], np.ones((1, n), np.int64), None)[1])
+    assert pool.used_blocks - before == 5
+
+    merged = engine.concat_caches(caches)  # no padding, no copy: the rows' blocks move
+    assert merged.lengths.tolist() == [5, 9] and caches[0].blocks == [] and pool.used_blocks - before == 5
+    for step in range(3):  # 5 -> 8 tokens: row 0 stays in 2 blocks; 9 -> 12: row 1 too
+        _, merged = engine.forward(np.array([[7], [8]]), merged.lengths[:, None], np.ones((2, 10 + step), np.int64), merged)
+    assert [len(b) for b in merged.blocks] == [2, 3]
+    _, merged = engine.forward(np.array([[7], [8]]), merged.lengths[:, None], np.ones((2, 13), np.int64), merged)
+    assert [len(b) for b in merged.blocks] == [3, 4] and pool.used_blocks - before == 7  # both crossed a block
+
+    short = engine.take_cache_rows(merged, np.array([0]))
+    assert pool.used_blocks - before == 3 and short.lengths.tolist() == [9]
+    del short, merged, caches
+    assert pool.used_blocks == before  # a cache collected gives its rows back
+
+
+def test_a_pool_without_budget_grows_keeping_its_rows_and_one_with_a_budget_refuses():
+    tensors = [PoolTensor("pool_key.0", (2, 4, 3), "uint8")]
+    pool = BlockPool(tensors, None, block_size=4)
+    cache = PagedCache(pool, [[]], np.zeros(1, dtype=np.int64))
+    tokens = pool.capacity * 4 + 5  # past the initial capacity
+    new = (np.arange(tokens * 6, dtype=np.int64) % 251).astype(np.uint8).reshape(1, tokens, 2, 3).transpose(0, 2, 1, 3)
+    cache.append({"pool_key.0": new[:, :, :-5]}, np.ones((1, tokens - 5), dtype=bool))
+    cache.append({"pool_key.0": new[:, :, -5:]}, np.ones((1, 5), dtype=bool))
+    rows = pool.arrays["pool_key.0"][cache.block_table()[0]].transpose(1, 0, 2, 3).reshape(2, -1, 3)  # (nkv, slots, w)
+    assert pool.capacity >= pool.blocks_for(tokens) and np.array_equal(rows[:, :tokens], new[0])
+
+    budget = BlockPool.for_budget(tensors, 4, 3 * tensors[0].block_bytes)
+    assert budget.capacity == 3
+    with pytest.raises(KVBudgetExceeded, match="4 KV blocks needed, 3 of 3 free"):
+        PagedCache(budget, [[]], np.zeros(1, dtype=np.int64)).append({"pool_key.0": new[:, :, :13]}, np.ones((1, 13), bool))
+    assert budget.used_blocks == 0  # refused before any block was taken
+    with pytest.raises(KVBudgetExceeded, match="less than one block"):
+        BlockPool.for_budget(tensors, 4, tensors[0].block_bytes - 1)
+
+
+def test_the_paged_interface_keeps_the_float_contract_and_padded_engines_still_load(gqa_pair, float_pair, tiny_engine):
+    for padded, paged in (gqa_pair, float_pair):
+        iface = paged.interface
+        assert iface.version == PAGED_INTERFACE_VERSION and iface.kv_block_size == BLOCK
+        assert iface.float_interface_hash == read_interface(tiny_engine).interface_hash  # releases bind unchanged
+        assert [n for n in iface.input_names if n.startswith("pool_")] == [f"pool_{k}.{i}" for i in range(2) for k in ("key", "value")]
+        assert iface.output_names[1:] == [f"new_{k}.{i}" for i in range(2) for k in ("key", "value")]
+        assert padded.interface.version in SUPPORTED_VERSIONS and padded.pool is None  # version 3 and 5 serve padded
+    assert "kv_block_size" not in json.loads((tiny_engine / "interface.json").read_text())
+
+
+def test_a_cache_with_sink_tokens_or_pre_rope_keys_is_refused_at_compile(tiny_qwen, tmp_path):
+    with pytest.raises(CompileError, match=r"cannot be paged: sink_tokens=1 \(needs 0\); pre_rope_keys=True"):
+        compile_engine(tiny_qwen, tmp_path / "e", max_rank=8, target_modules=TARGETS, kv_spec=PRE_ROPE_SCHEME.to_dict(),
+                       kv_block_size=16)
+    assert not (tmp_path / "e").exists()
+
+
+# ---------------------------------------------------------------- through the server
+
+
+@pytest.fixture(scope="module")
+def w(tmp_path_factory):
+    return world(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def paged_world_engine(w, tmp_path_factory):
+    """The tiny world's float engine compiled paged: the world's releases bind to it unchanged."""
+    engine_dir = tmp_path_factory.mktemp("paged-world") / "engine"
+    compile_engine(w["base"], engine_dir, max_rank=8, target_modules=TARGETS, ort_threads=1, kv_block_size=BLOCK)
+    return engine_dir
+
+
+def block_bytes(engine_dir) -> int:
+    """Bytes of one block of every layer's K and V: layers x 2 x kv heads x block tokens x head dim x fp32."""
+    iface = read_interface(engine_dir)
+    return iface.num_layers * 2 * iface.num_kv_heads * BLOCK * iface.head_dim * 4
+
+
+def sdk(background) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{background.url}/v1", api_key="unused-by-the-device", max_retries=0, timeout=60)
+
+
+def test_the_openai_sdk_gets_the_padded_engines_answers_from_the_paged_engine(w, paged_world_engine):
+    answers = {}
+    for name, engine in (("padded", None), ("paged", paged_world_engine)):
+        with running_server(w, engine=engine) as (app, background):
+            app.load(w["b"])
+            client = sdk(background)
+            both = client.completions.create(prompt=[PROMPT, OTHER_PROMPT], max_tokens=24, temperature=0, model="2026-11")
+            streamed = list(client.completions.create(model="champion", prompt=PROMPT, max_tokens=24, temperature=0, stream=True))
+            seeded = client.completions.create(model="champion", prompt=OTHER_PROMPT, max_tokens=16, temperature=0.9, seed=3)
+            answers[name] = ([c.text for c in both.choices], "".join(c.choices[0].text for c in streamed if c.choices),
+                             seeded.choices[0].text)
+            assert app.engine.pool is None or app.engine.pool.used_blocks == 0
+    assert answers["paged"] == answers["padded"]
+    assert answers["paged"][0][0] == answers["paged"][1] and answers["paged"][0][0] != answers["paged"][0][1]
+
+
+def test_a_request_the_kv_budget_never_holds_gets_503_with_retry_after(w, paged_world_engine):
+    block = block_bytes(paged_world_engine)
+    with running_server(w, engine=paged_world_engine, kv_budget_bytes=40 * block + block // 2) as (app, background):
+        app.load(w["b"])
+        assert app.engine.pool.capacity == 40 and app.engine.pool.block_bytes == block
+        client = sdk(background)
+        for stream in (False, True):
+            with pytest.raises(openai.APIStatusError) as err:  # 40 blocks hold 160 tokens; this needs 200 + prompt
+                client.completions.create(model="champion", prompt=PROMPT, max_tokens=200, temperature=0, stream=stream)
+            assert err.value.status_code == 503 and err.value.response.headers["retry-after"] == "1"
+            assert err.value.code == "kv_budget_exceeded" and f"budget holds {40 * block}" in err.value.message
+        assert client.completions.create(model="champion", prompt=PROMPT, max_tokens=8, temperature=0).usage.completion_tokens == 8
+
+
+def test_a_request_waits_for_blocks_and_decodes_as_alone_or_gets_503_when_the_wait_is_over(w, paged_world_engine):
+    long = 1000  # decode steps of the first request: far longer than the short wait below
+    with running_server(w, engine=paged_world_engine, max_tokens=long) as (app, background):
+        app.load(w["b"])
+        prompt_tokens = len(app.tokenizer.encode(PROMPT))
+        alone = [sdk(background).completions.create(model="champion", prompt=p, max_tokens=n, temperature=0).choices[0].text
+                 for p, n in ((PROMPT, long), (OTHER_PROMPT, 10))]
+    budget = -(-(prompt_tokens + long - 1) // BLOCK) * block_bytes(paged_world_engine)  # the first request's worst case
+
+    for wait_s, waits in ((60.0, True), (0.2, False)):
+        with running_server(w, engine=paged_world_engine, kv_budget_bytes=budget, kv_wait_s=wait_s,
+                            max_tokens=long) as (app, background):
+            app.load(w["b"])
+            client = sdk(background)
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                first = pool.submit(client.completions.create, model="champion", prompt=PROMPT, max_tokens=long, temperature=0)
+                while app.metrics.value("adapter_generated_tokens_total") < 2:  # the first one holds the blocks
+                    time.sleep(0.01)
+                second = pool.submit(client.completions.create, model="champion", prompt=OTHER_PROMPT, max_tokens=10, temperature=0)
+                assert first.result().choices[0].text == alone[0]
+                if waits:
+                    assert second.result().choices[0].text == alone[1]  # it waited for the first one's blocks
+                else:
+                    with pytest.raises(openai.APIStatusError) as err:
+                        second.result()
+                    assert err.value.status_code == 503 and err.value.code == "kv_budget_exceeded"
+                    assert "waited" in err.value.message
+            assert app.engine.pool.used_blocks == 0
+
+
+def test_serve_refuses_a_kv_budget_for_a_padded_engine_naming_the_flag(w, capsys):
+    code = runtime_main(["serve", "--engine", str(w["engine"]), "--package", str(w["b"]), "--trusted-key",
+                         str(w["trusted_key"]), "--tokenizer", str(w["tokenizer"]), "--kv-budget-mb", "64"])
+    err = capsys.readouterr().err
+    assert code == 2 and "kv_budget_mb (--kv-budget-mb): the engine" in err and "a budget needs a paged engine" in err
