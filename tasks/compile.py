@@ -22,6 +22,7 @@ from runtime.engine.interface import CACHE_KEY_FILE, ENGINE_ONNX, INTERFACE_FILE
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
 from tasks.config import ReleaseConfig, StageError
+from tasks.layout import cache_engine_dir
 
 log = logging.getLogger(__name__)
 
@@ -268,31 +269,33 @@ def compile_profile_engines(cfg: ReleaseConfig) -> dict:
 
     With ``engine.kv_cache: quantized`` the engine with the ``kv`` section's quantized cache is
     built too (``layout.kv_engine_dir``; its scales are runtime inputs, so it is month-independent
-    like the float one). With ``engine.weights`` int8/int4 the serving engine is also copied with
-    quantized weights into ``layout.serving_engine_dir`` (reused likewise). Adapters take the same
-    LoRA inputs on all of them.
+    like the float one). With ``engine.kv_block_size`` N > 0 the serving cache's paged form is built
+    besides (``tasks.layout.cache_engine_dir``: ``kv-pagedN`` or ``pagedN``, interface version 6); the
+    padded engines stay, as the benchmarks and the KV checks read them. With ``engine.weights`` int8/int4
+    the serving engine is also copied with quantized weights into ``layout.serving_engine_dir`` (reused
+    likewise). Adapters take the same LoRA inputs on all of them.
     """
     layout = cfg.layout
-    metrics = compile_engine(
-        Path(cfg.base_model.path),
-        layout.engine_dir,
-        cfg.engine.max_rank,
-        cfg.engine.target_modules,
-        cfg.engine.opset,
-        cfg.engine.threads,
-        None,
-    )
+    model_dir = Path(cfg.base_model.path)
+    common = (cfg.engine.max_rank, cfg.engine.target_modules, cfg.engine.opset, cfg.engine.threads, None)
+    metrics = compile_engine(model_dir, layout.engine_dir, *common)
     source = layout.engine_dir
+    kv_spec, attention = None, "standard"
     if cfg.engine.kv_cache == "quantized":
         spec = cfg.kv.spec()
-        attention = cfg.engine.kv_attention(spec)
-        kv = compile_engine(Path(cfg.base_model.path), layout.kv_engine_dir, cfg.engine.max_rank,
-                            cfg.engine.target_modules, cfg.engine.opset, cfg.engine.threads, None,
-                            kv_spec=spec.to_dict(), kv_attention=attention)
+        kv_spec, attention = spec.to_dict(), cfg.engine.kv_attention(spec)
+        kv = compile_engine(model_dir, layout.kv_engine_dir, *common, kv_spec=kv_spec, kv_attention=attention)
         metrics |= {"kv_engine": {"dir": str(layout.kv_engine_dir), "attention": attention, "spec": spec.name,
                                   "engine_builds": kv["engine_builds"], "interface_hash": kv["interface_hash"]}}
         metrics["engine_builds"] += kv["engine_builds"]
         source = layout.kv_engine_dir
+    if cfg.engine.kv_block_size:
+        source = cache_engine_dir(cfg.engine)
+        paged = compile_engine(model_dir, source, *common, kv_spec=kv_spec, kv_attention=attention,
+                               kv_block_size=cfg.engine.kv_block_size)
+        metrics |= {"paged_engine": {"dir": str(source), "kv_block_size": cfg.engine.kv_block_size,
+                                     "engine_builds": paged["engine_builds"], "interface_hash": paged["interface_hash"]}}
+        metrics["engine_builds"] += paged["engine_builds"]
     if cfg.engine.weights != "fp32":
         from tasks.weight_engines import ensure_quantized_engine
 

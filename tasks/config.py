@@ -21,9 +21,13 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kernels.kv_spec import Granularity, KVQuantSpec
+from runtime.engine.interface import paged_problems
 from runtime.release.contract import DEFAULT_PRODUCT, check_product
 from tasks.layout import BASE_MODEL_STAGE_DIR, ArtifactLayout
 
+# engine.kv_block_size, when paged: vLLM's blocks are 8 to 32 tokens (16 measured here, docs/paged-kv.md); a
+# row wastes less than one block, and smaller blocks mean a longer block table and more writes per step.
+MIN_KV_BLOCK_SIZE, MAX_KV_BLOCK_SIZE = 8, 256
 MONTH_PATTERN = re.compile(r"^\d{4}-(0[1-9]|1[0-2])$")
 DEFAULT_PARAMS = Path("params.yaml")
 
@@ -158,6 +162,11 @@ class EngineConfig(_Section):
     weights: Literal["fp32", "int8", "int4"] = "fp32"
     weight_block_size: int = Field(128, ge=16, le=4096)
     kv_cache: Literal["float", "quantized"] = "quantized"
+    # Tokens per block of the serving engine's paged KV cache (engine interface version 6, docs/paged-kv.md):
+    # rows hold only the blocks they fill instead of a cache as long as the batch's longest row.
+    # 0 = the padded cache. The default stays 0 for now: switching it rebuilds every cached serving engine
+    # and moves the release suite onto the paged engine, a decision left to the next release.
+    kv_block_size: int = Field(0, ge=0)
 
     def weights_format(self) -> str:
         """How quantized weights are written for the backend (``tasks.weight_graph.WEIGHT_FORMATS``):
@@ -179,6 +188,14 @@ class EngineConfig(_Section):
             raise ValueError(f"must be a power of two (MatMulNBits), got {v}")
         return v
 
+    @field_validator("kv_block_size")
+    @classmethod
+    def _kv_block_is_a_power_of_two(cls, v: int) -> int:
+        if v and (v & (v - 1) or not MIN_KV_BLOCK_SIZE <= v <= MAX_KV_BLOCK_SIZE):
+            raise ValueError(f"must be 0 (the padded cache) or a power of two from {MIN_KV_BLOCK_SIZE} to "
+                             f"{MAX_KV_BLOCK_SIZE} (tokens per block of the paged cache), got {v}")
+        return v
+
     @model_validator(mode="after")
     def _weights_need_a_compiled_backend(self) -> "EngineConfig":
         # The eager reference loads the float checkpoint: it would silently run float weights.
@@ -187,6 +204,9 @@ class EngineConfig(_Section):
         if self.kv_cache == "quantized" and self.backend != "onnxruntime":
             raise ValueError(f"kv_cache quantized runs on backend onnxruntime only, not {self.backend} "
                              "(its runtime does not bind KV scales yet): set engine.kv_cache: float")
+        if self.kv_block_size and self.backend != "onnxruntime":
+            raise ValueError(f"kv_block_size {self.kv_block_size} (a paged cache) runs on backend onnxruntime only, "
+                             f"not {self.backend}: set engine.kv_block_size: 0")
         return self
 
 
@@ -296,6 +316,16 @@ class ReleaseConfig(_Section):
         if self.engine.kv_cache == "quantized" and self.kv.window_tokens:
             raise ValueError(f"engine.kv_cache quantized: kv.window_tokens ({self.kv.window_tokens}) must be 0, "
                              "the engine's cache has no fp16 window")
+        return self
+
+    @model_validator(mode="after")
+    def _paged_cache_is_pageable(self) -> "ReleaseConfig":
+        # What the compile stage would refuse after the month's training, refused before it.
+        if self.engine.kv_block_size and self.engine.kv_cache == "quantized":
+            problems = paged_problems(self.kv.spec().to_dict(), self.engine.kv_block_size)
+            if problems:
+                raise ValueError(f"engine.kv_block_size {self.engine.kv_block_size}: the quantized cache cannot be "
+                                 "paged with " + "; ".join("kv." + p for p in problems) + " (or set engine.kv_block_size: 0)")
         return self
 
     @model_validator(mode="after")

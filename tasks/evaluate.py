@@ -153,6 +153,7 @@ def _score_on_engine(
     parity["backend"] = engine_cfg.backend
     parity["weights"] = engine_cfg.weights
     parity["kv_cache"] = engine_cfg.kv_cache
+    parity["kv_block_size"] = engine_cfg.kv_block_size  # 0: the padded cache
     parity |= kv_parity
     parity["interface_hash"] = engine.interface.interface_hash
     report = accuracy_report(test, on_engine)

@@ -8,6 +8,7 @@ holds the two together). Paths are relative to the project root, as DVC runs the
     <data.dir>/<month>/              the data stage: train/val/calib/test.jsonl, held-out text
     <engine.dir>/                    the compile stage: the float engine of the backbone, and inside it
         kv/                          the engine with the quantized KV cache (engine.kv_cache: quantized)
+        kv-paged16/, paged16/        the serving engine with a paged KV cache (engine.kv_block_size: 16)
         kv-int8/, int8-qdq_fp16/...  weight-quantized copies of the serving engine (engine.weights)
     <train.output_dir>/engine_build.json   what the compile stage built (not per month: the engine is not)
     <train.output_dir>/<month>/
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 BASE_MODEL_STAGE_DIR = "models/base"
 ENGINE_BUILD_FILE = "engine_build.json"
 KV_ENGINE = "kv"  # the quantized-KV engine's folder inside the float engine's
+PAGED_ENGINE = "paged"  # + engine.kv_block_size: a paged-cache engine's folder (``paged16``, ``kv-paged16``)
 FINETUNE, KV, EVAL, GATES, PACKAGE = "finetune", "kv", "eval", "gates", "package"  # a month's stage folders
 ADAPTER_DIR = "adapter"  # in finetune/
 METRICS_FILE = "metrics.json"  # in eval/
@@ -44,11 +46,23 @@ GATES_FILE = "gates.json"  # in gates/
 RELEASE_DIR, CHECK_FILE = "release", "check.json"  # in package/
 
 
+def cache_engine_dir(engine: EngineConfig) -> Path:
+    """The engine with the configured KV cache and float weights: the float engine, its quantized-KV variant
+    (``kv``), or the paged form of either (``paged16``, ``kv-paged16``: blocks of 16 tokens)."""
+    return _engine_variant(engine, with_weights=False)
+
+
 def serving_engine_dir(engine: EngineConfig) -> Path:
-    """The engine the device runs: the float engine, its quantized-KV variant (``kv``), or a
-    weight-quantized copy of either (``kv-int8``, ``int8``; TensorRT's format appended: ``int8-qdq_fp16``)."""
+    """The engine the device runs: ``cache_engine_dir``, or a weight-quantized copy of it (``kv-int8``,
+    ``int8``, ``kv-paged16-int8``; TensorRT's format appended: ``int8-qdq_fp16``)."""
+    return _engine_variant(engine, with_weights=True)
+
+
+def _engine_variant(engine: EngineConfig, with_weights: bool) -> Path:
     variant = [KV_ENGINE] if engine.kv_cache == "quantized" else []
-    if engine.weights != "fp32":
+    if engine.kv_block_size:  # each block size its own folder: switching back and forth rebuilds nothing
+        variant.append(f"{PAGED_ENGINE}{engine.kv_block_size}")
+    if with_weights and engine.weights != "fp32":
         variant.append(engine.weights)
         if engine.weights_format() != "matmulnbits":
             variant.append(engine.weights_format())
@@ -61,7 +75,7 @@ class ArtifactLayout:
     output_dir: Path  # <train.output_dir>
     release_dir: Path  # <train.output_dir>/<month>
     engine_dir: Path  # <engine.dir>: the float engine
-    serving_engine_dir: Path  # the engine the device runs (engine.kv_cache, engine.weights)
+    serving_engine_dir: Path  # the engine the device runs (engine.kv_cache, engine.kv_block_size, engine.weights)
     base_model_dir: Path = Path(BASE_MODEL_STAGE_DIR)
 
     @classmethod

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from kernels.weight_quant import pack_codes, quantize_groups
+from runtime.engine.interface import BLOCK_TABLE
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +307,8 @@ def calibrate_activations(onnx_path: str | Path, token_ids: list[list[int]], thr
     statistics belong to the backbone, so one calibration serves every monthly adapter).
 
     Read from the float graph itself (the projections' inputs exposed as extra outputs), so it
-    needs no mapping from graph nodes back to module names. Returns {input name: (K,) float64}.
+    needs no mapping from graph nodes back to module names; a float-cache graph, padded or paged (the
+    prefill reads no past either way). Returns {input name: (K,) float64}.
     """
     import onnx
     import onnxruntime as ort
@@ -328,9 +330,13 @@ def calibrate_activations(onnx_path: str | Path, token_ids: list[list[int]], thr
     opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(Path(onnx_path).parent))
     session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     feeds_fixed = {}
-    for spec in session.get_inputs():
+    for spec in session.get_inputs():  # an empty cache: padded (no past slots) or paged (an empty block table)
         if spec.name.startswith("past_"):
             feeds_fixed[spec.name] = np.zeros((1, spec.shape[1], 0, spec.shape[3]), np.float32)
+        elif spec.name.startswith("pool_"):
+            feeds_fixed[spec.name] = np.zeros((1, *spec.shape[1:]), np.float32)  # one block, read by no row
+        elif spec.name == BLOCK_TABLE:
+            feeds_fixed[spec.name] = np.zeros((1, 0), np.int64)
         elif spec.name.startswith("lora_"):
             feeds_fixed[spec.name] = np.zeros(spec.shape, np.float32)
     sums: dict[str, np.ndarray] = {}

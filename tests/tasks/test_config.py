@@ -58,6 +58,27 @@ def test_weight_block_size_must_be_a_power_of_two_for_matmulnbits():
     assert parse_config({"engine": {"weight_block_size": 32}}).engine.weight_block_size == 32
 
 
+def test_kv_block_size_is_zero_or_a_power_of_two_in_range_naming_the_key():
+    assert ReleaseConfig().engine.kv_block_size == 0  # the padded cache stays the default for now
+    assert parse_config({"engine": {"kv_block_size": 16}}).layout.serving_engine_dir == Path("engine/kv-paged16")
+    for bad in (12, 4, 512):
+        with pytest.raises(ConfigError, match=rf"engine\.kv_block_size: Value error, must be 0 \(the padded cache\) or a "
+                                              rf"power of two from 8 to 256 .*, got {bad}"):
+            parse_config({"engine": {"kv_block_size": bad}})
+    with pytest.raises(ConfigError, match=r"engine\.kv_block_size: Input should be greater than or equal to 0"):
+        parse_config({"engine": {"kv_block_size": -16}})
+
+
+def test_a_paged_cache_needs_onnxruntime_and_a_scheme_without_sink_or_pre_rope_keys():
+    with pytest.raises(ConfigError, match="kv_block_size 16 \\(a paged cache\\) runs on backend onnxruntime only, not tensorrt"):
+        parse_config({"engine": {"backend": "tensorrt", "kv_cache": "float", "kv_block_size": 16}})
+    with pytest.raises(ConfigError, match=r"engine\.kv_block_size 16: the quantized cache cannot be paged with "
+                                          r"kv\.sink_tokens=4 \(needs 0\); kv\.pre_rope_keys=True \(needs False\)"):
+        parse_config({"engine": {"kv_block_size": 16}, "kv": {"sink_tokens": 4, "pre_rope_keys": True, "k_symmetric": False}})
+    # The float cache has no sink: the kv section's scheme is the reference cache's alone
+    assert parse_config({"engine": {"kv_cache": "float", "kv_block_size": 16}, "kv": {"sink_tokens": 4}}).engine.kv_block_size == 16
+
+
 def test_base_month_must_precede_release_month():
     with pytest.raises(ConfigError, match=r"trained_through \(2026-11\) must be before data\.month \(2026-11\)"):
         parse_config({"base_model": {"trained_through": "2026-11"}})

@@ -93,6 +93,9 @@ def test_metrics_and_plots_are_files_of_the_layouts_folders():
     ({"kv_cache": "float"}, "engine"),
     ({"kv_cache": "float", "weights": "int8"}, "engine/int8"),
     ({"kv_cache": "float", "weights": "int4", "backend": "tensorrt"}, "engine/int4-qdq_fp16"),
+    ({"kv_block_size": 16}, "engine/kv-paged16"),
+    ({"kv_block_size": 16, "weights": "int4"}, "engine/kv-paged16-int4"),
+    ({"kv_cache": "float", "kv_block_size": 32}, "engine/paged32"),
 ])
 def test_every_serving_engine_lies_in_the_compile_stages_output(engine, serving):
     # A DVC output must exist after its stage: one folder holds whichever engines the settings build.
