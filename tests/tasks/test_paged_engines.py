@@ -17,7 +17,7 @@ from runtime.engine.interface import BLOCK_TABLE, PAGED_INTERFACE_VERSION, read_
 from runtime.engine.model import load_backbone
 from tasks.base_model import load_tokenizer
 from tasks.compile import compile_profile_engines
-from tasks.config import parse_config
+from tasks.config import parse_config, with_settings
 from tasks.engine_parity import MAX_KV_CODE_MISMATCH, quantized_prefill_parity
 from tasks.evaluate import decode_latency, engine_perplexity
 from tasks.weight_engines import quantize_engine_dir
@@ -28,16 +28,12 @@ PROMPTS = ["inspect board=PCB-0001 verdict:", "inspect board=PCB-0042 line=L3 pa
            "a held-out line of text, 12345 and more text after it to make it the longest prompt of the three"]
 
 
-def release_config(model_dir, engine_dir, **engine):
-    return parse_config({"base_model": {"source": "local", "path": str(model_dir)},
-                         "engine": {"dir": str(engine_dir), "threads": 1} | engine})
-
-
 @pytest.fixture(scope="module")
 def paged_build(tiny_llama_dir, tmp_path_factory):
     """The default (quantized 4-bit GQA) cache with blocks of 16 tokens, as the compile stage builds it:
     (config, the stage's metrics)."""
-    cfg = release_config(tiny_llama_dir, tmp_path_factory.mktemp("paged") / "engine", kv_block_size=16)
+    cfg = parse_config({"base_model": {"source": "local", "path": str(tiny_llama_dir)},
+                        "engine": {"dir": str(tmp_path_factory.mktemp("paged") / "engine"), "threads": 1, "kv_block_size": 16}})
     return cfg, compile_profile_engines(cfg)
 
 
@@ -81,7 +77,7 @@ def test_a_rerun_builds_nothing_and_another_block_size_is_built_beside_it(paged_
     again = compile_profile_engines(cfg)
     assert again["engine_builds"] == 0 and again["paged_engine"]["interface_hash"] == first["paged_engine"]["interface_hash"]
 
-    wider = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"kv_block_size": 32})})
+    wider = with_settings(cfg, {"engine.kv_block_size": 32}, "test")
     metrics = compile_profile_engines(wider)
 
     assert metrics["engine_builds"] == 1 and metrics["paged_engine"]["dir"] == str(cfg.layout.engine_dir / "kv-paged32")
@@ -125,8 +121,8 @@ def test_the_evaluate_checks_run_on_the_paged_engine_as_on_the_padded_one(paged_
 def test_the_weight_quantized_copy_of_a_paged_engine_decodes_as_the_padded_copy(paged_build, release, tiny_llama_dir):
     cfg, _ = paged_build
     lora, scales = release
-    int8 = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"weights": "int8"})})
-    padded_int8 = int8.model_copy(update={"engine": int8.engine.model_copy(update={"kv_block_size": 0})})
+    int8 = with_settings(cfg, {"engine.weights": "int8"}, "test")
+    padded_int8 = with_settings(int8, {"engine.kv_block_size": 0}, "test")
 
     metrics = compile_profile_engines(int8)
     compile_profile_engines(padded_int8)
@@ -143,7 +139,7 @@ def test_the_weight_quantized_copy_of_a_paged_engine_decodes_as_the_padded_copy(
 
 def test_activation_statistics_read_a_paged_float_engine_as_its_padded_one(paged_build, tiny_llama_dir, tmp_path):
     cfg, _ = paged_build
-    float_paged = release_config(tiny_llama_dir, cfg.layout.engine_dir, kv_cache="float", kv_block_size=16)
+    float_paged = with_settings(cfg, {"engine.kv_cache": "float"}, "test")
     assert compile_profile_engines(float_paged)["engine_builds"] == 1  # the float engine is the stage's already
     paged_dir = float_paged.layout.serving_engine_dir
     ids = [[1, 5, 9, 2, 40], [7, 3]]
