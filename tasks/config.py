@@ -25,8 +25,9 @@ from runtime.engine.interface import paged_problems
 from runtime.release.contract import DEFAULT_PRODUCT, check_product
 from tasks.layout import BASE_MODEL_STAGE_DIR, ArtifactLayout
 
-# engine.kv_block_size, when paged: vLLM's blocks are 8 to 32 tokens (16 measured here, docs/paged-kv.md); a
-# row wastes less than one block, and smaller blocks mean a longer block table and more writes per step.
+# engine.kv_block_size, when paged: vLLM's CUDA kernels take 8, 16 or 32 tokens (16 is what docs/paged-kv.md
+# measured). A row wastes less than one block, so past 256 a short row's block is mostly empty; below 8 the
+# block table grows and a step writes into more blocks.
 MIN_KV_BLOCK_SIZE, MAX_KV_BLOCK_SIZE = 8, 256
 MONTH_PATTERN = re.compile(r"^\d{4}-(0[1-9]|1[0-2])$")
 DEFAULT_PARAMS = Path("params.yaml")
@@ -165,7 +166,7 @@ class EngineConfig(_Section):
     # Tokens per block of the serving engine's paged KV cache (engine interface version 6, docs/paged-kv.md):
     # rows hold only the blocks they fill instead of a cache as long as the batch's longest row.
     # 0 = the padded cache. The default stays 0 for now: switching it rebuilds every cached serving engine
-    # and moves the release suite onto the paged engine, a decision left to the next release.
+    # and moves the release suite onto the paged engine, a decision for a change of its own.
     kv_block_size: int = Field(0, ge=0)
 
     def weights_format(self) -> str:
