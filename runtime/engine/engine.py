@@ -7,7 +7,9 @@ Logits always come back as a float32 numpy array (B, T, V).
 A backend that serves continuous batching (``runtime.serve.batcher``; onnxruntime) also merges and splits
 caches along the batch axis: ``merges_caches`` (whether it can), ``concat_caches(caches)`` (rows in
 order, each left-padded along the past axis to the longest, the padding masked by the caller) and
-``take_cache_rows(cache, rows, drop)`` (some rows, without their first ``drop`` past slots).
+``take_cache_rows(cache, rows, drop)`` (some rows, without their first ``drop`` past slots). It also says what a
+cache costs: ``cache_bytes(cache)`` (every slot, padding included) and ``kv_bytes_per_token`` (one row's slot),
+which the server's KV gauges report (``runtime.serve.metrics``).
 """
 
 from __future__ import annotations

@@ -142,6 +142,8 @@ class OrtEngine:
         names = self.interface.input_names
         self._kv_names = [n for n in names if n.startswith("past_") and n != "past_positions"]
         self._sink_names = [n for n in names if n.startswith("sink_")]
+        self.kv_bytes_per_token = self.interface.slot_bytes("past")  # a row's cache grows by this per token
+        self._sink_bytes_per_token = self.interface.slot_bytes("sink")
         self._lora: dict[str, ort.OrtValue] = {}
         self._kv_static: dict[str, ort.OrtValue] = {}  # quantized engines: bound by set_adapter(..., kv_scales)
         self._binding = self.session.io_binding()
@@ -301,6 +303,15 @@ class OrtEngine:
         return PackedCache({n: _ort(take(v.numpy())) for n, v in cache.body.items()},
                            {n: _ort(np.ascontiguousarray(v.numpy()[rows])) for n, v in cache.sink.items()},
                            take(cache.positions, axis=1))
+
+    def cache_bytes(self, cache) -> int:
+        """Bytes ``cache`` holds: rows x past slots x ``kv_bytes_per_token`` (every slot, the padding of rows
+        shorter than the longest included) plus the fp16 sink. From the shapes: nothing is read."""
+        if self.kv_spec is None:
+            rows, _, past, _ = cache[0].shape()
+            return rows * past * self.kv_bytes_per_token
+        rows, _, past, _ = next(iter(cache.body.values())).shape()
+        return rows * (past * self.kv_bytes_per_token + cache.sink_len * self._sink_bytes_per_token)
 
     def cache_to_numpy(self, cache):
         """Float engine: [K.0, V.0, ...]; quantized engine: {input name: array} of body, sink and positions.
