@@ -25,15 +25,17 @@ Loads (``--loads``; ``NAME=L1/L2/...`` adds one): ``8x2048`` (8 clients at 2,048
 ``--max-tokens`` generated tokens: the prompt is that many tokens shorter. Each client is a thread streaming
 one ``/v1/completions`` request through the official ``openai`` SDK, greedy; the prompts are inspection rows cut
 to their exact length by our tokenizer, sent as text to ours and as the same token ids to llama-server.
-``--arrival staggered`` (the default): each client sends once the one before it has its first token, so one
+``--arrival staggered`` (the default): each client sends once the row before it decodes (its first streamed token;
+on ours, whose stream carries a token only once it decodes to text, and the random backbone's ids above the
+tokenizer's vocabulary decode to none, once ``adapter_kv_cache_needed_bytes`` counts that row's prompt), so one
 prompt prefills at a time and every row then decodes together (on both servers a joining prompt costs the rows
 already decoding a step or two, not their whole answer: with 64 tokens the first row still runs when the last
 joins). ``together``: all send at once; ours then prefills them in one forward, whose logits alone are rows x
 prompt x vocabulary floats (8 x 1,984 x 151,936 x 4 B = 9.6 GB at the 0.5B shape).
 
 Per load and server, each server started fresh (its peak is its own): the resident set from
-``/proc/PID/status`` (``VmHWM``, the peak; ``VmRSS`` sampled every ``--sample-s`` seconds, its largest value once
-every row decodes; and when ready, before any request), above ``--rss-limit-gb`` the server is killed and the
+``/proc/PID/status`` (``VmHWM``, the peak; ``VmRSS`` sampled every ``--sample-s`` seconds; when ready, before any
+request; and at the end, every answer done: what it keeps), above ``--rss-limit-gb`` the server is killed and the
 load recorded as over the limit (the machine is shared); KV bytes: ours from its gauges
 (``adapter_kv_cache_bytes``: what the batch's cache holds, padding included; ``adapter_kv_cache_needed_bytes``:
 the rows' real tokens; scraped from ``/metrics`` at every sample, the sample holding the most kept),
@@ -62,6 +64,7 @@ from pathlib import Path
 
 from bench.report import write_report
 from bench.serve_bench import ServerProcess, free_port
+from runtime.engine.interface import read_interface
 from runtime.serve.residents import CHAMPION
 
 RESULTS = Path(__file__).parent / "results" / "device_memory_bench.json"
@@ -73,6 +76,7 @@ RANK = 8  # the adapter's rank, the engine's max_rank
 Q4_0_BLOCK = (32, 18)  # llama.cpp's q4_0: 32 values in 18 bytes (an fp16 scale and 16 bytes of nibbles)
 REQUEST_TIMEOUT_S = 3600.0  # a 0.5B-shape prefill of 8,192 tokens takes minutes on 2 shared cores
 MIXED_ADAPTERS_NOTE = "mixed-adapter batches not built yet"
+POLL_S = 0.25  # a staggered client looks this often whether the row before it decodes
 GB = 1e9
 
 
@@ -201,9 +205,10 @@ class ClientRun:
 
 
 def drive(port: int, prompts: list, runs: list[ClientRun], model: str, max_tokens: int, staggered: bool,
-          extra: dict) -> None:
+          extra: dict, decoding=lambda row: False) -> None:
     """One thread per prompt, each streaming one greedy completion through the openai SDK into its ``runs`` entry;
-    with ``staggered`` each sends once the one before it has its first token (or failed)."""
+    with ``staggered`` each sends once the one before it has its first token (or ended), or ``decoding(row)`` says
+    the server decodes that row (polled every ``POLL_S``)."""
     import openai
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="device-memory-bench", max_retries=0,
@@ -212,7 +217,8 @@ def drive(port: int, prompts: list, runs: list[ClientRun], model: str, max_token
     def one(i: int) -> None:
         run = runs[i]
         if staggered and i:
-            runs[i - 1].started.wait()
+            while not runs[i - 1].started.wait(POLL_S) and not decoding(i - 1):
+                pass
         run.sent = time.perf_counter()
         try:
             stream = client.completions.create(model=model, prompt=prompts[i], max_tokens=max_tokens, temperature=0,
@@ -314,9 +320,6 @@ class MemoryWatch:
         self._stop.set()
         self._thread.join()
 
-    def max_rss_after(self, t: float | None) -> int | None:
-        after = [rss for at, rss in self.samples if t is not None and at >= t]
-        return max(after) if after else None
 
 
 # ---------------------------------------------------------------- one load on one server
@@ -359,10 +362,14 @@ def measure_load(server_name: str, load: str, contexts: tuple[int, ...], texts: 
     memory, stop it; its resident set, KV bytes, tokens and errors."""
     label = f"{server_name} {load}"
     progress(f"[{label}] starting the server ...")
+    decoding = lambda row: False  # noqa: E731
     if server_name == "ours":
         server = our_server(world, contexts, args.max_tokens, args.threads, work, label)
         bodies, model, extra = texts, CHAMPION, {}
         kv = lambda: our_kv_gauges(server.port)  # noqa: E731
+        per_token = read_interface(world["engine"]).slot_bytes("past")
+        # the rows up to ``row`` joined the batch: its gauge counts at least their prompts
+        decoding = lambda row: kv()[1] >= per_token * sum(map(len, prompts[: row + 1]))  # noqa: E731
     else:
         server = llama_server(binary, files, contexts, args.threads, work, label)
         bodies, model, extra, kv = prompts, "q4_0", {"cache_prompt": False}, None
@@ -371,20 +378,21 @@ def measure_load(server_name: str, load: str, contexts: tuple[int, ...], texts: 
     watch = MemoryWatch(label, server, args.sample_s, args.rss_limit_gb * GB, args.report_s, kv, runs)
     t0 = time.perf_counter()
     try:
-        drive(server.port, bodies, runs, model, args.max_tokens, args.arrival == "staggered", extra)
+        drive(server.port, bodies, runs, model, args.max_tokens, args.arrival == "staggered", extra, decoding)
         wall = time.perf_counter() - t0
-        peak = proc_status(server.proc.pid)["VmHWM"] if server.proc.poll() is None else None
+        end = proc_status(server.proc.pid) if server.proc.poll() is None else {}
     finally:
         watch.stop()
         exit_code = server.stop()
-    all_in = max((r.first for r in runs), default=None) if all(r.first for r in runs) else None
     tokens = sum(r.completion_tokens for r in runs if r.error is None)
+    peak = end.get("VmHWM")
     out = {"clients": len(contexts), "contexts": list(contexts), "prompt_tokens": [len(p) for p in prompts],
-           "ready_rss_bytes": ready["VmRSS"], "peak_rss_bytes": peak, "decode_rss_bytes": watch.max_rss_after(all_in),
+           "ready_rss_bytes": ready["VmRSS"], "peak_rss_bytes": peak, "end_rss_bytes": end.get("VmRSS"),
            "max_sampled_rss_bytes": max((s for _, s in watch.samples), default=None),
            "over_rss_limit_at_s": watch.over_limit_at, "errors": sum(r.error is not None for r in runs),
            "error_examples": [r.error for r in runs if r.error][:3], "completion_tokens": tokens,
            "wall_s": round(wall, 2), "tokens_per_s": tokens / wall if wall else None,
+           "sent_s": [round(r.sent - t0, 2) for r in runs],
            "first_token_s": [None if r.first is None else round(r.first - t0, 2) for r in runs],
            "exit_code": exit_code, "log": str(server.log)}
     finished = [len(p) + r.completion_tokens for p, r in zip(prompts, runs) if r.error is None]
@@ -410,7 +418,6 @@ def measure_load(server_name: str, load: str, contexts: tuple[int, ...], texts: 
 def measure(world: dict, loads: dict, servers: list[str], args, work: Path, checkpoint=lambda result: None) -> dict:
     """Each load on each server in turn (llama-server's binary looked for at its turn: a build may finish
     meanwhile); ``checkpoint(result)`` after each, so a run cut short keeps what it measured."""
-    from runtime.engine.interface import read_interface
     from runtime.engine.tokenizer import DeviceTokenizer
 
     tokenizer = DeviceTokenizer(world["tokenizer"])
@@ -490,7 +497,7 @@ def print_table(result: dict) -> None:
     print(f"\nshape {result['shape']} ({d['num_hidden_layers']} layers, hidden {d['hidden_size']}, vocabulary "
           f"{d['vocab_size']}); {result['threads']} threads; {result['max_tokens']} tokens generated per client; "
           f"{result['arrival']} arrival")
-    print(f"{'load':<10} {'server':<6} {'ready':>9} {'peak RSS':>9} {'decoding':>9} {'KV alloc':>10} {'KV needed':>10} "
+    print(f"{'load':<10} {'server':<6} {'ready':>9} {'peak RSS':>9} {'at end':>9} {'KV alloc':>10} {'KV needed':>10} "
           f"{'ratio':>6} {'tok/s':>7} {'errors':>6}")
     for load, by in result["loads"].items():
         for name, r in by.items():
@@ -498,7 +505,7 @@ def print_table(result: dict) -> None:
             limit = f"  (killed over {result['rss_limit_gb']} GB at {r['over_rss_limit_at_s']:.0f} s)" \
                 if r["over_rss_limit_at_s"] is not None else ""
             print(f"{load:<10} {name:<6} {fmt_gb(r['ready_rss_bytes']):>9} {fmt_gb(r['peak_rss_bytes']):>9} "
-                  f"{fmt_gb(r['decode_rss_bytes']):>9} {fmt_mb(r['kv_allocated_bytes']):>10} "
+                  f"{fmt_gb(r['end_rss_bytes']):>9} {fmt_mb(r['kv_allocated_bytes']):>10} "
                   f"{fmt_mb(r['kv_needed_bytes']):>10} {'-' if ratio is None else f'{ratio:.2f}':>6} "
                   f"{r['tokens_per_s'] or 0:>7.1f} {r['errors']:>6}{limit}")
     print("headline: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"

@@ -297,8 +297,8 @@ def device_memory_figures(p: dict) -> list[tuple]:
             name = "ours (int4, 4-bit KV)" if server == "ours" else "llama-server (Q4_0, q4_0 KV)"
             killed = f"; killed over {p['rss_limit_gb']:g} GB" if r["over_rss_limit_at_s"] is not None else ""
             rows.append((f"{shape}, {load} ({p['arrival']} arrival, {p['max_tokens']} tokens each): {name} peak resident set",
-                         r["peak_rss_bytes"], f"{gb(r['peak_rss_bytes'])} (ready {gb(r['ready_rss_bytes'])}, decoding "
-                         f"{gb(r['decode_rss_bytes'])}; {r['errors']} errors{killed})"))
+                         r["peak_rss_bytes"], f"{gb(r['peak_rss_bytes'])} (ready {gb(r['ready_rss_bytes'])}, at the end "
+                         f"{gb(r['end_rss_bytes'])}; {r['errors']} errors{killed})"))
             ratio = r["kv_allocated_over_needed"]
             rows.append((f"{shape}, {load}: {name} KV bytes allocated / needed", ratio,
                          f"{'-' if ratio is None else f'{ratio:.2f}x'} ({mb(r['kv_allocated_bytes'])} / "

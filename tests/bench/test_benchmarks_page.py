@@ -103,7 +103,7 @@ def test_a_benchmark_not_run_again_keeps_the_section_the_page_had(tmp_path):
 
 
 def test_device_memory_figures_give_each_servers_peak_and_kv_bytes(tmp_path):
-    run = {"ready_rss_bytes": 1.0e9, "peak_rss_bytes": 4.5e9, "decode_rss_bytes": 4.0e9, "errors": 0,
+    run = {"ready_rss_bytes": 1.0e9, "peak_rss_bytes": 4.5e9, "end_rss_bytes": 4.0e9, "errors": 0,
            "over_rss_limit_at_s": None, "kv_allocated_bytes": 50.0e6, "kv_needed_bytes": 25.0e6,
            "kv_allocated_over_needed": 2.0}
     payload = {"shape": "0.5b", "dims": {"num_hidden_layers": 24, "hidden_size": 896, "vocab_size": 151936},
@@ -115,7 +115,7 @@ def test_device_memory_figures_give_each_servers_peak_and_kv_bytes(tmp_path):
     (tmp_path / "device_memory_bench.json").write_text(json.dumps(payload))
     page = render_page(tmp_path)
     assert "mixed (staggered arrival, 64 tokens each): ours (int4, 4-bit KV) peak resident set | 4.50 GB (ready 1.00 GB, " \
-           "decoding 4.00 GB; 0 errors)" in page
+           "at the end 4.00 GB; 0 errors)" in page
     assert "llama-server (Q4_0, q4_0 KV) peak resident set | 0.90 GB" in page
     assert "ours (int4, 4-bit KV) KV bytes allocated / needed | 2.00x (50.0 MB / 25.0 MB)" in page
     assert "| mixed_adapters_vs_one | not measured: mixed-adapter batches not built yet |" in page
