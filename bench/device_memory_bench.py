@@ -39,8 +39,8 @@ request; and at the end, every answer done: what it keeps), above ``--rss-limit-
 load recorded as over the limit (the machine is shared); KV bytes: ours from its gauges
 (``adapter_kv_cache_bytes``: what the batch's cache holds, padding included; ``adapter_kv_cache_needed_bytes``:
 the rows' real tokens; scraped from ``/metrics`` at every sample, the sample holding the most kept),
-llama-server's from its log (the cache it allocates at start, ``llama_kv_cache: size = ...``) against its rows'
-tokens x its bytes per token (q4_0: 18 bytes per 32 values); tokens and tokens/s (information: 2 shared cores).
+llama-server's from its log (the cells it allocates at start: slots x their context) against its rows' tokens,
+both x its bytes per token (q4_0: 18 bytes per 32 values); tokens and tokens/s (information: 2 shared cores).
 
 Writes ``bench/results/device_memory_bench.json`` with, among the rest, ``kv_allocated_over_needed`` (ours,
 mixed lengths; issue 27's target <= 1.1), ``rss_vs_llama_server`` (ours over llama-server's peak, 8 x 2,048;
@@ -347,13 +347,20 @@ def llama_server(binary: Path, files: dict, contexts: tuple[int, ...], threads: 
     return ServerProcess(label, cmd, work / f"{label.replace(' ', '-')}.log", port=port, ready="/health")
 
 
-LLAMA_KV_LINE = re.compile(r"llama_kv_cache\w*: size = +([\d.]+) MiB \( *(\d+) cells")
+# llama-server's start-up line naming its slots; its KV cache is one buffer of n_ctx_slot cells per slot (one shared
+# by all with kv_unified). llama.cpp's own ``llama_kv_cache: size = ...`` line is not printed at the server's
+# default verbosity.
+LLAMA_SLOTS_LINE = re.compile(r"n_slots = (\d+), n_ctx_slot = (\d+), kv_unified = '(\w+)'")
 
 
-def llama_kv_allocated(log: Path) -> tuple[int, int] | None:
+def llama_kv_allocated(log: Path, per_token: int) -> tuple[int, int] | None:
     """(bytes, cells) of the KV cache llama-server allocated at start, from its log; None if not found."""
-    found = LLAMA_KV_LINE.findall(log.read_text(errors="replace"))
-    return (round(sum(float(mib) for mib, _ in found) * 2**20), sum(int(c) for _, c in found)) if found else None
+    found = LLAMA_SLOTS_LINE.search(log.read_text(errors="replace"))
+    if found is None:
+        return None
+    slots, per_slot, unified = int(found[1]), int(found[2]), found[3] == "true"
+    cells = per_slot if unified else slots * per_slot
+    return cells * per_token, cells
 
 
 def measure_load(server_name: str, load: str, contexts: tuple[int, ...], texts: list[str], prompts: list[list[int]],
@@ -402,12 +409,13 @@ def measure_load(server_name: str, load: str, contexts: tuple[int, ...], texts: 
                 "kv_allocated_over_needed": held / needed if needed else None,
                 "kv_reading": "adapter_kv_cache_bytes / adapter_kv_cache_needed_bytes at the sample holding the most"}
     else:
-        allocated = llama_kv_allocated(server.log)
-        needed = sum(finished) * llama_kv_bytes_per_token(shape_dims(world))
+        per_token = llama_kv_bytes_per_token(shape_dims(world))
+        allocated = llama_kv_allocated(server.log, per_token)
+        needed = sum(finished) * per_token
         out |= {"kv_allocated_bytes": allocated and allocated[0], "kv_cells": allocated and allocated[1],
                 "kv_needed_bytes": needed,
                 "kv_allocated_over_needed": allocated[0] / needed if allocated and needed else None,
-                "kv_reading": "the cache allocated at start (its log) / the rows' final tokens x q4_0 bytes per token"}
+                "kv_reading": "its slots' cells at start (its log) / the rows' final tokens, both x q4_0 bytes per token"}
     progress(f"[{label}] done in {wall:.0f} s: peak RSS {fmt_gb(peak)}, KV {fmt_mb(out['kv_allocated_bytes'])} "
              f"allocated / {fmt_mb(out['kv_needed_bytes'])} needed, {out['errors']} errors")
     return out

@@ -43,6 +43,16 @@ def test_llama_cpps_q4_0_cache_costs_18_bytes_per_32_values():
     assert bench.llama_kv_bytes_per_token(dims) == 24 * 2 * (2 * 64) // 32 * 18  # 3,456 at the 0.5B shape
 
 
+def test_llama_servers_kv_cells_are_its_slots_times_their_context_from_its_log(tmp_path):
+    log = tmp_path / "llama-server.log"
+    log.write_text("0.01.932.397 I srv    load_model: initializing, n_slots = 8, n_ctx_slot = 1024, kv_unified = 'false'\n")
+    assert bench.llama_kv_allocated(log, 3456) == (8 * 1024 * 3456, 8 * 1024)
+    log.write_text("0.01.9 I srv    load_model: initializing, n_slots = 4, n_ctx_slot = 4096, kv_unified = 'true'\n")
+    assert bench.llama_kv_allocated(log, 3456) == (4096 * 3456, 4096)  # one buffer every slot shares
+    log.write_text("0.00.004 I srv    load_model: loading model 'model-q4_0.gguf'\n")
+    assert bench.llama_kv_allocated(log, 3456) is None
+
+
 def test_a_mixed_length_load_reads_the_servers_resident_set_and_kv_bytes(world, tmp_path, capsys):
     args = argparse.Namespace(shape="tiny", max_tokens=16, threads=1, arrival="staggered", rss_limit_gb=8.0,
                               sample_s=0.005, report_s=0.05, llama_server=None, llama_cpp_src=None)
