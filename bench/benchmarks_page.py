@@ -9,7 +9,8 @@ averages at both. For each benchmark the newest stamped file (its default ``benc
 or ``bench.run_all``'s ``bench/results/latest/<name>.json``) gives one row per figure, and every row
 names the command, the date and the load. The figures are ``bench.run_all.FIGURES``'; a benchmark
 without a figure list there shows the numbers of its JSON by key. A JSON without the stamp (written
-before it existed) is named at the end, not quoted.
+before it existed) is named at the end, not quoted. ``bench/results/`` is not in git: a benchmark whose
+JSON is not there keeps the section the page already had (its figures, command, date and load as they were).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ PAGE = REPO / "docs" / "benchmarks.md"
 RESULTS = REPO / "bench" / "results"
 REPORT_FILES = {"latest.json"}  # bench.run_all's summary of a run, not a benchmark's payload
 MAX_KEYED_ROWS = 60
+UNQUOTED = "Not quoted "  # the page's last paragraph: the JSON files without a stamp
 
 
 def newest_results(results_dir: Path) -> tuple[dict[str, tuple[Path, dict]], list[Path]]:
@@ -73,8 +75,26 @@ def figure_rows(name: str, payload: dict) -> list[tuple[str, str]]:
     return shown
 
 
-def render_page(results_dir: Path) -> str:
+def page_sections(page: str) -> dict[str, list[str]]:
+    """{benchmark: its lines, heading to table} of a page this module wrote."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in page.splitlines():
+        if line.startswith("## "):
+            current = sections.setdefault(line[3:].strip(), [])
+        elif line.startswith(UNQUOTED):
+            current = None
+        if current is not None:
+            current.append(line)
+    return {name: lines[: max(i for i, line in enumerate(lines) if line.strip()) + 1] + [""]
+            for name, lines in sections.items()}
+
+
+def render_page(results_dir: Path, previous: str = "") -> str:
+    """The page from ``results_dir``'s JSON; ``previous`` (the page as it was) gives the sections of the
+    benchmarks without a JSON there."""
     newest, unstamped = newest_results(results_dir)
+    kept = {name: lines for name, lines in page_sections(previous).items() if name not in newest}
     lines = [
         "# Benchmarks",
         "",
@@ -84,9 +104,13 @@ def render_page(results_dir: Path) -> str:
         "before this page was generated: [measuring.md](measuring.md).",
         "",
     ]
-    if not newest:
+    if not newest and not kept:
         lines += ["No benchmark results in `bench/results/` yet: run `make bench`.", ""]
-    for name, (path, payload) in sorted(newest.items()):
+    for name in sorted(newest.keys() | kept.keys()):
+        if name in kept:
+            lines += kept[name]
+            continue
+        path, payload = newest[name]
         stamp = payload[RECORDED]
         shown_path = path.relative_to(REPO) if path.is_relative_to(REPO) else path
         lines += [f"## {name}", "", f"From `{shown_path}`.", "", "| figure | value | command | finished | load average |", "|---|---|---|---|---|"]
@@ -95,7 +119,7 @@ def render_page(results_dir: Path) -> str:
             lines.append("| " + " | ".join((table_cell(figure), table_cell(text), *cells)) + " |")
         lines.append("")
     if unstamped:
-        lines += ["Not quoted (written before benchmarks stamped their command, date and load): "
+        lines += [UNQUOTED + "(written before benchmarks stamped their command, date and load): "
                   + ", ".join(f"`{p.name}`" for p in unstamped), ""]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -105,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--out", type=Path, default=PAGE)
     args = ap.parse_args(argv)
-    args.out.write_text(render_page(args.results))
+    args.out.write_text(render_page(args.results, args.out.read_text() if args.out.is_file() else ""))
     print(f"wrote {args.out}")
     return 0
 

@@ -109,9 +109,11 @@ def make_tiny_adapter(base: Path, out: Path, engine_dir: Path | None = None, r: 
 
 def make_tiny_release(root: Path, base: Path, engine_dir: Path, adapter: Path, month: str, signing_key: Path,
                       now: dt.datetime | None = None, gates_passed: bool = True, expiry_days: int = 120) -> Path:
-    """Calibrate KV scales for ``adapter``, write eval metrics and a gate report, and package it with
-    ``tasks.package.build_release`` into ``root/package``; return the release directory."""
-    from kernels.kv_spec import PRE_ROPE_SCHEME
+    """Calibrate KV scales for ``adapter`` (for the scheme of a quantized-KV engine, which refuses any
+    other), write eval metrics and a gate report, and package it with ``tasks.package.build_release``
+    into ``root/package``; return the release directory."""
+    from kernels.kv_spec import PRE_ROPE_SCHEME, KVQuantSpec
+    from runtime.engine.interface import read_interface
     from tasks.calibrate import calibrate_kv_scales
     from tasks.data import rulebook, sample_examples, write_jsonl
     from tasks.layout import RELEASE_DIR
@@ -121,7 +123,9 @@ def make_tiny_release(root: Path, base: Path, engine_dir: Path, adapter: Path, m
     root.mkdir(parents=True, exist_ok=True)
     calib = root / "calib.jsonl"
     write_jsonl(calib, sample_examples(rulebook(month, 1234, 2), 16, random.Random(0)))
-    calibrate_kv_scales(base, adapter, calib, root / "kv", PRE_ROPE_SCHEME, batch_size=8, engine_dir=engine_dir)
+    engine_spec = read_interface(engine_dir).kv_spec
+    spec = KVQuantSpec.from_dict(engine_spec) if engine_spec else PRE_ROPE_SCHEME
+    calibrate_kv_scales(base, adapter, calib, root / "kv", spec, batch_size=8, engine_dir=engine_dir)
     (root / "metrics.json").write_text(json.dumps({
         "month": month, "base": {"accuracy": 0.5, "accuracy_new": 0.1, "per_rule": {"lifted": 0.5}},
         "adapter": {"accuracy": 0.97, "accuracy_new": 0.96, "accuracy_regression": 0.98, "perplexity": 3.2}}))

@@ -297,6 +297,35 @@ def flow_figures(p: dict) -> list[tuple]:
     return rows
 
 
+def device_memory_figures(p: dict) -> list[tuple]:
+    """Per load and server of ``bench.device_memory_bench``: the peak resident set and the KV bytes, then the headlines."""
+    from bench.device_memory_bench import fmt_gb as gb
+    from bench.device_memory_bench import fmt_mb as mb
+
+    d = p["dims"]
+    shape = f"{p['shape']} shape ({d['num_hidden_layers']} layers, hidden {d['hidden_size']}, vocabulary {d['vocab_size']})"
+    rows = []
+    for load, by in p["loads"].items():
+        for server, r in by.items():
+            name = "ours (int4, 4-bit KV)" if server == "ours" else "llama-server (Q4_0, q4_0 KV)"
+            killed = f"; killed over {p['rss_limit_gb']:g} GB" if r["over_rss_limit_at_s"] is not None else ""
+            rows.append((f"{shape}, {load} ({p['arrival']} arrival, {p['max_tokens']} tokens each): {name} peak resident set",
+                         r["peak_rss_bytes"], f"{gb(r['peak_rss_bytes'])} (ready {gb(r['ready_rss_bytes'])}, at the end "
+                         f"{gb(r['end_rss_bytes'])}; {r['errors']} errors{killed})"))
+            ratio = r["kv_allocated_over_needed"]
+            rows.append((f"{shape}, {load}: {name} KV bytes allocated / needed", ratio,
+                         f"{'-' if ratio is None else f'{ratio:.2f}x'} ({mb(r['kv_allocated_bytes'])} / "
+                         f"{mb(r['kv_needed_bytes'])})"))
+    if p["not_run"]:
+        rows.append(("loads not measured (the run cut short, or the server absent)", len(p["not_run"]),
+                     ", ".join(f"{run} (failed: {p['failed'][run][-200:]})" if run in p["failed"] else run
+                               for run in p["not_run"])))
+    for key in ("kv_allocated_over_needed", "rss_vs_llama_server", "mixed_adapters_vs_one"):
+        v = p[key]
+        rows.append((key, v, f"{v:.2f}x" if v is not None else f"not measured: {p.get(key + '_note', '')}".rstrip(": ")))
+    return rows
+
+
 def gpu_figures(p: dict) -> list[tuple]:
     rows = [("GPU checks passed", p.get("passed"), str(p.get("passed")))]
     for backend, row in p.get("latency_ms", {}).items():
@@ -308,7 +337,8 @@ def gpu_figures(p: dict) -> list[tuple]:
 FIGURES = {"flow_bench": flow_figures, "kv_quality": kv_quality_figures, "hotswap_bench": hotswap_figures,
            "engine_bench": engine_figures, "kv_engine_bench": kv_engine_figures, "paged_kv_bench": paged_kv_figures,
            "weight_quant_bench": weight_quant_figures, "gpu_check": gpu_figures,
-           "real_model_quality": real_model_quality_figures, "real_model_speed": real_model_speed_figures}
+           "real_model_quality": real_model_quality_figures, "real_model_speed": real_model_speed_figures,
+           "device_memory_bench": device_memory_figures}
 
 
 def table_rows(records: list[dict]) -> list[dict]:

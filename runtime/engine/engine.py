@@ -9,7 +9,9 @@ caches along the batch axis: ``merges_caches`` (whether it can), ``concat_caches
 order, each left-padded along the past axis to the longest, the padding masked by the caller) and
 ``take_cache_rows(cache, rows, drop)`` (some rows, without their first ``drop`` past slots). A paged
 engine's cache (``runtime.engine.kv_blocks.PagedCache``) is never padded: both move its rows' blocks and
-consume the caches given, and a step extends the cache it is given.
+consume the caches given, and a step extends the cache it is given. It also says what a cache costs:
+``cache_bytes(cache)`` (every slot, padding included) and ``kv_bytes_per_token`` (one row's slot), which the
+server's KV gauges report (``runtime.serve.metrics``).
 """
 
 from __future__ import annotations

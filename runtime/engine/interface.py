@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kernels.kv_spec import packed_size
 from runtime.engine.errors import RefusedInput
 
@@ -129,6 +131,12 @@ class EngineInterface:
     @property
     def lora_names(self) -> list[str]:
         return lora_input_names(self.num_layers, self.target_modules)
+
+    def slot_bytes(self, axis: str = "past") -> int:
+        """Bytes one row of the cache inputs with the dynamic ``axis`` ("past" or "sink") holds per slot, every
+        layer: their fixed dimensions times their item size (packed K and V, any per-token scales, positions)."""
+        return sum(int(np.prod([a for a in t.shape if isinstance(a, int)])) * np.dtype(t.dtype).itemsize
+                   for t in self.inputs if axis in t.shape)
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -18,7 +18,9 @@ batch. Each turn of the loop:
    step took 60% of the scheduler thread's time at 8 requests on the tiny engine); what later steps
    produce before the loop has run it joins the same hand-over;
 3. drops the rows that finished or whose client left (``close``), and the leading past slots that
-   are then masked in every remaining row (``take_cache_rows``).
+   are then masked in every remaining row (``take_cache_rows``);
+4. sets the KV gauges (``adapter_kv_cache_bytes``: what the caches hold, padding included;
+   ``adapter_kv_cache_needed_bytes``: the rows' real tokens), 0 once no batch runs.
 
 Every row's real slots are the last ``lengths[b]`` of the batch's past, so the past is as long as
 the longest row and a row's next position is its length: it decodes as it would alone, up to float
@@ -189,6 +191,7 @@ class Batcher:
             log.exception("the batch scheduler failed")
             failed = [r.generation for b in self._batches for r in b.rows]
             self._batches = []
+            self._count_kv()
             with self._lock:  # the next submit starts a fresh thread once this one has handed over
                 failed, self._arrivals = failed + self._arrivals, []
                 for g in dict.fromkeys(failed):
@@ -209,7 +212,15 @@ class Batcher:
         for batch in list(self._batches):
             self._step(batch)
             self._hand_over()
+        self._count_kv()
         return True
+
+    def _count_kv(self) -> None:
+        """The KV gauges: bytes the batches' caches hold (every slot) and bytes their rows' real tokens need."""
+        held = sum(b.engine.cache_bytes(b.cache) for b in self._batches)
+        needed = sum(int(b.lengths.sum()) * b.engine.kv_bytes_per_token for b in self._batches)
+        self.metrics.kv_cache_bytes.set(held)
+        self.metrics.kv_cache_needed_bytes.set(needed)
 
     def _fitting(self, arrivals: list[BatchedGeneration]) -> tuple[list[BatchedGeneration], list[BatchedGeneration]]:
         """(the arrivals whose rows fit their release's batch and whose KV worst case fits the pool, in order;

@@ -109,6 +109,11 @@ class ServerMetrics:
             self.unloads.labels(reason)
         self.batch_rows = Histogram(f"{PREFIX}_decode_batch_rows", "Rows decoded together per batched decode step",
                                     buckets=BATCH_ROW_BUCKETS, registry=r)
+        # Set by the batch scheduler after each turn (batched decode; a forked request's cache is its own).
+        self.kv_cache_bytes = Gauge(f"{PREFIX}_kv_cache_bytes", "Bytes the KV caches of the running batches hold now, "
+                                    "every slot allocated (padding included)", registry=r)
+        self.kv_cache_needed_bytes = Gauge(f"{PREFIX}_kv_cache_needed_bytes", "Bytes the running rows' tokens need "
+                                           "in the KV cache now: their real slots only", registry=r)
         self.refusals = Counter(f"{PREFIX}_refusals", "Releases refused, by reason", ["reason"], registry=r)
         self.generation_errors = Counter(f"{PREFIX}_generation_errors", "Generation requests that failed (500), by "
                                          "the release they ran on and its product", ["release_id", "product"], registry=r)

@@ -79,3 +79,45 @@ def test_the_real_model_tables_are_figures_with_their_increase_and_speed_ratio(t
     assert "ours_int4_kv4 decode ms/token, past 512, batch 1 | 12.0 ms (p10 6.000 ms, p95 24.0 ms)" in page
     assert "ours_int4_kv4 / llama_q4_0_kv_q4_0 decode median, past 512 | 1.50x (slower)" in page
     assert "**not readable**" not in page
+
+
+def test_a_benchmark_not_run_again_keeps_the_section_the_page_had(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    kv = kv_engine_payload(2.0) | {"recorded": stamp("python -m bench.kv_engine_bench", "2026-11-01T10:00:00Z", [0.5] * 3, [0.5] * 3)}
+    (first / "kv_engine_bench.json").write_text(json.dumps(kv))
+    (first / "serve_bench.json").write_text(json.dumps({"tokens_per_s": 100.0, "recorded": stamp(
+        "python -m bench.serve_bench", "2026-11-01T11:00:00Z", [1.0] * 3, [1.0] * 3)}))
+    (second / "serve_bench.json").write_text(json.dumps({"tokens_per_s": 250.0, "recorded": stamp(
+        "python -m bench.serve_bench", "2026-12-01T11:00:00Z", [1.0] * 3, [1.0] * 3)}))
+    (second / "scale_bench.json").write_text(json.dumps({"flow_seconds": 1350.0}))  # unstamped: named at the end
+    before = render_page(first)
+
+    page = render_page(second, before)
+
+    kv_section = before[before.index("## kv_engine_bench"):before.index("## serve_bench")]
+    assert kv_section in page and "2.000 ms" in kv_section  # kept as it was: bench/results/ is not in git
+    assert "| tokens_per_s | 250 |" in page and "| tokens_per_s | 100 |" not in page  # the new run replaces the old
+    assert page.index("## kv_engine_bench") < page.index("## serve_bench") < page.index("Not quoted")
+    assert render_page(second, page) == page  # rewriting it again changes nothing
+
+
+def test_device_memory_figures_give_each_servers_peak_and_kv_bytes(tmp_path):
+    run = {"ready_rss_bytes": 1.0e9, "peak_rss_bytes": 4.5e9, "end_rss_bytes": 4.0e9, "errors": 0,
+           "over_rss_limit_at_s": None, "kv_allocated_bytes": 50.0e6, "kv_needed_bytes": 25.0e6,
+           "kv_allocated_over_needed": 2.0}
+    payload = {"shape": "0.5b", "dims": {"num_hidden_layers": 24, "hidden_size": 896, "vocab_size": 151936},
+               "arrival": "staggered", "max_tokens": 64, "rss_limit_gb": 12.0,
+               "loads": {"mixed": {"ours": run, "llama": run | {"peak_rss_bytes": 0.9e9}}}, "not_run": ["8x2048 llama"], "failed": {},
+               "kv_allocated_over_needed": 2.0, "rss_vs_llama_server": None, "rss_vs_llama_server_note": "no llama",
+               "mixed_adapters_vs_one": None, "mixed_adapters_vs_one_note": "mixed-adapter batches not built yet",
+               "recorded": stamp("python -m bench.device_memory_bench", "2026-12-02T07:00:00Z", [2.0] * 3, [2.0] * 3)}
+    (tmp_path / "device_memory_bench.json").write_text(json.dumps(payload))
+    page = render_page(tmp_path)
+    assert "mixed (staggered arrival, 64 tokens each): ours (int4, 4-bit KV) peak resident set | 4.50 GB (ready 1.00 GB, " \
+           "at the end 4.00 GB; 0 errors)" in page
+    assert "llama-server (Q4_0, q4_0 KV) peak resident set | 0.90 GB" in page
+    assert "ours (int4, 4-bit KV) KV bytes allocated / needed | 2.00x (50.0 MB / 25.0 MB)" in page
+    assert "| mixed_adapters_vs_one | not measured: mixed-adapter batches not built yet |" in page
+    assert "| loads not measured (the run cut short, or the server absent) | 8x2048 llama |" in page
+    assert "**not readable**" not in page

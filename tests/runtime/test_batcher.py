@@ -141,6 +141,30 @@ def test_merged_caches_split_back_into_the_caches_they_were(release, tokenizer):
                for a in arrays(merged))  # the padding is zeros
 
 
+def test_a_merged_cache_costs_every_padded_slot_of_its_rows_and_a_paged_one_its_blocks(release, tokenizer):
+    """``cache_bytes`` counts what a cache holds, the zero slots padding its shorter rows included: the bytes of the
+    arrays the graph reads, which are rows x the longest row x ``kv_bytes_per_token`` (2 layers x K and V x 2 KV
+    heads x 16 channels: fp32 or 4-bit packed); a paged cache holds each row's own blocks."""
+    engine = release.handle.fork()
+    caches = []
+    for prompt in (PROMPT, SHORT_PROMPT):
+        ids = np.array([tokenizer.encode(prompt)], dtype=np.int64)
+        caches.append(engine.forward(ids, np.arange(ids.shape[1])[None], np.ones_like(ids), None)[1])
+    long, short = (len(tokenizer.encode(p)) for p in (PROMPT, SHORT_PROMPT))
+    assert engine.kv_bytes_per_token == (2 * 2 * 2 * 16 * 4 if engine.kv_spec is None else 2 * 2 * 2 * 16 // 2)
+
+    merged = engine.concat_caches(caches)
+    if engine.pool is not None:  # no padding: each row holds the blocks its own tokens fill
+        blocks = sum(-(-n // engine.pool.block_size) for n in (long, short))
+        assert engine.cache_bytes(merged) == blocks * engine.pool.block_size * engine.kv_bytes_per_token
+        return
+
+    held = engine.cache_to_numpy(merged)
+    graph_reads = held if isinstance(held, list) else [a for n, a in held.items() if n in engine.interface.input_names]
+    assert engine.cache_bytes(merged) == 2 * long * engine.kv_bytes_per_token
+    assert engine.cache_bytes(merged) == sum(a.nbytes for a in graph_reads)
+
+
 def test_requests_arriving_while_others_decode_get_what_they_get_alone(release, tokenizer):
     """Prompts of different lengths, one request of two prompts, each joining the running batch after
     the previous one decoded 3 tokens, leaving at different steps: each row's tokens are its tokens alone."""

@@ -151,6 +151,8 @@ class OrtEngine:
         names = self.interface.input_names
         self._kv_names = [n for n in names if n.startswith("past_") and n != "past_positions"]
         self._sink_names = [n for n in names if n.startswith("sink_")]
+        self.kv_bytes_per_token = self.interface.slot_bytes("past")  # a row's cache grows by this per token
+        self._sink_bytes_per_token = self.interface.slot_bytes("sink")
         self._lora: dict[str, ort.OrtValue] = {}
         self._kv_static: dict[str, ort.OrtValue] = {}  # quantized engines: bound by set_adapter(..., kv_scales)
         self._binding = self.session.io_binding()
@@ -161,6 +163,7 @@ class OrtEngine:
             self._array_inputs = ("input_ids", "position_ids", "attention_mask", BLOCK_TABLE)
             pools = [PoolTensor(t.name, tuple(t.shape[1:]), t.dtype) for t in self.interface.inputs if t.name.startswith("pool_")]
             self.pool = BlockPool.for_budget(pools, self.interface.kv_block_size, kv_budget_bytes, _ort)
+            self.kv_bytes_per_token = self.pool.block_bytes // self.pool.block_size  # a block holds block_size slots
         elif kv_budget_bytes is not None:
             raise ValueError(f"{engine_dir}: a KV budget needs a paged engine (interface version 6), this one is "
                              f"version {self.interface.version}")
@@ -350,6 +353,18 @@ class OrtEngine:
         return PackedCache({n: _ort(take(v.numpy())) for n, v in cache.body.items()},
                            {n: _ort(np.ascontiguousarray(v.numpy()[rows])) for n, v in cache.sink.items()},
                            take(cache.positions, axis=1))
+
+    def cache_bytes(self, cache) -> int:
+        """Bytes ``cache`` holds: rows x past slots x ``kv_bytes_per_token`` (every slot, the padding of rows
+        shorter than the longest included) plus the fp16 sink; a paged cache: the blocks its rows hold (a row's
+        last block only partly filled). From the shapes: nothing is read."""
+        if isinstance(cache, PagedCache):
+            return sum(len(row) for row in cache.blocks) * self.pool.block_bytes
+        if self.kv_spec is None:
+            rows, _, past, _ = cache[0].shape()
+            return rows * past * self.kv_bytes_per_token
+        rows, _, past, _ = next(iter(cache.body.values())).shape()
+        return rows * (past * self.kv_bytes_per_token + cache.sink_len * self._sink_bytes_per_token)
 
     def cache_to_numpy(self, cache):
         """Float engine: [K.0, V.0, ...]; quantized engine: {input name: array} of body, sink and positions.

@@ -1,0 +1,569 @@
+"""Device memory at the real size: ``serve``'s resident set and KV bytes against llama.cpp's ``llama-server`` (issue 27, item 4).
+
+    python -m bench.device_memory_bench [--shape 0.5b|tiny] [--loads 8x2048,1x8192,mixed] [--servers ours,llama]
+        [--max-tokens 64] [--threads 2] [--arrival staggered|together] [--rss-limit-gb 12] [--workdir DIR]
+        [--llama-server PATH] [--llama-cpp-src SDIST_OR_DIR] [--out bench/results/device_memory_bench.json]
+
+Not in CI nor in ``make bench`` (the 0.5B world takes minutes to build and GBs of memory). The model, built
+once into ``--workdir`` (reused when given; a temporary directory otherwise):
+
+* ``--shape 0.5b``: Qwen2-0.5B's shape with random weights (``bench.scale_bench.build_model``: 24 layers, hidden
+  896, 14 heads, 2 KV heads, intermediate 4864, vocabulary 151,936); ``tiny``: the tiny world's random Qwen2
+  (``bench.hotswap_bench.make_tiny_base``), for the tests;
+* ours: the serving engine the compile stage builds with ``engine.weights: int4`` (the quantized-KV engine of the
+  ``kv`` section's default 4-bit scheme, ``tasks.compile.compile_engine``, then
+  ``tasks.weight_engines.ensure_quantized_engine``), a random rank-8 adapter and its signed release
+  (``bench.hotswap_bench``), served by ``python -m runtime serve`` as a device runs it (a device config for the
+  threads);
+* llama.cpp: the same backbone converted to GGUF F16 and quantized to Q4_0 (``bench.llama_cpp_bench``), the
+  same adapter as a GGUF LoRA, served by ``llama-server -m Q4_0 --lora ADAPTER -ctk q4_0 -ctv q4_0 -fa on
+  --no-repack -np N -c N x LONGEST`` (a quantized V cache needs flash attention; ``--no-repack``: llama.cpp's
+  AMX matmul of repacked Q4_0 weights dies of a general protection fault in this VM, ``bench.llama_cpp_bench``).
+
+Loads (``--loads``; ``NAME=L1/L2/...`` adds one): ``8x2048`` (8 clients at 2,048 tokens of context), ``1x8192``,
+``mixed`` (8 clients: 128, 256, 512, 1,024 tokens, two of each). A client's context is its prompt plus
+``--max-tokens`` generated tokens: the prompt is that many tokens shorter. Each client is a thread streaming
+one ``/v1/completions`` request through the official ``openai`` SDK, greedy; the prompts are inspection rows cut
+to their exact length by our tokenizer, sent as text to ours and as the same token ids to llama-server.
+``--arrival staggered`` (the default): each client sends once the row before it decodes (its first streamed token;
+on ours, whose stream carries a token only once it decodes to text, and the random backbone's ids above the
+tokenizer's vocabulary decode to none, once ``adapter_kv_cache_needed_bytes`` counts that row's prompt), so one
+prompt prefills at a time and every row then decodes together (on both servers a joining prompt costs the rows
+already decoding a step or two, not their whole answer: with 64 tokens the first row still runs when the last
+joins). ``together``: all send at once; ours then prefills them in one forward, whose logits alone are rows x
+prompt x vocabulary floats (8 x 1,984 x 151,936 x 4 B = 9.6 GB at the 0.5B shape).
+
+Per load and server, each server started fresh (its peak is its own): the resident set from
+``/proc/PID/status`` (``VmHWM``, the peak; ``VmRSS`` sampled every ``--sample-s`` seconds; when ready, before any
+request; and at the end, every answer done: what it keeps), above ``--rss-limit-gb`` the server is killed and the
+load recorded as over the limit (the machine is shared); KV bytes: ours from its gauges
+(``adapter_kv_cache_bytes``: what the batch's cache holds, padding included; ``adapter_kv_cache_needed_bytes``:
+the rows' real tokens; scraped from ``/metrics`` at every sample, the sample holding the most kept),
+llama-server's from its log (the cells it allocates at start: slots x their context) against its rows' tokens,
+both x its bytes per token (q4_0: 18 bytes per 32 values); tokens and tokens/s (information: 2 shared cores).
+
+Writes ``bench/results/device_memory_bench.json`` with, among the rest, ``kv_allocated_over_needed`` (ours,
+mixed lengths; issue 27's target <= 1.1), ``rss_vs_llama_server`` (ours over llama-server's peak, 8 x 2,048;
+target <= 1) and ``mixed_adapters_vs_one`` (null until mixed-adapter batches exist).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.report import write_report
+from bench.serve_bench import ServerProcess, free_port
+from runtime.engine.interface import read_interface
+from runtime.serve.residents import CHAMPION
+
+RESULTS = Path(__file__).parent / "results" / "device_memory_bench.json"
+SHAPES = ("0.5b", "tiny")
+LOADS = {"8x2048": (2048,) * 8, "1x8192": (8192,), "mixed": (128, 256, 512, 1024) * 2}
+SERVERS = ("ours", "llama")
+MONTH = "2026-11"
+RANK = 8  # the adapter's rank, the engine's max_rank
+Q4_0_BLOCK = (32, 18)  # llama.cpp's q4_0: 32 values in 18 bytes (an fp16 scale and 16 bytes of nibbles)
+REQUEST_TIMEOUT_S = 3600.0  # a 0.5B-shape prefill of 8,192 tokens takes minutes on 2 shared cores
+MIXED_ADAPTERS_NOTE = "mixed-adapter batches not built yet"
+POLL_S = 0.25  # a staggered client looks this often whether the row before it decodes
+GB = 1e9
+
+
+# ---------------------------------------------------------------- the model, once per work directory
+
+def build_world(shape: str, root: Path, threads: int) -> dict:
+    """The backbone, our int4 / 4-bit-KV serving engine, a rank-8 adapter and its signed release, in ``root``;
+    an earlier build there (``world.json``, written last) is reused."""
+    record = root / "world.json"
+    if record.is_file():
+        return {k: Path(v) for k, v in json.loads(record.read_text()).items()}
+    from bench.hotswap_bench import make_tiny_adapter, make_tiny_base, make_tiny_release
+    from bench.scale_bench import build_model
+    from tasks.compile import compile_engine
+    from tasks.config import EngineConfig, KVConfig
+    from tasks.weight_engines import ensure_quantized_engine
+
+    root.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    progress(f"[world {shape}] the backbone ...")
+    base = make_tiny_base(root / "base") if shape == "tiny" else build_model(root / "base", root)
+    engine_cfg, spec = EngineConfig(weights="int4"), KVConfig().spec()
+    progress(f"[world {shape}] the quantized-KV engine ({spec.name}) ... ({time.perf_counter() - t0:.0f} s)")
+    compile_engine(base, root / "engine-kv", RANK, engine_cfg.target_modules, ort_threads=threads,
+                   kv_spec=spec.to_dict(), kv_attention=engine_cfg.kv_attention(spec))
+    progress(f"[world {shape}] its int4 weights ... ({time.perf_counter() - t0:.0f} s)")
+    engine = root / "engine"
+    ensure_quantized_engine(root / "engine-kv", engine, engine_cfg.weights, engine_cfg.weight_block_size,
+                            engine_cfg.weights_format())
+    progress(f"[world {shape}] an adapter and its release ... ({time.perf_counter() - t0:.0f} s)")
+    adapter = make_tiny_adapter(base, root / "adapter", engine, r=RANK, seed=11)
+    key = root / "keys" / "release_signing.key"
+    release = make_tiny_release(root / "release", base, engine, adapter, MONTH, key)
+    world = {"base": base, "engine": engine, "tokenizer": base, "adapter": adapter, "release": release,
+             "trusted_key": key.with_suffix(".pub")}
+    record.write_text(json.dumps({k: str(v) for k, v in world.items()}, indent=2))
+    progress(f"[world {shape}] built in {time.perf_counter() - t0:.0f} s")
+    return world
+
+
+def llama_files(world: dict, root: Path, src: str | None, threads: int) -> dict:
+    """The backbone as GGUF Q4_0 (F16 by the sdist's converter, then llama.cpp's quantizer) and the adapter as a
+    GGUF LoRA, in ``root``; files already there are reused (each written under another name, then renamed)."""
+    from bench.llama_cpp_bench import (
+        convert_adapter_to_gguf,
+        convert_to_gguf,
+        converter_dir,
+        quantize_gguf,
+        require_llama_cpp,
+    )
+
+    out = root / "gguf"
+    out.mkdir(parents=True, exist_ok=True)
+    model, lora = out / "model-q4_0.gguf", out / "adapter-f32.gguf"
+    if not (model.is_file() and lora.is_file()):
+        llama_cpp, llama_dir = require_llama_cpp(), converter_dir(src)
+        progress("[llama] GGUF F16 -> Q4_0 and the adapter's GGUF LoRA ...")
+        f16 = out / "model-f16.gguf"
+        if not f16.is_file():
+            os.replace(convert_to_gguf(llama_dir, world["base"], out / "model-f16.gguf.part", "f16"), f16)
+        os.replace(quantize_gguf(llama_cpp, f16, out / "model-q4_0.gguf.part", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0,
+                                 threads), model)
+        f16.unlink()
+        os.replace(convert_adapter_to_gguf(llama_dir, world["adapter"], world["base"], out / "adapter-f32.gguf.part"),
+                   lora)
+    return {"model": model, "lora": lora}
+
+
+def shape_dims(world: dict) -> dict:
+    config = json.loads((Path(world["base"]) / "config.json").read_text())
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "vocab_size")
+    return {k: config[k] for k in keys}
+
+
+def llama_kv_bytes_per_token(dims: dict) -> int:
+    """llama.cpp's q4_0 K and V per token, every layer: (KV heads x head dim) values each, 18 bytes per 32."""
+    values = dims["num_key_value_heads"] * dims["hidden_size"] // dims["num_attention_heads"]
+    return dims["num_hidden_layers"] * 2 * values // Q4_0_BLOCK[0] * Q4_0_BLOCK[1]
+
+
+# ---------------------------------------------------------------- the loads
+
+def parse_loads(text: str) -> dict[str, tuple[int, ...]]:
+    """``8x2048,mixed,long=4096/512``: named loads of ``LOADS`` and ``NAME=L1/L2/...`` (one context per client)."""
+    loads = {}
+    for item in filter(None, text.split(",")):
+        name, _, lengths = item.partition("=")
+        if lengths:
+            loads[name] = tuple(int(n) for n in lengths.split("/"))
+        elif name in LOADS:
+            loads[name] = LOADS[name]
+        else:
+            raise SystemExit(f"error: --loads: unknown load {name!r}; known: {', '.join(LOADS)}, or NAME=L1/L2/...")
+    return loads
+
+
+def prompt_text(tokenizer, length: int, row: int) -> str:
+    """A text our tokenizer makes exactly ``length`` ids of (row ``row``'s: inspection rows, rotated and numbered
+    so no two rows share a prefix): sent as text to ours, as its ids to llama-server."""
+    from bench.hotswap_bench import PROMPTS
+
+    k = row % len(PROMPTS)
+    text = f"#{row} " + " ".join(PROMPTS[k:] + PROMPTS[:k])
+    while len(tokenizer.encode(text)) < length + 8:
+        text = f"{text} {text}"
+    text = tokenizer.decode(tokenizer.encode(text)[:length])
+    while len(ids := tokenizer.encode(text)) > length:  # the cut may re-merge into other tokens
+        text = text[:-1]
+    while len(ids) < length:  # single digits are one token each
+        text += "7"
+        ids = tokenizer.encode(text)
+    if len(ids) != length:
+        raise RuntimeError(f"no text of exactly {length} tokens for row {row} (got {len(ids)})")
+    return text
+
+
+@dataclass
+class ClientRun:
+    sent: float = 0.0
+    first: float | None = None
+    done: float = 0.0
+    completion_tokens: int = 0
+    error: str | None = None
+    started: threading.Event = field(default_factory=threading.Event)  # first token (or failure): the next may send
+
+
+def drive(port: int, prompts: list, runs: list[ClientRun], model: str, max_tokens: int, staggered: bool,
+          extra: dict, decoding=lambda row: False) -> None:
+    """One thread per prompt, each streaming one greedy completion through the openai SDK into its ``runs`` entry;
+    with ``staggered`` each sends once the one before it has its first token (or ended), or ``decoding(row)`` says
+    the server decodes that row (polled every ``POLL_S``)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="device-memory-bench", max_retries=0,
+                           timeout=REQUEST_TIMEOUT_S)
+
+    def one(i: int) -> None:
+        run = runs[i]
+        if staggered and i:
+            while not runs[i - 1].started.wait(POLL_S) and not decoding(i - 1):
+                pass
+        run.sent = time.perf_counter()
+        try:
+            stream = client.completions.create(model=model, prompt=prompts[i], max_tokens=max_tokens, temperature=0,
+                                               stream=True, stream_options={"include_usage": True}, extra_body=extra)
+            chunks = 0
+            for chunk in stream:
+                if chunk.choices and run.first is None:
+                    run.first = time.perf_counter()
+                    run.started.set()
+                chunks += bool(chunk.choices)
+                if chunk.usage is not None:
+                    run.completion_tokens = chunk.usage.completion_tokens
+            run.completion_tokens = run.completion_tokens or chunks  # a server without usage: one token a chunk
+        except (openai.OpenAIError, OSError) as err:
+            run.error = f"{type(err).__name__}: {err}"[:300]
+        finally:
+            run.done = time.perf_counter()
+            run.started.set()
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    client.close()
+
+
+# ---------------------------------------------------------------- memory, watched while a load runs
+
+def proc_status(pid: int) -> dict[str, int]:
+    """The ``kB`` lines of ``/proc/PID/status`` (VmRSS, VmHWM, RssAnon, RssFile, ...) in bytes."""
+    out = {}
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            key, _, value = line.partition(":")
+            if value.strip().endswith(" kB"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def our_kv_gauges(port: int) -> tuple[float, float]:
+    """(bytes the batches' KV caches hold, bytes their rows need) from our server's ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return values["adapter_kv_cache_bytes"], values["adapter_kv_cache_needed_bytes"]
+
+
+class MemoryWatch:
+    """Samples a server's ``VmRSS`` (and, given ``kv``, its KV reading) every ``interval`` seconds on a thread, prints
+    progress every ``report_s``, and kills the server (SIGKILL) once its resident set passes ``limit`` bytes."""
+
+    def __init__(self, label: str, server: ServerProcess, interval: float, limit: float, report_s: float, kv,
+                 runs: list[ClientRun]):
+        self.label, self.server, self.interval, self.limit, self.report_s = label, server, interval, limit, report_s
+        self.kv, self.runs = kv, runs
+        self.samples: list[tuple[float, int]] = []  # (time, VmRSS)
+        self.kv_peak: tuple[float, float] = (0.0, 0.0)  # the (held, needed) sample holding the most
+        self.over_limit_at: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self.t0 = time.perf_counter()
+        self._thread.start()
+
+    def _watch(self) -> None:
+        last_report = self.t0
+        while not self._stop.is_set():
+            now = time.perf_counter()
+            try:
+                rss = proc_status(self.server.proc.pid)["VmRSS"]
+            except (OSError, KeyError):  # the process has gone
+                return
+            self.samples.append((now, rss))
+            if self.kv is not None:
+                try:
+                    held, needed = self.kv()
+                    if held >= self.kv_peak[0]:
+                        self.kv_peak = (held, needed)
+                except OSError:
+                    pass
+            if rss > self.limit:
+                self.over_limit_at = now - self.t0
+                progress(f"[{self.label}] resident set {rss / GB:.2f} GB over the limit of {self.limit / GB:.1f} GB: "
+                         "server killed")
+                self.server.proc.send_signal(signal.SIGKILL)
+                return
+            if now - last_report >= self.report_s:
+                last_report = now
+                answering = sum(r.first is not None for r in self.runs)
+                kv = (f", KV held {self.kv_peak[0] / 1e6:.1f} MB / needed {self.kv_peak[1] / 1e6:.1f} MB (peak)"
+                      if self.kv is not None else "")
+                progress(f"[{self.label}] {now - self.t0:.0f} s: {answering}/{len(self.runs)} clients answering, "
+                         f"RSS {rss / GB:.2f} GB (max {max(s for _, s in self.samples) / GB:.2f}){kv}")
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+
+# ---------------------------------------------------------------- one load on one server
+
+def our_server(world: dict, contexts: tuple[int, ...], max_tokens: int, threads: int, work: Path,
+               label: str) -> ServerProcess:
+    """``python -m runtime serve`` on the release, its threads from a device config, as a device runs it."""
+    config = work / "device.json"
+    config.write_text(json.dumps({"trusted_keys": [str(world["trusted_key"])], "engine": str(world["engine"]),
+                                  "tokenizer": str(world["tokenizer"]), "threads": threads}))
+    cmd = [sys.executable, "-m", "runtime", "serve", "--device-config", str(config), "--package", str(world["release"]),
+           "--port", "0", "--max-context-tokens", str(max(contexts)), "--max-tokens", str(max(max_tokens, 256)),
+           "--max-queue", str(max(len(contexts), 16))]
+    return ServerProcess(label, cmd, work / f"{label.replace(' ', '-')}.log")
+
+
+def llama_server(binary: Path, files: dict, contexts: tuple[int, ...], threads: int, work: Path,
+                 label: str) -> ServerProcess:
+    """llama-server with a slot per client, each as long as the longest context (its -c is shared by the slots)."""
+    port = free_port()
+    slot = -(-max(contexts) // 256) * 256  # llama.cpp pads its context to 256 cells
+    cmd = [str(binary), "-m", str(files["model"]), "--lora", str(files["lora"]), "-np", str(len(contexts)), "-cb",
+           "-c", str(slot * len(contexts)), "-ctk", "q4_0", "-ctv", "q4_0", "-fa", "on", "--no-repack",
+           "-t", str(threads), "-tb", str(threads), "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+    return ServerProcess(label, cmd, work / f"{label.replace(' ', '-')}.log", port=port, ready="/health")
+
+
+# llama-server's start-up line naming its slots; its KV cache is one buffer of n_ctx_slot cells per slot (one shared
+# by all with kv_unified). llama.cpp's own ``llama_kv_cache: size = ...`` line is not printed at the server's
+# default verbosity.
+LLAMA_SLOTS_LINE = re.compile(r"n_slots = (\d+), n_ctx_slot = (\d+), kv_unified = '(\w+)'")
+
+
+def llama_kv_allocated(log: Path, per_token: int) -> tuple[int, int] | None:
+    """(bytes, cells) of the KV cache llama-server allocated at start, from its log; None if not found."""
+    found = LLAMA_SLOTS_LINE.search(log.read_text(errors="replace"))
+    if found is None:
+        return None
+    slots, per_slot, unified = int(found[1]), int(found[2]), found[3] == "true"
+    cells = per_slot if unified else slots * per_slot
+    return cells * per_token, cells
+
+
+def measure_load(server_name: str, load: str, contexts: tuple[int, ...], texts: list[str], prompts: list[list[int]],
+                 world: dict, args, work: Path, binary: Path | None = None, files: dict | None = None) -> dict:
+    """Start the server fresh, drive the load (``texts`` to ours, their ids ``prompts`` to llama-server), watch its
+    memory, stop it; its resident set, KV bytes, tokens and errors."""
+    label = f"{server_name} {load}"
+    progress(f"[{label}] starting the server ...")
+    decoding = lambda row: False  # noqa: E731
+    if server_name == "ours":
+        server = our_server(world, contexts, args.max_tokens, args.threads, work, label)
+        bodies, model, extra = texts, CHAMPION, {}
+        kv = lambda: our_kv_gauges(server.port)  # noqa: E731
+        per_token = read_interface(world["engine"]).slot_bytes("past")
+        # the rows up to ``row`` joined the batch: its gauge counts at least their prompts
+        decoding = lambda row: kv()[1] >= per_token * sum(map(len, prompts[: row + 1]))  # noqa: E731
+    else:
+        server = llama_server(binary, files, contexts, args.threads, work, label)
+        bodies, model, extra, kv = prompts, "q4_0", {"cache_prompt": False}, None
+    ready = proc_status(server.proc.pid)
+    runs = [ClientRun() for _ in bodies]
+    watch = MemoryWatch(label, server, args.sample_s, args.rss_limit_gb * GB, args.report_s, kv, runs)
+    t0 = time.perf_counter()
+    try:
+        drive(server.port, bodies, runs, model, args.max_tokens, args.arrival == "staggered", extra, decoding)
+        wall = time.perf_counter() - t0
+        end = proc_status(server.proc.pid) if server.proc.poll() is None else {}
+    finally:
+        watch.stop()
+        exit_code = server.stop()
+    tokens = sum(r.completion_tokens for r in runs if r.error is None)
+    peak = end.get("VmHWM")
+    out = {"clients": len(contexts), "contexts": list(contexts), "prompt_tokens": [len(p) for p in prompts],
+           "ready_rss_bytes": ready["VmRSS"], "peak_rss_bytes": peak, "end_rss_bytes": end.get("VmRSS"),
+           "max_sampled_rss_bytes": max((s for _, s in watch.samples), default=None),
+           "over_rss_limit_at_s": watch.over_limit_at, "errors": sum(r.error is not None for r in runs),
+           "error_examples": [r.error for r in runs if r.error][:3], "completion_tokens": tokens,
+           "wall_s": round(wall, 2), "tokens_per_s": tokens / wall if wall else None,
+           "sent_s": [round(r.sent - t0, 2) for r in runs],
+           "first_token_s": [None if r.first is None else round(r.first - t0, 2) for r in runs],
+           "exit_code": exit_code, "log": str(server.log)}
+    finished = [len(p) + r.completion_tokens for p, r in zip(prompts, runs) if r.error is None]
+    if server_name == "ours":
+        held, needed = watch.kv_peak
+        out |= {"kv_allocated_bytes": held, "kv_needed_bytes": needed,
+                "kv_allocated_over_needed": held / needed if needed else None,
+                "kv_reading": "adapter_kv_cache_bytes / adapter_kv_cache_needed_bytes at the sample holding the most"}
+    else:
+        per_token = llama_kv_bytes_per_token(shape_dims(world))
+        allocated = llama_kv_allocated(server.log, per_token)
+        needed = sum(finished) * per_token
+        out |= {"kv_allocated_bytes": allocated and allocated[0], "kv_cells": allocated and allocated[1],
+                "kv_needed_bytes": needed,
+                "kv_allocated_over_needed": allocated[0] / needed if allocated and needed else None,
+                "kv_reading": "its slots' cells at start (its log) / the rows' final tokens, both x q4_0 bytes per token"}
+    progress(f"[{label}] done in {wall:.0f} s: peak RSS {fmt_gb(peak)}, KV {fmt_mb(out['kv_allocated_bytes'])} "
+             f"allocated / {fmt_mb(out['kv_needed_bytes'])} needed, {out['errors']} errors")
+    return out
+
+
+# ---------------------------------------------------------------- the run
+
+def measure(world: dict, loads: dict, servers: list[str], args, work: Path, checkpoint=lambda result: None) -> dict:
+    """Each load on each server in turn (llama-server's binary looked for at its turn: a build may finish
+    meanwhile); ``checkpoint(result)`` after each, so a run cut short keeps what it measured."""
+    from runtime.engine.tokenizer import DeviceTokenizer
+
+    tokenizer = DeviceTokenizer(world["tokenizer"])
+    iface = read_interface(world["engine"])
+    dims = shape_dims(world)
+    result = {"shape": args.shape, "dims": dims, "threads": args.threads, "max_tokens": args.max_tokens,
+              "arrival": args.arrival, "rss_limit_gb": args.rss_limit_gb,
+              "ours": {"engine": str(world["engine"]), "weights": iface.weights, "kv_spec": iface.kv_spec,
+                       "kv_bytes_per_token": iface.slot_bytes("past")},
+              "loads": {name: {} for name in loads}, "not_run": [f"{load} {name}" for load in loads for name in servers],
+              "failed": {}}
+    if "llama" in servers:
+        result["llama"] = {"weights": "Q4_0", "kv": "q4_0", "flash_attn": "on",
+                           "kv_bytes_per_token": llama_kv_bytes_per_token(dims)}
+    for load, contexts in loads.items():
+        texts = [prompt_text(tokenizer, c - args.max_tokens, i) for i, c in enumerate(contexts)]
+        ids = [tokenizer.encode(t) for t in texts]
+        for name in servers:
+            binary = files = None
+            if name == "llama":
+                binary, reason = llama_binary(args.llama_server)
+                result["llama"] |= {"binary": binary and str(binary), "absent": reason}
+                if binary is None:
+                    progress(f"[llama {load}] skipped: {reason}")
+                    continue
+                files = llama_files(world, work, args.llama_cpp_src, args.threads)
+            try:
+                result["loads"][load][name] = measure_load(name, load, contexts, texts, ids, world, args, work,
+                                                           binary, files)
+            except RuntimeError as err:  # the server did not start: the other runs go on
+                result["failed"][f"{load} {name}"] = str(err)[-2000:]
+                progress(f"[{name} {load}] failed: {str(err)[-500:]}")
+            else:
+                result["not_run"].remove(f"{load} {name}")
+            checkpoint(result)
+    return result
+
+
+def llama_binary(given: str | None) -> tuple[Path | None, str | None]:
+    from bench.serve_bench import llama_server_binary
+
+    try:
+        return llama_server_binary(given), None
+    except SystemExit as err:
+        return None, str(err)
+
+
+def judge(result: dict) -> dict:
+    """The JSON's headline numbers: issue 27's two memory targets, from the numbers as measured."""
+    loads = result["loads"]
+    mixed = loads.get("mixed", {}).get("ours", {})
+    ours, peer = loads.get("8x2048", {}).get("ours", {}), loads.get("8x2048", {}).get("llama", {})
+    rss_ratio = ours["peak_rss_bytes"] / peer["peak_rss_bytes"] if ours.get("peak_rss_bytes") and \
+        peer.get("peak_rss_bytes") else None
+    out = {"kv_allocated_over_needed": mixed.get("kv_allocated_over_needed"),
+           "rss_vs_llama_server": rss_ratio,
+           "mixed_adapters_vs_one": None, "mixed_adapters_vs_one_note": MIXED_ADAPTERS_NOTE}
+    if rss_ratio is None:
+        out["rss_vs_llama_server_note"] = ("not measured: " + (result.get("llama", {}).get("absent") or
+                                                               "no 8x2048 peak of both servers in this run"))
+    out["acceptance"] = {"kv_allocated_over_needed_le_1.1": None if out["kv_allocated_over_needed"] is None
+                         else out["kv_allocated_over_needed"] <= 1.1,
+                         "rss_at_most_llama_server": None if rss_ratio is None else rss_ratio <= 1.0}
+    return out
+
+
+def fmt_gb(n) -> str:
+    return "-" if n is None else f"{n / GB:.2f} GB"
+
+
+def fmt_mb(n) -> str:
+    return "-" if n is None else f"{n / 1e6:.1f} MB"
+
+
+def print_table(result: dict) -> None:
+    d = result["dims"]
+    print(f"\nshape {result['shape']} ({d['num_hidden_layers']} layers, hidden {d['hidden_size']}, vocabulary "
+          f"{d['vocab_size']}); {result['threads']} threads; {result['max_tokens']} tokens generated per client; "
+          f"{result['arrival']} arrival")
+    print(f"{'load':<10} {'server':<6} {'ready':>9} {'peak RSS':>9} {'at end':>9} {'KV alloc':>10} {'KV needed':>10} "
+          f"{'ratio':>6} {'tok/s':>7} {'errors':>6}")
+    for load, by in result["loads"].items():
+        for name, r in by.items():
+            ratio = r["kv_allocated_over_needed"]
+            limit = f"  (killed over {result['rss_limit_gb']} GB at {r['over_rss_limit_at_s']:.0f} s)" \
+                if r["over_rss_limit_at_s"] is not None else ""
+            print(f"{load:<10} {name:<6} {fmt_gb(r['ready_rss_bytes']):>9} {fmt_gb(r['peak_rss_bytes']):>9} "
+                  f"{fmt_gb(r['end_rss_bytes']):>9} {fmt_mb(r['kv_allocated_bytes']):>10} "
+                  f"{fmt_mb(r['kv_needed_bytes']):>10} {'-' if ratio is None else f'{ratio:.2f}':>6} "
+                  f"{r['tokens_per_s'] or 0:>7.1f} {r['errors']:>6}{limit}")
+    print("headline: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                   for k, v in result.items() if k in ("kv_allocated_over_needed", "rss_vs_llama_server",
+                                                                       "mixed_adapters_vs_one")))
+
+
+def progress(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=SHAPES, default="0.5b")
+    ap.add_argument("--loads", default="mixed,8x2048,1x8192", help=f"of {', '.join(LOADS)}, or NAME=L1/L2/... "
+                    "(contexts, one per client)")
+    ap.add_argument("--servers", default=",".join(SERVERS))
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens each client generates (inside its context)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--arrival", choices=("staggered", "together"), default="staggered")
+    ap.add_argument("--rss-limit-gb", type=float, default=12.0, help="a server whose resident set passes this is killed")
+    ap.add_argument("--sample-s", type=float, default=0.25, help="seconds between memory samples")
+    ap.add_argument("--report-s", type=float, default=15.0, help="seconds between progress lines")
+    ap.add_argument("--workdir", type=Path, default=None, help="where the model is built and kept (default: a "
+                    "temporary directory, removed at the end)")
+    ap.add_argument("--llama-server", default=None, help="llama-server binary (default $LLAMA_SERVER, else the "
+                    "`make bench-peer-server` build)")
+    ap.add_argument("--llama-cpp-src", default=None, help="llama-cpp-python sdist or llama.cpp dir (the converters)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    servers = args.servers.split(",")
+    if unknown := sorted(set(servers) - set(SERVERS)):
+        ap.error(f"unknown server(s) {unknown}; known: {', '.join(SERVERS)}")
+    loads = parse_loads(args.loads)
+    if too_short := [c for contexts in loads.values() for c in contexts if c <= args.max_tokens]:
+        ap.error(f"contexts {too_short} leave no prompt beside --max-tokens {args.max_tokens}")
+    before = os.getloadavg()[0]
+
+    def report(result: dict) -> dict:
+        return {"loadavg_1m_before": before, **result, "loadavg_1m_after": os.getloadavg()[0]} | judge(result)
+
+    with tempfile.TemporaryDirectory(prefix="device-memory-") as tmp:
+        work = args.workdir or Path(tmp)
+        world = build_world(args.shape, work / args.shape, args.threads)
+        result = report(measure(world, loads, servers, args, work / args.shape,
+                                lambda partial: write_report(args.out, report(partial))))
+    print_table(result)
+    write_report(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
