@@ -62,15 +62,15 @@ class Client:
 
     def complete(self, payload: dict, stream: bool = False, request_id: str | None = None) -> Answer:
         """POST ``payload`` to /v1/completions and read the answer to its end; never raises for a
-        failure of the server or the connection (the Answer says what happened)."""
+        failure of the server or the connection (the Answer says what happened).
+
+        A kept-alive connection the server closed while it was idle (after its keep-alive timeout) fails
+        when it is next written to or read from, before any byte of an answer: then the request is sent once
+        more on a fresh connection, as urllib3 and httpx do. A failure on a fresh connection is the answer."""
         body = dict(payload, stream=stream) | ({"stream_options": {"include_usage": True}} if stream else {})
         answer = Answer(request_id or uuid.uuid4().hex, time.perf_counter())
         try:
-            if self.conn is None:
-                self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
-            self.conn.request("POST", COMPLETIONS, json.dumps(body),
-                              {"Content-Type": "application/json", REQUEST_ID: answer.request_id})
-            resp = self.conn.getresponse()
+            resp = self._send(body, answer.request_id)
             answer.status, answer.responded = resp.status, True
             if resp.status != 200:
                 answer.error = resp.read().decode("utf-8", "replace")[:500]
@@ -85,6 +85,19 @@ class Client:
             self.close()
         answer.done = time.perf_counter()
         return answer
+
+    def _send(self, body: dict, request_id: str) -> http.client.HTTPResponse:
+        if self.conn is not None:
+            try:
+                return self._post(body, request_id)
+            except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+                self.close()  # closed by the server while idle: once more, on a fresh connection
+        self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        return self._post(body, request_id)
+
+    def _post(self, body: dict, request_id: str) -> http.client.HTTPResponse:
+        self.conn.request("POST", COMPLETIONS, json.dumps(body), {"Content-Type": "application/json", REQUEST_ID: request_id})
+        return self.conn.getresponse()
 
 
 def read_whole(body: dict, answer: Answer) -> None:
