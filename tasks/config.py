@@ -28,7 +28,7 @@ from tasks.layout import BASE_MODEL_STAGE_DIR, ArtifactLayout
 # engine.kv_block_size, when paged: vLLM's CUDA kernels take 8, 16 or 32 tokens (16 is what docs/paged-kv.md
 # measured). A row wastes less than one block, so past 256 a short row's block is mostly empty; below 8 the
 # block table grows and a step writes into more blocks.
-MIN_KV_BLOCK_SIZE, MAX_KV_BLOCK_SIZE = 8, 256
+MIN_KV_BLOCK_SIZE, MAX_KV_BLOCK_SIZE, DEFAULT_KV_BLOCK_SIZE = 8, 256, 16
 MONTH_PATTERN = re.compile(r"^\d{4}-(0[1-9]|1[0-2])$")
 DEFAULT_PARAMS = Path("params.yaml")
 
@@ -165,9 +165,8 @@ class EngineConfig(_Section):
     kv_cache: Literal["float", "quantized"] = "quantized"
     # Tokens per block of the serving engine's paged KV cache (engine interface version 6, docs/paged-kv.md):
     # rows hold only the blocks they fill instead of a cache as long as the batch's longest row.
-    # 0 = the padded cache. The default stays 0 for now: switching it rebuilds every cached serving engine
-    # and moves the release suite onto the paged engine, a decision for a change of its own.
-    kv_block_size: int = Field(0, ge=0)
+    # 0 = the padded cache, which the TensorRT and eager backends and the sink / pre-RoPE schemes need.
+    kv_block_size: int = Field(DEFAULT_KV_BLOCK_SIZE, ge=0)
 
     def weights_format(self) -> str:
         """How quantized weights are written for the backend (``tasks.weight_graph.WEIGHT_FORMATS``):
@@ -202,9 +201,11 @@ class EngineConfig(_Section):
         # The eager reference loads the float checkpoint: it would silently run float weights.
         if self.weights != "fp32" and self.backend == "torch":
             raise ValueError(f"weights {self.weights} needs backend onnxruntime or tensorrt, not torch")
+        # Both of the onnxruntime-only defaults named at once: a user switching backends fixes them in one edit.
+        paged = " and engine.kv_block_size: 0 (the paged cache runs on onnxruntime only too)" if self.kv_block_size else ""
         if self.kv_cache == "quantized" and self.backend != "onnxruntime":
             raise ValueError(f"kv_cache quantized runs on backend onnxruntime only, not {self.backend} "
-                             "(its runtime does not bind KV scales yet): set engine.kv_cache: float")
+                             f"(its runtime does not bind KV scales yet): set engine.kv_cache: float{paged}")
         if self.kv_block_size and self.backend != "onnxruntime":
             raise ValueError(f"kv_block_size {self.kv_block_size} (a paged cache) runs on backend onnxruntime only, "
                              f"not {self.backend}: set engine.kv_block_size: 0")

@@ -59,8 +59,9 @@ def test_weight_block_size_must_be_a_power_of_two_for_matmulnbits():
 
 
 def test_kv_block_size_is_zero_or_a_power_of_two_in_range_naming_the_key():
-    assert ReleaseConfig().engine.kv_block_size == 0  # the padded cache stays the default for now
-    assert parse_config({"engine": {"kv_block_size": 16}}).layout.serving_engine_dir == Path("engine/kv-paged16")
+    assert ReleaseConfig().engine.kv_block_size == 16  # the paged cache is the default
+    assert ReleaseConfig().layout.serving_engine_dir == Path("engine/kv-paged16")
+    assert parse_config({"engine": {"kv_block_size": 0}}).layout.serving_engine_dir == Path("engine/kv")
     for bad in (12, 4, 512):
         with pytest.raises(ConfigError, match=rf"engine\.kv_block_size: Value error, must be 0 \(the padded cache\) or a "
                                               rf"power of two from 8 to 256 .*, got {bad}"):
@@ -111,10 +112,13 @@ def test_a_quantized_kv_engine_needs_onnxruntime_and_calibrated_scales():
     assert ReleaseConfig().engine.kv_attention(ReleaseConfig().kv.spec()) == "gqa"  # the defaults run the fused op
     with pytest.raises(ConfigError, match="kv_cache quantized runs on backend onnxruntime only, not tensorrt"):
         parse_config({"engine": {"backend": "tensorrt"}})
+    with pytest.raises(ConfigError, match="set engine.kv_cache: float and engine.kv_block_size: 0"):
+        parse_config({"engine": {"backend": "tensorrt"}})  # both onnxruntime-only defaults named in one error
     with pytest.raises(ConfigError, match="engine.kv_cache quantized needs kv.enabled"):
         parse_config({"kv": {"enabled": False}})
-    assert parse_config({"engine": {"backend": "tensorrt", "kv_cache": "float"}, "kv": {"enabled": False}}).layout.serving_engine_dir == Path("engine")
-    pre_rope = parse_config({"kv": {"pre_rope_keys": True, "k_symmetric": False}})
+    assert parse_config({"engine": {"backend": "tensorrt", "kv_cache": "float", "kv_block_size": 0},
+                         "kv": {"enabled": False}}).layout.serving_engine_dir == Path("engine")
+    pre_rope = parse_config({"engine": {"kv_block_size": 0}, "kv": {"pre_rope_keys": True, "k_symmetric": False}})
     assert pre_rope.engine.kv_attention(pre_rope.kv.spec()) == "standard" and pre_rope.layout.serving_engine_dir == Path("engine/kv")
 
 
