@@ -232,12 +232,14 @@ def package_size(project: Path, cfg, model_dir: Path) -> dict:
 # ---------------------------------------------------------------- 4./5. decode and the LM head
 
 def serving_dirs(project: Path, cfg) -> dict:
-    """The release's serving engines: the flow's fp32 (``engine/kv``) and int4 ones, int8 built here as the
-    compile stage builds it, and int4 with each other LM head precision; {name: directory}, and the
+    """The release's serving engines: the flow's fp32 one with the served cache (``engine/kv-paged16``:
+    ``tasks.layout.cache_engine_dir``, so every precision reads the same cache) and int4 one, int8 built here as
+    the compile stage builds it, and int4 with each other LM head precision; {name: directory}, and the
     served head's bits."""
+    from tasks.layout import cache_engine_dir
     from tasks.weight_engines import WEIGHTS_FILE, ensure_quantized_engine, quantize_engine_dir
 
-    float_dir = project / cfg.layout.kv_engine_dir
+    float_dir = project / cache_engine_dir(cfg.engine)
     dirs = {"fp32": float_dir, "int4": project / cfg.layout.serving_engine_dir}
     ensure_quantized_engine(float_dir, Path(f"{float_dir}-int8"), "int8", cfg.engine.weight_block_size)
     dirs["int8"] = Path(f"{float_dir}-int8")

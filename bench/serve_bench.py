@@ -6,7 +6,7 @@
         [--servers fork,batched,llama] [--llama-server PATH] [--tiny] [--out bench/results/serve_bench.json]
 
 Not part of CI nor of ``make bench``. The model: the last release of ``make release`` when there is
-one (the serving engine ``engine/kv``, ``models/base``, ``artifacts/<month>/package/release``), else
+one (the serving engine ``engine/kv-paged16``, ``models/base``, ``artifacts/<month>/package/release``), else
 the tiny world of ``bench.hotswap_bench`` (a random Qwen2 with its first release).
 
 Servers, each its own process, all on ``--threads`` threads:
