@@ -345,11 +345,18 @@ class Block(nn.Module):
 
     def _lora(self, first: str, x: torch.Tensor, y: torch.Tensor, lora: dict[str, tuple]) -> torch.Tensor:
         """y + (x A^T) B^T for the fused linear whose first module is ``first``, the add folded into
-        the second GEMM (one ONNX Gemm)."""
+        the second GEMM (one ONNX Gemm). Stacked (interface version 7): A (S, n r, in) and B (out, S, n r)
+        hold S adapters; h = x A^T (N, S n r) keeps only each row's slot's columns (one-hot ``mask``), so a
+        row's product with the other slots' B columns is exactly 0: a row computes what it would alone."""
         if first not in lora:
             return y
-        a, b = lora[first]  # (n r, in), (out, n r)
-        return torch.addmm(y, x @ a.t(), b.t())  # (N, n r) -> (N, out)
+        a, b, mask = lora[first]  # (n r, in), (out, n r), None; or stacked (S, n r, in), (out, S, n r), (B, 1, S, 1)
+        if mask is None:
+            return torch.addmm(y, x @ a.t(), b.t())  # (N, n r) -> (N, out)
+        S, nr = a.shape[0], a.shape[1]
+        h = x @ a.reshape(S * nr, a.shape[2]).t()  # (N, S n r)
+        h = (h.reshape(mask.shape[0], -1, S, nr) * mask).reshape(-1, S * nr)  # (B, T, S, n r) * (B, 1, S, 1)
+        return torch.addmm(y, h, b.reshape(b.shape[0], S * nr).t())  # (N, out)
 
     def forward(self, x, B: int, T: int, cos, sin, mask, past_k, past_v, lora: dict[str, tuple]):
         """x: (N, H) with N = B * T: the linears run on 2-D activations so each one, bias or
@@ -460,10 +467,13 @@ class Backbone(nn.Module):
         return x, cos, sin, mask
 
     def layer_lora(self, lora: tuple, i: int) -> dict[str, tuple]:
-        """{first module of a fused linear: (A, B)} of layer i."""
+        """{first module of a fused linear: (A, B, row mask)} of layer i. The LoRA inputs come in (A, B) pairs;
+        a stacked engine's (interface version 7) end with ``adapter_mask`` (B, S), given to every fused
+        linear as (B, 1, S, 1); otherwise the mask is None."""
         groups = self.lora_groups
+        mask = lora[-1][:, None, :, None] if len(lora) % 2 else None
         layer = lora[2 * len(groups) * i : 2 * len(groups) * (i + 1)]
-        return {fused[0]: tuple(layer[2 * j : 2 * j + 2]) for j, (_, fused) in enumerate(groups)}
+        return {fused[0]: (*layer[2 * j : 2 * j + 2], mask) for j, (_, fused) in enumerate(groups)}
 
     def head(self, x, B: int, T: int):
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)  # (N, H)
