@@ -84,17 +84,9 @@ def test_one_slot_of_the_stacked_engine_computes_todays_engine(kind, engines):
     assert greedy_generate(stacked, prompts, 12) == greedy_generate(single, prompts, 12)
 
 
-def run_rows(engine, ids, slots, split: int = 6):
-    """``engine_run`` with each row on its slot."""
-    B, T = ids.shape
-    pos = np.broadcast_to(np.arange(T), (B, T))
-    mask = np.ones((B, T), dtype=np.int64)
-    logits, cache = engine.forward(ids[:, :split], pos[:, :split], mask[:, :split], None, slots=slots)
-    out = [logits]
-    for t in range(split, T):
-        logits, cache = engine.forward(ids[:, t : t + 1], pos[:, t : t + 1], mask[:, : t + 1], cache, slots=slots)
-        out.append(logits)
-    return np.concatenate(out, axis=1)
+def run_rows(engine, ids, slots):
+    """Logits of every position of ``ids`` (B, T), each row on its slot: 6 tokens prefilled, then one per step."""
+    return engine_run(engine, ids, split=6, slots=slots)[0]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -129,3 +121,118 @@ def test_a_fork_keeps_its_slots_when_the_handle_it_came_from_rebinds(engines):
     assert np.abs(run_rows(stacked, ids, np.array([0])) - before).max() > 0.1
     with pytest.raises(ValueError, match="each below the 2 bound"):
         stacked.forward(ids, np.arange(9)[None], np.ones((1, 9), np.int64), slots=np.array([2]))
+
+
+# ---------------------------------------------------------------- serving: one batch for every release
+
+SERVED = {  # name: (release of the tiny world, product, month)
+    "alpha_champion": ("a", "alpha", "2026-10"), "alpha_candidate": ("b", "alpha", "2026-11"),
+    "beta_champion": ("b", "beta", "2026-12"),
+}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The tiny release world (``release_testkit``; releases made for its float engine, interface version 3), its
+    releases signed for two products, and the stacked form of its engine (version 7)."""
+    from release_testkit import copy_release, resign, world
+    from server_testkit import manifest_id
+
+    w = world(tmp_path_factory)
+    for name, (source, product, month) in SERVED.items():
+        stamp = manifest_id(w[source]).partition("+")[2]
+        w[name] = copy_release(w[source], w["root"] / name)
+        resign(w[name], w["key"], product=product, month=month, release_id=f"{month}+{stamp}")
+    w["stacked_engine"] = w["root"] / "stacked-engine"
+    compile_engine(w["base"], w["stacked_engine"], max_rank=8, target_modules=TARGETS, ort_threads=1, stacked=True)
+    return w
+
+
+def test_two_products_and_a_candidate_decode_in_one_batch_and_answer_as_alone(served):
+    """Acceptance (issue 27): rows of alpha's champion, alpha's candidate and beta's champion decode in the same
+    steps, and every answer (greedy and seeded sampling) equals the same request alone, through the openai SDK."""
+    import concurrent.futures
+
+    import openai
+    from server_testkit import PROMPT, call, manifest_id, running_server, sample, scrape
+
+    w = served
+    models = [manifest_id(w[name]) for name in SERVED]
+    requests = [dict(model=m, temperature=t, seed=s) for m in models for t, s in ((0.0, None), (0.9, 7))]
+    with running_server(w, release_dirs=(w["root"],), products=("alpha", "beta"), engine=w["stacked_engine"]) as (app, bg):
+        assert app.batcher.stacked
+        for name in SERVED:
+            channel = name.split("_")[1]
+            status, body = call(bg.port, "POST", "/v1/adapters", {"path": str(w[name]), "channel": channel})
+            assert status == 200, body
+        client = openai.OpenAI(base_url=f"{bg.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def ask(r):
+            out = client.completions.create(prompt=PROMPT, max_tokens=24, **r)
+            return out.model, out.choices[0].text
+
+        alone = [ask(r) for r in requests]
+        mixed_before = scrape(bg.port)
+        with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+            together = list(pool.map(ask, requests))
+        samples = scrape(bg.port)
+
+    assert together == alone
+    assert [m for m, _ in alone] == [m for m in models for _ in range(2)]
+    assert len({text for _, text in alone[::2]}) == 2  # A's and B's adapters answer differently
+    steps = sample(samples, "adapter_decode_batch_releases_count") - sample(mixed_before, "adapter_decode_batch_releases_count")
+    one_or_two = (sample(samples, "adapter_decode_batch_releases_bucket", le="2.0")
+                  - sample(mixed_before, "adapter_decode_batch_releases_bucket", le="2.0"))
+    assert steps - one_or_two > 0  # some steps decoded rows of all three releases together
+    assert sample(mixed_before, "adapter_decode_batch_releases_count") == \
+        sample(mixed_before, "adapter_decode_batch_releases_bucket", le="1.0")  # alone: one release per step
+
+
+def test_rows_joining_and_leaving_a_stacked_batch_keep_their_releases_weights(served):
+    """Release 0's row runs; release 1's joins (a second slot); release 0's leaves and release 2's joins: the slots
+    are rebound as [1, 2], release 1's running row moving from slot 1 to slot 0. Every row's tokens are its
+    release's alone."""
+    import asyncio
+    import time
+
+    from server_testkit import PROMPT
+
+    from runtime.engine.generate import decode_steps
+    from runtime.engine.sampling import greedy
+    from runtime.engine.tokenizer import DeviceTokenizer
+    from runtime.serve.batcher import BatchedGeneration, Batcher
+    from runtime.serve.generation import StopText
+    from runtime.serve.metrics import ServerMetrics
+    from runtime.serve.server import ActiveRelease
+
+    engine = OrtEngine(served["stacked_engine"], threads=1)
+    loras = [load_adapter(a, engine.interface) for a in served["adapters"]]
+    loras.append({n: -v if n.startswith("lora_B.") else v for n, v in loras[1].items()})  # release 1's delta negated
+    releases = []
+    for i, lora in enumerate(loras):
+        handle = engine.fork()
+        handle.set_adapter(lora)
+        releases.append(ActiveRelease(f"r{i}", i + 1, {}, handle, time.time()))
+    tokenizer = DeviceTokenizer(served["tokenizer"])
+    prompt, lengths = tokenizer.encode(PROMPT), (10, 30, 12)  # no stop ids: each row runs to its max_tokens
+    want = [[t[0] for t in decode_steps(r.handle.fork(), [prompt], n, (), tokenizer.pad_id, greedy)]
+            for r, n in zip(releases, lengths)]
+    batcher = Batcher((), tokenizer.pad_id, ServerMetrics(), stacked=True)
+    gens = [BatchedGeneration(batcher, r, [prompt], greedy, [StopText(tokenizer, [])], n) for r, n in zip(releases, lengths)]
+
+    async def consume(g):
+        while await g.next_choices() is not None:
+            pass
+        return g.texts[0].ids
+
+    async def run():
+        first = asyncio.ensure_future(consume(gens[0]))
+        while gens[0].completion_tokens < 3:
+            await asyncio.sleep(0.0002)
+        second = asyncio.ensure_future(consume(gens[1]))
+        await first  # release 0's row leaves while release 1's decodes on
+        assert not all(gens[1].finished)
+        return [await first, *(await asyncio.gather(second, consume(gens[2])))]
+
+    assert asyncio.run(run()) == want
+    assert want[1][:10] not in (want[0][:10], want[2][:10])  # the row that moved slots would show another's weights

@@ -210,6 +210,20 @@ class OrtEngine:
         for name, value in self._kv_static.items():
             self._binding.bind_ortvalue_input(name, value)
 
+    def bind_slots(self, handles: list["OrtEngine"]) -> None:
+        """Slot i takes what ``handles[i]`` (each a handle of this stacked engine with one release bound, e.g. a
+        resident release's) has in its slot 0: its LoRA and KV statics, copied, so rebinding this handle never
+        touches theirs. A running batch rebinds with its releases' slots in a new order (the caller remaps its
+        rows): each row keeps its release's weights."""
+        if not self.interface.stacked:
+            raise ValueError(f"interface version {self.interface.version} binds one adapter; slots need version 7")
+        loras = [{n: h._lora[n].numpy()[0] if n.startswith("lora_A.") else h._lora[n].numpy()[:, 0]
+                  for n in self.interface.lora_names} for h in handles]
+        self._bind_lora(loras)
+        self.slots = len(handles)
+        if self.kv_spec is not None:
+            self._slot_static = {n: np.stack([h._slot_static[n][0] for h in handles]) for n in handles[0]._slot_static}
+
     def fork(self) -> "OrtEngine":
         """Another handle on the same session, with its own IOBinding and the same adapter bound.
 
