@@ -44,7 +44,7 @@ def check_provenance(adapter_dir: Path, iface: EngineInterface) -> list[str]:
             f"adapter was made for backbone {str(base)[:12]} but the engine runs backbone {iface.backbone_hash[:12]}"
         )
     claimed = prov.get("engine_interface_hash")
-    if claimed is not None and claimed not in (iface.interface_hash, iface.float_interface_hash):
+    if claimed is not None and claimed not in iface.accepted_hashes:
         problems.append(
             f"adapter records engine interface {claimed[:12]} but the engine has {iface.interface_hash[:12]}"
         )

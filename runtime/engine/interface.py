@@ -50,7 +50,17 @@ BLOCK_TABLE = "block_table"
 QUANT_KV_DTYPE = "packed-uint8"
 KV_ROTATION_INPUT = "kv_rotation"
 ADAPTER_MASK = "adapter_mask"  # version 7: (batch, slots) float32, one-hot: the slot each row decodes with
-SLOTS_AXIS = "slots"  # version 7: the LoRA inputs' axis over the bound adapters
+SLOTS_AXIS = "slots"  # version 7: the bound adapters; a LoRA input's rank axis is "slots*<n r>" (slot after slot)
+
+
+def slots_axis(rank: int) -> str:
+    """The name of a stacked LoRA input's rank axis: ``rank`` columns per slot, slot after slot."""
+    return f"{SLOTS_AXIS}*{rank}"
+
+
+def per_slot(axis):
+    """An axis as one adapter gives it: ``slots_axis(r)`` -> r; any other axis unchanged."""
+    return int(axis.split("*")[1]) if isinstance(axis, str) and axis.startswith(SLOTS_AXIS + "*") else axis
 
 
 # The backbone's fused linears (runtime.engine.model): the modules of one read the same input through one matmul.
@@ -134,7 +144,14 @@ class EngineInterface:
     def adapter_shape(self, spec: TensorSpec) -> tuple:
         """The shape one adapter (or release) gives a LoRA or static KV input: ``spec.shape`` without the
         stacked engine's slot and batch axes, so a release binds to every version alike."""
-        return tuple(a for a in spec.shape if a not in (SLOTS_AXIS, "batch"))
+        return tuple(per_slot(a) for a in spec.shape if a != "batch")
+
+    @property
+    def accepted_hashes(self) -> set[str]:
+        """The interface hashes an adapter or release made for this engine may record: its own, the padded float
+        engine's (``float_interface_hash``) and, stacked, its single-adapter form's (``single_interface``)."""
+        single = single_interface(self).interface_hash if self.stacked else None
+        return {self.interface_hash, self.float_interface_hash, single} - {None}
 
     @property
     def input_names(self) -> list[str]:
@@ -333,9 +350,10 @@ def build_interface(
 def stacked_interface(single: EngineInterface) -> EngineInterface:
     """The version-7 form of a version 3, 5 or 6 interface: rows of different adapters in one forward.
 
-    - per fused linear ``lora_A.i.g`` (slots, n r, in) and ``lora_B.i.g`` (out, slots, n r): the bound slots'
-      A and B (each exactly as one adapter gives it, ``adapter_shape``); the graph multiplies x A^T
-      (N, slots n r) by the row's one-hot mask before B, so a row's product with another slot's columns is 0;
+    - per fused linear ``lora_A.i.g`` (slots n r, in) and ``lora_B.i.g`` (out, slots n r): the bound slots'
+      A matrices one after the other and their B side by side (each exactly as one adapter gives it,
+      ``adapter_shape``); the graph multiplies x A^T (N, slots n r) by each row's one-hot mask before B, so a
+      row's product with another slot's columns is 0;
     - ``k_scale.i`` / ``v_scale.i`` (and zeros) (batch, nkv, d), ``kv_rotation.i`` (batch, d, d): each row's
       release's KV statics;
     - ``adapter_mask`` (batch, slots) float32, last: one 1 per row, at the slot it decodes with.
@@ -346,15 +364,28 @@ def stacked_interface(single: EngineInterface) -> EngineInterface:
     inputs = []
     for t in single.inputs:
         if t.name.startswith("lora_A."):
-            t = TensorSpec(t.name, t.dtype, (SLOTS_AXIS, *t.shape))
+            t = TensorSpec(t.name, t.dtype, (slots_axis(t.shape[0]), t.shape[1]))
         elif t.name.startswith("lora_B."):
-            t = TensorSpec(t.name, t.dtype, (t.shape[0], SLOTS_AXIS, t.shape[1]))
+            t = TensorSpec(t.name, t.dtype, (t.shape[0], slots_axis(t.shape[1])))
         elif not any(isinstance(a, str) for a in t.shape):  # the only fixed-shape inputs besides LoRA: KV statics
             t = TensorSpec(t.name, t.dtype, ("batch", *t.shape))
         inputs.append(t)
     inputs.append(TensorSpec(ADAPTER_MASK, "float32", ("batch", SLOTS_AXIS)))
     return EngineInterface(**{**single.__dict__, "version": STACKED_INTERFACE_VERSION, "inputs": tuple(inputs),
                               "float_interface_hash": single.float_interface_hash or single.interface_hash})
+
+
+def single_interface(stacked: EngineInterface) -> EngineInterface:
+    """The interface ``stacked_interface`` made ``stacked`` from (version 3, 5 or 6)."""
+    def static(t: TensorSpec) -> bool:  # a KV static: (batch, fixed axes...)
+        return t.shape[0] == "batch" and not any(isinstance(a, str) for a in t.shape[1:])
+
+    inputs = [TensorSpec(t.name, t.dtype, stacked.adapter_shape(t) if t.name.startswith("lora_") or static(t) else t.shape)
+              for t in stacked.inputs if t.name != ADAPTER_MASK]
+    version = PAGED_INTERFACE_VERSION if stacked.paged else QUANT_KV_INTERFACE_VERSION if stacked.quantized_kv \
+        else INTERFACE_VERSION
+    return EngineInterface(**{**stacked.__dict__, "version": version, "inputs": tuple(inputs),
+                              "float_interface_hash": None if version == INTERFACE_VERSION else stacked.float_interface_hash})
 
 
 def write_interface(iface: EngineInterface, path: Path, exporter: dict | None = None) -> None:

@@ -163,8 +163,9 @@ class QuantizedKVBackbone(nn.Module):
 
         outputs = []
         g = bb.cfg.num_heads // bb.cfg.num_kv_heads
+        loras = bb.layer_loras(tuple(lora), T)
         for i, block in enumerate(bb.blocks):
-            layer, lora_i = layers[i], bb.layer_lora(tuple(lora), i)
+            layer, lora_i = layers[i], loras[i]
             q, k, v = self._rotated(layer, *block.project_qkv(x, B, T, cos, sin, lora_i))  # new tokens, post-RoPE
             qg = q.reshape(B, q.shape[1] // g, g * T, self.d)  # (B, nkv, g T, d)
             sink_k, sink_v = (t.float() for t in layer["sink"])  # (B, nkv, sink, d)
@@ -202,8 +203,9 @@ class QuantizedKVBackbone(nn.Module):
         bias = torch.where(slots > 0, 0.0, torch.finfo(torch.float32).min)[:, None, None, :].expand(B, 1, T, P + T)
         nh, nkv, d = bb.cfg.num_heads, bb.cfg.num_kv_heads, self.d
         outputs = []
+        loras = bb.layer_loras(tuple(lora), T)
         for i, block in enumerate(bb.blocks):
-            layer, lora_i = layers[i], bb.layer_lora(tuple(lora), i)
+            layer, lora_i = layers[i], loras[i]
             q, k, v = self._rotated(layer, *block.project_qkv(x, B, T, cos, sin, lora_i))  # (B, heads, T, d), post-RoPE
             k16, v16 = k.to(torch.float16), v.to(torch.float16)
             q_rows = q.transpose(1, 2).reshape(B, T, nh * d)

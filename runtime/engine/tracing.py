@@ -8,7 +8,7 @@ imports nothing from here.
 
 from __future__ import annotations
 
-from runtime.engine.interface import ADAPTER_MASK, KV_ROTATION_INPUT, SLOTS_AXIS, quantized_kv_tensors
+from runtime.engine.interface import ADAPTER_MASK, KV_ROTATION_INPUT, SLOTS_AXIS, per_slot, quantized_kv_tensors
 from runtime.engine.kv_scales import KV_SCALE_KINDS
 
 # Sizes used to trace: deliberately not 0 or 1, which torch.export would specialize to constants.
@@ -28,9 +28,9 @@ def example_inputs(model, iface, batch: int, seq: int, past: int):
     cfg = model.cfg
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))  # (B, T)
     pos = (torch.arange(seq) + past).expand(batch, seq).contiguous()  # (B, T)
-    shapes = {t.name: [{SLOTS_AXIS: TRACE_SLOTS}.get(a, a) for a in t.shape] for t in iface.inputs}
+    shapes = {t.name: [per_slot(a) * TRACE_SLOTS if per_slot(a) != a else a for a in t.shape] for t in iface.inputs}
     lora = [torch.randn(*shapes[n]) * 0.05 for n in iface.lora_names]
-    if iface.stacked:  # one-hot rows, last: see runtime.engine.model.Backbone.layer_lora
+    if iface.stacked:  # one-hot rows, last: see runtime.engine.model.Backbone.layer_loras
         lora.append(torch.nn.functional.one_hot(torch.randint(0, TRACE_SLOTS, (batch,)), TRACE_SLOTS).float())
     args = _example_inputs(torch, cfg, iface, batch, seq, past, ids, pos, shapes, lora)
     if not iface.stacked or not iface.quantized_kv:
@@ -94,8 +94,12 @@ def export_dynamic_shapes(iface, args, Dim):
     past = Dim("past", min=0, max=MAX_PAST)  # 0 = prefill with an empty cache
     head = ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: Dim.DYNAMIC})  # total = past + seq: derived
     # Static KV inputs, then LoRA: fixed shapes, but a stacked engine's have a batch or slot axis.
-    named = {"batch": batch, SLOTS_AXIS: Dim(SLOTS_AXIS, min=1, max=MAX_SLOTS)}
-    specs = {t.name: {i: named[a] for i, a in enumerate(t.shape) if a in named} or None for t in iface.inputs}
+    slots = Dim(SLOTS_AXIS, min=1, max=MAX_SLOTS)
+
+    def dim(axis):  # a LoRA input's rank axis: slots times one adapter's rank (interface.slots_axis)
+        return {"batch": batch, SLOTS_AXIS: slots}.get(axis) or (slots * per_slot(axis) if per_slot(axis) != axis else None)
+
+    specs = {t.name: {i: dim(a) for i, a in enumerate(t.shape) if dim(a) is not None} or None for t in iface.inputs}
     lora = [specs[n] for n in iface.lora_names] + ([specs[ADAPTER_MASK]] if iface.stacked else [])
     static = [specs[n] for n in iface.input_names if n.split(".")[0] in (*KV_SCALE_KINDS, KV_ROTATION_INPUT)]
     if iface.paged:

@@ -16,7 +16,7 @@ from kernels.kv_spec import KVQuantSpec
 from runtime.engine.adapter import load_adapter
 from runtime.engine.backends.onnxruntime import OrtEngine
 from runtime.engine.generate import greedy_generate
-from runtime.engine.interface import ADAPTER_MASK, STACKED_INTERFACE_VERSION, read_interface
+from runtime.engine.interface import ADAPTER_MASK, STACKED_INTERFACE_VERSION, read_interface, single_interface
 from tasks.compile import compile_engine
 
 GQA = KVQuantSpec()
@@ -61,12 +61,17 @@ def test_the_stacked_interface_takes_every_slots_lora_a_row_mask_and_per_row_kv_
 
     assert iface.version == STACKED_INTERFACE_VERSION and iface.stacked and not before.stacked
     assert iface.input_names[-1] == ADAPTER_MASK and shapes[ADAPTER_MASK] == ("batch", "slots")
-    assert shapes["lora_A.0.q_proj+k_proj+v_proj"] == ("slots", 24, 64)  # 3 targets x rank 8, hidden 64
-    assert shapes["lora_B.0.q_proj+k_proj+v_proj"] == (128, "slots", 24)  # q 64 + k 32 + v 32
+    assert shapes["lora_A.0.q_proj+k_proj+v_proj"] == ("slots*24", 64)  # 3 targets x rank 8 per slot, hidden 64
+    assert shapes["lora_B.0.q_proj+k_proj+v_proj"] == (128, "slots*24")  # q 64 + k 32 + v 32
+    assert iface.adapter_shape(iface.inputs[iface.input_names.index("lora_B.0.q_proj+k_proj+v_proj")]) == (128, 24)
     assert shapes["k_scale.0"] == ("batch", 2, 16) and shapes["kv_rotation.1"] == ("batch", 16, 16)
     # a release binds as it did: the same adapter contract
     assert iface.float_interface_hash == before.float_interface_hash
     assert read_interface(stacked.engine_dir).interface_hash == iface.interface_hash
+    for kind in KINDS:  # an adapter that recorded the single-adapter engine's hash binds to its stacked form
+        single, stacked, _ = engines[kind]
+        assert single_interface(stacked.interface).interface_hash == single.interface.interface_hash, kind
+        assert single.interface.interface_hash in stacked.interface.accepted_hashes
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -217,8 +217,7 @@ class OrtEngine:
         rows): each row keeps its release's weights."""
         if not self.interface.stacked:
             raise ValueError(f"interface version {self.interface.version} binds one adapter; slots need version 7")
-        loras = [{n: h._lora[n].numpy()[0] if n.startswith("lora_A.") else h._lora[n].numpy()[:, 0]
-                  for n in self.interface.lora_names} for h in handles]
+        loras = [{n: h._lora[n].numpy() for n in self.interface.lora_names} for h in handles]  # one slot each
         self._bind_lora(loras)
         self.slots = len(handles)
         if self.kv_spec is not None:
@@ -241,8 +240,8 @@ class OrtEngine:
         return twin
 
     def _bind_lora(self, loras: list[Mapping[str, np.ndarray] | None]) -> None:
-        """Bind one adapter's LoRA inputs (None: zeros), or on a stacked engine every slot's: A (slots, n r, in),
-        B (out, slots, n r)."""
+        """Bind one adapter's LoRA inputs (None: zeros), or on a stacked engine every slot's: A (slots n r, in),
+        B (out, slots n r)."""
         loras = [zero_lora_inputs(self.interface) if lora is None else lora for lora in loras]
         for lora in loras:
             check_lora_inputs(self.interface, lora)
@@ -255,8 +254,8 @@ class OrtEngine:
         # Aligning the buffer to a page measured 3-5 points worse than where numpy puts it (page + 16 B).
         names = self.interface.lora_names
         if self.interface.stacked:  # A slot after slot; B's slots side by side in each output row
-            arrays = [np.stack([np.asarray(lora[n], dtype=np.float32) for lora in loras], axis=0 if n.startswith("lora_A.") else 1)
-                      for n in names]
+            arrays = [np.concatenate([np.asarray(lora[n], dtype=np.float32) for lora in loras],
+                                     axis=0 if n.startswith("lora_A.") else 1) for n in names]
         else:
             arrays = [np.asarray(loras[0][n], dtype=np.float32) for n in names]
         buffer = np.empty(sum(a.size for a in arrays), dtype=np.float32)
