@@ -80,6 +80,9 @@ def plan(flow_ready: bool) -> list[Bench]:
               ("--out", f"{RESULTS}/kv_engine_bench.json"), "full (default flags: 300 iterations)", 900),
         Bench("paged_kv_bench", "paged vs padded KV cache: bytes allocated for rows of 128-1024 tokens, decode tokens/s",
               ("--out", f"{RESULTS}/paged_kv_bench.json"), "full (default flags: 200 iterations, blocks of 16 tokens)", 900),
+        Bench("mixed_adapters_bench", "8 clients over 4 adapters vs 8 on one: rows of several releases in one batch",
+              ("--shape", "tiny", "--rounds", "16", "--max-tokens", "96", "--out", f"{RESULTS}/mixed_adapters_bench.json"),
+              "full at the tiny shape (the 0.5B shape: --shape 0.5b, minutes to build)", 900),
         Bench("weight_quant_bench", "weight-only quantization: fp32 vs int8 vs int4 engines",
               ("--configs", "tiny,0.5b-width", "--variants", "fp32,int8,int4", "--pasts", "512", "--iters", "60",
                "--out", f"{RESULTS}/weight_quant_bench.json"),
@@ -326,6 +329,18 @@ def device_memory_figures(p: dict) -> list[tuple]:
     return rows
 
 
+def mixed_adapters_figures(p: dict) -> list[tuple]:
+    """``bench.mixed_adapters_bench``: median tokens/s per load, then the ratios (issue 27's target: mixed >= 0.9x one)."""
+    rows = [(f"{p['shape']} shape, {p['clients']} clients, {p['max_tokens']} tokens each after {p['prompt_tokens']}: {load} "
+             f"(releases per decode step {p['releases_per_decode_step'][load]:.2f})", v,
+             f"{v:.0f} tok/s ({p['median_tokens_per_cpu_s'][load]:.0f} per CPU s)")
+            for load, v in p["median_tokens_per_s"].items()]
+    for key in ("mixed_adapters_vs_one", "mixed_adapters_vs_one_per_cpu_s", "mixed_vs_today_one", "today_mixed_vs_today_one",
+                "stacked_one_vs_today_one", "stacked_one_vs_today_one_per_cpu_s"):
+        rows.append((key, p[key], f"{p[key]:.3f}x"))
+    return rows
+
+
 def gpu_figures(p: dict) -> list[tuple]:
     rows = [("GPU checks passed", p.get("passed"), str(p.get("passed")))]
     for backend, row in p.get("latency_ms", {}).items():
@@ -338,7 +353,7 @@ FIGURES = {"flow_bench": flow_figures, "kv_quality": kv_quality_figures, "hotswa
            "engine_bench": engine_figures, "kv_engine_bench": kv_engine_figures, "paged_kv_bench": paged_kv_figures,
            "weight_quant_bench": weight_quant_figures, "gpu_check": gpu_figures,
            "real_model_quality": real_model_quality_figures, "real_model_speed": real_model_speed_figures,
-           "device_memory_bench": device_memory_figures}
+           "device_memory_bench": device_memory_figures, "mixed_adapters_bench": mixed_adapters_figures}
 
 
 def table_rows(records: list[dict]) -> list[dict]:

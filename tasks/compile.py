@@ -56,13 +56,19 @@ def graph_source_hash() -> str:
 
 
 def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], opset: int, kv_spec: dict | None = None,
-              kv_attention: str = "standard", kv_block_size: int | None = None) -> dict:
-    from runtime.engine.interface import INTERFACE_VERSION, PAGED_INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSION
+              kv_attention: str = "standard", kv_block_size: int | None = None, stacked: bool = False) -> dict:
+    from runtime.engine.interface import (
+        INTERFACE_VERSION,
+        PAGED_INTERFACE_VERSION,
+        QUANT_KV_INTERFACE_VERSION,
+        STACKED_INTERFACE_VERSION,
+    )
 
     version = INTERFACE_VERSION if kv_spec is None else QUANT_KV_INTERFACE_VERSION
+    version = version if kv_block_size is None else PAGED_INTERFACE_VERSION
     key = {
         "backbone_hash": backbone_hash,
-        "interface_version": version if kv_block_size is None else PAGED_INTERFACE_VERSION,
+        "interface_version": STACKED_INTERFACE_VERSION if stacked else version,
         "exporter": exporter_version(),
         "graph_source": graph_source_hash(),
         "max_rank": max_rank,
@@ -74,6 +80,8 @@ def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...]
         key["kv_attention"] = kv_attention
     if kv_block_size is not None:  # absent for padded engines: their key stays as it was
         key["kv_block_size"] = kv_block_size
+    if stacked:  # the cache under the stacked form (the version alone no longer says it)
+        key["single_interface_version"] = version
     key["key"] = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     return key
 
@@ -116,6 +124,7 @@ def export_backbone(
     kv_spec: dict | None = None,
     kv_attention: str = "standard",
     kv_block_size: int | None = None,
+    stacked: bool = False,
 ):
     """Export the hand-written forward with dynamic batch/seq/past; return its EngineInterface.
 
@@ -125,7 +134,8 @@ def export_backbone(
     (``runtime.engine.kv_model``) instead of the float-KV one, its attention as ``kv_attention`` says
     (``runtime.engine.kv_model.KV_ATTENTION``: standard ONNX ops, or ONNX Runtime's GroupQueryAttention).
     ``kv_block_size`` exports either with a paged cache of blocks of that many tokens
-    (``runtime.engine.paged_model``, interface version 6).
+    (``runtime.engine.paged_model``, interface version 6). ``stacked`` exports any of them with stacked
+    adapters (``runtime.engine.interface.stacked_interface``, version 7).
     """
     import torch
 
@@ -136,7 +146,8 @@ def export_backbone(
 
     merged = None if merged_lora is None else {k: torch.from_numpy(v) for k, v in merged_lora.items()}
     model = load_backbone(model_dir, tuple(target_modules), merged_lora=merged)
-    iface = build_interface(model.cfg, backbone_hash(model_dir), max_rank, tuple(target_modules), kv_spec, kv_block_size)
+    iface = build_interface(model.cfg, backbone_hash(model_dir), max_rank, tuple(target_modules), kv_spec, kv_block_size,
+                            stacked)
     if kv_spec is not None:
         from kernels.gqa_attention import onnx_translation
         from kernels.kv_spec import KVQuantSpec
@@ -190,6 +201,7 @@ def compile_engine(
     kv_spec: dict | None = None,
     kv_attention: str = "standard",
     kv_block_size: int | None = None,
+    stacked: bool = False,
 ) -> dict:
     """Build ``engine_dir`` unless a build for the same key is already there; return metrics.
 
@@ -198,6 +210,7 @@ def compile_engine(
     with ``kv_attention="gqa"``, by ONNX Runtime's GroupQueryAttention (ORT only; 4-bit symmetric
     per-channel K and V after RoPE, no sink: ``kernels.gqa_attention``). ``kv_block_size`` builds either
     with a paged cache (interface version 6; a cache with fp16 sink tokens or pre-RoPE keys is refused).
+    ``stacked`` builds any of them with stacked adapters (version 7): rows of several releases in one forward.
 
     The new engine is written into a temporary sibling and renamed into place only when the
     export, the interface check and the ORT optimization all succeeded.
@@ -220,7 +233,7 @@ def compile_engine(
         problems = paged_problems(kv_spec, kv_block_size)
         if problems:
             raise CompileError(f"{engine_dir}: this cache cannot be paged: " + "; ".join(problems))
-    key = cache_key(bhash, max_rank, tuple(target_modules), opset, kv_spec, kv_attention, kv_block_size)
+    key = cache_key(bhash, max_rank, tuple(target_modules), opset, kv_spec, kv_attention, kv_block_size, stacked)
     key_file = engine_dir / CACHE_KEY_FILE
     metrics = {"backbone_hash": bhash, "cache_key": key["key"]}
     if key_file.exists() and json.loads(key_file.read_text()).get("key") == key["key"]:
@@ -231,7 +244,7 @@ def compile_engine(
         t0 = time.perf_counter()
         with atomic_output_dir(engine_dir) as tmp:
             iface = export_backbone(model_dir, tmp / ENGINE_ONNX, max_rank, tuple(target_modules), opset, kv_spec=kv_spec,
-                                    kv_attention=kv_attention, kv_block_size=kv_block_size)
+                                    kv_attention=kv_attention, kv_block_size=kv_block_size, stacked=stacked)
             # The exported program and the module hold each other in reference cycles, so their copies of
             # the weights outlive the export until a collection; collected here, before ORT loads the graph
             # (measured on the 0.5B shape: the compile stage's peak RSS 10.5 -> 8.4 GB).

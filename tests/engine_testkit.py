@@ -77,17 +77,18 @@ def calibrate(model_dir: Path, spec, lora: dict | None = None, rotated: bool = F
     return kv_scales_from_stats(stats, spec, record={}, rotation=rotation)
 
 
-def engine_run(engine, ids, split: int):
-    """Prefill ``split`` tokens of ``ids`` (B, T), then one token per step: (logits of every position, the cache)."""
+def engine_run(engine, ids, split: int, **slots):
+    """Prefill ``split`` tokens of ``ids`` (B, T), then one token per step: (logits of every position, the cache).
+    ``slots=`` (B,): a stacked engine's slot per row."""
     import numpy as np
 
     B, T = ids.shape
     pos = np.broadcast_to(np.arange(T), (B, T))
     mask = np.ones((B, T), dtype=np.int64)
-    logits, cache = engine.forward(ids[:, :split], pos[:, :split], mask[:, :split], None)
+    logits, cache = engine.forward(ids[:, :split], pos[:, :split], mask[:, :split], None, **slots)
     out = [logits]
     for t in range(split, T):
-        logits, cache = engine.forward(ids[:, t : t + 1], pos[:, t : t + 1], mask[:, : t + 1], cache)
+        logits, cache = engine.forward(ids[:, t : t + 1], pos[:, t : t + 1], mask[:, : t + 1], cache, **slots)
         out.append(logits)
     return np.concatenate(out, axis=1), cache
 

@@ -28,7 +28,7 @@ def zero_lora_inputs(iface: EngineInterface) -> dict[str, np.ndarray]:
     inputs = {}
     for spec in iface.inputs:
         if spec.name.startswith("lora_"):
-            inputs[spec.name] = np.zeros(spec.shape, dtype=np.float32)
+            inputs[spec.name] = np.zeros(iface.adapter_shape(spec), dtype=np.float32)
     return inputs
 
 
@@ -44,7 +44,7 @@ def check_provenance(adapter_dir: Path, iface: EngineInterface) -> list[str]:
             f"adapter was made for backbone {str(base)[:12]} but the engine runs backbone {iface.backbone_hash[:12]}"
         )
     claimed = prov.get("engine_interface_hash")
-    if claimed is not None and claimed not in (iface.interface_hash, iface.float_interface_hash):
+    if claimed is not None and claimed not in iface.accepted_hashes:
         problems.append(
             f"adapter records engine interface {claimed[:12]} but the engine has {iface.interface_hash[:12]}"
         )
@@ -126,7 +126,7 @@ def load_adapter(adapter_dir: str | Path, iface: EngineInterface, require_proven
 
 def check_lora_inputs(iface: EngineInterface, lora: Mapping[str, np.ndarray]) -> None:
     """Every LoRA input present, with the interface's shape and finite values, nothing extra."""
-    expected = {t.name: tuple(t.shape) for t in iface.inputs if t.name.startswith("lora_")}
+    expected = {t.name: iface.adapter_shape(t) for t in iface.inputs if t.name.startswith("lora_")}
     problems = [f"missing {n}" for n in expected if n not in lora]
     problems += [f"unexpected {n}" for n in lora if n not in expected]
     for name, shape in expected.items():

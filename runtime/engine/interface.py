@@ -33,10 +33,14 @@ if TYPE_CHECKING:  # the ONNX Runtime side reads interfaces without importing to
 #    ``pool_*.i`` (blocks, nkv, kv_block_size, ·) and one ``block_table`` (B, max_blocks) int64 instead of the
 #    per-row past; the graph outputs only the new tokens' slots ``new_*.i`` (B, nkv, T, ·), which the
 #    runtime writes into each row's blocks (``paged_kv_tensors``). Versions 3-5 still load (padded path).
+# 7: stacked adapters (any cache of versions 3, 5 or 6): the LoRA of S resident slots at once and a per-row
+#    slot choice, so rows of different releases decode in one forward (``stacked_interface``). Versions 3-6
+#    still load and serve one release per batch.
 INTERFACE_VERSION = 3
 QUANT_KV_INTERFACE_VERSION = 5
 PAGED_INTERFACE_VERSION = 6
-SUPPORTED_VERSIONS = (INTERFACE_VERSION, 4, QUANT_KV_INTERFACE_VERSION, PAGED_INTERFACE_VERSION)
+STACKED_INTERFACE_VERSION = 7
+SUPPORTED_VERSIONS = (INTERFACE_VERSION, 4, QUANT_KV_INTERFACE_VERSION, PAGED_INTERFACE_VERSION, STACKED_INTERFACE_VERSION)
 INTERFACE_FILE = "interface.json"
 ENGINE_ONNX = "model.onnx"  # beside it in an engine folder (tasks/compile.py)
 CACHE_KEY_FILE = "cache_key.json"  # what the engine was built from; its presence means the build completed
@@ -45,6 +49,18 @@ PAGED_KV_LAYOUT = "blocks,num_kv_heads,block_size,head_dim"  # one pool per cach
 BLOCK_TABLE = "block_table"
 QUANT_KV_DTYPE = "packed-uint8"
 KV_ROTATION_INPUT = "kv_rotation"
+ADAPTER_MASK = "adapter_mask"  # version 7: (batch, slots) float32, one-hot: the slot each row decodes with
+SLOTS_AXIS = "slots"  # version 7: the bound adapters; a LoRA input's rank axis is "slots*<n r>" (slot after slot)
+
+
+def slots_axis(rank: int) -> str:
+    """The name of a stacked LoRA input's rank axis: ``rank`` columns per slot, slot after slot."""
+    return f"{SLOTS_AXIS}*{rank}"
+
+
+def per_slot(axis):
+    """An axis as one adapter gives it: ``slots_axis(r)`` -> r; any other axis unchanged."""
+    return int(axis.split("*")[1]) if isinstance(axis, str) and axis.startswith(SLOTS_AXIS + "*") else axis
 
 
 # The backbone's fused linears (runtime.engine.model): the modules of one read the same input through one matmul.
@@ -119,6 +135,23 @@ class EngineInterface:
     @property
     def paged(self) -> bool:
         return self.kv_block_size is not None
+
+    @property
+    def stacked(self) -> bool:
+        """Whether rows of different adapters decode in one forward (version 7: ``stacked_interface``)."""
+        return ADAPTER_MASK in self.input_names
+
+    def adapter_shape(self, spec: TensorSpec) -> tuple:
+        """The shape one adapter (or release) gives a LoRA or static KV input: ``spec.shape`` without the
+        stacked engine's slot and batch axes, so a release binds to every version alike."""
+        return tuple(per_slot(a) for a in spec.shape if a != "batch")
+
+    @property
+    def accepted_hashes(self) -> set[str]:
+        """The interface hashes an adapter or release made for this engine may record: its own, the padded float
+        engine's (``float_interface_hash``) and, stacked, its single-adapter form's (``single_interface``)."""
+        single = single_interface(self).interface_hash if self.stacked else None
+        return {self.interface_hash, self.float_interface_hash, single} - {None}
 
     @property
     def input_names(self) -> list[str]:
@@ -244,10 +277,12 @@ def paged_problems(kv_spec: dict | None, block_size: int) -> list[str]:
 
 def build_interface(
     cfg: "BackboneConfig", backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], kv_spec: dict | None = None,
-    kv_block_size: int | None = None,
+    kv_block_size: int | None = None, stacked: bool = False,
 ) -> EngineInterface:
     """The interface of the float-KV engine, or with ``kv_spec`` of the quantized-KV engine; with
-    ``kv_block_size``, of its paged form (version 6)."""
+    ``kv_block_size``, of its paged form (version 6); ``stacked``: either's stacked-adapter form (version 7)."""
+    if stacked:
+        return stacked_interface(build_interface(cfg, backbone_hash, max_rank, target_modules, kv_spec, kv_block_size))
     if kv_block_size is not None:
         problems = paged_problems(kv_spec, kv_block_size)
         if problems:
@@ -310,6 +345,47 @@ def build_interface(
         inputs=tuple(inputs),
         outputs=tuple(outputs),
     )
+
+
+def stacked_interface(single: EngineInterface) -> EngineInterface:
+    """The version-7 form of a version 3, 5 or 6 interface: rows of different adapters in one forward.
+
+    - per fused linear ``lora_A.i.g`` (slots n r, in) and ``lora_B.i.g`` (out, slots n r): the bound slots'
+      A matrices one after the other and their B side by side (each exactly as one adapter gives it,
+      ``adapter_shape``); the graph multiplies x A^T (N, slots n r) by each row's one-hot mask before B, so a
+      row's product with another slot's columns is 0;
+    - ``k_scale.i`` / ``v_scale.i`` (and zeros) (batch, nkv, d), ``kv_rotation.i`` (batch, d, d): each row's
+      release's KV statics;
+    - ``adapter_mask`` (batch, slots) float32, last: one 1 per row, at the slot it decodes with.
+    The adapter contract is unchanged: ``float_interface_hash`` is the padded float engine's, as before.
+    """
+    if single.stacked or single.version not in (INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSION, PAGED_INTERFACE_VERSION):
+        raise ValueError(f"interface version {single.version} has no stacked form")
+    inputs = []
+    for t in single.inputs:
+        if t.name.startswith("lora_A."):
+            t = TensorSpec(t.name, t.dtype, (slots_axis(t.shape[0]), t.shape[1]))
+        elif t.name.startswith("lora_B."):
+            t = TensorSpec(t.name, t.dtype, (t.shape[0], slots_axis(t.shape[1])))
+        elif not any(isinstance(a, str) for a in t.shape):  # the only fixed-shape inputs besides LoRA: KV statics
+            t = TensorSpec(t.name, t.dtype, ("batch", *t.shape))
+        inputs.append(t)
+    inputs.append(TensorSpec(ADAPTER_MASK, "float32", ("batch", SLOTS_AXIS)))
+    return EngineInterface(**{**single.__dict__, "version": STACKED_INTERFACE_VERSION, "inputs": tuple(inputs),
+                              "float_interface_hash": single.float_interface_hash or single.interface_hash})
+
+
+def single_interface(stacked: EngineInterface) -> EngineInterface:
+    """The interface ``stacked_interface`` made ``stacked`` from (version 3, 5 or 6)."""
+    def static(t: TensorSpec) -> bool:  # a KV static: (batch, fixed axes...)
+        return t.shape[0] == "batch" and not any(isinstance(a, str) for a in t.shape[1:])
+
+    inputs = [TensorSpec(t.name, t.dtype, stacked.adapter_shape(t) if t.name.startswith("lora_") or static(t) else t.shape)
+              for t in stacked.inputs if t.name != ADAPTER_MASK]
+    version = PAGED_INTERFACE_VERSION if stacked.paged else QUANT_KV_INTERFACE_VERSION if stacked.quantized_kv \
+        else INTERFACE_VERSION
+    return EngineInterface(**{**stacked.__dict__, "version": version, "inputs": tuple(inputs),
+                              "float_interface_hash": None if version == INTERFACE_VERSION else stacked.float_interface_hash})
 
 
 def write_interface(iface: EngineInterface, path: Path, exporter: dict | None = None) -> None:

@@ -68,6 +68,25 @@ def check_engine_spec(spec: KVQuantSpec, attention: str = "standard") -> None:
         raise ValueError(f"{spec.name} cannot run on GroupQueryAttention: " + "; ".join(problems))
 
 
+def _per_row(rotation):
+    """A rotation (d, d), or one per row (B, d, d) on a stacked engine as (B, 1, d, d): either multiplies
+    (B, heads, T, d) from the right."""
+    return rotation[:, None] if rotation is not None and rotation.dim() == 3 else rotation
+
+
+def per_row_scales(q, k, v, k_scale, v_scale, num_heads: int):
+    """Per-row static scales around GroupQueryAttention, which takes one scale per (kv head, channel) for the
+    whole batch: (q s_k, k / s_k, v / s_v, unit scales (1, nkv, 1, d)); the caller multiplies the op's output
+    by s_v. The op then stores round(k / s_k) (the codes a per-row scale gives, up to the rounding of the
+    division), scores q s_k . u_k = q . (u_k s_k) and mixes sum_p a_p u_v, which times s_v is sum_p a_p v_p.
+    q (B, T, nh d), k and v (B, T, nkv d), scales (B, nkv, d)."""
+    B, nkv, d = k_scale.shape
+    g = num_heads // nkv
+    unit = torch.ones(1, nkv, 1, d, dtype=q.dtype)
+    q = q * k_scale.repeat_interleave(g, dim=1).reshape(B, 1, num_heads * d)  # each query head its kv head's s_k
+    return q, k / k_scale.reshape(B, 1, nkv * d), v / v_scale.reshape(B, 1, nkv * d), unit
+
+
 class QuantizedKVBackbone(nn.Module):
     """forward(input_ids, position_ids, attention_mask, cache, static, lora) -> (logits, *outputs).
 
@@ -144,8 +163,9 @@ class QuantizedKVBackbone(nn.Module):
 
         outputs = []
         g = bb.cfg.num_heads // bb.cfg.num_kv_heads
+        loras = bb.layer_loras(tuple(lora), T)
         for i, block in enumerate(bb.blocks):
-            layer, lora_i = layers[i], bb.layer_lora(tuple(lora), i)
+            layer, lora_i = layers[i], loras[i]
             q, k, v = self._rotated(layer, *block.project_qkv(x, B, T, cos, sin, lora_i))  # new tokens, post-RoPE
             qg = q.reshape(B, q.shape[1] // g, g * T, self.d)  # (B, nkv, g T, d)
             sink_k, sink_v = (t.float() for t in layer["sink"])  # (B, nkv, sink, d)
@@ -183,19 +203,28 @@ class QuantizedKVBackbone(nn.Module):
         bias = torch.where(slots > 0, 0.0, torch.finfo(torch.float32).min)[:, None, None, :].expand(B, 1, T, P + T)
         nh, nkv, d = bb.cfg.num_heads, bb.cfg.num_kv_heads, self.d
         outputs = []
+        loras = bb.layer_loras(tuple(lora), T)
         for i, block in enumerate(bb.blocks):
-            layer, lora_i = layers[i], bb.layer_lora(tuple(lora), i)
+            layer, lora_i = layers[i], loras[i]
             q, k, v = self._rotated(layer, *block.project_qkv(x, B, T, cos, sin, lora_i))  # (B, heads, T, d), post-RoPE
             k16, v16 = k.to(torch.float16), v.to(torch.float16)
             q_rows = q.transpose(1, 2).reshape(B, T, nh * d)
             k_rows, v_rows = (t.float().transpose(1, 2).reshape(B, T, nkv * d) for t in (k16, v16))
-            scales = [layer[kind + "_static"][0].reshape(1, nkv, 1, d) for kind in ("key", "value")]
+            k_scale, v_scale = (layer[kind + "_static"][0] for kind in ("key", "value"))  # (nkv, d), or (B, nkv, d)
+            rows_scaled = k_scale.dim() == 3
+            if rows_scaled:  # each row its release's scales, folded around the op (``per_row_scales``)
+                q_rows, k_rows, v_rows, unit = per_row_scales(q_rows, k_rows, v_rows, k_scale, v_scale, nh)
+                scales = [unit, unit]
+            else:
+                scales = [t.reshape(1, nkv, 1, d) for t in (k_scale, v_scale)]
             if read_codes is None:
                 y, present_k, present_v = gqa_quantized_attention(
                     q_rows, k_rows, v_rows, layer["key"][0], layer["value"][0], *scales, bias, nh, nkv)  # y (B, T, nh d)
             else:  # store our own codes, attend over the given ones: the op's two halves
                 present_k, present_v = gqa_append(k_rows, v_rows, layer["key"][0], layer["value"][0], *scales, nkv)
                 y = gqa_attend(q_rows, read_codes[2 * i], read_codes[2 * i + 1], *scales, bias, nh, nkv)
+            if rows_scaled:
+                y = y * v_scale.repeat_interleave(nh // nkv, dim=1).reshape(B, 1, nh * d)  # (B, T, nh d)
             y = y.view(B, T, nh, d).transpose(1, 2).reshape(B, nkv, (nh // nkv) * T, d)  # finish's layout
             x = block.finish(x, self._unrotated(layer, y), B, T, lora_i)
             outputs += [present_k, present_v, k16, v16]
@@ -206,14 +235,14 @@ class QuantizedKVBackbone(nn.Module):
         """q, k, v (B, heads, T, d) turned by the release's rotation R (d, d): (q R)(k R)^T = q k^T, so
         the cache can hold k R and v R (``kernels.kv_quant.KVRotation``). With R = I every product
         is exact (one term x 1, the rest x 0), so an unrotated release computes what it did before."""
-        r = layer["rotation"]
+        r = _per_row(layer["rotation"])
         return (q, k, v) if r is None else (q @ r, k @ r, v @ r)
 
     @staticmethod
     def _unrotated(layer: dict, y):
         """The attention output (B, nkv, g T, d) of rotated values turned back: (a V R) R^T = a V."""
-        r = layer["rotation"]
-        return y if r is None else y @ r.transpose(0, 1)
+        r = _per_row(layer["rotation"])
+        return y if r is None else y @ r.transpose(-1, -2)
 
     def run_gqa_chunks(self, ids, bounds: list[tuple[int, int]], static: list, lora: tuple = ()) -> tuple[list, list]:
         """Eager GQA-mode run of ``ids`` (B, T) chunk by chunk (``bounds``: [(start, end), ...] from 0),
@@ -240,8 +269,9 @@ class QuantizedKVBackbone(nn.Module):
     # boundary within 40 tokens, so the integers no longer matched the reference).
 
     def _static(self, tensors: list, bits: int):
-        scale = tensors[0][:, None, :]  # (nkv, 1, d): broadcasts over B and tokens
-        zero = tensors[1][:, None, :] if len(tensors) > 1 else torch.full_like(scale, 2.0 ** (bits - 1))
+        # (nkv, 1, d), or per row (B, nkv, 1, d) on a stacked engine (interface version 7): broadcasts over tokens
+        scale = tensors[0].unsqueeze(-2)
+        zero = tensors[1].unsqueeze(-2) if len(tensors) > 1 else torch.full_like(scale, 2.0 ** (bits - 1))
         return scale, zero
 
     def _scale_zero(self, layer: dict, kind: str, bits: int, gran: str, sym: bool):

@@ -232,8 +232,9 @@ def kv_scale_inputs(iface: EngineInterface, kv_scales: KVScales) -> dict[str, np
             problems.append(f"{field} is missing")
             continue
         stacked = np.asarray(stacked, dtype=np.float32)
-        if stacked.ndim != 3 or stacked.shape[0] != iface.num_layers or tuple(stacked.shape[1:]) != tuple(t.shape):
-            problems.append(f"{field} has shape {stacked.shape}, the engine needs ({iface.num_layers}, *{tuple(t.shape)})")
+        shape = iface.adapter_shape(t)
+        if stacked.ndim != 3 or stacked.shape[0] != iface.num_layers or tuple(stacked.shape[1:]) != shape:
+            problems.append(f"{field} has shape {stacked.shape}, the engine needs ({iface.num_layers}, *{shape})")
             continue
         value = np.ascontiguousarray(stacked[int(layer)])
         if not np.isfinite(value).all():
@@ -245,8 +246,8 @@ def kv_scale_inputs(iface: EngineInterface, kv_scales: KVScales) -> dict[str, np
     if rotations:
         stacked = kv_scales.rotation_or_identity()
         for t in rotations:
-            if tuple(stacked.shape[1:]) != tuple(t.shape):
-                problems.append(f"the KV rotation is {stacked.shape[1:]}, the engine needs {tuple(t.shape)}")
+            if tuple(stacked.shape[1:]) != iface.adapter_shape(t):
+                problems.append(f"the KV rotation is {stacked.shape[1:]}, the engine needs {iface.adapter_shape(t)}")
                 break
             inputs[t.name] = np.ascontiguousarray(stacked[int(t.name.split(".")[1])], dtype=np.float32)
     elif kv_scales.rotation is not None:

@@ -345,11 +345,14 @@ class Block(nn.Module):
 
     def _lora(self, first: str, x: torch.Tensor, y: torch.Tensor, lora: dict[str, tuple]) -> torch.Tensor:
         """y + (x A^T) B^T for the fused linear whose first module is ``first``, the add folded into
-        the second GEMM (one ONNX Gemm)."""
+        the second GEMM (one ONNX Gemm). Stacked (interface version 7): A (S n r, in) and B (out, S n r)
+        hold S adapters; h = x A^T (N, S n r) keeps only each token's row's slot's columns (``mask``, one-hot
+        per slot), so a row's product with the other slots' B columns is exactly 0: it computes what it would alone."""
         if first not in lora:
             return y
-        a, b = lora[first]  # (n r, in), (out, n r)
-        return torch.addmm(y, x @ a.t(), b.t())  # (N, n r) -> (N, out)
+        a, b, mask = lora[first]  # (n r, in), (out, n r), None; or stacked (S n r, in), (out, S n r), (N, S n r)
+        h = x @ a.t()  # (N, n r) or (N, S n r)
+        return torch.addmm(y, h if mask is None else h * mask, b.t())  # (N, out)
 
     def forward(self, x, B: int, T: int, cos, sin, mask, past_k, past_v, lora: dict[str, tuple]):
         """x: (N, H) with N = B * T: the linears run on 2-D activations so each one, bias or
@@ -433,8 +436,9 @@ class Backbone(nn.Module):
         x, cos, sin, mask = self.prepare(input_ids, position_ids, attention_mask, past_kv[0].shape[2])
         B, T = input_ids.shape
         present = []
+        loras = self.layer_loras(tuple(lora), T)
         for i, block in enumerate(self.blocks):
-            x, k, v = block(x, B, T, cos, sin, mask, past_kv[2 * i], past_kv[2 * i + 1], self.layer_lora(lora, i))
+            x, k, v = block(x, B, T, cos, sin, mask, past_kv[2 * i], past_kv[2 * i + 1], loras[i])
             present += [k, v]
         return self.head(x, B, T), tuple(present)
 
@@ -459,11 +463,22 @@ class Backbone(nn.Module):
         mask = mask.unsqueeze(1).expand(B, g, T, P + T).reshape(B, 1, g * T, P + T)  # (B, 1, g T, S)
         return x, cos, sin, mask
 
-    def layer_lora(self, lora: tuple, i: int) -> dict[str, tuple]:
-        """{first module of a fused linear: (A, B)} of layer i."""
-        groups = self.lora_groups
-        layer = lora[2 * len(groups) * i : 2 * len(groups) * (i + 1)]
-        return {fused[0]: tuple(layer[2 * j : 2 * j + 2]) for j, (_, fused) in enumerate(groups)}
+    def layer_loras(self, lora: tuple, T: int) -> list[dict[str, tuple]]:
+        """Per layer {first module of a fused linear: (A, B, mask)}, for T new tokens per row. The LoRA inputs come
+        in (A, B) pairs; a stacked engine's (interface version 7) end with ``adapter_mask`` (B, S), expanded here
+        once per forward and rank n r to (N, S n r): 1 in the columns of each token's row's slot, else 0. Otherwise
+        the mask is None."""
+        n = 2 * len(self.lora_groups)  # inputs per layer
+        masks: dict[int, torch.Tensor] = {}
+        if len(lora) % 2:
+            row = lora[-1]  # (B, S)
+            B, S = row.shape
+            for a in lora[:n:2]:  # one mask per rank: (B, 1, S, 1) -> (B, T, S, n r) -> (N, S n r)
+                nr = a.shape[0] // S
+                masks.setdefault(nr, row[:, None, :, None].expand(B, T, S, nr).reshape(B * T, S * nr))
+        return [{fused[0]: (lora[n * i + 2 * j], lora[n * i + 2 * j + 1],
+                            masks[lora[n * i + 2 * j].shape[0] // S] if masks else None)
+                 for j, (_, fused) in enumerate(self.lora_groups)} for i in range(self.cfg.num_layers)]
 
     def head(self, x, B: int, T: int):
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)  # (N, H)

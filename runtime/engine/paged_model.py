@@ -87,8 +87,9 @@ class PagedKVBackbone(nn.Module):
         g = self.cfg.num_heads // nkv
         x, cos, sin, mask = bb.prepare(input_ids, position_ids, attention_mask, P)  # mask (B, 1, g T, P + T)
         new = []
+        loras = bb.layer_loras(tuple(lora), T)
         for i, block in enumerate(bb.blocks):
-            lora_i = bb.layer_lora(tuple(lora), i)
+            lora_i = loras[i]
             q, k, v = block.project_qkv(x, B, T, cos, sin, lora_i)  # (B, nh, T, d), (B, nkv, T, d) x 2
             qg = q.reshape(B, nkv, g * T, d)  # (B, nkv, g T, d): Block.forward's GQA fold
             scores = torch.cat([qg @ past[2 * i].transpose(-1, -2), qg @ k.transpose(-1, -2)], dim=-1)  # (B, nkv, g T, P + T)

@@ -8,14 +8,16 @@ imports nothing from here.
 
 from __future__ import annotations
 
-from runtime.engine.interface import KV_ROTATION_INPUT, quantized_kv_tensors
+from runtime.engine.interface import ADAPTER_MASK, KV_ROTATION_INPUT, SLOTS_AXIS, per_slot, quantized_kv_tensors
 from runtime.engine.kv_scales import KV_SCALE_KINDS
 
 # Sizes used to trace: deliberately not 0 or 1, which torch.export would specialize to constants.
 TRACE_BATCH, TRACE_SEQ, TRACE_PAST, TRACE_SINK = 2, 3, 5, 2
 TRACE_BLOCKS, TRACE_POOL = 4, 7  # a paged cache: blocks per row in the table, blocks in the pool
+TRACE_SLOTS = 3  # a stacked engine's adapter slots (interface version 7)
 # Upper bounds of the dynamic axes.
 MAX_BATCH, MAX_SEQ, MAX_PAST = 64, 4096, 4096
+MAX_SLOTS = 16  # adapters one stacked forward holds; a device keeps a few resident (runtime.serve.residents)
 
 
 def example_inputs(model, iface, batch: int, seq: int, past: int):
@@ -26,15 +28,27 @@ def example_inputs(model, iface, batch: int, seq: int, past: int):
     cfg = model.cfg
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))  # (B, T)
     pos = (torch.arange(seq) + past).expand(batch, seq).contiguous()  # (B, T)
-    shapes = {t.name: t.shape for t in iface.inputs}
+    shapes = {t.name: [per_slot(a) * TRACE_SLOTS if per_slot(a) != a else a for a in t.shape] for t in iface.inputs}
     lora = [torch.randn(*shapes[n]) * 0.05 for n in iface.lora_names]
+    if iface.stacked:  # one-hot rows, last: see runtime.engine.model.Backbone.layer_loras
+        lora.append(torch.nn.functional.one_hot(torch.randint(0, TRACE_SLOTS, (batch,)), TRACE_SLOTS).float())
+    args = _example_inputs(torch, cfg, iface, batch, seq, past, ids, pos, shapes, lora)
+    if not iface.stacked or not iface.quantized_kv:
+        return args
+    static = args[-2]  # each row its own statics: (nkv, d) -> (B, nkv, d), (d, d) -> (B, d, d)
+    return (*args[:-2], [t.expand(batch, *t.shape).contiguous() for t in static], args[-1])
+
+
+def _example_inputs(torch, cfg, iface, batch, seq, past, ids, pos, shapes, lora):
+    """``example_inputs`` with one adapter's static KV inputs."""
+    specs = {t.name: t for t in iface.inputs}
     if iface.paged:
         table = torch.randint(0, TRACE_POOL, (batch, TRACE_BLOCKS))  # (B, M)
         mask = torch.ones(batch, TRACE_BLOCKS * iface.kv_block_size + seq, dtype=torch.long)  # (B, M bs + T)
         pools = [random_cache_tensor(torch, [TRACE_POOL if a == "blocks" else a for a in t.shape], t.dtype)
                  for t in iface.inputs if t.name.startswith("pool_")]
         if iface.quantized_kv:  # the static inputs in interface order: per layer its scales, then its rotation
-            static = [torch.eye(cfg.head_dim) if n.startswith(KV_ROTATION_INPUT) else torch.rand(*shapes[n]) * 0.1 + 0.01
+            static = [torch.eye(cfg.head_dim) if n.startswith(KV_ROTATION_INPUT) else torch.rand(*iface.adapter_shape(specs[n])) * 0.1 + 0.01
                       for n in iface.input_names if n.split(".")[0] in (*KV_SCALE_KINDS, KV_ROTATION_INPUT)]
             return ids, pos, mask, table, pools, static, lora
         return ids, pos, mask, table, pools, lora
@@ -79,14 +93,23 @@ def export_dynamic_shapes(iface, args, Dim):
     seq = Dim("seq", min=1, max=MAX_SEQ)
     past = Dim("past", min=0, max=MAX_PAST)  # 0 = prefill with an empty cache
     head = ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: Dim.DYNAMIC})  # total = past + seq: derived
+    # Static KV inputs, then LoRA: fixed shapes, but a stacked engine's have a batch or slot axis.
+    slots = Dim(SLOTS_AXIS, min=1, max=MAX_SLOTS)
+
+    def dim(axis):  # a LoRA input's rank axis: slots times one adapter's rank (interface.slots_axis)
+        return {"batch": batch, SLOTS_AXIS: slots}.get(axis) or (slots * per_slot(axis) if per_slot(axis) != axis else None)
+
+    specs = {t.name: {i: dim(a) for i, a in enumerate(t.shape) if dim(a) is not None} or None for t in iface.inputs}
+    lora = [specs[n] for n in iface.lora_names] + ([specs[ADAPTER_MASK]] if iface.stacked else [])
+    static = [specs[n] for n in iface.input_names if n.split(".")[0] in (*KV_SCALE_KINDS, KV_ROTATION_INPUT)]
     if iface.paged:
         blocks = Dim("max_blocks", min=0, max=MAX_PAST // iface.kv_block_size)  # 0 = prefill with an empty cache
         pool = Dim("blocks", min=1, max=None)
-        return head + ({0: batch, 1: blocks}, [{0: pool} for _ in args[4]]) + tuple([None for _ in a] for a in args[5:])
+        return head + ({0: batch, 1: blocks}, [{0: pool} for _ in args[4]]) + ((static,) if iface.quantized_kv else ()) + (lora,)
     if not iface.quantized_kv:
-        return head + ([{0: batch, 2: past} for _ in args[3]], [None for _ in args[4]])
+        return head + ([{0: batch, 2: past} for _ in args[3]], lora)
     sink = Dim("sink", min=0, max=MAX_PAST)  # up to sink_tokens; traced at 2 so it is not specialized
     cache_specs, _, _ = quantized_kv_tensors(iface.num_layers, iface.num_kv_heads, iface.head_dim, iface.kv_spec)
     cache = [{0: batch, 1: past} if t.name == "past_positions" else {0: batch, 2: sink if t.name.startswith("sink_") else past}
              for t in cache_specs]
-    return head + (cache, [None for _ in args[4]], [None for _ in args[5]])
+    return head + (cache, static, lora)

@@ -522,8 +522,7 @@ def verify_release(
     if manifest["base_model_hash"] != iface.backbone_hash:
         raise BackboneMismatch(f"{path}: release is for backbone {manifest['base_model_hash'][:12]}, "
                                f"the local engine runs backbone {iface.backbone_hash[:12]}")
-    accepted = {iface.interface_hash, iface.float_interface_hash} - {None}
-    if manifest["engine"]["interface_hash"] not in accepted:
+    if manifest["engine"]["interface_hash"] not in iface.accepted_hashes:
         raise InterfaceMismatch(f"{path}: release is for engine interface {manifest['engine']['interface_hash'][:12]}, "
                                 f"the local engine has {iface.interface_hash[:12]}")
     checks.append(f"engine: backbone {iface.backbone_hash[:12]}, interface {manifest['engine']['interface_hash'][:12]}")

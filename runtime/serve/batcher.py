@@ -142,28 +142,56 @@ class Row:
 
 
 class ReleaseBatch:
-    """The running rows of one release, their cache, and per row its real length and last token."""
+    """The running rows of one release (or, on a stacked engine, of every release), their cache, and per row its
+    real length, last token and slot."""
 
-    def __init__(self, release):
-        self.release = release
+    def __init__(self, release, stacked: bool = False):
+        self.key = None if stacked else release  # what its arrivals share: one release, or (stacked) none
         self.engine = release.handle.fork()  # the scheduler's own handle: only its thread runs it
+        self.releases = [release]  # per slot of a stacked engine, the release bound there (on fork: the first)
         self.rows: list[Row] = []
         self.cache = None
         self.lengths = np.zeros(0, dtype=np.int64)  # (B,) real tokens per row = its next token's position
         self.tokens = np.zeros(0, dtype=np.int64)  # (B,) each row's last sampled token: the next step's input
+        self.slots = np.zeros(0, dtype=np.int64)  # (B,) the slot of each row's release
+
+    @property
+    def stacked(self) -> bool:
+        return self.key is None
+
+    def bind(self, arriving: list) -> np.ndarray:
+        """Stacked: give each release of ``arriving`` (one per new row) a slot; the slots (one per row). The
+        slots are the releases that still have rows, in their order, then the new ones: a release that left
+        the resident set keeps its slot until its last row finishes, and rebinding copies each running row's
+        release into its new slot, so no running row changes weights (``OrtEngine.bind_slots``)."""
+        if not self.stacked:
+            return np.zeros(len(arriving), dtype=np.int64)
+        running = {id(self.releases[s]) for s in self.slots.tolist()}
+        wanted = [r for r in self.releases if id(r) in running]
+        for r in arriving:  # by identity: a release is its loaded instance (ActiveRelease holds a dict)
+            if all(w is not r for w in wanted):
+                wanted.append(r)
+        if [id(r) for r in wanted] != [id(r) for r in self.releases]:
+            self.engine.bind_slots([r.handle for r in wanted])
+            new_index = {id(r): i for i, r in enumerate(wanted)}
+            self.slots = np.array([new_index[id(self.releases[s])] for s in self.slots.tolist()], dtype=np.int64)
+            self.releases = wanted
+        index = {id(r): i for i, r in enumerate(self.releases)}
+        return np.array([index[id(r)] for r in arriving], dtype=np.int64)
 
 
 class Batcher:
     """The scheduler of one ``AdapterServer``: ``submit`` a generation, its thread does the rest."""
 
     def __init__(self, stop_ids, pad_id: int, metrics, max_rows: int = MAX_BATCH, pool: BlockPool | None = None,
-                 kv_wait_s: float = KV_WAIT_S):
+                 kv_wait_s: float = KV_WAIT_S, stacked: bool = False):
         """``max_rows``: rows one release's batch decodes at most (the engine was exported for batches up
         to ``MAX_BATCH``); arrivals beyond it wait, in order, for rows to leave. ``pool``: a paged engine's
         KV blocks, which every release's batch shares; with a budget, arrivals also wait (at most
-        ``kv_wait_s``) for their worst case to fit."""
+        ``kv_wait_s``) for their worst case to fit. ``stacked``: the engine takes rows of several releases in
+        one forward (interface version 7): one batch for every release, each row on its release's slot."""
         self.stop_ids, self.pad_id, self.metrics = frozenset(int(t) for t in stop_ids), pad_id, metrics
-        self.max_rows, self.pool, self.kv_wait_s = max_rows, pool, kv_wait_s
+        self.max_rows, self.pool, self.kv_wait_s, self.stacked = max_rows, pool, kv_wait_s, stacked
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # notified when a request arrives for a waiting thread
         self._arrivals: list[BatchedGeneration] = []
@@ -227,7 +255,7 @@ class Batcher:
         those that wait). Once one request of a release waits for rows, the later ones of that release wait
         too, and once one waits for KV blocks, every later one does: first come, first served. A request
         that waited ``kv_wait_s`` for blocks fails with ``KVBudgetExceeded``; a cancelled one is dropped."""
-        rows = {id(b.release): len(b.rows) for b in self._batches}
+        rows = {id(b.key): len(b.rows) for b in self._batches}
         free = self.pool.capacity - sum(r.kv_blocks for b in self._batches for r in b.rows) \
             if self.pool is not None and self.pool.fixed else None  # blocks no admitted row may come to need
         admit, wait, full, kv_full = [], [], set(), False
@@ -235,7 +263,7 @@ class Batcher:
         for g in arrivals:
             if g.cancelled:
                 continue
-            key, need = id(g.release), sum(g.row_blocks)
+            key, need = id(self._key(g.release)), sum(g.row_blocks)
             taken = rows.get(key, 0)
             if kv_full or (free is not None and need > free):
                 if now - g.submitted >= self.kv_wait_s:
@@ -254,6 +282,10 @@ class Batcher:
                 free = None if free is None else free - need
                 admit.append(g)
         return admit, wait
+
+    def _key(self, release):
+        """The batch a release's rows join: its own, or on a stacked engine the one batch (key None)."""
+        return None if self.stacked else release
 
     def _deliver(self, generation: BatchedGeneration, item) -> None:
         self._outbox.append((generation, item))
@@ -286,15 +318,16 @@ class Batcher:
     def _admit(self, arrivals: list[BatchedGeneration]) -> None:
         groups: list[tuple[object, list[BatchedGeneration]]] = []
         for g in arrivals:
-            group = next((gens for release, gens in groups if release is g.release), None)
+            key = self._key(g.release)
+            group = next((gens for k, gens in groups if k is key), None)
             if group is None:
-                groups.append((g.release, [g]))
+                groups.append((key, [g]))
             else:
                 group.append(g)
-        for release, gens in groups:
-            batch = next((b for b in self._batches if b.release is release), None)
+        for key, gens in groups:
+            batch = next((b for b in self._batches if b.key is key), None)
             if batch is None:
-                batch = ReleaseBatch(release)
+                batch = ReleaseBatch(gens[0].release, self.stacked)
                 self._batches.append(batch)
             self._prefill(batch, gens)
             if not batch.rows:
@@ -306,7 +339,8 @@ class Batcher:
         that fails alone fails, not the ones that arrived with it; the batch runs on."""
         try:
             ids, pos, mask = left_padded([p for g in gens for p in g.prompts], self.pad_id)  # (n, L) each
-            logits, cache = batch.engine.forward(ids, pos, mask, None)
+            slots = batch.bind([g.release for g in gens for _ in g.prompts])  # (n,)
+            logits, cache = batch.engine.forward(ids, pos, mask, None, **self._slots(batch, slots))
         except Exception as err:
             if len(gens) > 1:
                 log.warning("prefill of %d requests together failed (%s: %s); prefilling each alone",
@@ -318,13 +352,18 @@ class Batcher:
             self._deliver(gens[0], err)
             return
         try:
-            self._join(batch, gens, ids, mask, logits, cache)
+            self._join(batch, gens, ids, mask, logits, cache, slots)
         except Exception as err:  # a bug past the engine: these requests fail, the batch runs on
             log.exception("joining the prefilled rows failed")
             for g in gens:
                 self._deliver(g, err)
 
-    def _join(self, batch: ReleaseBatch, gens: list[BatchedGeneration], ids, mask, logits, cache) -> None:
+    @staticmethod
+    def _slots(batch: ReleaseBatch, slots: np.ndarray) -> dict:
+        """forward's ``slots`` argument: only a stacked batch passes one (other engines take none)."""
+        return {"slots": slots} if batch.stacked else {}
+
+    def _join(self, batch: ReleaseBatch, gens: list[BatchedGeneration], ids, mask, logits, cache, slots) -> None:
         """Sample the first tokens of the prefilled ``gens`` and merge their rows into ``batch``."""
         rows = [Row(g, i) for g in gens for i in range(len(g.prompts))]
         tokens, decoding = self._emit(rows, logits[:, -1])
@@ -339,6 +378,7 @@ class Batcher:
         batch.rows += [r for r, k in zip(rows, keep) if k]
         batch.lengths = np.concatenate([batch.lengths, lengths[keep]])
         batch.tokens = np.concatenate([batch.tokens, tokens[keep]])
+        batch.slots = np.concatenate([batch.slots, slots[keep]])
 
     # ------------------------------------------------------------------ decode
 
@@ -350,7 +390,8 @@ class Batcher:
         lengths = batch.lengths + 1
         mask = (np.arange(W + 1)[None, :] >= (W + 1 - lengths)[:, None]).astype(np.int64)  # (B, W + 1)
         try:
-            logits, batch.cache = batch.engine.forward(batch.tokens[:, None], batch.lengths[:, None], mask, batch.cache)
+            logits, batch.cache = batch.engine.forward(batch.tokens[:, None], batch.lengths[:, None], mask, batch.cache,
+                                                       **self._slots(batch, batch.slots))
         except Exception as err:
             log.exception("decode step failed")
             for g in {id(r.generation): r.generation for r in batch.rows}.values():
@@ -358,6 +399,7 @@ class Batcher:
             self._drop(batch)
             return
         self.metrics.batch_rows.observe(B)
+        self.metrics.batch_releases.observe(len({id(r.generation.release) for r in batch.rows}))
         batch.lengths = lengths
         batch.tokens, keep = self._emit(batch.rows, logits[:, -1])
         self._keep(batch, keep)
@@ -404,4 +446,4 @@ class Batcher:
         drop = int(batch.lengths.max() - batch.lengths[keep].max())
         batch.cache = batch.engine.take_cache_rows(batch.cache, np.flatnonzero(keep), drop)
         batch.rows = [r for r, k in zip(batch.rows, keep) if k]
-        batch.lengths, batch.tokens = batch.lengths[keep], batch.tokens[keep]
+        batch.lengths, batch.tokens, batch.slots = batch.lengths[keep], batch.tokens[keep], batch.slots[keep]

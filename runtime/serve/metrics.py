@@ -109,6 +109,9 @@ class ServerMetrics:
             self.unloads.labels(reason)
         self.batch_rows = Histogram(f"{PREFIX}_decode_batch_rows", "Rows decoded together per batched decode step",
                                     buckets=BATCH_ROW_BUCKETS, registry=r)
+        # Above 1 only on a stacked engine (interface version 7), where rows of several releases share a step.
+        self.batch_releases = Histogram(f"{PREFIX}_decode_batch_releases", "Releases whose rows decoded together per "
+                                        "batched decode step", buckets=BATCH_ROW_BUCKETS, registry=r)
         # Set by the batch scheduler after each turn (batched decode; a forked request's cache is its own).
         self.kv_cache_bytes = Gauge(f"{PREFIX}_kv_cache_bytes", "Bytes the KV caches of the running batches hold now, "
                                     "every slot allocated (padding included)", registry=r)

@@ -98,7 +98,7 @@ class AdapterServer:
         self._load_lock = threading.Lock()
         # One scheduler for every release's batch; None where the cache cannot be merged (fp16 sink tokens).
         self.batcher = (Batcher(tokenizer.stop_ids, tokenizer.pad_id, self.metrics, pool=getattr(engine, "pool", None),
-                                kv_wait_s=kv_wait_s)
+                                kv_wait_s=kv_wait_s, stacked=engine.interface.stacked)
                         if getattr(engine, "merges_caches", False) else None)
         # set by runtime.serve.health.ReleaseGate: per product, the state directory and its trials
         self.gates: dict[str, ReleaseGate] = {}

@@ -21,6 +21,12 @@ that all handles of the session share (``kv_budget_bytes`` bounds it); its cache
 block table and a mask of each row's filled slots, and writes the new tokens' slots the graph returns
 into the rows' blocks. The caller's ``attention_mask`` keeps its meaning: only its last T columns are
 read (which new tokens are real), since a paged row stores its real tokens only.
+
+A stacked engine (interface version 7) binds several releases at once, each in a slot:
+``set_adapters([(lora, kv_scales), ...])`` copies their LoRA into one contiguous buffer (slot after slot)
+and keeps their KV statics; ``forward(..., slots=)`` says each row's slot, from which a step binds the
+one-hot ``adapter_mask`` and each row's release's statics (a gather of a few KB per row). ``set_adapter``
+is one slot.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from onnxruntime.capi import _pybind_state as _C
 
 from runtime.engine.adapter import check_lora_inputs, zero_lora_inputs
 from runtime.engine.errors import RefusedInput
-from runtime.engine.interface import BLOCK_TABLE, ENGINE_ONNX, read_interface
+from runtime.engine.interface import ADAPTER_MASK, BLOCK_TABLE, ENGINE_ONNX, read_interface
 from runtime.engine.kv_blocks import BlockPool, PagedCache, PoolTensor
 from runtime.engine.kv_scales import kv_scale_inputs
 
@@ -155,6 +161,8 @@ class OrtEngine:
         self._sink_bytes_per_token = self.interface.slot_bytes("sink")
         self._lora: dict[str, ort.OrtValue] = {}
         self._kv_static: dict[str, ort.OrtValue] = {}  # quantized engines: bound by set_adapter(..., kv_scales)
+        self._slot_static: dict[str, np.ndarray] = {}  # stacked quantized engines: per input (slots, ...) to gather by row
+        self.slots = 1  # adapters bound (a stacked engine's slots)
         self._binding = self.session.io_binding()
         self._cpu = ort.OrtDevice.make("cpu", 0)._get_c_device()
         self._array_inputs = ("input_ids", "position_ids", "attention_mask", "past_positions")  # bound from numpy each step
@@ -167,24 +175,53 @@ class OrtEngine:
         elif kv_budget_bytes is not None:
             raise ValueError(f"{engine_dir}: a KV budget needs a paged engine (interface version 6), this one is "
                              f"version {self.interface.version}")
-        self._bind_lora(None)
+        self._bind_lora([None])
 
     def set_adapter(self, lora: Mapping[str, np.ndarray] | None, kv_scales=None) -> None:
         """Bind an adapter's LoRA inputs (None = base model) and, on a quantized-KV engine, the
-        release's KV scales (``runtime.engine.kv_scales.read_kv_scales`` output); both are checked first."""
-        static = None
+        release's KV scales (``runtime.engine.kv_scales.read_kv_scales`` output); both are checked first.
+        On a stacked engine: one slot, slot 0."""
+        self.set_adapters([(lora, kv_scales)])
+
+    def set_adapters(self, adapters: list[tuple[Mapping[str, np.ndarray] | None, Any]]) -> None:
+        """Bind (lora, kv_scales) per slot, each as ``set_adapter`` takes them, all checked before anything is
+        bound; more than one needs a stacked engine (interface version 7). Only this handle rebinds: a fork
+        made before keeps the slots it had, so rows running on it never change weights."""
+        if not adapters or (len(adapters) > 1 and not self.interface.stacked):
+            raise ValueError(f"{len(adapters)} adapters: this engine (interface version {self.interface.version}) "
+                             f"binds {'one or more' if self.interface.stacked else 'exactly one'}")
+        statics = []
+        for _, kv_scales in adapters:
+            if self.kv_spec is not None:
+                if kv_scales is None:
+                    raise RefusedInput("this engine has a quantized KV cache: set_adapter needs the release's kv_scales "
+                                       "(runtime.engine.kv_scales.read_kv_scales); they are never defaulted to 1.0")
+                statics.append(kv_scale_inputs(self.interface, kv_scales))
+            elif kv_scales is not None:
+                raise ValueError("this engine has a float KV cache; it takes no kv_scales")
+        self._bind_lora([lora for lora, _ in adapters])
+        self.slots = len(adapters)
+        if not statics:
+            return
+        if self.interface.stacked:  # bound per step, each row its slot's (forward)
+            self._slot_static = {n: np.stack([s[n] for s in statics]) for n in statics[0]}  # (slots, ...)
+            return
+        self._kv_static = {n: ort.OrtValue.ortvalue_from_numpy(v) for n, v in statics[0].items()}
+        for name, value in self._kv_static.items():
+            self._binding.bind_ortvalue_input(name, value)
+
+    def bind_slots(self, handles: list["OrtEngine"]) -> None:
+        """Slot i takes what ``handles[i]`` (each a handle of this stacked engine with one release bound, e.g. a
+        resident release's) has in its slot 0: its LoRA and KV statics, copied, so rebinding this handle never
+        touches theirs. A running batch rebinds with its releases' slots in a new order (the caller remaps its
+        rows): each row keeps its release's weights."""
+        if not self.interface.stacked:
+            raise ValueError(f"interface version {self.interface.version} binds one adapter; slots need version 7")
+        loras = [{n: h._lora[n].numpy() for n in self.interface.lora_names} for h in handles]  # one slot each
+        self._bind_lora(loras)
+        self.slots = len(handles)
         if self.kv_spec is not None:
-            if kv_scales is None:
-                raise RefusedInput("this engine has a quantized KV cache: set_adapter needs the release's kv_scales "
-                                   "(runtime.engine.kv_scales.read_kv_scales); they are never defaulted to 1.0")
-            static = kv_scale_inputs(self.interface, kv_scales)
-        elif kv_scales is not None:
-            raise ValueError("this engine has a float KV cache; it takes no kv_scales")
-        self._bind_lora(lora)
-        if static is not None:
-            self._kv_static = {n: ort.OrtValue.ortvalue_from_numpy(v) for n, v in static.items()}
-            for name, value in self._kv_static.items():
-                self._binding.bind_ortvalue_input(name, value)
+            self._slot_static = {n: np.stack([h._slot_static[n][0] for h in handles]) for n in handles[0]._slot_static}
 
     def fork(self) -> "OrtEngine":
         """Another handle on the same session, with its own IOBinding and the same adapter bound.
@@ -202,10 +239,12 @@ class OrtEngine:
             twin._binding.bind_ortvalue_input(name, value)
         return twin
 
-    def _bind_lora(self, lora: Mapping[str, np.ndarray] | None) -> None:
-        if lora is None:
-            lora = zero_lora_inputs(self.interface)
-        check_lora_inputs(self.interface, lora)
+    def _bind_lora(self, loras: list[Mapping[str, np.ndarray] | None]) -> None:
+        """Bind one adapter's LoRA inputs (None: zeros), or on a stacked engine every slot's: A (slots n r, in),
+        B (out, slots n r)."""
+        loras = [zero_lora_inputs(self.interface) if lora is None else lora for lora in loras]
+        for lora in loras:
+            check_lora_inputs(self.interface, lora)
         # Copied (the engine keeps a snapshot, not the caller's arrays) into one contiguous buffer
         # in graph order, and held on self (each ORT value keeps its view, and so the buffer,
         # alive): the binding refers to it. One buffer instead of an allocation per input because
@@ -214,7 +253,11 @@ class OrtEngine:
         # off the LoRA-as-input overhead (e.g. past 2048: +6.4% vs +10.0%; one run: no difference).
         # Aligning the buffer to a page measured 3-5 points worse than where numpy puts it (page + 16 B).
         names = self.interface.lora_names
-        arrays = [np.asarray(lora[n], dtype=np.float32) for n in names]
+        if self.interface.stacked:  # A slot after slot; B's slots side by side in each output row
+            arrays = [np.concatenate([np.asarray(lora[n], dtype=np.float32) for lora in loras],
+                                     axis=0 if n.startswith("lora_A.") else 1) for n in names]
+        else:
+            arrays = [np.asarray(loras[0][n], dtype=np.float32) for n in names]
         buffer = np.empty(sum(a.size for a in arrays), dtype=np.float32)
         self._lora, offset = {}, 0
         for name, array in zip(names, arrays):
@@ -241,13 +284,15 @@ class OrtEngine:
         return PackedCache({n: zeros(n) for n in self._kv_names}, {n: zeros(n) for n in self._sink_names},
                            np.zeros((batch, 0), dtype=np.int64))
 
-    def forward(self, input_ids, position_ids, attention_mask, past=None):
-        if self.kv_spec is not None and not self._kv_static:
+    def forward(self, input_ids, position_ids, attention_mask, past=None, slots=None):
+        """``slots`` (B,) int: the slot each row decodes with (stacked engine; None: every row slot 0)."""
+        if self.kv_spec is not None and not (self._kv_static or self._slot_static):
             raise RefusedInput("quantized KV engine without KV scales: call set_adapter(lora, kv_scales=...) first")
         if past is None:
             past = self.empty_cache(input_ids.shape[0])
+        rows = self._bind_rows(input_ids.shape[0], slots)
         if self.pool is not None:
-            return self._forward_paged(input_ids, position_ids, attention_mask, past)
+            return self._forward_paged(input_ids, position_ids, attention_mask, past, rows)
         # The binding's and session's pybind objects directly: the Python wrappers' per-call checks,
         # OrtDevice objects and bookkeeping cost ~0.06 ms a step (6% of a batch-8 decode step on the
         # tiny engine, measured against the wrapper calls, with identical logits).
@@ -270,13 +315,32 @@ class OrtEngine:
             binding.bind_output(name, cpu)
         self.session._sess.run_with_iobinding(binding, None)
         outputs = binding.get_outputs()  # pybind values: wrapped (ort.OrtValue) only where they become the cache
-        self._step_inputs = arrays, past  # what the bound inputs' memory belongs to, until the next step rebinds
+        self._step_inputs = arrays, past, rows  # what the bound inputs' memory belongs to, until the next step rebinds
         if self.kv_spec is None:
             return outputs[0].numpy(), [ort.OrtValue(outputs[i]) for i in range(1, len(outputs))]
         # indexed, not iterated: iterating the vector gives views of its slots, which the next step reuses
         return outputs[0].numpy(), self._next_cache(past, {n: outputs[i] for i, n in enumerate(self._outputs)}, position_ids)
 
-    def _forward_paged(self, input_ids, position_ids, attention_mask, past: PagedCache):
+    def _bind_rows(self, batch: int, slots) -> list[np.ndarray]:
+        """A stacked engine's per-row inputs for ``slots`` (B,): the one-hot ``adapter_mask`` and each row's KV
+        statics, bound; the arrays (kept by the caller until the step has run). Nothing on other engines."""
+        if not self.interface.stacked:
+            if slots is not None and np.any(np.asarray(slots) != 0):
+                raise ValueError(f"slots {np.asarray(slots).tolist()}: this engine (interface version "
+                                 f"{self.interface.version}) binds one adapter")
+            return []
+        slots = np.zeros(batch, dtype=np.int64) if slots is None else np.asarray(slots, dtype=np.int64)
+        if slots.shape != (batch,) or slots.min(initial=0) < 0 or slots.max(initial=0) >= self.slots:
+            raise ValueError(f"slots {slots.tolist()}: one per row ({batch}), each below the {self.slots} bound")
+        mask = np.zeros((batch, self.slots), dtype=np.float32)
+        mask[np.arange(batch), slots] = 1.0
+        arrays = [(ADAPTER_MASK, mask)] + [(n, np.ascontiguousarray(v[slots])) for n, v in self._slot_static.items()]
+        binding, cpu = self._binding._iobinding, self._cpu
+        for name, array in arrays:
+            binding.bind_ortvalue_input(name, _C.OrtValue.ortvalue_from_numpy(array, cpu))
+        return [a for _, a in arrays]
+
+    def _forward_paged(self, input_ids, position_ids, attention_mask, past: PagedCache, rows: list):
         binding, cpu = self._binding._iobinding, self._cpu
         T = input_ids.shape[1]
         real = np.asarray(attention_mask)[:, -T:] > 0  # (B, T): the new tokens a row stores
@@ -293,7 +357,7 @@ class OrtEngine:
             binding.bind_output(name, cpu)
         self.session._sess.run_with_iobinding(binding, None)
         outputs = binding.get_outputs()
-        self._step_inputs = arrays  # not the cache: a finished generation's blocks go back when it is dropped
+        self._step_inputs = arrays, rows  # not the cache: a finished generation's blocks go back when it is dropped
         past.append({"pool_" + n[len("new_"):]: outputs[i].numpy() for i, n in enumerate(self._outputs) if i}, real)
         return outputs[0].numpy(), past
 
