@@ -282,9 +282,10 @@ def compile_profile_engines(cfg: ReleaseConfig) -> dict:
 
     With ``engine.kv_cache: quantized`` the engine with the ``kv`` section's quantized cache is
     built too (``layout.kv_engine_dir``; its scales are runtime inputs, so it is month-independent
-    like the float one). With ``engine.kv_block_size`` N > 0 the serving cache's paged form is built
-    besides (``tasks.layout.cache_engine_dir``: ``kv-pagedN`` or ``pagedN``, interface version 6); the
-    padded engines stay, as the benchmarks and the KV checks read them. With ``engine.weights`` int8/int4
+    like the float one). With ``engine.kv_block_size`` N > 0 and/or ``engine.mixed_adapters`` the serving form
+    of that cache is built besides (``tasks.layout.cache_engine_dir``: ``kv-pagedN-stacked`` by default, paged
+    interface version 6 with stacked adapters, version 7); the padded engines stay, as adapters bind to the
+    float one and the benchmarks and the KV checks read them. With ``engine.weights`` int8/int4
     the serving engine is also copied with quantized weights into ``layout.serving_engine_dir`` (reused
     likewise). Adapters take the same LoRA inputs on all of them.
     """
@@ -302,13 +303,15 @@ def compile_profile_engines(cfg: ReleaseConfig) -> dict:
                                   "engine_builds": kv["engine_builds"], "interface_hash": kv["interface_hash"]}}
         metrics["engine_builds"] += kv["engine_builds"]
         source = layout.kv_engine_dir
-    if cfg.engine.kv_block_size:
+    if cfg.engine.kv_block_size or cfg.engine.mixed_adapters:  # the serving form of that cache
         source = cache_engine_dir(cfg.engine)
-        paged = compile_engine(model_dir, source, *common, kv_spec=kv_spec, kv_attention=attention,
-                               kv_block_size=cfg.engine.kv_block_size)
-        metrics |= {"paged_engine": {"dir": str(source), "kv_block_size": cfg.engine.kv_block_size,
-                                     "engine_builds": paged["engine_builds"], "interface_hash": paged["interface_hash"]}}
-        metrics["engine_builds"] += paged["engine_builds"]
+        serving = compile_engine(model_dir, source, *common, kv_spec=kv_spec, kv_attention=attention,
+                                 kv_block_size=cfg.engine.kv_block_size or None, stacked=cfg.engine.mixed_adapters)
+        metrics |= {"serving_engine": {"dir": str(source), "kv_block_size": cfg.engine.kv_block_size,
+                                       "mixed_adapters": cfg.engine.mixed_adapters,
+                                       "engine_builds": serving["engine_builds"],
+                                       "interface_hash": serving["interface_hash"]}}
+        metrics["engine_builds"] += serving["engine_builds"]
     if cfg.engine.weights != "fp32":
         from tasks.weight_engines import ensure_quantized_engine
 

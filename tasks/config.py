@@ -167,6 +167,10 @@ class EngineConfig(_Section):
     # rows hold only the blocks they fill instead of a cache as long as the batch's longest row.
     # 0 = the padded cache, which the TensorRT and eager backends and the sink / pre-RoPE schemes need.
     kv_block_size: int = Field(DEFAULT_KV_BLOCK_SIZE, ge=0)
+    # The serving engine takes the LoRA of every resident release stacked, with a slot per row (interface
+    # version 7, docs/mixed-adapters.md): requests of several products, or of champion and candidate, decode in
+    # one batch. False = one release per batch (the engine the TensorRT and eager backends need).
+    mixed_adapters: bool = True
 
     def weights_format(self) -> str:
         """How quantized weights are written for the backend (``tasks.weight_graph.WEIGHT_FORMATS``):
@@ -201,14 +205,15 @@ class EngineConfig(_Section):
         # The eager reference loads the float checkpoint: it would silently run float weights.
         if self.weights != "fp32" and self.backend == "torch":
             raise ValueError(f"weights {self.weights} needs backend onnxruntime or tensorrt, not torch")
-        # Both of the onnxruntime-only defaults named at once: a user switching backends fixes them in one edit.
-        paged = " and engine.kv_block_size: 0 (the paged cache runs on onnxruntime only too)" if self.kv_block_size else ""
-        if self.kv_cache == "quantized" and self.backend != "onnxruntime":
-            raise ValueError(f"kv_cache quantized runs on backend onnxruntime only, not {self.backend} "
-                             f"(its runtime does not bind KV scales yet): set engine.kv_cache: float{paged}")
-        if self.kv_block_size and self.backend != "onnxruntime":
-            raise ValueError(f"kv_block_size {self.kv_block_size} (a paged cache) runs on backend onnxruntime only, "
-                             f"not {self.backend}: set engine.kv_block_size: 0")
+        # Every onnxruntime-only default named in one error: a user switching backends fixes them in one edit.
+        if self.backend != "onnxruntime":
+            needs = [("engine.kv_cache: float", self.kv_cache == "quantized"),  # its runtime binds no KV scales yet
+                     ("engine.kv_block_size: 0", bool(self.kv_block_size)),
+                     ("engine.mixed_adapters: false", self.mixed_adapters)]
+            fixes = [fix for fix, needed in needs if needed]
+            if fixes:
+                raise ValueError(f"backend {self.backend} runs neither the quantized KV cache, the paged cache nor "
+                                 f"stacked adapters (onnxruntime only): set {' and '.join(fixes)}")
         return self
 
 

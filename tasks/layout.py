@@ -8,8 +8,9 @@ holds the two together). Paths are relative to the project root, as DVC runs the
     <data.dir>/<month>/              the data stage: train/val/calib/test.jsonl, held-out text
     <engine.dir>/                    the compile stage: the float engine of the backbone, and inside it
         kv/                          the engine with the quantized KV cache (engine.kv_cache: quantized)
-        kv-paged16/, paged16/        the serving engine with a paged KV cache (engine.kv_block_size: 16)
-        kv-int8/, int8-qdq_fp16/...  weight-quantized copies of the serving engine (engine.weights)
+        kv-paged16-stacked/          the serving engine: paged KV cache (engine.kv_block_size: 16), stacked
+                                     adapters (engine.mixed_adapters); kv-paged16/, paged16/, kv-stacked/... without
+        kv-paged16-stacked-int8/...  weight-quantized copies of the serving engine (engine.weights; int8-qdq_fp16/ for TensorRT)
     <train.output_dir>/engine_build.json   what the compile stage built (not per month: the engine is not)
     <train.output_dir>/<month>/
         finetune/adapter/            the LoRA adapter, PEFT's files
@@ -38,6 +39,7 @@ BASE_MODEL_STAGE_DIR = "models/base"
 ENGINE_BUILD_FILE = "engine_build.json"
 KV_ENGINE = "kv"  # the quantized-KV engine's folder inside the float engine's
 PAGED_ENGINE = "paged"  # + engine.kv_block_size: a paged-cache engine's folder (``paged16``, ``kv-paged16``)
+STACKED_ENGINE = "stacked"  # engine.mixed_adapters: the serving form with stacked adapters (``kv-paged16-stacked``)
 FINETUNE, KV, EVAL, GATES, PACKAGE = "finetune", "kv", "eval", "gates", "package"  # a month's stage folders
 ADAPTER_DIR = "adapter"  # in finetune/
 METRICS_FILE = "metrics.json"  # in eval/
@@ -47,14 +49,15 @@ RELEASE_DIR, CHECK_FILE = "release", "check.json"  # in package/
 
 
 def cache_engine_dir(engine: EngineConfig) -> Path:
-    """The engine with the configured KV cache and float weights: the float engine, its quantized-KV variant
-    (``kv``), or the paged form of either (``paged16``, ``kv-paged16``: blocks of 16 tokens)."""
+    """The engine with the configured KV cache and adapter slots and float weights: the float engine, its
+    quantized-KV variant (``kv``), the paged form of either (``paged16``, ``kv-paged16``: blocks of 16 tokens),
+    each with stacked adapters (``kv-paged16-stacked``, the default)."""
     return _engine_variant(engine, with_weights=False)
 
 
 def serving_engine_dir(engine: EngineConfig) -> Path:
     """The engine the device runs: ``cache_engine_dir``, or a weight-quantized copy of it (``kv-int8``,
-    ``int8``, ``kv-paged16-int8``; TensorRT's format appended: ``int8-qdq_fp16``)."""
+    ``int8``, ``kv-paged16-stacked-int8``; TensorRT's format appended: ``int8-qdq_fp16``)."""
     return _engine_variant(engine, with_weights=True)
 
 
@@ -62,6 +65,8 @@ def _engine_variant(engine: EngineConfig, with_weights: bool) -> Path:
     variant = [KV_ENGINE] if engine.kv_cache == "quantized" else []
     if engine.kv_block_size:  # each block size its own folder: switching back and forth rebuilds nothing
         variant.append(f"{PAGED_ENGINE}{engine.kv_block_size}")
+    if engine.mixed_adapters:
+        variant.append(STACKED_ENGINE)
     if with_weights and engine.weights != "fp32":
         variant.append(engine.weights)
         if engine.weights_format() != "matmulnbits":

@@ -34,7 +34,8 @@ from pathlib import Path
 import numpy as np
 
 from kernels.weight_quant import pack_codes, quantize_groups
-from runtime.engine.interface import BLOCK_TABLE
+from runtime.engine.adapter import zero_lora_inputs
+from runtime.engine.interface import ADAPTER_MASK, BLOCK_TABLE, read_interface
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +330,10 @@ def calibrate_activations(onnx_path: str | Path, token_ids: list[list[int]], thr
     opts.intra_op_num_threads = threads
     opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(Path(onnx_path).parent))
     session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    feeds_fixed = {}
+    iface = read_interface(Path(onnx_path).parent)  # an engine folder's graph: its interface lies beside it
+    feeds_fixed = zero_lora_inputs(iface)  # one slot of a stacked engine, which the mask selects
+    if iface.stacked:
+        feeds_fixed[ADAPTER_MASK] = np.ones((1, 1), np.float32)
     for spec in session.get_inputs():  # an empty cache: padded (no past slots) or paged (an empty block table)
         if spec.name.startswith("past_"):
             feeds_fixed[spec.name] = np.zeros((1, spec.shape[1], 0, spec.shape[3]), np.float32)
@@ -337,8 +341,6 @@ def calibrate_activations(onnx_path: str | Path, token_ids: list[list[int]], thr
             feeds_fixed[spec.name] = np.zeros((1, *spec.shape[1:]), np.float32)  # one block, read by no row
         elif spec.name == BLOCK_TABLE:
             feeds_fixed[spec.name] = np.zeros((1, 0), np.int64)
-        elif spec.name.startswith("lora_"):
-            feeds_fixed[spec.name] = np.zeros(spec.shape, np.float32)
     sums: dict[str, np.ndarray] = {}
     count = 0
     for ids in token_ids:

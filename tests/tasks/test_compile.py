@@ -112,8 +112,8 @@ sys.exit(code)
 
 
 def test_the_compile_stage_prints_each_line_once_and_keeps_warnings(tiny_qwen, tmp_path):
-    # Given: a release of the tiny backbone with the default paged quantized KV cache: three exports (float, padded
-    # quantized, paged quantized), as in `make release`
+    # Given: a release of the tiny backbone with the default serving engine: three exports (float, padded
+    # quantized, paged quantized with stacked adapters), as in `make release`
     (tmp_path / "params.yaml").write_text(f"base_model:\n  source: local\n  path: {tiny_qwen}\n")
 
     # When: the compile stage runs in its own process

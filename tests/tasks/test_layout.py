@@ -87,16 +87,18 @@ def test_metrics_and_plots_are_files_of_the_layouts_folders():
 
 
 @pytest.mark.parametrize("engine, serving", [
-    ({}, "engine/kv-paged16"),
-    ({"weights": "int4"}, "engine/kv-paged16-int4"),
-    ({"kv_cache": "float"}, "engine/paged16"),
-    ({"kv_block_size": 0}, "engine/kv"),
-    ({"kv_block_size": 0, "weights": "int8"}, "engine/kv-int8"),
-    ({"kv_block_size": 0, "weights": "int4"}, "engine/kv-int4"),
-    ({"kv_block_size": 0, "kv_cache": "float"}, "engine"),
-    ({"kv_block_size": 0, "kv_cache": "float", "weights": "int8"}, "engine/int8"),
-    ({"kv_block_size": 0, "kv_cache": "float", "weights": "int4", "backend": "tensorrt"}, "engine/int4-qdq_fp16"),
-    ({"kv_cache": "float", "kv_block_size": 32}, "engine/paged32"),
+    ({}, "engine/kv-paged16-stacked"),
+    ({"weights": "int4"}, "engine/kv-paged16-stacked-int4"),
+    ({"kv_cache": "float"}, "engine/paged16-stacked"),
+    ({"mixed_adapters": False}, "engine/kv-paged16"),
+    ({"kv_block_size": 0}, "engine/kv-stacked"),
+    ({"kv_block_size": 0, "mixed_adapters": False}, "engine/kv"),
+    ({"kv_block_size": 0, "mixed_adapters": False, "weights": "int8"}, "engine/kv-int8"),
+    ({"kv_block_size": 0, "mixed_adapters": False, "kv_cache": "float"}, "engine"),
+    ({"kv_block_size": 0, "mixed_adapters": False, "kv_cache": "float", "weights": "int8"}, "engine/int8"),
+    ({"kv_block_size": 0, "mixed_adapters": False, "kv_cache": "float", "weights": "int4", "backend": "tensorrt"},
+     "engine/int4-qdq_fp16"),
+    ({"kv_cache": "float", "kv_block_size": 32, "mixed_adapters": False}, "engine/paged32"),
 ])
 def test_every_serving_engine_lies_in_the_compile_stages_output(engine, serving):
     # A DVC output must exist after its stage: one folder holds whichever engines the settings build.
@@ -110,7 +112,7 @@ def test_the_layout_follows_the_configured_roots():
     layout = parse_config({"data": {"month": "2027-01", "dir": "d"}, "train": {"output_dir": "out"},
                            "engine": {"dir": "eng"}}).layout
     assert layout == ArtifactLayout(data_dir=Path("d/2027-01"), output_dir=Path("out"), release_dir=Path("out/2027-01"),
-                                    engine_dir=Path("eng"), serving_engine_dir=Path("eng/kv-paged16"))
+                                    engine_dir=Path("eng"), serving_engine_dir=Path("eng/kv-paged16-stacked"))
     assert layout.package_release_dir == Path("out/2027-01/package/release")
     assert layout.engine_build_file == Path("out/engine_build.json")  # the engine is not the month's
 

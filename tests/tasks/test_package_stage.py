@@ -47,7 +47,7 @@ def stage(w, tmp_path, monkeypatch):
     params = {"data": {"month": "2026-11", "dir": str(tmp_path / "data")},
               "base_model": {"source": "local", "path": str(w["tokenizer"])},
               "train": {"output_dir": str(tmp_path / "artifacts"), "threads": 1},
-              "engine": {"dir": str(w["engine"]), "threads": 1, "kv_cache": "float", "kv_block_size": 0},  # the world's float engine
+              "engine": {"dir": str(w["engine"]), "threads": 1, "kv_cache": "float", "kv_block_size": 0, "mixed_adapters": False},  # the world's float engine
               "publish": {"signing_key": str(tmp_path / "keys" / "release_signing.key")}}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     return {"params": tmp_path / "params.yaml", "month": month, "key": tmp_path / "keys" / "release_signing.key"}

@@ -13,7 +13,7 @@ from engine_testkit import calibrate, engine_run, make_adapter
 from runtime.engine.adapter import load_adapter
 from runtime.engine.backends.onnxruntime import OrtEngine
 from runtime.engine.generate import generate_text
-from runtime.engine.interface import BLOCK_TABLE, PAGED_INTERFACE_VERSION, read_interface
+from runtime.engine.interface import BLOCK_TABLE, STACKED_INTERFACE_VERSION, read_interface
 from runtime.engine.model import load_backbone
 from tasks.base_model import load_tokenizer
 from tasks.compile import compile_profile_engines
@@ -52,21 +52,21 @@ def opened(engine_dir, lora, scales=None) -> OrtEngine:
     return engine
 
 
-def test_kv_block_size_makes_the_compile_stage_build_a_paged_serving_engine(paged_build):
+def test_the_compile_stage_builds_a_paged_serving_engine_with_stacked_adapters_by_default(paged_build):
     cfg, metrics = paged_build
     serving = cfg.layout.serving_engine_dir
     iface = read_interface(serving)
 
-    assert serving == cfg.layout.engine_dir / "kv-paged16"
-    assert iface.version == PAGED_INTERFACE_VERSION == 6 and iface.kv_block_size == 16
+    assert serving == cfg.layout.engine_dir / "kv-paged16-stacked"
+    assert iface.version == STACKED_INTERFACE_VERSION == 7 and iface.stacked and iface.kv_block_size == 16
     assert iface.kv_spec == read_interface(cfg.layout.kv_engine_dir).kv_spec  # the release's 4-bit scheme, paged
     assert BLOCK_TABLE in iface.input_names and "pool_key.0" in iface.input_names
     assert not any(name.startswith("past_") for name in iface.input_names)
     # Releases bind to the float engine's interface, paged or not
     assert iface.float_interface_hash == read_interface(cfg.layout.engine_dir).interface_hash
-    assert metrics["paged_engine"] == {"dir": str(serving), "kv_block_size": 16, "engine_builds": 1,
-                                       "interface_hash": iface.interface_hash}
-    assert metrics["engine_builds"] == 3  # float, quantized-KV, and its paged form
+    assert metrics["serving_engine"] == {"dir": str(serving), "kv_block_size": 16, "mixed_adapters": True,
+                                         "engine_builds": 1, "interface_hash": iface.interface_hash}
+    assert metrics["engine_builds"] == 3  # float, quantized-KV, and its paged form with stacked adapters
     assert json.loads((serving / "cache_key.json").read_text())["kv_block_size"] == 16
 
 
@@ -75,12 +75,12 @@ def test_a_rerun_builds_nothing_and_another_block_size_is_built_beside_it(paged_
 
     cfg, first = paged_build
     again = compile_profile_engines(cfg)
-    assert again["engine_builds"] == 0 and again["paged_engine"]["interface_hash"] == first["paged_engine"]["interface_hash"]
+    assert again["engine_builds"] == 0 and again["serving_engine"]["interface_hash"] == first["serving_engine"]["interface_hash"]
 
     wider = with_settings(cfg, {"engine.kv_block_size": 32}, "test")
     metrics = compile_profile_engines(wider)
 
-    assert metrics["engine_builds"] == 1 and metrics["paged_engine"]["dir"] == str(cfg.layout.engine_dir / "kv-paged32")
+    assert metrics["engine_builds"] == 1 and metrics["serving_engine"]["dir"] == str(cfg.layout.engine_dir / "kv-paged32-stacked")
     assert read_interface(wider.layout.serving_engine_dir).kv_block_size == 32
     assert read_interface(cfg.layout.serving_engine_dir).kv_block_size == 16  # the other block size's engine stays
     monkeypatch.setattr(compile_stage, "export_backbone", lambda *a, **k: pytest.fail("a cached engine was exported"))
@@ -128,7 +128,7 @@ def test_the_weight_quantized_copy_of_a_paged_engine_decodes_as_the_padded_copy(
     compile_profile_engines(padded_int8)
 
     serving = int8.layout.serving_engine_dir
-    assert serving == cfg.layout.engine_dir / "kv-paged16-int8" and metrics["weights_builds"] == 1
+    assert serving == cfg.layout.engine_dir / "kv-paged16-stacked-int8" and metrics["weights_builds"] == 1
     iface = read_interface(serving)
     assert iface.kv_block_size == 16 and iface.weights["precision"] == "int8"
     ids = np.asarray([load_tokenizer(tiny_llama_dir)(PROMPTS[1])["input_ids"]], dtype=np.int64)  # (1, T)

@@ -65,7 +65,7 @@ def test_compile_stage_builds_the_int8_serving_engine_once_inside_the_float_ones
     params.write_text(yaml.safe_dump({
         "base_model": {"source": "local", "path": str(tiny_llama_dir)},
         "train": {"output_dir": str(tmp_path / "artifacts")},
-        "engine": {"dir": str(tmp_path / "engine"), "weights": "int8", "kv_block_size": 0, "threads": 1},
+        "engine": {"dir": str(tmp_path / "engine"), "weights": "int8", "kv_block_size": 0, "mixed_adapters": False, "threads": 1},
     }))
     cfg = load_config(params)
     first = compile_stage.run_stage(cfg)
@@ -102,7 +102,7 @@ def test_tensorrt_release_gets_the_qdq_serving_engine_from_the_compile_stage(tin
         "base_model": {"source": "local", "path": str(tiny_llama_dir)},
         "train": {"output_dir": str(tmp_path / "artifacts")},
         "engine": {"dir": str(tmp_path / "engine"), "weights": "int4", "backend": "tensorrt", "kv_cache": "float",
-                   "kv_block_size": 0, "threads": 1},
+                   "kv_block_size": 0, "mixed_adapters": False, "threads": 1},
         "kv": {"enabled": False},
     }))
     cfg = load_config(params)
