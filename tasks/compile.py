@@ -165,6 +165,9 @@ def export_backbone(
     with torch.no_grad(), warnings.catch_warnings():
         # The exporter cannot rename axes of nested inputs; _name_dynamic_axes does it below.
         warnings.filterwarnings("ignore", message=".*dynamic axes will not be renamed")
+        # Said once per axis that several inputs share (batch, seq, the stacked engine's slots): the same
+        # renaming, also done by _name_dynamic_axes.
+        warnings.filterwarnings("ignore", message=r"# The axis name: .* will not be used, since it shares the same shape")
         # torch.export calling torch's own deprecated pytree API: nothing to act on here, and shown again at
         # each export (this block resets the warnings' once-per-place registry).
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
