@@ -57,12 +57,11 @@ def graph_source_hash() -> str:
 
 def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], opset: int, kv_spec: dict | None = None,
               kv_attention: str = "standard", kv_block_size: int | None = None) -> dict:
-    from runtime.engine.interface import INTERFACE_VERSION, PAGED_INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSION
+    from runtime.engine.interface import LOGIT_POSITIONS_INTERFACE_VERSION
 
-    version = INTERFACE_VERSION if kv_spec is None else QUANT_KV_INTERFACE_VERSION
     key = {
         "backbone_hash": backbone_hash,
-        "interface_version": version if kv_block_size is None else PAGED_INTERFACE_VERSION,
+        "interface_version": LOGIT_POSITIONS_INTERFACE_VERSION,  # every export takes logit positions
         "exporter": exporter_version(),
         "graph_source": graph_source_hash(),
         "max_rank": max_rank,
@@ -125,7 +124,8 @@ def export_backbone(
     (``runtime.engine.kv_model``) instead of the float-KV one, its attention as ``kv_attention`` says
     (``runtime.engine.kv_model.KV_ATTENTION``: standard ONNX ops, or ONNX Runtime's GroupQueryAttention).
     ``kv_block_size`` exports either with a paged cache of blocks of that many tokens
-    (``runtime.engine.paged_model``, interface version 6).
+    (``runtime.engine.paged_model``, interface version 6). Every export takes the ``logit_positions``
+    input (interface version 8): a server computes the LM head at the positions it samples only.
     """
     import torch
 
@@ -136,7 +136,8 @@ def export_backbone(
 
     merged = None if merged_lora is None else {k: torch.from_numpy(v) for k, v in merged_lora.items()}
     model = load_backbone(model_dir, tuple(target_modules), merged_lora=merged)
-    iface = build_interface(model.cfg, backbone_hash(model_dir), max_rank, tuple(target_modules), kv_spec, kv_block_size)
+    iface = build_interface(model.cfg, backbone_hash(model_dir), max_rank, tuple(target_modules), kv_spec, kv_block_size,
+                            logit_positions=True)
     if kv_spec is not None:
         from kernels.gqa_attention import onnx_translation
         from kernels.kv_spec import KVQuantSpec

@@ -14,15 +14,23 @@ from runtime.engine.kv_scales import KV_SCALE_KINDS
 # Sizes used to trace: deliberately not 0 or 1, which torch.export would specialize to constants.
 TRACE_BATCH, TRACE_SEQ, TRACE_PAST, TRACE_SINK = 2, 3, 5, 2
 TRACE_BLOCKS, TRACE_POOL = 4, 7  # a paged cache: blocks per row in the table, blocks in the pool
+TRACE_LOGITS = 2  # logit positions per row (interface version 8), fewer than TRACE_SEQ
 # Upper bounds of the dynamic axes.
 MAX_BATCH, MAX_SEQ, MAX_PAST = 64, 4096, 4096
 
 
 def example_inputs(model, iface, batch: int, seq: int, past: int):
     """Random inputs in interface order: ids, positions, mask, the cache (float or packed; or the block
-    table and pools of a paged one, ``TRACE_BLOCKS`` blocks per row), (static scales,) LoRA."""
+    table and pools of a paged one, ``TRACE_BLOCKS`` blocks per row), (static scales,) LoRA(, logit positions)."""
     import torch
 
+    args = _example_inputs(torch, model, iface, batch, seq, past)
+    if iface.logit_positions:  # TRACE_LOGITS of the seq positions, not all: the export must not tie the two axes
+        args += (torch.randint(0, seq, (batch, TRACE_LOGITS)),)  # (B, K)
+    return args
+
+
+def _example_inputs(torch, model, iface, batch: int, seq: int, past: int):
     cfg = model.cfg
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))  # (B, T)
     pos = (torch.arange(seq) + past).expand(batch, seq).contiguous()  # (B, T)
@@ -37,7 +45,7 @@ def example_inputs(model, iface, batch: int, seq: int, past: int):
             static = [torch.eye(cfg.head_dim) if n.startswith(KV_ROTATION_INPUT) else torch.rand(*shapes[n]) * 0.1 + 0.01
                       for n in iface.input_names if n.split(".")[0] in (*KV_SCALE_KINDS, KV_ROTATION_INPUT)]
             return ids, pos, mask, table, pools, static, lora
-        return ids, pos, mask, table, pools, lora
+        return ids, pos, mask, table, pools, [], lora  # a float cache has no static inputs
     if iface.quantized_kv:
         cache, static = quantized_example_inputs(iface, batch, past)
         mask = torch.ones(batch, TRACE_SINK + past + seq, dtype=torch.long)  # (B, sink + P + T)
@@ -76,6 +84,13 @@ def random_cache_tensor(torch, shape: list, dtype: str):
 def export_dynamic_shapes(iface, args, Dim):
     """torch.export ``dynamic_shapes`` for ``args`` (as ``example_inputs`` returns them), with ``Dim`` given."""
     batch = Dim("batch", min=1, max=MAX_BATCH)
+    if iface.logit_positions:
+        return (_dynamic_shapes(iface, args[:-1], Dim, batch) +
+                ({0: batch, 1: Dim("positions", min=1, max=MAX_SEQ)},))
+    return _dynamic_shapes(iface, args, Dim, batch)
+
+
+def _dynamic_shapes(iface, args, Dim, batch):
     seq = Dim("seq", min=1, max=MAX_SEQ)
     past = Dim("past", min=0, max=MAX_PAST)  # 0 = prefill with an empty cache
     head = ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: Dim.DYNAMIC})  # total = past + seq: derived

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.engine.generate import left_padded
+from runtime.engine.generate import left_padded, prefill
 from runtime.engine.kv_blocks import BlockPool, KVBudgetExceeded
 from runtime.engine.sampling import greedy
 from runtime.engine.tracing import MAX_BATCH
@@ -157,13 +157,14 @@ class Batcher:
     """The scheduler of one ``AdapterServer``: ``submit`` a generation, its thread does the rest."""
 
     def __init__(self, stop_ids, pad_id: int, metrics, max_rows: int = MAX_BATCH, pool: BlockPool | None = None,
-                 kv_wait_s: float = KV_WAIT_S):
+                 kv_wait_s: float = KV_WAIT_S, prefill_chunk: int | None = None):
         """``max_rows``: rows one release's batch decodes at most (the engine was exported for batches up
         to ``MAX_BATCH``); arrivals beyond it wait, in order, for rows to leave. ``pool``: a paged engine's
         KV blocks, which every release's batch shares; with a budget, arrivals also wait (at most
-        ``kv_wait_s``) for their worst case to fit."""
+        ``kv_wait_s``) for their worst case to fit. ``prefill_chunk``: prompts are prefilled at most this
+        many tokens per forward (``runtime.engine.generate.prefill``; None: whole)."""
         self.stop_ids, self.pad_id, self.metrics = frozenset(int(t) for t in stop_ids), pad_id, metrics
-        self.max_rows, self.pool, self.kv_wait_s = max_rows, pool, kv_wait_s
+        self.max_rows, self.pool, self.kv_wait_s, self.prefill_chunk = max_rows, pool, kv_wait_s, prefill_chunk
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # notified when a request arrives for a waiting thread
         self._arrivals: list[BatchedGeneration] = []
@@ -306,7 +307,7 @@ class Batcher:
         that fails alone fails, not the ones that arrived with it; the batch runs on."""
         try:
             ids, pos, mask = left_padded([p for g in gens for p in g.prompts], self.pad_id)  # (n, L) each
-            logits, cache = batch.engine.forward(ids, pos, mask, None)
+            logits, cache = prefill(batch.engine, ids, pos, mask, self.prefill_chunk)  # (n, 1, V)
         except Exception as err:
             if len(gens) > 1:
                 log.warning("prefill of %d requests together failed (%s: %s); prefilling each alone",
