@@ -67,6 +67,7 @@ from bench.report import write_report
 from bench.serve_bench import ServerProcess, free_port
 from runtime.engine.backends.onnxruntime import DEFAULT_ORT_MEMORY, ORT_MEMORY_MODES
 from runtime.engine.interface import read_interface
+from runtime.serve.batcher import DEFAULT_PREFILL_CHUNK
 from runtime.serve.residents import CHAMPION
 
 RESULTS = Path(__file__).parent / "results" / "device_memory_bench.json"
@@ -453,7 +454,7 @@ def measure(world: dict, loads: dict, servers: list[str], args, work: Path, chec
               "arrival": args.arrival, "rss_limit_gb": args.rss_limit_gb,
               "ours": {"engine": str(world["engine"]), "weights": iface.weights, "kv_spec": iface.kv_spec,
                        "kv_bytes_per_token": iface.slot_bytes("past"), "logit_positions": iface.logit_positions,
-                       "ort_memory": DEFAULT_ORT_MEMORY, "prefill_chunk": None, "stored_weights": stored_weights(world["engine"])}
+                       "ort_memory": DEFAULT_ORT_MEMORY, "prefill_chunk": DEFAULT_PREFILL_CHUNK, "stored_weights": stored_weights(world["engine"])}
                       | our_options(args),
               "loads": {name: {} for name in loads}, "not_run": [f"{load} {name}" for load in loads for name in servers],
               "failed": {}}
@@ -566,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="ours: the device config's ort_memory (runtime.engine.backends.onnxruntime.ORT_MEMORY_MODES; "
                     "default: the server's)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="ours: the device config's prefill_chunk "
-                    "(tokens per prefill forward; default: whole prompts)")
+                    f"(tokens per prefill forward; default: the server's, {DEFAULT_PREFILL_CHUNK})")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     servers = args.servers.split(",")

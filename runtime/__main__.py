@@ -30,7 +30,7 @@ relative paths are relative to the file); flags add to it or override it:
      "admin_token_file": "admin.token", "release_dirs": ["releases"], "max_resident": 3, "canary_share": 0.0,
      "state_dir": "/var/lib/adapter", "health_window": 30,
      "tuf_url": "http://updates.example:8000", "trusted_root": "1.root.json", "metadata_dir": "tuf-metadata",
-     "tuf_interval": 300, "kv_budget_mb": 512, "kv_wait_s": 30, "products": ["default"], "ort_memory": "arena", "prefill_chunk": 512}
+     "tuf_interval": 300, "kv_budget_mb": 512, "kv_wait_s": 30, "products": ["default"], "ort_memory": "arena", "prefill_chunk": 256}
 
 Exit codes: 0 success, 1 crash (a bug), 2 bad usage or device configuration, 30 the registry
 could not give the release, 31-38 the update channel refused (``runtime.release.tuf_pull.EXIT_CODES``:
@@ -56,7 +56,7 @@ from runtime.release.package import DEFAULT_MAX_PACKAGE_BYTES, EXIT_CODES, Packa
 from runtime.serve.channel_watch import DEFAULT_TUF_INTERVAL_S
 from runtime.serve.health import DEFAULT_HEALTH_WINDOW_S
 from runtime.serve.http_app import DECODE_MODES, DEFAULT_MAX_CONCURRENT, ServeSettings
-from runtime.serve.batcher import KV_WAIT_S
+from runtime.serve.batcher import DEFAULT_PREFILL_CHUNK, KV_WAIT_S
 from runtime.serve.residents import CANDIDATE, CHANNELS, DEFAULT_MAX_RESIDENT
 
 EXIT_USAGE = 2
@@ -77,7 +77,7 @@ def device_settings(args) -> dict:
                 "health_window": DEFAULT_HEALTH_WINDOW_S,
                 "tuf_url": None, "trusted_root": None, "metadata_dir": None, "tuf_interval": DEFAULT_TUF_INTERVAL_S,
                 "kv_budget_mb": None, "kv_wait_s": KV_WAIT_S, "products": [DEFAULT_PRODUCT], "ort_memory": None,
-                "prefill_chunk": None}
+                "prefill_chunk": DEFAULT_PREFILL_CHUNK}
     if args.device_config is not None:
         path = Path(args.device_config)
         try:
@@ -270,7 +270,7 @@ def cmd_serve(args, settings) -> int:
         logging.getLogger(__name__).info("KV budget %d MiB: %d blocks of %d tokens", kv_budget >> 20,
                                          engine.pool.capacity, engine.pool.block_size)
     chunk = settings["prefill_chunk"]
-    if chunk is not None and (type(chunk) is not int or chunk < 1):
+    if type(chunk) is not int or chunk < 1:
         raise DeviceConfigError(f"prefill_chunk (--prefill-chunk) {chunk!r}: tokens per prefill forward, at least 1")
     app = AdapterServer(engine, DeviceTokenizer(settings["tokenizer"]), keys, settings["max_package_bytes"],
                         max_resident, products, kv_wait, chunk)
@@ -450,7 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "no_arena (runtime.engine.backends.onnxruntime.ORT_MEMORY_MODES)")
     s.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, default=argparse.SUPPRESS, metavar="N",
                    help="prefill a prompt at most N tokens per forward through the KV cache (device config "
-                   "prefill_chunk; default: whole): bounds a long prompt's attention scores, the peak resident set")
+                   f"prefill_chunk; default {DEFAULT_PREFILL_CHUNK}): bounds a long prompt's activations, the peak "
+                   "resident set")
     s.set_defaults(run=cmd_serve)
 
     state_only = argparse.ArgumentParser(add_help=False)

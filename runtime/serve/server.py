@@ -47,7 +47,7 @@ from runtime.release.package import (
     unpacked_release,
     verify_release,
 )
-from runtime.serve.batcher import KV_WAIT_S, BatchedGeneration, Batcher, worst_case_blocks
+from runtime.serve.batcher import DEFAULT_PREFILL_CHUNK, KV_WAIT_S, BatchedGeneration, Batcher, worst_case_blocks
 from runtime.serve.generation import ForkedGeneration, Generation, StopText
 from runtime.serve.metrics import ServerMetrics
 from runtime.serve.residents import CANDIDATE, CHAMPION, DEFAULT_MAX_RESIDENT, ResidencyError, ResidentSet
@@ -87,7 +87,7 @@ class AdapterServer:
 
     def __init__(self, engine, tokenizer, trusted_keys: dict, max_bytes: int = DEFAULT_MAX_PACKAGE_BYTES,
                  max_resident: int = DEFAULT_MAX_RESIDENT, products: tuple[str, ...] = (DEFAULT_PRODUCT,),
-                 kv_wait_s: float = KV_WAIT_S, prefill_chunk: int | None = None):
+                 kv_wait_s: float = KV_WAIT_S, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
         """``kv_wait_s``: on a paged engine with a KV budget, how long a batched request waits for blocks;
         ``prefill_chunk``: the most prompt tokens a batched prefill runs per forward (None: the whole prompt)."""
         if not hasattr(engine, "fork"):

@@ -257,3 +257,12 @@ def test_serve_refuses_a_kv_budget_for_a_padded_engine_naming_the_flag(w, capsys
                          str(w["trusted_key"]), "--tokenizer", str(w["tokenizer"]), "--kv-budget-mb", "64"])
     err = capsys.readouterr().err
     assert code == 2 and "kv_budget_mb (--kv-budget-mb): the engine" in err and "a budget needs a paged engine" in err
+
+
+@pytest.mark.parametrize("flag,value,named", [("--prefill-chunk", "0", "prefill_chunk (--prefill-chunk) 0"),
+                                              ("--ort-memory", "pool", "ort_memory (--ort-memory) 'pool'")])
+def test_serve_refuses_a_prefill_chunk_or_ort_memory_it_cannot_use_naming_the_flag(w, capsys, flag, value, named):
+    code = runtime_main(["serve", "--engine", str(w["engine"]), "--package", str(w["b"]), "--trusted-key",
+                         str(w["trusted_key"]), "--tokenizer", str(w["tokenizer"]), flag, value])
+    err = capsys.readouterr().err
+    assert code == 2 and named in err
