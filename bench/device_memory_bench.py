@@ -2,6 +2,7 @@
 
     python -m bench.device_memory_bench [--shape 0.5b|tiny] [--loads 8x2048,1x8192,mixed] [--servers ours,llama]
         [--max-tokens 64] [--threads 2] [--arrival staggered|together] [--rss-limit-gb 12] [--workdir DIR]
+        [--ort-memory arena|shrink|no_arena] [--prefill-chunk N]
         [--llama-server PATH] [--llama-cpp-src SDIST_OR_DIR] [--out bench/results/device_memory_bench.json]
 
 Not in CI nor in ``make bench`` (the 0.5B world takes minutes to build and GBs of memory). The model, built
@@ -64,7 +65,9 @@ from pathlib import Path
 
 from bench.report import write_report
 from bench.serve_bench import ServerProcess, free_port
+from runtime.engine.backends.onnxruntime import DEFAULT_ORT_MEMORY, ORT_MEMORY_MODES
 from runtime.engine.interface import read_interface
+from runtime.serve.batcher import DEFAULT_PREFILL_CHUNK
 from runtime.serve.residents import CHAMPION
 
 RESULTS = Path(__file__).parent / "results" / "device_memory_bench.json"
@@ -115,6 +118,20 @@ def build_world(shape: str, root: Path, threads: int) -> dict:
     record.write_text(json.dumps({k: str(v) for k, v in world.items()}, indent=2))
     progress(f"[world {shape}] built in {time.perf_counter() - t0:.0f} s")
     return world
+
+
+def our_options(args) -> dict:
+    """The device config keys ``--ort-memory`` and ``--prefill-chunk`` set (absent: the server's defaults)."""
+    return {k: v for k, v in (("ort_memory", args.ort_memory), ("prefill_chunk", args.prefill_chunk)) if v is not None}
+
+
+def stored_weights(engine: Path) -> dict:
+    """What the engine's weight quantization wrote about itself (``tasks.weight_engines.WEIGHTS_FILE``): bits of
+    the body, the LM head and the embedding table."""
+    from tasks.weight_engines import WEIGHTS_FILE
+
+    record = json.loads((engine / WEIGHTS_FILE).read_text())
+    return {k: record.get(k) for k in ("bits", "head_bits", "embed_bits", "block_size", "keep")}
 
 
 def llama_files(world: dict, root: Path, src: str | None, threads: int) -> dict:
@@ -325,11 +342,13 @@ class MemoryWatch:
 # ---------------------------------------------------------------- one load on one server
 
 def our_server(world: dict, contexts: tuple[int, ...], max_tokens: int, threads: int, work: Path,
-               label: str) -> ServerProcess:
-    """``python -m runtime serve`` on the release, its threads from a device config, as a device runs it."""
+               label: str, options: dict) -> ServerProcess:
+    """``python -m runtime serve`` on the release, its threads (and ``options``: device config keys such as
+    ``ort_memory``, ``prefill_chunk``) from a device config, as a device runs it."""
     config = work / "device.json"
     config.write_text(json.dumps({"trusted_keys": [str(world["trusted_key"])], "engine": str(world["engine"]),
-                                  "tokenizer": str(world["tokenizer"]), "threads": threads}))
+                                  "tokenizer": str(world["tokenizer"]), "threads": threads}
+                                 | options))
     cmd = [sys.executable, "-m", "runtime", "serve", "--device-config", str(config), "--package", str(world["release"]),
            "--port", "0", "--max-context-tokens", str(max(contexts)), "--max-tokens", str(max(max_tokens, 256)),
            "--max-queue", str(max(len(contexts), 16))]
@@ -371,7 +390,7 @@ def measure_load(server_name: str, load: str, contexts: tuple[int, ...], texts: 
     progress(f"[{label}] starting the server ...")
     decoding = lambda row: False  # noqa: E731
     if server_name == "ours":
-        server = our_server(world, contexts, args.max_tokens, args.threads, work, label)
+        server = our_server(world, contexts, args.max_tokens, args.threads, work, label, our_options(args))
         bodies, model, extra = texts, CHAMPION, {}
         kv = lambda: our_kv_gauges(server.port)  # noqa: E731
         per_token = read_interface(world["engine"]).slot_bytes("past")
@@ -434,7 +453,9 @@ def measure(world: dict, loads: dict, servers: list[str], args, work: Path, chec
     result = {"shape": args.shape, "dims": dims, "threads": args.threads, "max_tokens": args.max_tokens,
               "arrival": args.arrival, "rss_limit_gb": args.rss_limit_gb,
               "ours": {"engine": str(world["engine"]), "weights": iface.weights, "kv_spec": iface.kv_spec,
-                       "kv_bytes_per_token": iface.slot_bytes("past")},
+                       "kv_bytes_per_token": iface.slot_bytes("past"), "logit_positions": iface.logit_positions,
+                       "ort_memory": DEFAULT_ORT_MEMORY, "prefill_chunk": DEFAULT_PREFILL_CHUNK, "stored_weights": stored_weights(world["engine"])}
+                      | our_options(args),
               "loads": {name: {} for name in loads}, "not_run": [f"{load} {name}" for load in loads for name in servers],
               "failed": {}}
     if "llama" in servers:
@@ -542,6 +563,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", default=None, help="llama-server binary (default $LLAMA_SERVER, else the "
                     "`make bench-peer-server` build)")
     ap.add_argument("--llama-cpp-src", default=None, help="llama-cpp-python sdist or llama.cpp dir (the converters)")
+    ap.add_argument("--ort-memory", choices=ORT_MEMORY_MODES, default=None,
+                    help="ours: the device config's ort_memory (runtime.engine.backends.onnxruntime.ORT_MEMORY_MODES; "
+                    "default: the server's)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="ours: the device config's prefill_chunk "
+                    f"(tokens per prefill forward; default: the server's, {DEFAULT_PREFILL_CHUNK})")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     servers = args.servers.split(",")

@@ -102,7 +102,7 @@ def make_tiny_adapter(base: Path, out: Path, engine_dir: Path | None = None, r: 
     peft_model.save_pretrained(out)
     prov = {"base_model_hash": backbone_hash(base), "base_model_path": str(base), "params_hash": f"bench-{seed}"}
     if engine_dir is not None:
-        prov["engine_interface_hash"] = read_interface(engine_dir).interface_hash
+        prov["engine_interface_hash"] = read_interface(engine_dir).lora_contract_hash
     (Path(out) / PROVENANCE).write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
     return Path(out)
 

@@ -217,8 +217,15 @@ def kv_bits(spec, cfg, context_len: int) -> float:
 
 
 def weight_engines(float_dir: Path, work: Path, block_size: int) -> dict[str, Path]:
-    """The float engine and its int8 / int4 copies, the serving recipe (LM head int8), int4 also at ``INT4_BLOCKS``."""
-    from tasks.weight_engines import SERVING_HEAD_BITS, SERVING_KEEP, ensure_quantized_engine, quantize_engine_dir
+    """The float engine and its int8 / int4 copies, the serving recipe (LM head and embedding int8), int4 also at
+    ``INT4_BLOCKS``."""
+    from tasks.weight_engines import (
+        SERVING_EMBED_BITS,
+        SERVING_HEAD_BITS,
+        SERVING_KEEP,
+        ensure_quantized_engine,
+        quantize_engine_dir,
+    )
     from tasks.artifacts import atomic_output_dir
 
     dirs = {"fp32": float_dir}
@@ -230,7 +237,8 @@ def weight_engines(float_dir: Path, work: Path, block_size: int) -> dict[str, Pa
         out = work / f"int4-b{block}"
         if not (out / "weights.json").is_file():
             with atomic_output_dir(out) as tmp:
-                quantize_engine_dir(float_dir, tmp, "int4", block, keep=SERVING_KEEP, head_bits=SERVING_HEAD_BITS)
+                quantize_engine_dir(float_dir, tmp, "int4", block, keep=SERVING_KEEP, head_bits=SERVING_HEAD_BITS,
+                                    embed_bits=SERVING_EMBED_BITS)
         dirs[f"int4/b{block}"] = out
     return dirs
 

@@ -10,7 +10,8 @@
                             [--port 8080] [--host 127.0.0.1] [--watch DIR]
                             [--candidate DIR --canary-share F] [--max-resident N]
                             [--admin-token-file FILE --release-dir DIR ...]
-                            [--state-dir DIR [--health-window S]] [--kv-budget-mb MB] [--kv-wait S]
+                            [--state-dir DIR [--health-window S]] [--kv-budget-mb MB] [--kv-wait S] [--ort-memory MODE]
+                            [--prefill-chunk N]
                             [--tuf-url URL --trusted-root FILE --metadata-dir DIR [--tuf-interval S]]
                             [--product NAME ...]  (python -m runtime serve --help)
     python -m runtime state --state-dir DIR       the device state: active, previous, high-water mark, reverts
@@ -29,7 +30,7 @@ relative paths are relative to the file); flags add to it or override it:
      "admin_token_file": "admin.token", "release_dirs": ["releases"], "max_resident": 3, "canary_share": 0.0,
      "state_dir": "/var/lib/adapter", "health_window": 30,
      "tuf_url": "http://updates.example:8000", "trusted_root": "1.root.json", "metadata_dir": "tuf-metadata",
-     "tuf_interval": 300, "kv_budget_mb": 512, "kv_wait_s": 30, "products": ["default"]}
+     "tuf_interval": 300, "kv_budget_mb": 512, "kv_wait_s": 30, "products": ["default"], "ort_memory": "arena", "prefill_chunk": 256}
 
 Exit codes: 0 success, 1 crash (a bug), 2 bad usage or device configuration, 30 the registry
 could not give the release, 31-38 the update channel refused (``runtime.release.tuf_pull.EXIT_CODES``:
@@ -55,7 +56,7 @@ from runtime.release.package import DEFAULT_MAX_PACKAGE_BYTES, EXIT_CODES, Packa
 from runtime.serve.channel_watch import DEFAULT_TUF_INTERVAL_S
 from runtime.serve.health import DEFAULT_HEALTH_WINDOW_S
 from runtime.serve.http_app import DECODE_MODES, DEFAULT_MAX_CONCURRENT, ServeSettings
-from runtime.serve.batcher import KV_WAIT_S
+from runtime.serve.batcher import DEFAULT_PREFILL_CHUNK, KV_WAIT_S
 from runtime.serve.residents import CANDIDATE, CHANNELS, DEFAULT_MAX_RESIDENT
 
 EXIT_USAGE = 2
@@ -75,7 +76,8 @@ def device_settings(args) -> dict:
                 "max_resident": None, "canary_share": 0.0, "state_dir": None,
                 "health_window": DEFAULT_HEALTH_WINDOW_S,
                 "tuf_url": None, "trusted_root": None, "metadata_dir": None, "tuf_interval": DEFAULT_TUF_INTERVAL_S,
-                "kv_budget_mb": None, "kv_wait_s": KV_WAIT_S, "products": [DEFAULT_PRODUCT]}
+                "kv_budget_mb": None, "kv_wait_s": KV_WAIT_S, "products": [DEFAULT_PRODUCT], "ort_memory": None,
+                "prefill_chunk": DEFAULT_PREFILL_CHUNK}
     if args.device_config is not None:
         path = Path(args.device_config)
         try:
@@ -94,7 +96,8 @@ def device_settings(args) -> dict:
     settings["trusted_keys"] = list(settings["trusted_keys"]) + list(getattr(args, "trusted_key", None) or [])
     settings["release_dirs"] = list(settings["release_dirs"]) + list(getattr(args, "release_dir", None) or [])
     for key in ("engine", "tokenizer", "admin_token_file", "max_resident", "canary_share", "state_dir", "health_window",
-                "tuf_url", "trusted_root", "metadata_dir", "tuf_interval", "kv_budget_mb", "kv_wait_s"):
+                "tuf_url", "trusted_root", "metadata_dir", "tuf_interval", "kv_budget_mb", "kv_wait_s", "ort_memory",
+                "prefill_chunk"):
         if getattr(args, key, None) is not None:
             settings[key] = getattr(args, key)
     if getattr(args, "product", None):
@@ -122,6 +125,19 @@ def _resident_settings(settings) -> tuple[int, float]:
     if type(share) not in (int, float) or not 0 <= share <= 1:
         raise DeviceConfigError(f"canary_share (--canary-share) {share!r}: a fraction from 0 to 1")
     return max_resident, float(share)
+
+
+def _ort_memory_option(settings) -> dict:
+    """``{"memory": mode}`` for ONNX Runtime's ``OrtEngine`` when ``ort_memory`` is set (checked), else empty."""
+    mode = settings["ort_memory"]
+    if mode is None:
+        return {}
+    from runtime.engine.backends.onnxruntime import ORT_MEMORY_MODES
+
+    if settings["backend"] != "onnxruntime" or mode not in ORT_MEMORY_MODES:
+        raise DeviceConfigError(f"ort_memory (--ort-memory) {mode!r}: one of {', '.join(ORT_MEMORY_MODES)}, "
+                                f"with backend onnxruntime (this device: {settings['backend']})")
+    return {"memory": mode}
 
 
 def _kv_settings(settings, iface) -> tuple[int | None, float]:
@@ -248,13 +264,16 @@ def cmd_serve(args, settings) -> int:
         release_dirs=tuple(Path(d).resolve() for d in settings["release_dirs"]), canary_share=canary_share)
     kv_budget, kv_wait = _kv_settings(settings, _open_interface(settings["engine"]))
     keys = load_trusted_keys(settings["trusted_keys"])
-    engine = open_engine(settings["engine"], settings["backend"], threads=settings["threads"],
-                         **({"kv_budget_bytes": kv_budget} if kv_budget is not None else {}))
+    options = ({"kv_budget_bytes": kv_budget} if kv_budget is not None else {}) | _ort_memory_option(settings)
+    engine = open_engine(settings["engine"], settings["backend"], threads=settings["threads"], **options)
     if kv_budget is not None:
         logging.getLogger(__name__).info("KV budget %d MiB: %d blocks of %d tokens", kv_budget >> 20,
                                          engine.pool.capacity, engine.pool.block_size)
+    chunk = settings["prefill_chunk"]
+    if type(chunk) is not int or chunk < 1:
+        raise DeviceConfigError(f"prefill_chunk (--prefill-chunk) {chunk!r}: tokens per prefill forward, at least 1")
     app = AdapterServer(engine, DeviceTokenizer(settings["tokenizer"]), keys, settings["max_package_bytes"],
-                        max_resident, products, kv_wait)
+                        max_resident, products, kv_wait, chunk)
     if state is not None:
         from runtime.serve.health import ReleaseGate
 
@@ -425,6 +444,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "max_tokens) to fit, or gets 503 with Retry-After")
     s.add_argument("--kv-wait", dest="kv_wait_s", type=float, default=argparse.SUPPRESS, metavar="S",
                    help=f"seconds a request waits for KV blocks before its 503 (device config kv_wait_s; default {KV_WAIT_S:g})")
+    s.add_argument("--ort-memory", dest="ort_memory", default=argparse.SUPPRESS, metavar="MODE",
+                   help="how ONNX Runtime holds intermediate tensors (device config ort_memory): arena (its default: "
+                   "what a long prefill once took stays resident), shrink (the arena handed back after each run), "
+                   "no_arena (runtime.engine.backends.onnxruntime.ORT_MEMORY_MODES)")
+    s.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, default=argparse.SUPPRESS, metavar="N",
+                   help="prefill a prompt at most N tokens per forward through the KV cache (device config "
+                   f"prefill_chunk; default {DEFAULT_PREFILL_CHUNK}): bounds a long prompt's activations, the peak "
+                   "resident set")
     s.set_defaults(run=cmd_serve)
 
     state_only = argparse.ArgumentParser(add_help=False)

@@ -235,7 +235,7 @@ def load_release_backbone(base_dir: Path, adapter_dir: Path, engine_dir: Path | 
 
     if engine_dir is not None:
         iface = read_interface(engine_dir)
-        interface_hash = iface.interface_hash
+        interface_hash = iface.lora_contract_hash
     else:
         acfg = read_adapter_config(adapter_dir)
         iface = build_interface(read_config(base_dir), backbone_hash(base_dir), max_rank=acfg.r,

@@ -57,18 +57,11 @@ def graph_source_hash() -> str:
 
 def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], opset: int, kv_spec: dict | None = None,
               kv_attention: str = "standard", kv_block_size: int | None = None, stacked: bool = False) -> dict:
-    from runtime.engine.interface import (
-        INTERFACE_VERSION,
-        PAGED_INTERFACE_VERSION,
-        QUANT_KV_INTERFACE_VERSION,
-        STACKED_INTERFACE_VERSION,
-    )
+    from runtime.engine.interface import LOGIT_POSITIONS_INTERFACE_VERSION
 
-    version = INTERFACE_VERSION if kv_spec is None else QUANT_KV_INTERFACE_VERSION
-    version = version if kv_block_size is None else PAGED_INTERFACE_VERSION
     key = {
         "backbone_hash": backbone_hash,
-        "interface_version": STACKED_INTERFACE_VERSION if stacked else version,
+        "interface_version": LOGIT_POSITIONS_INTERFACE_VERSION,  # every export takes logit positions
         "exporter": exporter_version(),
         "graph_source": graph_source_hash(),
         "max_rank": max_rank,
@@ -80,8 +73,8 @@ def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...]
         key["kv_attention"] = kv_attention
     if kv_block_size is not None:  # absent for padded engines: their key stays as it was
         key["kv_block_size"] = kv_block_size
-    if stacked:  # the cache under the stacked form (the version alone no longer says it)
-        key["single_interface_version"] = version
+    if stacked:  # absent for one-adapter engines: their key stays as it was
+        key["stacked"] = True
     key["key"] = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     return key
 
@@ -135,7 +128,8 @@ def export_backbone(
     (``runtime.engine.kv_model.KV_ATTENTION``: standard ONNX ops, or ONNX Runtime's GroupQueryAttention).
     ``kv_block_size`` exports either with a paged cache of blocks of that many tokens
     (``runtime.engine.paged_model``, interface version 6). ``stacked`` exports any of them with stacked
-    adapters (``runtime.engine.interface.stacked_interface``, version 7).
+    adapters (``runtime.engine.interface.stacked_interface``, version 7). Every export takes the
+    ``logit_positions`` input (interface version 8): a server computes the LM head at the positions it samples only.
     """
     import torch
 
@@ -147,7 +141,7 @@ def export_backbone(
     merged = None if merged_lora is None else {k: torch.from_numpy(v) for k, v in merged_lora.items()}
     model = load_backbone(model_dir, tuple(target_modules), merged_lora=merged)
     iface = build_interface(model.cfg, backbone_hash(model_dir), max_rank, tuple(target_modules), kv_spec, kv_block_size,
-                            stacked)
+                            stacked, logit_positions=True)
     if kv_spec is not None:
         from kernels.gqa_attention import onnx_translation
         from kernels.kv_spec import KVQuantSpec

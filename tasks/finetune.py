@@ -82,7 +82,7 @@ def finetune(
             raise ConfigError(
                 f"{engine_dir}: engine was compiled for another backbone; run `python -m tasks.compile` first"
             )
-        interface_hash = iface.interface_hash
+        interface_hash = iface.lora_contract_hash
     torch.set_num_threads(train.threads)
     placement = choose_placement(train.device)
     accelerator = rank_accelerator(placement) if is_launched_rank() else None

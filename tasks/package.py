@@ -186,9 +186,9 @@ def build_manifest(release_dir: Path, month: str, created: dt.datetime, expiry_d
         "expires_at": format_time(created + dt.timedelta(days=expiry_days)),
         "base_model_hash": provenance["base_model_hash"],
         # The LoRA contract: the float engine's hash, which a quantized-KV engine of the same
-        # backbone also accepts (its float_interface_hash); a float engine reports its own.
+        # backbone also accepts (its float_interface_hash).
         "engine": {
-            "interface_hash": iface.float_interface_hash or iface.interface_hash,
+            "interface_hash": iface.lora_contract_hash,
             "interface_version": iface.version,
             "max_rank": iface.max_rank,
             "target_modules": list(iface.target_modules),

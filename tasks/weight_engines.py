@@ -44,12 +44,16 @@ QDQ_EXACT_ORT_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "0"}
 # fp32 head) 1.2e-5 nats at int8, 1.9e-3 at int4 (150x), for at most a p10 8% faster. llama.cpp's Q4_0
 # keeps this tensor at Q8_0 too (its Q6_K needs rows of a multiple of 256 columns; 896 is not).
 SERVING_HEAD_BITS = 8
-SERVING_KEEP = ("embed",)  # the embedding table is a Gather (one row per token), never quantized
+SERVING_KEEP = ()
+# The embedding table of a serving engine: int8 as GatherBlockQuantized (``tasks.weight_graph``), whatever
+# the body's bits. Kept fp32 it was 545 of the int4 engine's resident MB at the 0.5B shape; int8 is 137 MB,
+# the bits of the LM head it is tied to in Qwen2 (llama.cpp keeps a tied table at Q8_0 likewise).
+SERVING_EMBED_BITS = 8
 
 
 def weights_key_fields(weights: str, block_size: int = DEFAULT_BLOCK_SIZE, fold_norms: bool = False,
                        keep: tuple[str, ...] = ("lm_head", "embed"), accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
-                       fmt: str = "matmulnbits", head_bits: int | None = None) -> dict:
+                       fmt: str = "matmulnbits", head_bits: int | None = None, embed_bits: int | None = None) -> dict:
     """The part of the engine cache key (and of the interface) that says how weights are stored:
     two engines that differ in any of these must never be taken for one another. Empty for
     fp32: a float engine keeps the key (and the cached build) it had before this option existed.
@@ -62,6 +66,8 @@ def weights_key_fields(weights: str, block_size: int = DEFAULT_BLOCK_SIZE, fold_
         fields["weights_accuracy_level"] = accuracy_level
     if "lm_head" not in keep and head_bits not in (None, WEIGHT_BITS[weights]):  # absent with the body's bits, as before
         fields["weights_head_bits"] = head_bits
+    if "embed" not in keep and embed_bits not in (None, WEIGHT_BITS[weights]):
+        fields["weights_embed_bits"] = embed_bits
     return fields
 
 
@@ -75,7 +81,7 @@ def quantized_cache_key(float_key: dict, fields: dict) -> dict:
 def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_size: int = DEFAULT_BLOCK_SIZE,
                         fold_norms: bool = False, keep: tuple[str, ...] = ("lm_head", "embed"),
                         accuracy_level: int = DEFAULT_ACCURACY_LEVEL, act_sq: dict | None = None,
-                        fmt: str = "matmulnbits", head_bits: int | None = None) -> dict:
+                        fmt: str = "matmulnbits", head_bits: int | None = None, embed_bits: int | None = None) -> dict:
     """A copy of a compiled engine directory whose model.onnx has ``weights`` precision, in graph
     form ``fmt`` (``WEIGHT_FORMATS``).
 
@@ -98,8 +104,9 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
         summary = {"bits": 32}
     else:
         summary = quantize_engine_weights(engine_dir / ENGINE_ONNX, out_dir / ENGINE_ONNX, bits, block_size,
-                                          fold_norms, keep, accuracy_level, act_sq=act_sq, fmt=fmt, head_bits=head_bits)
-    fields = weights_key_fields(weights, block_size, fold_norms, keep, accuracy_level, fmt, head_bits)
+                                          fold_norms, keep, accuracy_level, act_sq=act_sq, fmt=fmt, head_bits=head_bits,
+                                          embed_bits=embed_bits)
+    fields = weights_key_fields(weights, block_size, fold_norms, keep, accuracy_level, fmt, head_bits, embed_bits)
     if act_sq is not None and bits is not None:  # the codes depend on the calibration data
         digest = hashlib.sha256()
         for name in sorted(act_sq):
@@ -122,17 +129,18 @@ def ensure_quantized_engine(float_dir: Path, out_dir: Path, weights: str, block_
                             fmt: str = "matmulnbits") -> dict:
     """``quantize_engine_dir`` unless ``out_dir`` already holds the build for this float engine and
     these settings; written to a temporary sibling and renamed, like the float engine. The LM head
-    is quantized too, at ``SERVING_HEAD_BITS``."""
+    is quantized too, at ``SERVING_HEAD_BITS``, and the embedding table at ``SERVING_EMBED_BITS``."""
     from tasks.artifacts import atomic_output_dir
 
-    keep, head_bits = SERVING_KEEP, SERVING_HEAD_BITS
-    fields = weights_key_fields(weights, block_size, keep=keep, fmt=fmt, head_bits=head_bits)
+    keep, head_bits, embed_bits = SERVING_KEEP, SERVING_HEAD_BITS, SERVING_EMBED_BITS
+    fields = weights_key_fields(weights, block_size, keep=keep, fmt=fmt, head_bits=head_bits, embed_bits=embed_bits)
     expected = quantized_cache_key(json.loads((Path(float_dir) / CACHE_KEY_FILE).read_text()), fields)["key"]
     key_file = Path(out_dir) / CACHE_KEY_FILE
     if key_file.exists() and json.loads(key_file.read_text()).get("key") == expected:
         return {"weights": weights, "weights_builds": 0, "weights_dir": str(out_dir)}
     with atomic_output_dir(Path(out_dir)) as tmp:
-        record = quantize_engine_dir(Path(float_dir), tmp, weights, block_size, keep=keep, fmt=fmt, head_bits=head_bits)
+        record = quantize_engine_dir(Path(float_dir), tmp, weights, block_size, keep=keep, fmt=fmt, head_bits=head_bits,
+                                     embed_bits=embed_bits)
     return {"weights": weights, "weights_builds": 1, "weights_dir": str(out_dir), "weights_record": record}
 
 

@@ -13,7 +13,10 @@ compiled once, so its weights are quantized once, here, by rewriting the exporte
   quantizing: ``(x_hat * g) @ W == x_hat @ (diag(g) W)`` exactly in real arithmetic. The
   projection then reads the normalized activations before the scale; the scaled ones are
   still computed for the LoRA paths, which need ``x_hat * g``;
-* ``keep``: the LM head (and the embedding table, which is a Gather, never a MatMul) stay fp32;
+* ``keep``: the LM head and/or the embedding table stay fp32. The table is read by a Gather (one row per
+  token), never a MatMul: quantized, it becomes ONNX Runtime's ``com.microsoft.GatherBlockQuantized``
+  over the same blocked codes (rows of the table along its hidden axis), dequantizing only the rows it
+  gathers. At Qwen2-0.5B's shape the fp32 table is 151,936 x 896 x 4 B = 545 MB of resident memory;
 * ``fmt`` (``WEIGHT_FORMATS``): the graph form of the same codes. TensorRT cannot parse the ONNX
   Runtime contrib op; it takes weight-only quantization as a blocked ``DequantizeLinear``
   (opset 21) of a constant signed int4/int8 weight, symmetric (TensorRT has no zero points),
@@ -35,7 +38,7 @@ import numpy as np
 
 from kernels.weight_quant import pack_codes, quantize_groups
 from runtime.engine.adapter import zero_lora_inputs
-from runtime.engine.interface import ADAPTER_MASK, BLOCK_TABLE, read_interface
+from runtime.engine.interface import ADAPTER_MASK, BLOCK_TABLE, LOGIT_POSITIONS, read_interface
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +120,15 @@ def quantize_engine_weights(
     act_sq: dict | None = None,
     fmt: str = "matmulnbits",
     head_bits: int | None = None,
+    embed_bits: int | None = None,
 ) -> dict:
     """Rewrite every constant-weight MatMul/Gemm of ``onnx_in`` into MatMulNBits (or, with ``fmt``
     qdq / qdq_fp16, a DequantizeLinear + MatMul, always symmetric); return a summary.
 
-    ``keep`` names what stays fp32: "lm_head" (the projection to ``logits``); "embed" is the
-    Gather table, which is never quantized here (listed so the summary says so). A quantized LM head
-    takes ``head_bits`` (None: ``bits``, like every other projection).
+    ``keep`` names what stays fp32: "lm_head" (the projection to ``logits``) and "embed" (the Gather
+    table). A quantized LM head takes ``head_bits`` (None: ``bits``, like every other projection); a
+    quantized table ``embed_bits`` (None: ``bits``), as GatherBlockQuantized (``matmulnbits`` format only:
+    TensorRT's parser has no such op, so a Q/DQ graph keeps the table fp32).
     ``act_sq``: {name of a projection's input: (K,) mean squared activation} from
     ``calibrate_activations``; with it each group's clipping range is searched (``quantize_groups``).
     """
@@ -131,8 +136,8 @@ def quantize_engine_weights(
     import torch
     from onnx import helper, numpy_helper
 
-    if bits not in (4, 8) or head_bits not in (None, 4, 8):
-        raise WeightQuantError(f"bits must be 4 or 8, got {bits} (LM head: {head_bits})")
+    if bits not in (4, 8) or head_bits not in (None, 4, 8) or embed_bits not in (None, 4, 8):
+        raise WeightQuantError(f"bits must be 4 or 8, got {bits} (LM head: {head_bits}, embedding: {embed_bits})")
     if block_size < 16 or block_size & (block_size - 1):
         raise WeightQuantError(f"block_size must be a power of two >= 16 (MatMulNBits), got {block_size}")
     if fmt not in WEIGHT_FORMATS:
@@ -153,7 +158,17 @@ def quantize_engine_weights(
     new_nodes, new_inits, summary = [], [], {"quantized": [], "kept_fp32": []}
     folded: dict[str, tuple] = {}  # norm-scale Mul name -> (node, name of its g initializer)
     bytes_before = bytes_after = 0
+    quantize_table = "embed" not in keep and fmt == "matmulnbits"
     for node in graph.node:
+        table = _embedding_table(node, inits) if quantize_table else None
+        if table is not None and table.shape[1] % block_size == 0:
+            nodes, tensors, n_bytes = gather_block_quantized_nodes(node, table, embed_bits or bits, block_size, symmetric)
+            new_nodes += nodes
+            new_inits += tensors
+            bytes_before += table.nbytes
+            bytes_after += n_bytes
+            summary["quantized"].append(f"{node.name} V={table.shape[0]} H={table.shape[1]} (embedding, {embed_bits or bits} bits)")
+            continue
         w_kn = _const_weight(node, inits, producer) if node.op_type in ("MatMul", "Gemm") else None
         is_head = node.name in lm_head
         if w_kn is None or (is_head and "lm_head" in keep):
@@ -240,11 +255,13 @@ def quantize_engine_weights(
         "clip_search": act_sq is not None,
         "keep": list(keep),
         "head_bits": None if "lm_head" in keep else head_bits or bits,
+        "embed_bits": embed_bits or bits if any("(embedding" in q for q in summary["quantized"]) else None,
         "quantized_weight_bytes_fp32": int(bytes_before),
         "quantized_weight_bytes": int(bytes_after),
         "seconds": round(time.perf_counter() - t0, 2),
     }
-    summary["kept_fp32"].append("embedding table (Gather)")
+    if summary["embed_bits"] is None:
+        summary["kept_fp32"].append("embedding table (Gather)")
     log.info("quantized %d matmuls to %d bits in %.1fs", len(summary["quantized"]), bits, summary["seconds"])
     return summary
 
@@ -267,6 +284,42 @@ def matmulnbits_nodes(base: str, a_name: str, out: str, q, scale, zp, bits: int,
         attrs["accuracy_level"] = accuracy_level
     node = helper.make_node("MatMulNBits", inputs, [out], name=base, domain="com.microsoft", **attrs)
     return [node], tensors, packed.nbytes + scale.numel() * 4 + (0 if symmetric else zp_packed.nbytes)
+
+
+def _embedding_table(node, inits: dict):
+    """The (V, H) fp32 table a Gather along axis 0 reads from a constant initializer; else None."""
+    from onnx import numpy_helper
+
+    if node.op_type != "Gather" or node.input[0] not in inits:
+        return None
+    if any(a.name == "axis" and a.i != 0 for a in node.attribute):
+        return None
+    table = numpy_helper.to_array(inits[node.input[0]])
+    return table if table.ndim == 2 and table.dtype == np.float32 else None
+
+
+def gather_block_quantized_nodes(node, table: np.ndarray, bits: int, block_size: int, symmetric: bool):
+    """The Gather ``node`` of ``table`` (V, H), H a whole number of blocks, as one GatherBlockQuantized over
+    its blocked codes along H (``quantize_groups``: MatMulNBits' codes, scales and zero points, as (V, H bits / 8),
+    (V, H / block) and (V, ceil(H / block bits / 8))); returns (nodes, initializers, bytes)."""
+    import torch
+    from onnx import helper, numpy_helper
+
+    V, H = table.shape
+    q, scale, zp = quantize_groups(torch.from_numpy(np.array(table)), bits, block_size, symmetric)  # a writable copy
+    if not torch.isfinite(scale).all():
+        raise WeightQuantError(f"{node.name}: non-finite quantization scales")
+    base = f"{node.name}_w{bits}"
+    packed = pack_codes(q.numpy(), bits).reshape(V, H * bits // 8)  # whole blocks: the rows' codes end to end
+    tensors = [numpy_helper.from_array(packed, base + "_q"), numpy_helper.from_array(scale.numpy(), base + "_scales")]
+    inputs = [base + "_q", node.input[1], base + "_scales"]
+    if not symmetric:  # GatherBlockQuantized's default zero point is MatMulNBits' symmetric one (2^(bits-1))
+        zp_packed = pack_codes(zp.numpy(), bits)  # (V, ceil(H / block * bits / 8))
+        tensors.append(numpy_helper.from_array(zp_packed, base + "_zp"))
+        inputs.append(base + "_zp")
+    out = helper.make_node("GatherBlockQuantized", inputs, list(node.output), name=base, domain="com.microsoft",
+                           gather_axis=0, quantize_axis=1, block_size=block_size, bits=bits)
+    return [out], tensors, sum(t.nbytes for t in (packed, scale.numpy())) + (0 if symmetric else zp_packed.nbytes)
 
 
 def _qdq_nodes(base: str, a_name: str, out: str, q, scale, zp, bits: int, K: int, block_size: int, fp16: bool):
@@ -343,10 +396,13 @@ def calibrate_activations(onnx_path: str | Path, token_ids: list[list[int]], thr
             feeds_fixed[spec.name] = np.zeros((1, 0), np.int64)
     sums: dict[str, np.ndarray] = {}
     count = 0
+    every_position = LOGIT_POSITIONS in {spec.name for spec in session.get_inputs()}  # the LM head reads every token
     for ids in token_ids:
         T = len(ids)
         feeds = feeds_fixed | {"input_ids": np.asarray([ids], np.int64), "position_ids": np.arange(T, dtype=np.int64)[None],
                                "attention_mask": np.ones((1, T), np.int64)}
+        if every_position:
+            feeds[LOGIT_POSITIONS] = np.arange(T, dtype=np.int64)[None]
         for name, value in zip(names, session.run(names, feeds)):
             x = value.reshape(-1, value.shape[-1]).astype(np.float64)  # (tokens, K)
             sums[name] = sums.get(name, 0.0) + (x * x).sum(0)

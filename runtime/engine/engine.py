@@ -35,9 +35,12 @@ class Engine(Protocol):
         Engines with a quantized KV cache (``interface.kv_spec``) also take ``kv_scales=``."""
 
     def forward(
-        self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray, past: Cache | None
+        self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray, past: Cache | None,
+        logit_positions: np.ndarray | None = None,
     ) -> tuple[np.ndarray, Cache]:
-        """(B, T) ids and positions, (B, P + T) mask, cache of P tokens or None -> (logits (B, T, V), cache)."""
+        """(B, T) ids and positions, (B, P + T) mask, cache of P tokens or None -> (logits (B, T, V), cache);
+        with ``logit_positions`` (B, K) int64 the logits of those new tokens, (B, K, V), on an engine that
+        selects them (interface version 8; an older one returns all T)."""
 
     def cache_to_numpy(self, cache: Cache) -> list[np.ndarray]:
         """The cache as numpy arrays, for tests and debugging only."""

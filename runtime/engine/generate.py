@@ -47,6 +47,31 @@ def left_padded(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.n
     return ids, pos, mask
 
 
+def last_positions(ids: np.ndarray) -> np.ndarray:
+    """(B, 1) the last new token of every row of ``ids`` (B, T): where a left-padded prefill samples, the only
+    logits it needs (``Engine.forward``'s ``logit_positions``)."""
+    B, T = ids.shape
+    return np.full((B, 1), T - 1, dtype=np.int64)
+
+
+def prefill(engine: Engine, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, chunk: int | None = None, **forward_args):
+    """The left-padded prompts ``ids``, ``pos``, ``mask`` (B, T) through ``engine`` into a new cache: (logits of the
+    last position (B, 1, V), cache). With ``chunk``, at most that many tokens per forward, each chunk through the
+    cache the earlier ones left: a forward's activations (attention scores (B, heads, chunk, P + chunk) instead of
+    (B, heads, T, T)) bound the peak memory of a long prompt, for the weights read once per chunk. ``forward_args``
+    go to every forward (a stacked engine's ``slots``)."""
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"prefill chunk must be >= 1 token, got {chunk}")
+    T = ids.shape[1]
+    step = chunk or T
+    cache = None
+    for a in range(0, T, step):
+        b = min(a + step, T)
+        logits, cache = engine.forward(ids[:, a:b], pos[:, a:b], mask[:, :b], cache,
+                                       logit_positions=last_positions(ids[:, a:b]), **forward_args)
+    return logits, cache
+
+
 def decode_steps(
     engine: Engine,
     prompts: Sequence[Sequence[int]],
@@ -65,7 +90,7 @@ def decode_steps(
     stop = set(int(t) for t in stop_tokens)
     B = len(prompts)
     ids, pos, mask = left_padded(prompts, pad_id)
-    logits, cache = engine.forward(ids, pos, mask, None)  # prefill
+    logits, cache = prefill(engine, ids, pos, mask)  # (B, 1, V)
     done = np.zeros(B, dtype=bool)
     next_pos = pos[:, -1:] + 1  # (B, 1)
     for step in range(max_new_tokens):

@@ -36,17 +36,26 @@ if TYPE_CHECKING:  # the ONNX Runtime side reads interfaces without importing to
 # 7: stacked adapters (any cache of versions 3, 5 or 6): the LoRA of S resident slots at once and a per-row
 #    slot choice, so rows of different releases decode in one forward (``stacked_interface``). Versions 3-6
 #    still load and serve one release per batch.
+# 8: any of the above (stacked or not) with a last input ``logit_positions`` (batch, positions) int64: the
+#    positions of each row whose hidden states go through the final norm and LM head; ``logits`` is (batch,
+#    positions, vocab). A server samples from the last position only: a prefill's logits for every prompt token
+#    (2,048 x 151,936 floats = 1.2 GB at the 0.5B shape) are never computed. Recorded as ``logit_positions``
+#    (hashed); the LoRA contract is unchanged, so adapters of the engine without it bind
+#    (``float_interface_hash``). Versions 3-7 still load: their forward returns every position's logits.
 INTERFACE_VERSION = 3
 QUANT_KV_INTERFACE_VERSION = 5
 PAGED_INTERFACE_VERSION = 6
 STACKED_INTERFACE_VERSION = 7
-SUPPORTED_VERSIONS = (INTERFACE_VERSION, 4, QUANT_KV_INTERFACE_VERSION, PAGED_INTERFACE_VERSION, STACKED_INTERFACE_VERSION)
+LOGIT_POSITIONS_INTERFACE_VERSION = 8
+SUPPORTED_VERSIONS = (INTERFACE_VERSION, 4, QUANT_KV_INTERFACE_VERSION, PAGED_INTERFACE_VERSION, STACKED_INTERFACE_VERSION,
+                      LOGIT_POSITIONS_INTERFACE_VERSION)
 INTERFACE_FILE = "interface.json"
 ENGINE_ONNX = "model.onnx"  # beside it in an engine folder (tasks/compile.py)
 CACHE_KEY_FILE = "cache_key.json"  # what the engine was built from; its presence means the build completed
 KV_LAYOUT = "B,num_kv_heads,past_len,head_dim"  # one key and one value tensor per layer
 PAGED_KV_LAYOUT = "blocks,num_kv_heads,block_size,head_dim"  # one pool per cache tensor and layer
 BLOCK_TABLE = "block_table"
+LOGIT_POSITIONS = "logit_positions"
 QUANT_KV_DTYPE = "packed-uint8"
 KV_ROTATION_INPUT = "kv_rotation"
 ADAPTER_MASK = "adapter_mask"  # version 7: (batch, slots) float32, one-hot: the slot each row decodes with
@@ -115,14 +124,22 @@ class EngineInterface:
     inputs: tuple[TensorSpec, ...] = field(default_factory=tuple)
     outputs: tuple[TensorSpec, ...] = field(default_factory=tuple)
     kv_spec: dict | None = None  # KVQuantSpec.to_dict() of a quantized cache; None = float cache
-    # Hash of the same engine with a float, padded cache: the LoRA contract an adapter was made for is
-    # identical, so an adapter bound to the float engine also runs on the quantized or paged one.
+    # Hash of the same engine with a float, padded cache and every position's logits (version 3): the LoRA
+    # contract an adapter was made for is identical, so an adapter bound to the float engine also runs on
+    # the quantized, paged or logit-selecting one.
     float_interface_hash: str | None = None
     kv_block_size: int | None = None  # tokens per block of a paged cache (version 6); None = padded
     # How the graph stores the backbone weights, e.g. {"precision": "int4", "format": "matmulnbits",
     # "block_size": 128}; None = fp32. Recorded, not hashed: the LoRA contract is the same, so an
     # adapter made for the float engine binds to its weight-quantized copy.
     weights: dict | None = None
+    logit_positions: bool = False  # version 8: a LOGIT_POSITIONS input selects where logits are computed
+
+    @property
+    def lora_contract_hash(self) -> str:
+        """The hash an adapter, its KV scales and its release record: the float engine's, which every engine of
+        the same backbone and LoRA inputs accepts (quantized, paged, logit-selecting or not)."""
+        return self.float_interface_hash or self.interface_hash
 
     @property
     def weight_precision(self) -> str:
@@ -179,6 +196,8 @@ class EngineInterface:
                 del d[key]
         if self.weights is None:
             del d["weights"]
+        if not self.logit_positions:
+            del d["logit_positions"]
         d["target_modules"] = list(self.target_modules)
         for key in ("inputs", "outputs"):
             d[key] = [{"name": t["name"], "dtype": t["dtype"], "shape": list(t["shape"])} for t in d[key]]
@@ -277,10 +296,19 @@ def paged_problems(kv_spec: dict | None, block_size: int) -> list[str]:
 
 def build_interface(
     cfg: "BackboneConfig", backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], kv_spec: dict | None = None,
-    kv_block_size: int | None = None, stacked: bool = False,
+    kv_block_size: int | None = None, stacked: bool = False, logit_positions: bool = False,
 ) -> EngineInterface:
     """The interface of the float-KV engine, or with ``kv_spec`` of the quantized-KV engine; with
-    ``kv_block_size``, of its paged form (version 6); ``stacked``: either's stacked-adapter form (version 7)."""
+    ``kv_block_size``, of its paged form (version 6); ``stacked``: either's stacked-adapter form (version 7);
+    with ``logit_positions``, any of them with the ``LOGIT_POSITIONS`` input last (version 8)."""
+    if logit_positions:
+        whole = build_interface(cfg, backbone_hash, max_rank, target_modules, kv_spec, kv_block_size, stacked)
+        logits = TensorSpec("logits", "float32", ("batch", "positions", cfg.vocab_size))
+        return EngineInterface(
+            **{**whole.__dict__, "version": LOGIT_POSITIONS_INTERFACE_VERSION, "logit_positions": True,
+               "inputs": whole.inputs + (TensorSpec(LOGIT_POSITIONS, "int64", ("batch", "positions")),),
+               "outputs": (logits,) + whole.outputs[1:],
+               "float_interface_hash": whole.float_interface_hash or whole.interface_hash})
     if stacked:
         return stacked_interface(build_interface(cfg, backbone_hash, max_rank, target_modules, kv_spec, kv_block_size))
     if kv_block_size is not None:

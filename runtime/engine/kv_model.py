@@ -88,7 +88,7 @@ def per_row_scales(q, k, v, k_scale, v_scale, num_heads: int):
 
 
 class QuantizedKVBackbone(nn.Module):
-    """forward(input_ids, position_ids, attention_mask, cache, static, lora) -> (logits, *outputs).
+    """forward(input_ids, position_ids, attention_mask, cache, static, lora, logit_positions) -> (logits, *outputs).
 
     cache, static: flat lists in the order of ``runtime.engine.interface.quantized_kv_tensors``;
     outputs: per layer the present_* tensors then new_key, new_value, in that order too.
@@ -144,9 +144,9 @@ class QuantizedKVBackbone(nn.Module):
             layers.append(layer)
         return layers
 
-    def forward(self, input_ids, position_ids, attention_mask, cache: list, static: list, lora: list):
+    def forward(self, input_ids, position_ids, attention_mask, cache: list, static: list, lora: list, logit_positions=None):
         if self.attention == "gqa":
-            return self._forward_gqa(input_ids, position_ids, attention_mask, cache, static, lora)
+            return self._forward_gqa(input_ids, position_ids, attention_mask, cache, static, lora, logit_positions)
         spec, bb = self.spec, self.backbone
         cache = list(cache)
         past_positions = cache.pop(0) if spec.pre_rope_keys else None  # (B, P)
@@ -176,7 +176,7 @@ class QuantizedKVBackbone(nn.Module):
             y = a_sink @ sink_v + self._value_mix(a_past, layer) + a_new @ v  # (B, nkv, g T, d)
             x = block.finish(x, self._unrotated(layer, y), B, T, lora_i)
             outputs += self._append(layer, k, v, position_ids)
-        return (bb.head(x, B, T), *outputs)
+        return (bb.head(x, B, T, logit_positions), *outputs)
 
     def forward_reading(self, read_codes: list, *args):
         """GQA mode, eager only: ``forward(*args)`` whose attention reads ``read_codes`` (per layer the
@@ -187,7 +187,7 @@ class QuantizedKVBackbone(nn.Module):
         return self._forward_gqa(*args, read_codes=read_codes)
 
     def _forward_gqa(self, input_ids, position_ids, attention_mask, cache: list, static: list, lora: list,
-                     read_codes: list | None = None):
+                     logit_positions=None, read_codes: list | None = None):
         """Attention by ``kernels.gqa_attention`` (one GroupQueryAttention node per layer in ONNX).
 
         The sink inputs stay in the signature (same interface as the standard-ops engine) but are
@@ -228,7 +228,7 @@ class QuantizedKVBackbone(nn.Module):
             y = y.view(B, T, nh, d).transpose(1, 2).reshape(B, nkv, (nh // nkv) * T, d)  # finish's layout
             x = block.finish(x, self._unrotated(layer, y), B, T, lora_i)
             outputs += [present_k, present_v, k16, v16]
-        return (bb.head(x, B, T), *outputs)
+        return (bb.head(x, B, T, logit_positions), *outputs)
 
     @staticmethod
     def _rotated(layer: dict, q, k, v):

@@ -402,12 +402,13 @@ class Block(nn.Module):
 
 
 class Backbone(nn.Module):
-    """forward(input_ids, position_ids, attention_mask, past_kv, lora) -> (logits, present_kv).
+    """forward(input_ids, position_ids, attention_mask, past_kv, lora, logit_positions) -> (logits, present_kv).
 
     input_ids, position_ids: (B, T) int64; attention_mask: (B, S) int64, 1 = real token,
     0 = padding (left padding for batched prompts). past_kv: flat tuple
     (past_key.0, past_value.0, past_key.1, ...), each (B, nkv, P, d); P may be 0.
     lora: flat tuple in ``runtime.engine.interface.lora_input_names`` order; empty when built with no lora_modules.
+    logit_positions: (B, K) int64, the new tokens (0..T-1) whose logits are computed (``head``); None = all T.
     """
 
     linear = staticmethod(float_linear)  # the LM head's; see Block.linear
@@ -432,7 +433,7 @@ class Backbone(nn.Module):
         # The one inv_freq of this backbone: the exported graph, the KV-cache paths and calibration all read it.
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)  # (d/2,)
 
-    def forward(self, input_ids, position_ids, attention_mask, past_kv: tuple, lora: tuple = ()):
+    def forward(self, input_ids, position_ids, attention_mask, past_kv: tuple, lora: tuple = (), logit_positions=None):
         x, cos, sin, mask = self.prepare(input_ids, position_ids, attention_mask, past_kv[0].shape[2])
         B, T = input_ids.shape
         present = []
@@ -440,7 +441,7 @@ class Backbone(nn.Module):
         for i, block in enumerate(self.blocks):
             x, k, v = block(x, B, T, cos, sin, mask, past_kv[2 * i], past_kv[2 * i + 1], loras[i])
             present += [k, v]
-        return self.head(x, B, T), tuple(present)
+        return self.head(x, B, T, logit_positions), tuple(present)
 
     def prepare(self, input_ids, position_ids, attention_mask, P):
         """Embeddings x (N, H), RoPE cos/sin (B, 1, T, d) of the new tokens, additive mask (B, 1, g T, P + T)."""
@@ -480,7 +481,15 @@ class Backbone(nn.Module):
                             masks[lora[n * i + 2 * j].shape[0] // S] if masks else None)
                  for j, (_, fused) in enumerate(self.lora_groups)} for i in range(self.cfg.num_layers)]
 
-    def head(self, x, B: int, T: int):
+    def head(self, x, B: int, T: int, logit_positions=None):
+        """Logits (B, T, V) of the hidden states x (B T, H); with ``logit_positions`` (B, K) of those positions
+        only, (B, K, V): gathered before the norm and the LM head, whose (B T, V) output would otherwise be the
+        largest tensor of a long prefill."""
+        if logit_positions is not None:
+            H = x.shape[-1]
+            x = torch.gather(x.view(B, T, H), 1, logit_positions.unsqueeze(-1).expand(-1, -1, H))  # (B, K, H)
+            T = logit_positions.shape[1]
+            x = x.reshape(B * T, H)  # (B K, H)
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)  # (N, H)
         return self.linear(x, self.lm_head).view(B, T, -1)  # (B, T, V)
 

@@ -41,12 +41,12 @@ def gathered(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 
 class PagedKVBackbone(nn.Module):
-    """forward(input_ids, position_ids, attention_mask, block_table, pools, static_or_lora, lora) -> (logits, *new slots).
+    """forward(input_ids, position_ids, attention_mask, block_table, pools, static, lora, logit_positions) -> (logits, *new slots).
 
     ``pools``: per layer the pool of every cache tensor the wrapped forward takes as its past, in the
-    wrapped interface's order; then the LoRA inputs for the float backbone, or the static KV inputs and the
-    LoRA inputs for the quantized one (torch.export takes no ``*args``). attention_mask (B, M bs + T): 1 for a
-    row's filled slots and its real new tokens.
+    wrapped interface's order; then the static KV inputs (none for the float backbone) and the LoRA inputs
+    (torch.export takes no ``*args``); ``logit_positions`` as ``Backbone.forward``'s. attention_mask
+    (B, M bs + T): 1 for a row's filled slots and its real new tokens.
     """
 
     def __init__(self, inner: nn.Module):
@@ -59,24 +59,23 @@ class PagedKVBackbone(nn.Module):
     def cfg(self):
         return self.backbone.cfg
 
-    def forward(self, input_ids, position_ids, attention_mask, block_table, pools: list, static_or_lora: list,
-                lora: list | None = None):
-        rest = (static_or_lora,) if lora is None else (static_or_lora, lora)
+    def forward(self, input_ids, position_ids, attention_mask, block_table, pools: list, static: list, lora: list,
+                logit_positions=None):
         T = input_ids.shape[1]
         past = [gathered(p, block_table) for p in pools]  # each (B, nkv, M bs, w)
         P = past[0].shape[2]
         if not self.quantized:
-            return self._forward_float(input_ids, position_ids, attention_mask, past, static_or_lora)
+            return self._forward_float(input_ids, position_ids, attention_mask, past, lora, logit_positions)
         cache, per_layer = [], len(pools) // self.cfg.num_layers
         empty_sink = past[0].new_zeros((past[0].shape[0], self.cfg.num_kv_heads, 0, self.cfg.head_dim), dtype=torch.float16)
         for i in range(self.cfg.num_layers):  # the padded engine's order: the layer's past_*, then its two sinks
             cache += past[i * per_layer : (i + 1) * per_layer] + [empty_sink, empty_sink]
-        logits, *outputs = self.inner(input_ids, position_ids, attention_mask, cache, *rest)
+        logits, *outputs = self.inner(input_ids, position_ids, attention_mask, cache, static, lora, logit_positions)
         per_out = per_layer + 2  # present_* of the layer, then new_key / new_value in fp16 (for a sink: none here)
         return (logits, *(outputs[i * per_out + j].narrow(2, P, T)
                           for i in range(self.cfg.num_layers) for j in range(per_layer)))
 
-    def _forward_float(self, input_ids, position_ids, attention_mask, past: list, lora: list):
+    def _forward_float(self, input_ids, position_ids, attention_mask, past: list, lora: list, logit_positions=None):
         """The float backbone's layers (``Block.project_qkv``, ``Block.finish``) with attention over the
         gathered past and the new tokens side by side, never concatenated: ``Block.forward`` builds
         present = past ++ new, a copy of the past that the gather has already made once (measured with it:
@@ -97,4 +96,4 @@ class PagedKVBackbone(nn.Module):
             y = att[..., :P] @ past[2 * i + 1] + att[..., P:] @ v  # (B, nkv, g T, d)
             x = block.finish(x, y, B, T, lora_i)
             new += [k, v]
-        return (bb.head(x, B, T), *new)
+        return (bb.head(x, B, T, logit_positions), *new)

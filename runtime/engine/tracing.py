@@ -15,6 +15,7 @@ from runtime.engine.kv_scales import KV_SCALE_KINDS
 TRACE_BATCH, TRACE_SEQ, TRACE_PAST, TRACE_SINK = 2, 3, 5, 2
 TRACE_BLOCKS, TRACE_POOL = 4, 7  # a paged cache: blocks per row in the table, blocks in the pool
 TRACE_SLOTS = 3  # a stacked engine's adapter slots (interface version 7)
+TRACE_LOGITS = 2  # logit positions per row (interface version 8), fewer than TRACE_SEQ
 # Upper bounds of the dynamic axes.
 MAX_BATCH, MAX_SEQ, MAX_PAST = 64, 4096, 4096
 MAX_SLOTS = 16  # adapters one stacked forward holds; a device keeps a few resident (runtime.serve.residents)
@@ -22,9 +23,18 @@ MAX_SLOTS = 16  # adapters one stacked forward holds; a device keeps a few resid
 
 def example_inputs(model, iface, batch: int, seq: int, past: int):
     """Random inputs in interface order: ids, positions, mask, the cache (float or packed; or the block
-    table and pools of a paged one, ``TRACE_BLOCKS`` blocks per row), (static scales,) LoRA."""
+    table and pools of a paged one, ``TRACE_BLOCKS`` blocks per row), (static scales,) LoRA(, logit positions)."""
     import torch
 
+    args = _adapter_example_inputs(torch, model, iface, batch, seq, past)
+    if iface.logit_positions:  # TRACE_LOGITS of the seq positions, not all: the export must not tie the two axes
+        args += (torch.randint(0, seq, (batch, TRACE_LOGITS)),)  # (B, K)
+    return args
+
+
+def _adapter_example_inputs(torch, model, iface, batch: int, seq: int, past: int):
+    """``example_inputs`` but the logit positions: a stacked engine's slots and per-row statics around the
+    inputs of one adapter (``_example_inputs``)."""
     cfg = model.cfg
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))  # (B, T)
     pos = (torch.arange(seq) + past).expand(batch, seq).contiguous()  # (B, T)
@@ -51,7 +61,7 @@ def _example_inputs(torch, cfg, iface, batch, seq, past, ids, pos, shapes, lora)
             static = [torch.eye(cfg.head_dim) if n.startswith(KV_ROTATION_INPUT) else torch.rand(*iface.adapter_shape(specs[n])) * 0.1 + 0.01
                       for n in iface.input_names if n.split(".")[0] in (*KV_SCALE_KINDS, KV_ROTATION_INPUT)]
             return ids, pos, mask, table, pools, static, lora
-        return ids, pos, mask, table, pools, lora
+        return ids, pos, mask, table, pools, [], lora  # a float cache has no static inputs
     if iface.quantized_kv:
         cache, static = quantized_example_inputs(iface, batch, past)
         mask = torch.ones(batch, TRACE_SINK + past + seq, dtype=torch.long)  # (B, sink + P + T)
@@ -90,6 +100,13 @@ def random_cache_tensor(torch, shape: list, dtype: str):
 def export_dynamic_shapes(iface, args, Dim):
     """torch.export ``dynamic_shapes`` for ``args`` (as ``example_inputs`` returns them), with ``Dim`` given."""
     batch = Dim("batch", min=1, max=MAX_BATCH)
+    if iface.logit_positions:
+        return (_dynamic_shapes(iface, args[:-1], Dim, batch) +
+                ({0: batch, 1: Dim("positions", min=1, max=MAX_SEQ)},))
+    return _dynamic_shapes(iface, args, Dim, batch)
+
+
+def _dynamic_shapes(iface, args, Dim, batch):
     seq = Dim("seq", min=1, max=MAX_SEQ)
     past = Dim("past", min=0, max=MAX_PAST)  # 0 = prefill with an empty cache
     head = ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: Dim.DYNAMIC})  # total = past + seq: derived

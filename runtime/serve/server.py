@@ -47,7 +47,7 @@ from runtime.release.package import (
     unpacked_release,
     verify_release,
 )
-from runtime.serve.batcher import KV_WAIT_S, BatchedGeneration, Batcher, worst_case_blocks
+from runtime.serve.batcher import DEFAULT_PREFILL_CHUNK, KV_WAIT_S, BatchedGeneration, Batcher, worst_case_blocks
 from runtime.serve.generation import ForkedGeneration, Generation, StopText
 from runtime.serve.metrics import ServerMetrics
 from runtime.serve.residents import CANDIDATE, CHAMPION, DEFAULT_MAX_RESIDENT, ResidencyError, ResidentSet
@@ -87,8 +87,9 @@ class AdapterServer:
 
     def __init__(self, engine, tokenizer, trusted_keys: dict, max_bytes: int = DEFAULT_MAX_PACKAGE_BYTES,
                  max_resident: int = DEFAULT_MAX_RESIDENT, products: tuple[str, ...] = (DEFAULT_PRODUCT,),
-                 kv_wait_s: float = KV_WAIT_S):
-        """``kv_wait_s``: on a paged engine with a KV budget, how long a batched request waits for blocks."""
+                 kv_wait_s: float = KV_WAIT_S, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
+        """``kv_wait_s``: on a paged engine with a KV budget, how long a batched request waits for blocks;
+        ``prefill_chunk``: the most prompt tokens a batched prefill runs per forward (None: the whole prompt)."""
         if not hasattr(engine, "fork"):
             raise ValueError(f"{type(engine).__name__} cannot be shared between requests; serve runs the onnxruntime backend")
         self.engine, self.tokenizer, self.trusted_keys, self.max_bytes = engine, tokenizer, trusted_keys, max_bytes
@@ -98,7 +99,7 @@ class AdapterServer:
         self._load_lock = threading.Lock()
         # One scheduler for every release's batch; None where the cache cannot be merged (fp16 sink tokens).
         self.batcher = (Batcher(tokenizer.stop_ids, tokenizer.pad_id, self.metrics, pool=getattr(engine, "pool", None),
-                                kv_wait_s=kv_wait_s, stacked=engine.interface.stacked)
+                                kv_wait_s=kv_wait_s, stacked=engine.interface.stacked, prefill_chunk=prefill_chunk)
                         if getattr(engine, "merges_caches", False) else None)
         # set by runtime.serve.health.ReleaseGate: per product, the state directory and its trials
         self.gates: dict[str, ReleaseGate] = {}

@@ -55,7 +55,8 @@ def test_llama_servers_kv_cells_are_its_slots_times_their_context_from_its_log(t
 
 def test_a_mixed_length_load_reads_the_servers_resident_set_and_kv_bytes(world, tmp_path, capsys):
     args = argparse.Namespace(shape="tiny", max_tokens=16, threads=1, arrival="staggered", rss_limit_gb=8.0,
-                              sample_s=0.005, report_s=0.05, llama_server=None, llama_cpp_src=None)
+                              sample_s=0.005, report_s=0.05, llama_server=None, llama_cpp_src=None, ort_memory=None,
+                              prefill_chunk=8)
     contexts = (32, 64, 96, 128) * 2
 
     result = bench.measure(world, {"mixed": contexts}, ["ours"], args, tmp_path)
@@ -75,3 +76,6 @@ def test_a_mixed_length_load_reads_the_servers_resident_set_and_kv_bytes(world, 
     assert judged["rss_vs_llama_server"] is None and "not measured" in judged["rss_vs_llama_server_note"]
     assert (judged["mixed_adapters_vs_one"], judged["mixed_adapters_vs_one_note"]) == (None, bench.MIXED_ADAPTERS_NOTE)
     assert "[ours mixed] done" in capsys.readouterr().out  # the progress display
+    # the server ran with the device config's prefill chunk (prompts of 16-112 tokens: 2-14 forwards each)
+    assert (result["ours"]["prefill_chunk"], result["ours"]["ort_memory"]) == (8, "arena")
+    assert '"prefill_chunk": 8' in (tmp_path / "device.json").read_text()

@@ -144,7 +144,7 @@ def test_interface_of_another_version_is_refused(tiny_engine, tmp_path):
     shutil.copytree(tiny_engine, copy)
     spec = json.loads((copy / "interface.json").read_text()) | {"version": 99}
     (copy / "interface.json").write_text(json.dumps(spec))
-    with pytest.raises(InterfaceError, match="interface version 99 but this runtime speaks 3, 4, 5, 6, 7; recompile"):
+    with pytest.raises(InterfaceError, match="interface version 99 but this runtime speaks 3, 4, 5, 6, 7, 8; recompile"):
         open_engine(copy)
 
 
@@ -232,3 +232,54 @@ def test_optimized_graph_of_a_large_engine_keeps_its_initializers_in_a_data_file
     want = prefill_then_decode(engine, ids, 4)  # the inline optimized graph of the shared engine
     np.testing.assert_array_equal(prefill_then_decode(first, ids, 4), want)
     np.testing.assert_array_equal(prefill_then_decode(reopened, ids, 4), want)
+
+
+def test_logits_at_selected_positions_equal_the_full_logits_there_on_engine_and_reference(engine, tiny_qwen, qwen_adapter):
+    """Interface version 8: the LM head runs on the selected positions only, with the same logits."""
+    lora = load_adapter(qwen_adapter, engine.interface)
+    engine.set_adapter(lora)
+    reference = TorchEngine(tiny_qwen, engine.interface, threads=None)
+    reference.set_adapter(lora)
+    ids = np.random.default_rng(3).integers(0, 96, (2, 9))
+    pos, mask = np.broadcast_to(np.arange(9), (2, 9)), np.ones((2, 9), np.int64)
+    picked = np.array([[8, 0, 4], [3, 3, 7]])
+
+    full, _ = engine.forward(ids, pos, mask, None)
+    got, _ = engine.forward(ids, pos, mask, None, picked)
+    eager, _ = reference.forward(ids, pos, mask, None, picked)
+
+    assert engine.interface.version == 8 and engine.interface.logit_positions
+    assert full.shape == (2, 9, engine.interface.vocab_size) and got.shape == (2, 3, engine.interface.vocab_size)
+    want = np.take_along_axis(full, picked[:, :, None], axis=1)
+    assert np.abs(got - want).max() <= 1e-5
+    assert np.abs(eager - want).max() <= 1e-4
+
+
+def test_an_engine_without_logit_positions_keeps_its_hash_and_its_adapters_bind_to_the_new_one(engine, tiny_qwen):
+    from runtime.engine.interface import build_interface
+    from runtime.engine.model import read_config
+
+    iface = engine.interface
+    older = build_interface(read_config(tiny_qwen), iface.backbone_hash, iface.max_rank, iface.target_modules)
+    assert "logit_positions" not in older.to_dict() and older.version == 3
+    assert iface.float_interface_hash == older.interface_hash != iface.interface_hash
+    assert [t.name for t in iface.inputs] == [t.name for t in older.inputs] + ["logit_positions"]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 5])
+def test_a_prefill_in_chunks_through_the_cache_gives_the_whole_prefills_logits_and_cache(engine, qwen_adapter, chunk):
+    from runtime.engine.generate import left_padded, prefill
+
+    engine.set_adapter(load_adapter(qwen_adapter, engine.interface))
+    prompts = [[5, 9, 17, 33, 2, 41, 8], [60, 3, 12]]  # left-padded: the short row's first chunks are padding only
+    ids, pos, mask = left_padded(prompts)
+
+    whole, whole_cache = prefill(engine, ids, pos, mask)
+    got, cache = prefill(engine, ids, pos, mask, chunk)
+
+    assert got.shape == whole.shape == (2, 1, engine.interface.vocab_size)
+    assert np.abs(got - whole).max() <= 1e-4
+    for a, b in zip(engine.cache_to_numpy(cache), engine.cache_to_numpy(whole_cache)):
+        assert np.abs(a - b)[mask.astype(bool)[:, None, :, None].repeat(a.shape[1], 1).repeat(a.shape[3], 3)].max() <= 1e-4
+    with pytest.raises(ValueError, match="prefill chunk must be >= 1 token"):
+        prefill(engine, ids, pos, mask, 0)

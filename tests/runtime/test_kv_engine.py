@@ -15,7 +15,7 @@ from runtime.engine.adapter import load_adapter
 from runtime.engine.backends.onnxruntime import OrtEngine
 from runtime.engine.errors import RefusedInput
 from runtime.engine.generate import greedy_generate
-from runtime.engine.interface import INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSION, read_interface
+from runtime.engine.interface import LOGIT_POSITIONS_INTERFACE_VERSION, read_interface
 from runtime.engine.kv_scales import KVScales
 from runtime.engine.model import load_backbone
 from tasks.calibrate import cache_kwargs
@@ -138,7 +138,7 @@ def test_float_engine_is_unchanged_and_takes_no_scales(tiny_engine, tiny_qwen):
     written = json.loads((tiny_engine / "interface.json").read_text())
     engine = OrtEngine(tiny_engine)
 
-    assert iface.version == INTERFACE_VERSION and iface.kv_dtype == "float32" and "kv_spec" not in written
+    assert iface.version == LOGIT_POSITIONS_INTERFACE_VERSION and iface.kv_dtype == "float32" and "kv_spec" not in written
     with pytest.raises(ValueError, match="float KV cache; it takes no kv_scales"):
         engine.set_adapter(None, kv_scales=calibrate(tiny_qwen, PRE_ROPE_SCHEME))
 
@@ -146,8 +146,8 @@ def test_float_engine_is_unchanged_and_takes_no_scales(tiny_engine, tiny_qwen):
 def test_quantized_interface_records_its_spec_and_the_float_contract(quant_engine, tiny_engine):
     spec, engine = quant_engine
     iface = engine.interface
-    assert iface.version == QUANT_KV_INTERFACE_VERSION and iface.kv_spec == spec.to_dict()
-    assert iface.float_interface_hash == read_interface(tiny_engine).interface_hash
+    assert iface.version == LOGIT_POSITIONS_INTERFACE_VERSION and iface.kv_spec == spec.to_dict()
+    assert iface.float_interface_hash == read_interface(tiny_engine).float_interface_hash  # one LoRA contract
     assert read_interface(engine.engine_dir).interface_hash == iface.interface_hash
 
 

@@ -23,7 +23,7 @@ from runtime.__main__ import main as runtime_main
 from runtime.engine.adapter import load_adapter
 from runtime.engine.backends.onnxruntime import OrtEngine
 from runtime.engine.generate import greedy_generate
-from runtime.engine.interface import PAGED_INTERFACE_VERSION, SUPPORTED_VERSIONS, read_interface
+from runtime.engine.interface import LOGIT_POSITIONS_INTERFACE_VERSION, SUPPORTED_VERSIONS, read_interface
 from runtime.engine.kv_blocks import BlockPool, KVBudgetExceeded, PagedCache, PoolTensor
 from tasks.compile import CompileError, compile_engine
 
@@ -151,8 +151,8 @@ def test_a_pool_without_budget_grows_keeping_its_rows_and_one_with_a_budget_refu
 def test_the_paged_interface_keeps_the_float_contract_and_padded_engines_still_load(gqa_pair, float_pair, tiny_engine):
     for padded, paged in (gqa_pair, float_pair):
         iface = paged.interface
-        assert iface.version == PAGED_INTERFACE_VERSION and iface.kv_block_size == BLOCK
-        assert iface.float_interface_hash == read_interface(tiny_engine).interface_hash  # releases bind unchanged
+        assert iface.version == LOGIT_POSITIONS_INTERFACE_VERSION and iface.kv_block_size == BLOCK
+        assert iface.float_interface_hash == read_interface(tiny_engine).float_interface_hash  # releases bind unchanged
         assert [n for n in iface.input_names if n.startswith("pool_")] == [f"pool_{k}.{i}" for i in range(2) for k in ("key", "value")]
         assert iface.output_names[1:] == [f"new_{k}.{i}" for i in range(2) for k in ("key", "value")]
         assert padded.interface.version in SUPPORTED_VERSIONS and padded.pool is None  # version 3 and 5 serve padded
@@ -257,3 +257,12 @@ def test_serve_refuses_a_kv_budget_for_a_padded_engine_naming_the_flag(w, capsys
                          str(w["trusted_key"]), "--tokenizer", str(w["tokenizer"]), "--kv-budget-mb", "64"])
     err = capsys.readouterr().err
     assert code == 2 and "kv_budget_mb (--kv-budget-mb): the engine" in err and "a budget needs a paged engine" in err
+
+
+@pytest.mark.parametrize("flag,value,named", [("--prefill-chunk", "0", "prefill_chunk (--prefill-chunk) 0"),
+                                              ("--ort-memory", "pool", "ort_memory (--ort-memory) 'pool'")])
+def test_serve_refuses_a_prefill_chunk_or_ort_memory_it_cannot_use_naming_the_flag(w, capsys, flag, value, named):
+    code = runtime_main(["serve", "--engine", str(w["engine"]), "--package", str(w["b"]), "--trusted-key",
+                         str(w["trusted_key"]), "--tokenizer", str(w["tokenizer"]), flag, value])
+    err = capsys.readouterr().err
+    assert code == 2 and named in err

@@ -175,7 +175,7 @@ class SpyEngine:
     def __init__(self, script, vocab):
         self.script, self.vocab, self.prefill = list(script), vocab, None
 
-    def forward(self, ids, pos, mask, past):
+    def forward(self, ids, pos, mask, past, logit_positions=None):
         if past is None:
             self.prefill = ids[0].tolist()
         step = 0 if past is None else past + 1

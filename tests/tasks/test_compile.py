@@ -13,7 +13,7 @@ from project_testkit import ENV, repeated_lines
 
 import tasks.compile as compile_stage
 from runtime.engine.hashing import backbone_hash
-from runtime.engine.interface import INTERFACE_VERSION, read_interface
+from runtime.engine.interface import LOGIT_POSITIONS_INTERFACE_VERSION, read_interface
 from tasks.compile import compile_engine
 
 
@@ -33,7 +33,7 @@ def test_interface_records_the_contract(tiny_qwen, tiny_engine):
     spec = json.loads((tiny_engine / "interface.json").read_text())
     graph = onnx.load(str(tiny_engine / "model.onnx"))
 
-    assert spec["version"] == INTERFACE_VERSION and spec["interface_hash"] == iface.interface_hash
+    assert spec["version"] == LOGIT_POSITIONS_INTERFACE_VERSION and spec["interface_hash"] == iface.interface_hash
     assert iface.backbone_hash == backbone_hash(tiny_qwen)
     assert iface.max_rank == 8 and iface.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
     assert iface.kv_layout == "B,num_kv_heads,past_len,head_dim" and iface.kv_dtype == "float32"
@@ -46,7 +46,7 @@ def test_interface_records_the_contract(tiny_qwen, tiny_engine):
     assert [i.name for i in graph.graph.input] == iface.input_names
     past = next(i for i in graph.graph.input if i.name == "past_value.0").type.tensor_type.shape.dim
     assert [d.dim_param or d.dim_value for d in past] == ["batch", 2, "past", 16]
-    assert len(iface.inputs) == 3 + 2 * 2 + 2 * 2 * 2
+    assert len(iface.inputs) == 3 + 2 * 2 + 2 * 2 * 2 + 1  # ids/positions/mask, K/V, LoRA A/B, logit positions
 
 
 def test_changed_backbone_rebuilds_the_engine(tiny_qwen, tiny_engine, tmp_path):

@@ -13,7 +13,7 @@ from engine_testkit import calibrate, engine_run, make_adapter
 from runtime.engine.adapter import load_adapter
 from runtime.engine.backends.onnxruntime import OrtEngine
 from runtime.engine.generate import generate_text
-from runtime.engine.interface import BLOCK_TABLE, STACKED_INTERFACE_VERSION, read_interface
+from runtime.engine.interface import BLOCK_TABLE, LOGIT_POSITIONS_INTERFACE_VERSION, read_interface
 from runtime.engine.model import load_backbone
 from tasks.base_model import load_tokenizer
 from tasks.compile import compile_profile_engines
@@ -58,12 +58,13 @@ def test_the_compile_stage_builds_a_paged_serving_engine_with_stacked_adapters_b
     iface = read_interface(serving)
 
     assert serving == cfg.layout.engine_dir / "kv-paged16-stacked"
-    assert iface.version == STACKED_INTERFACE_VERSION == 7 and iface.stacked and iface.kv_block_size == 16
+    assert iface.version == LOGIT_POSITIONS_INTERFACE_VERSION == 8 and iface.logit_positions
+    assert iface.stacked and iface.kv_block_size == 16
     assert iface.kv_spec == read_interface(cfg.layout.kv_engine_dir).kv_spec  # the release's 4-bit scheme, paged
     assert BLOCK_TABLE in iface.input_names and "pool_key.0" in iface.input_names
     assert not any(name.startswith("past_") for name in iface.input_names)
     # Releases bind to the float engine's interface, paged or not
-    assert iface.float_interface_hash == read_interface(cfg.layout.engine_dir).interface_hash
+    assert iface.float_interface_hash == read_interface(cfg.layout.engine_dir).float_interface_hash
     assert metrics["serving_engine"] == {"dir": str(serving), "kv_block_size": 16, "mixed_adapters": True,
                                          "engine_builds": 1, "interface_hash": iface.interface_hash}
     assert metrics["engine_builds"] == 3  # float, quantized-KV, and its paged form with stacked adapters

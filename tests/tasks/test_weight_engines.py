@@ -76,7 +76,7 @@ def test_compile_stage_builds_the_int8_serving_engine_once_inside_the_float_ones
     assert json.loads((serving / "weights.json").read_text())["weights"] == "int8"
     # Same LoRA contract: an qwen_adapter bound to the float engine runs on the int8 copy of the quantized-cache one.
     assert read_interface(serving).interface_hash == read_interface(tmp_path / "engine" / "kv").interface_hash
-    assert read_interface(serving).float_interface_hash == read_interface(tmp_path / "engine").interface_hash
+    assert read_interface(serving).float_interface_hash == read_interface(tmp_path / "engine").lora_contract_hash
     # and the interface records what the device runs, outside the hash
     assert read_interface(serving).weights == {"precision": "int8", "format": "matmulnbits", "block_size": 128}
     assert read_interface(serving).weight_precision == "int8" and read_interface(tmp_path / "engine" / "kv").weights is None

@@ -45,7 +45,7 @@ from onnxruntime.capi import _pybind_state as _C
 
 from runtime.engine.adapter import check_lora_inputs, zero_lora_inputs
 from runtime.engine.errors import RefusedInput
-from runtime.engine.interface import ADAPTER_MASK, BLOCK_TABLE, ENGINE_ONNX, read_interface
+from runtime.engine.interface import ADAPTER_MASK, BLOCK_TABLE, ENGINE_ONNX, LOGIT_POSITIONS, read_interface
 from runtime.engine.kv_blocks import BlockPool, PagedCache, PoolTensor
 from runtime.engine.kv_scales import kv_scale_inputs
 
@@ -60,6 +60,13 @@ OPTIMIZED_ONNX_DATA = OPTIMIZED_ONNX + ".data"  # its initializers, when the sou
 EXTERNAL_DATA_MIN_BYTES = 1 << 30
 EXTERNAL_TENSOR_MIN_BYTES = 1024  # smaller initializers (scalars, shapes) stay in the graph, as ORT's default
 ORT_LOG_FATAL = 4  # ORT's log severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal
+# How a session holds the memory of its intermediate tensors (``bench.ort_memory_bench`` measures each):
+# "arena" (ORT's default): a CPU arena that keeps every chunk it once allocated, so one long prefill's
+# activations stay resident for the life of the process; "shrink": the same arena, handed back to the
+# system after each run (the ``memory.enable_memory_arena_shrinkage`` run option); "no_arena": plain
+# malloc/free per tensor, nothing kept past its last use.
+ORT_MEMORY_MODES = ("arena", "shrink", "no_arena")
+DEFAULT_ORT_MEMORY = "arena"
 
 
 def _onnx_bytes(path: Path) -> int:
@@ -103,13 +110,22 @@ class PackedCache:
 
 class OrtEngine:
     def __init__(self, engine_dir: str | Path, threads: int = 2, onnx_file: str = ENGINE_ONNX, use_optimized: bool = True,
-                 session_config: Mapping[str, str] | None = None, kv_budget_bytes: int | None = None):
+                 session_config: Mapping[str, str] | None = None, kv_budget_bytes: int | None = None,
+                 memory: str = DEFAULT_ORT_MEMORY):
         """``session_config``: ORT session config entries (e.g. how Q/DQ weights are fused); the
         saved optimized graph bakes in one set of them, so with any given it is neither read nor written.
-        ``kv_budget_bytes``: a paged engine's pool of KV blocks holds at most this (None: it grows)."""
+        ``kv_budget_bytes``: a paged engine's pool of KV blocks holds at most this (None: it grows).
+        ``memory``: one of ``ORT_MEMORY_MODES``, how intermediate tensors are allocated."""
+        if memory not in ORT_MEMORY_MODES:
+            raise ValueError(f"memory={memory!r}: one of {', '.join(ORT_MEMORY_MODES)}")
         self.engine_dir = engine_dir = Path(engine_dir)
         self.interface = read_interface(engine_dir)
         opts = ort.SessionOptions()
+        opts.enable_cpu_mem_arena = memory != "no_arena"
+        self._run_options = None
+        if memory == "shrink":
+            self._run_options = ort.RunOptions()
+            self._run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
@@ -284,19 +300,27 @@ class OrtEngine:
         return PackedCache({n: zeros(n) for n in self._kv_names}, {n: zeros(n) for n in self._sink_names},
                            np.zeros((batch, 0), dtype=np.int64))
 
-    def forward(self, input_ids, position_ids, attention_mask, past=None, slots=None):
-        """``slots`` (B,) int: the slot each row decodes with (stacked engine; None: every row slot 0)."""
+    def forward(self, input_ids, position_ids, attention_mask, past=None, slots=None, logit_positions=None):
+        """``slots`` (B,) int: the slot each row decodes with (stacked engine; None: every row slot 0).
+        ``logit_positions`` (B, K) int64: the new tokens whose logits come back, (B, K, V); None = all of
+        them, (B, T, V). An engine without the input (interface version < 8) returns all of them anyway."""
         if self.kv_spec is not None and not (self._kv_static or self._slot_static):
             raise RefusedInput("quantized KV engine without KV scales: call set_adapter(lora, kv_scales=...) first")
         if past is None:
             past = self.empty_cache(input_ids.shape[0])
         rows = self._bind_rows(input_ids.shape[0], slots)
-        if self.pool is not None:
-            return self._forward_paged(input_ids, position_ids, attention_mask, past, rows)
         # The binding's and session's pybind objects directly: the Python wrappers' per-call checks,
         # OrtDevice objects and bookkeeping cost ~0.06 ms a step (6% of a batch-8 decode step on the
         # tiny engine, measured against the wrapper calls, with identical logits).
         binding, cpu = self._binding._iobinding, self._cpu
+        if self.interface.logit_positions:
+            if logit_positions is None:
+                B, T = input_ids.shape
+                logit_positions = np.broadcast_to(np.arange(T, dtype=np.int64), (B, T))
+            logit_positions = np.ascontiguousarray(logit_positions, dtype=np.int64)
+            binding.bind_ortvalue_input(LOGIT_POSITIONS, _C.OrtValue.ortvalue_from_numpy(logit_positions, cpu))
+        if self.pool is not None:
+            return self._forward_paged(input_ids, position_ids, attention_mask, past, rows, logit_positions)
         position_ids = np.ascontiguousarray(position_ids, dtype=np.int64)
         arrays = [np.ascontiguousarray(input_ids, dtype=np.int64), position_ids,
                   np.ascontiguousarray(attention_mask, dtype=np.int64)]
@@ -313,9 +337,9 @@ class OrtEngine:
         binding.clear_binding_outputs()
         for name in self._outputs:  # unallocated: ORT sizes them for this step (the cache grows)
             binding.bind_output(name, cpu)
-        self.session._sess.run_with_iobinding(binding, None)
+        self.session._sess.run_with_iobinding(binding, self._run_options)
         outputs = binding.get_outputs()  # pybind values: wrapped (ort.OrtValue) only where they become the cache
-        self._step_inputs = arrays, past, rows  # what the bound inputs' memory belongs to, until the next step rebinds
+        self._step_inputs = arrays, past, rows, logit_positions  # what the bound inputs' memory belongs to, until the next step rebinds
         if self.kv_spec is None:
             return outputs[0].numpy(), [ort.OrtValue(outputs[i]) for i in range(1, len(outputs))]
         # indexed, not iterated: iterating the vector gives views of its slots, which the next step reuses
@@ -340,7 +364,7 @@ class OrtEngine:
             binding.bind_ortvalue_input(name, _C.OrtValue.ortvalue_from_numpy(array, cpu))
         return [a for _, a in arrays]
 
-    def _forward_paged(self, input_ids, position_ids, attention_mask, past: PagedCache, rows: list):
+    def _forward_paged(self, input_ids, position_ids, attention_mask, past: PagedCache, rows: list, logit_positions):
         binding, cpu = self._binding._iobinding, self._cpu
         T = input_ids.shape[1]
         real = np.asarray(attention_mask)[:, -T:] > 0  # (B, T): the new tokens a row stores
@@ -355,9 +379,9 @@ class OrtEngine:
         binding.clear_binding_outputs()
         for name in self._outputs:
             binding.bind_output(name, cpu)
-        self.session._sess.run_with_iobinding(binding, None)
+        self.session._sess.run_with_iobinding(binding, self._run_options)
         outputs = binding.get_outputs()
-        self._step_inputs = arrays, rows  # not the cache: a finished generation's blocks go back when it is dropped
+        self._step_inputs = arrays, rows, logit_positions  # not the cache: a finished generation's blocks go back when it is dropped
         past.append({"pool_" + n[len("new_"):]: outputs[i].numpy() for i, n in enumerate(self._outputs) if i}, real)
         return outputs[0].numpy(), past
 

@@ -31,7 +31,7 @@ import numpy as np
 from runtime.engine.adapter import check_lora_inputs, zero_lora_inputs
 from runtime.engine.atomic_files import atomic_write
 from runtime.engine.hashing import sha256_file
-from runtime.engine.interface import CACHE_KEY_FILE, ENGINE_ONNX, EngineInterface, read_interface
+from runtime.engine.interface import CACHE_KEY_FILE, ENGINE_ONNX, LOGIT_POSITIONS, EngineInterface, read_interface
 
 PLAN_FILE = "model.plan"
 PLAN_KEY_FILE = "plan_key.json"  # which graph, TensorRT version and GPU the plan was built for
@@ -63,6 +63,7 @@ def profile_shapes(iface: EngineInterface, max_batch: int, max_seq: int, max_pas
         "seq": (1, opt_t, max_seq),
         "past": (0, opt_p, max_past),
         "total": (1, opt_p + opt_t, max_past + max_seq),
+        "positions": (1, opt_t, max_seq),  # logit positions (version 8): at most one per new token
     }
     shapes = {}
     for spec in iface.inputs:
@@ -196,15 +197,18 @@ def export_flat_program(model_dir, iface: EngineInterface, device: str = "cpu"):
             self.inner = model
 
         def forward(self, *flat):
-            logits, present = self.inner(flat[0], flat[1], flat[2], flat[3 : 3 + n_kv], flat[3 + n_kv :])
+            n_lora = len(iface.lora_names)
+            lora, positions = flat[3 + n_kv : 3 + n_kv + n_lora], flat[3 + n_kv + n_lora :]  # positions: version 8
+            logits, present = self.inner(flat[0], flat[1], flat[2], flat[3 : 3 + n_kv], lora, *positions)
             return (logits, *present)
 
-    ids, pos, mask, kv, lora = example_inputs(model, iface, TRACE_BATCH, TRACE_SEQ, TRACE_PAST)
-    example = tuple(t.to(device) for t in (ids, pos, mask, *kv, *lora))
+    ids, pos, mask, kv, lora, *positions = example_inputs(model, iface, TRACE_BATCH, TRACE_SEQ, TRACE_PAST)
+    example = tuple(t.to(device) for t in (ids, pos, mask, *kv, *lora, *positions))
     Dim = torch.export.Dim
     batch, seq, past = Dim("batch", min=1, max=MAX_BATCH), Dim("seq", min=1, max=MAX_SEQ), Dim("past", min=0, max=MAX_PAST)
     dynamic = [{0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: Dim.AUTO}]
     dynamic += [{0: batch, 2: past}] * n_kv + [None] * len(lora)
+    dynamic += [{0: batch, 1: Dim("positions", min=1, max=MAX_SEQ)}] * len(positions)
     with torch.no_grad():
         # Deferred asserts: guards such as T * min(16, 32 T) == 16 T hold for every T >= 1 but
         # cannot be proven symbolically; the ONNX exporter defers them the same way.
@@ -255,9 +259,9 @@ class TensorRTEngine:
             self._context.set_input_shape(name, tuple(value.shape))
             self._context.set_tensor_address(name, value.data_ptr())
 
-    def forward(self, input_ids, position_ids, attention_mask, past=None):
+    def forward(self, input_ids, position_ids, attention_mask, past=None, logit_positions=None):
         torch, ctx, i = self._torch, self._context, self.interface
-        B = input_ids.shape[0]
+        B, T = input_ids.shape
         if past is None:
             past = [torch.zeros(B, i.num_kv_heads, 0, i.head_dim, device="cuda") for _ in self._kv_in]
         feeds = {
@@ -265,6 +269,10 @@ class TensorRTEngine:
             "position_ids": torch.as_tensor(np.asarray(position_ids, dtype=np.int64)).cuda(),
             "attention_mask": torch.as_tensor(np.asarray(attention_mask, dtype=np.int64)).cuda(),
         }
+        if i.logit_positions:  # None = every position, as the ONNX Runtime backend
+            every = np.broadcast_to(np.arange(T, dtype=np.int64), (B, T))
+            feeds[LOGIT_POSITIONS] = torch.as_tensor(np.ascontiguousarray(
+                every if logit_positions is None else logit_positions, dtype=np.int64)).cuda()
         feeds.update(zip(self._kv_in, past))
         for name, value in feeds.items():
             ctx.set_input_shape(name, tuple(value.shape))

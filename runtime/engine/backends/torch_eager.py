@@ -35,13 +35,13 @@ class TorchEngine:
         check_lora_inputs(self.interface, lora)
         self._lora = tuple(torch.tensor(np.asarray(lora[n], dtype=np.float32)) for n in self.interface.lora_names)  # copies
 
-    def forward(self, input_ids, position_ids, attention_mask, past=None):
+    def forward(self, input_ids, position_ids, attention_mask, past=None, logit_positions=None):
         if past is None:
             past = self.model.empty_past(input_ids.shape[0])
         with torch.inference_mode():
             logits, present = self.model(
                 torch.tensor(input_ids), torch.tensor(position_ids), torch.tensor(attention_mask),
-                tuple(past), self._lora,
+                tuple(past), self._lora, None if logit_positions is None else torch.tensor(logit_positions),
             )
         return logits.numpy(), list(present)
 
