@@ -404,14 +404,14 @@ def stacked_interface(single: EngineInterface) -> EngineInterface:
 
 
 def single_interface(stacked: EngineInterface) -> EngineInterface:
-    """The interface ``stacked_interface`` made ``stacked`` from (version 3, 5 or 6)."""
+    """The interface ``stacked_interface`` made ``stacked`` from (version 3, 5 or 6; 8 with logit positions)."""
     def static(t: TensorSpec) -> bool:  # a KV static: (batch, fixed axes...)
         return t.shape[0] == "batch" and not any(isinstance(a, str) for a in t.shape[1:])
 
     inputs = [TensorSpec(t.name, t.dtype, stacked.adapter_shape(t) if t.name.startswith("lora_") or static(t) else t.shape)
               for t in stacked.inputs if t.name != ADAPTER_MASK]
-    version = PAGED_INTERFACE_VERSION if stacked.paged else QUANT_KV_INTERFACE_VERSION if stacked.quantized_kv \
-        else INTERFACE_VERSION
+    version = LOGIT_POSITIONS_INTERFACE_VERSION if stacked.logit_positions else PAGED_INTERFACE_VERSION if stacked.paged \
+        else QUANT_KV_INTERFACE_VERSION if stacked.quantized_kv else INTERFACE_VERSION
     return EngineInterface(**{**stacked.__dict__, "version": version, "inputs": tuple(inputs),
                               "float_interface_hash": None if version == INTERFACE_VERSION else stacked.float_interface_hash})
 

@@ -122,7 +122,7 @@ def _dynamic_shapes(iface, args, Dim, batch):
     if iface.paged:
         blocks = Dim("max_blocks", min=0, max=MAX_PAST // iface.kv_block_size)  # 0 = prefill with an empty cache
         pool = Dim("blocks", min=1, max=None)
-        return head + ({0: batch, 1: blocks}, [{0: pool} for _ in args[4]]) + ((static,) if iface.quantized_kv else ()) + (lora,)
+        return head + ({0: batch, 1: blocks}, [{0: pool} for _ in args[4]], static, lora)  # static: [] for a float cache
     if not iface.quantized_kv:
         return head + ([{0: batch, 2: past} for _ in args[3]], lora)
     sink = Dim("sink", min=0, max=MAX_PAST)  # up to sink_tokens; traced at 2 so it is not specialized

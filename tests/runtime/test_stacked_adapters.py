@@ -16,7 +16,13 @@ from kernels.kv_spec import KVQuantSpec
 from runtime.engine.adapter import load_adapter
 from runtime.engine.backends.onnxruntime import OrtEngine
 from runtime.engine.generate import greedy_generate
-from runtime.engine.interface import ADAPTER_MASK, STACKED_INTERFACE_VERSION, read_interface, single_interface
+from runtime.engine.interface import (
+    ADAPTER_MASK,
+    LOGIT_POSITIONS,
+    LOGIT_POSITIONS_INTERFACE_VERSION,
+    read_interface,
+    single_interface,
+)
 from tasks.compile import compile_engine
 
 GQA = KVQuantSpec()
@@ -67,8 +73,9 @@ def test_the_stacked_interface_takes_every_slots_lora_a_row_mask_and_per_row_kv_
     iface, before = stacked.interface, single.interface
     shapes = {t.name: t.shape for t in iface.inputs}
 
-    assert iface.version == STACKED_INTERFACE_VERSION and iface.stacked and not before.stacked
-    assert iface.input_names[-1] == ADAPTER_MASK and shapes[ADAPTER_MASK] == ("batch", "slots")
+    # version 7's inputs under version 8's logit positions, which every export takes
+    assert iface.version == LOGIT_POSITIONS_INTERFACE_VERSION and iface.stacked and not before.stacked
+    assert iface.input_names[-2:] == [ADAPTER_MASK, LOGIT_POSITIONS] and shapes[ADAPTER_MASK] == ("batch", "slots")
     assert shapes["lora_A.0.q_proj+k_proj+v_proj"] == ("slots*24", 64)  # 3 targets x rank 8 per slot, hidden 64
     assert shapes["lora_B.0.q_proj+k_proj+v_proj"] == (128, "slots*24")  # q 64 + k 32 + v 32
     assert iface.adapter_shape(iface.inputs[iface.input_names.index("lora_B.0.q_proj+k_proj+v_proj")]) == (128, 24)

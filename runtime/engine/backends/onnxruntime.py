@@ -300,7 +300,7 @@ class OrtEngine:
         return PackedCache({n: zeros(n) for n in self._kv_names}, {n: zeros(n) for n in self._sink_names},
                            np.zeros((batch, 0), dtype=np.int64))
 
-    def forward(self, input_ids, position_ids, attention_mask, past=None, slots=None, logit_positions=None):
+    def forward(self, input_ids, position_ids, attention_mask, past=None, logit_positions=None, slots=None):
         """``slots`` (B,) int: the slot each row decodes with (stacked engine; None: every row slot 0).
         ``logit_positions`` (B, K) int64: the new tokens whose logits come back, (B, K, V); None = all of
         them, (B, T, V). An engine without the input (interface version < 8) returns all of them anyway."""
