@@ -110,7 +110,7 @@ def test_first_month_publishes_and_records_everything(project):
     client = mlflow_client(root)
     (parent,) = parent_runs(client, "2026-11")
     assert parent.info.status == "FINISHED"
-    assert parent.data.metrics["accuracy_new"] >= 0.95 and parent.data.metrics["engine_builds"] == 2.0  # float + quantized cache
+    assert parent.data.metrics["accuracy_new"] >= 0.95 and parent.data.metrics["engine_builds"] == 3.0  # float, quantized cache, its serving form (paged, stacked)
     assert parent.data.metrics["gate.package_pct_of_base.value"] <= 2.0
     assert {"decode_p95_ms", "kv_ppl_increase_pct", "kv_bytes_per_token", "package_bytes"} <= set(parent.data.metrics)
     children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")

@@ -77,7 +77,7 @@ def test_a_release_verifies_and_its_manifest_binds_everything(w):
     assert raw == json.dumps(m, indent=2, sort_keys=True) + "\n"  # sorted keys, canonical bytes
     assert m["month"] == "2026-11" and m["release_id"].startswith("2026-11+")
     assert m["base_model_hash"] == w["iface"].backbone_hash
-    assert m["engine"]["interface_hash"] == w["iface"].interface_hash
+    assert m["engine"]["interface_hash"] == w["iface"].lora_contract_hash  # the float engine's: every form of it binds the release
     assert m["kv_format"]["k_bits"] == 4 and m["adapter"] == {"lora_alpha": 16.0, "r": 8,
                                                                "target_modules": ["k_proj", "o_proj", "q_proj", "v_proj"]}
     assert m["gates"]["passed"] is True and m["gates"]["verdicts"]["accuracy_new"]["threshold"] == 0.95

@@ -236,7 +236,7 @@ def test_calibration_binds_scales_to_the_compiled_engine_interface(release, tmp_
 
     engine_dir = tmp_path / "engine"
     compile_engine(release["base"], engine_dir, max_rank=8, ort_threads=1)
-    iface_hash = read_interface(engine_dir).interface_hash
+    iface_hash = read_interface(engine_dir).lora_contract_hash
     bound = tmp_path / "bound"
     shutil.copytree(release["adapter"], bound)
     provenance = json.loads((bound / "provenance.json").read_text())

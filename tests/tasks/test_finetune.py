@@ -79,7 +79,7 @@ def test_adapter_is_bound_to_the_compiled_engine_and_a_foreign_engine_is_refused
     compile_engine(tiny_llama_dir, tmp_path / "engine", max_rank=4, ort_threads=1)
     adapter = finetune(tiny_llama_dir, month_dir, tmp_path / "ft", LORA, TRAIN, "abc", engine_dir=tmp_path / "engine")
     provenance = json.loads((adapter / "provenance.json").read_text())
-    assert provenance["engine_interface_hash"] == read_interface(tmp_path / "engine").interface_hash
+    assert provenance["engine_interface_hash"] == read_interface(tmp_path / "engine").lora_contract_hash
 
     other = tmp_path / "other_base"
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
