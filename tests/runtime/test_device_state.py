@@ -303,7 +303,7 @@ def test_a_request_failing_on_a_new_champion_reverts_it(w, tmp_path, decode):
         limits = resource.prlimit(proc.pid, resource.RLIMIT_AS)
         vm_bytes = int(next(line for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
                             if line.startswith("VmSize")).split()[1]) * 1024
-        resource.prlimit(proc.pid, resource.RLIMIT_AS, (vm_bytes + (1 << 30), limits[1]))  # 1 GiB more address space
+        resource.prlimit(proc.pid, resource.RLIMIT_AS, (vm_bytes + (1 << 26), limits[1]))  # 64 MiB more: chunked prefill and last-position logits fit 16 x 4,000 tokens in 1 GiB
         try:
             status, failure = call(port, "POST", "/v1/completions", {"prompt": [long_prompt] * 16, "max_tokens": 1,
                                                                      "temperature": 0})
