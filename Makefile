@@ -130,7 +130,7 @@ $(PEER_SERVER): $(STAMP)
 	tar -xzf $(PEER_SRC)/llama_cpp_python-*.tar.gz -C $(PEER_SERVER_BUILD)/src --strip-components=3 \
 	  --wildcards '*/vendor/llama.cpp/*'
 	cmake -S $(PEER_SERVER_BUILD)/src -B $(PEER_SERVER_BUILD) $(PEER_SERVER_CMAKE_ARGS)
-	cmake --build $(PEER_SERVER_BUILD) --target llama-server -j $$(nproc)
+	cmake --build $(PEER_SERVER_BUILD) --target llama-server llama-quantize -j $$(nproc)
 
 .PHONY: bench-peer-server
 bench-peer-server: $(PEER_SERVER)

@@ -12,7 +12,8 @@ once into ``--workdir`` (reused when given; a temporary directory otherwise):
   896, 14 heads, 2 KV heads, intermediate 4864, vocabulary 151,936); ``tiny``: the tiny world's random Qwen2
   (``bench.hotswap_bench.make_tiny_base``), for the tests;
 * ours: the serving engine the compile stage builds with ``engine.weights: int4`` (the quantized-KV engine of the
-  ``kv`` section's default 4-bit scheme, ``tasks.compile.compile_engine``, then
+  ``kv`` section's default 4-bit scheme in the ``engine`` section's default serving form, a paged cache and stacked
+  adapters, ``tasks.compile.compile_engine``, then
   ``tasks.weight_engines.ensure_quantized_engine``), a random rank-8 adapter and its signed release
   (``bench.hotswap_bench``), served by ``python -m runtime serve`` as a device runs it (a device config for the
   threads);
@@ -55,6 +56,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -93,7 +95,7 @@ def build_world(shape: str, root: Path, threads: int) -> dict:
         return {k: Path(v) for k, v in json.loads(record.read_text()).items()}
     from bench.hotswap_bench import make_tiny_adapter, make_tiny_base, make_tiny_release
     from bench.scale_bench import build_model
-    from tasks.compile import compile_engine
+    from tasks.compile import compile_engine, serving_form
     from tasks.config import EngineConfig, KVConfig
     from tasks.weight_engines import ensure_quantized_engine
 
@@ -104,7 +106,7 @@ def build_world(shape: str, root: Path, threads: int) -> dict:
     engine_cfg, spec = EngineConfig(weights="int4"), KVConfig().spec()
     progress(f"[world {shape}] the quantized-KV engine ({spec.name}) ... ({time.perf_counter() - t0:.0f} s)")
     compile_engine(base, root / "engine-kv", RANK, engine_cfg.target_modules, ort_threads=threads,
-                   kv_spec=spec.to_dict(), kv_attention=engine_cfg.kv_attention(spec))
+                   **serving_form(engine_cfg, KVConfig()))
     progress(f"[world {shape}] its int4 weights ... ({time.perf_counter() - t0:.0f} s)")
     engine = root / "engine"
     ensure_quantized_engine(root / "engine-kv", engine, engine_cfg.weights, engine_cfg.weight_block_size,
@@ -134,9 +136,10 @@ def stored_weights(engine: Path) -> dict:
     return {k: record.get(k) for k in ("bits", "head_bits", "embed_bits", "block_size", "keep")}
 
 
-def llama_files(world: dict, root: Path, src: str | None, threads: int) -> dict:
-    """The backbone as GGUF Q4_0 (F16 by the sdist's converter, then llama.cpp's quantizer) and the adapter as a
-    GGUF LoRA, in ``root``; files already there are reused (each written under another name, then renamed)."""
+def llama_files(world: dict, root: Path, src: str | None, threads: int, server: Path) -> dict:
+    """The backbone as GGUF Q4_0 (F16 by the sdist's converter, then llama.cpp's quantizer: the ``llama-quantize``
+    built beside ``server`` by ``make bench-peer-server``, else llama-cpp-python's) and the adapter as a GGUF LoRA,
+    in ``root``; files already there are reused (each written under another name, then renamed)."""
     from bench.llama_cpp_bench import (
         convert_adapter_to_gguf,
         convert_to_gguf,
@@ -149,13 +152,19 @@ def llama_files(world: dict, root: Path, src: str | None, threads: int) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     model, lora = out / "model-q4_0.gguf", out / "adapter-f32.gguf"
     if not (model.is_file() and lora.is_file()):
-        llama_cpp, llama_dir = require_llama_cpp(), converter_dir(src)
+        llama_dir, quantizer = converter_dir(src), server.with_name("llama-quantize")
         progress("[llama] GGUF F16 -> Q4_0 and the adapter's GGUF LoRA ...")
         f16 = out / "model-f16.gguf"
         if not f16.is_file():
             os.replace(convert_to_gguf(llama_dir, world["base"], out / "model-f16.gguf.part", "f16"), f16)
-        os.replace(quantize_gguf(llama_cpp, f16, out / "model-q4_0.gguf.part", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0,
-                                 threads), model)
+        part = out / "model-q4_0.gguf.part"
+        if quantizer.is_file():
+            subprocess.run([str(quantizer), str(f16), str(part), "Q4_0", str(threads)], check=True,
+                           stdout=subprocess.DEVNULL)
+        else:
+            llama_cpp = require_llama_cpp()
+            quantize_gguf(llama_cpp, f16, part, llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, threads)
+        os.replace(part, model)
         f16.unlink()
         os.replace(convert_adapter_to_gguf(llama_dir, world["adapter"], world["base"], out / "adapter-f32.gguf.part"),
                    lora)
@@ -393,7 +402,7 @@ def measure_load(server_name: str, load: str, contexts: tuple[int, ...], texts: 
         server = our_server(world, contexts, args.max_tokens, args.threads, work, label, our_options(args))
         bodies, model, extra = texts, CHAMPION, {}
         kv = lambda: our_kv_gauges(server.port)  # noqa: E731
-        per_token = read_interface(world["engine"]).slot_bytes("past")
+        per_token = read_interface(world["engine"]).kv_bytes_per_token
         # the rows up to ``row`` joined the batch: its gauge counts at least their prompts
         decoding = lambda row: kv()[1] >= per_token * sum(map(len, prompts[: row + 1]))  # noqa: E731
     else:
@@ -453,7 +462,7 @@ def measure(world: dict, loads: dict, servers: list[str], args, work: Path, chec
     result = {"shape": args.shape, "dims": dims, "threads": args.threads, "max_tokens": args.max_tokens,
               "arrival": args.arrival, "rss_limit_gb": args.rss_limit_gb,
               "ours": {"engine": str(world["engine"]), "weights": iface.weights, "kv_spec": iface.kv_spec,
-                       "kv_bytes_per_token": iface.slot_bytes("past"), "logit_positions": iface.logit_positions,
+                       "kv_bytes_per_token": iface.kv_bytes_per_token, "logit_positions": iface.logit_positions,
                        "ort_memory": DEFAULT_ORT_MEMORY, "prefill_chunk": DEFAULT_PREFILL_CHUNK, "stored_weights": stored_weights(world["engine"])}
                       | our_options(args),
               "loads": {name: {} for name in loads}, "not_run": [f"{load} {name}" for load in loads for name in servers],
@@ -472,7 +481,7 @@ def measure(world: dict, loads: dict, servers: list[str], args, work: Path, chec
                 if binary is None:
                     progress(f"[llama {load}] skipped: {reason}")
                     continue
-                files = llama_files(world, work, args.llama_cpp_src, args.threads)
+                files = llama_files(world, work, args.llama_cpp_src, args.threads, binary)
             try:
                 result["loads"][load][name] = measure_load(name, load, contexts, texts, ids, world, args, work,
                                                            binary, files)

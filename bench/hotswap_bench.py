@@ -137,13 +137,25 @@ def make_tiny_release(root: Path, base: Path, engine_dir: Path, adapter: Path, m
     return out / RELEASE_DIR
 
 
-def build_tiny_world(root: Path) -> dict:
+def engine_form(engine_dir: Path) -> dict:
+    """What a benchmark records of the engine it served: interface version, cache and adapter form."""
+    from kernels.kv_spec import KVQuantSpec
+    from runtime.engine.interface import read_interface
+
+    iface = read_interface(engine_dir)
+    return {"dir": str(engine_dir), "interface_version": iface.version, "kv_cache": KVQuantSpec.from_dict(iface.kv_spec).name if iface.kv_spec else "float",
+            "kv_block_size": iface.kv_block_size, "stacked": iface.stacked, "weights": iface.weight_precision}
+
+
+def build_tiny_world(root: Path, serving_form: dict | None = None) -> dict:
+    """A random tiny Qwen2, its engine (float, padded; or ``serving_form``: ``tasks.compile.serving_form``'s
+    keywords, the engine ``serve`` runs by default) and two signed releases."""
     from tasks.compile import compile_engine
 
     root = Path(root)
     base = make_tiny_base(root / "base")
     engine = root / "engine"
-    compile_engine(base, engine, max_rank=8, target_modules=TARGETS, ort_threads=1)
+    compile_engine(base, engine, max_rank=8, target_modules=TARGETS, ort_threads=1, **(serving_form or {}))
     key = root / "keys" / "release_signing.key"
     t = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
     releases, adapters = [], []
@@ -319,7 +331,7 @@ def run_load_test(world: dict, rates: list[float], before: float, during: float,
     accepted = [s for s in swaps if s["status"] == 200]
     server_ms = [s["swap_ms"] for s in accepted]
     return {
-        "source": world["source"], "rates": rates, "arrivals": arrivals, "client_pool": workers,
+        "source": world["source"], "engine": engine_form(world["engine"]), "rates": rates, "arrivals": arrivals, "client_pool": workers,
         "phases_s": {"before": before, "during": during, "after": after}, "max_new_tokens": max_new_tokens,
         "ort_threads": threads, "swap_every_s": swap_every, "releases": [Path(p).parent.parent.name + "/" + json.loads(
             (Path(p) / MANIFEST).read_text())["release_id"] for p in (release_a, release_b)],
@@ -348,6 +360,7 @@ def print_table(r: dict) -> None:
     s, q = r["swaps"], r["requests"]
     rows = [
         ("source", r["source"]),
+        ("engine", ", ".join(f"{k} {v}" for k, v in r["engine"].items() if k != "dir")),
         ("arrivals / swaps accepted", f"{r['arrivals']} at {', '.join(map(str, r['rates']))} req/s / "
                                       f"{s['accepted']} of {s['count']}"),
         ("swap ms p50 / p99 / max (verify+bind+activate)", f"{s['server_ms_p50']:.2f} / {s['server_ms_p99']:.2f} / {s['server_ms_max']:.2f}"),
@@ -382,14 +395,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client-pool", type=int, default=64, help="keep-alive client connections sending the requests")
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads of the shared session")
     parser.add_argument("--tiny", action="store_true", help="build the tiny world even if packaged releases exist")
+    parser.add_argument("--tiny-engine", choices=("serving", "float"), default="serving",
+                        help="the tiny world's engine: the default serving form (4-bit paged cache, stacked "
+                             "adapters: params.yaml's engine and kv sections' defaults) or a float padded one")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     rates = [float(x) for x in args.rates.split(",")]
+    from tasks.compile import serving_form
+    from tasks.config import EngineConfig, KVConfig
+
     world = None if args.tiny else existing_world()
     with tempfile.TemporaryDirectory(prefix="hotswap-") as tmp:
         if world is None:
             print("building a tiny world (base, engine, two signed releases)...", flush=True)
-            world = build_tiny_world(Path(tmp))
+            form = serving_form(EngineConfig(), KVConfig()) if args.tiny_engine == "serving" else None
+            world = build_tiny_world(Path(tmp), form)
         result = run_load_test(world, rates, args.before, args.during, args.after, args.swap_every,
                                args.max_new_tokens, args.threads, args.arrivals, args.client_pool)
     print_table(result)

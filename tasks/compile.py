@@ -21,7 +21,7 @@ from pathlib import Path
 from runtime.engine.interface import CACHE_KEY_FILE, ENGINE_ONNX, INTERFACE_FILE
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
-from tasks.config import ReleaseConfig, StageError
+from tasks.config import EngineConfig, KVConfig, ReleaseConfig, StageError
 from tasks.layout import cache_engine_dir
 
 log = logging.getLogger(__name__)
@@ -273,6 +273,14 @@ def run_stage(cfg: ReleaseConfig) -> dict:
     return metrics
 
 
+def serving_form(engine: EngineConfig, kv: KVConfig) -> dict:
+    """``compile_engine``'s keyword arguments for the engine ``serve`` runs under these sections: the ``kv``
+    section's cache (or a float one), paged and/or with stacked adapters as ``engine`` says."""
+    spec = kv.spec() if engine.kv_cache == "quantized" else None
+    return {"kv_spec": spec.to_dict() if spec else None, "kv_attention": engine.kv_attention(spec) if spec else "standard",
+            "kv_block_size": engine.kv_block_size or None, "stacked": engine.mixed_adapters}
+
+
 def compile_profile_engines(cfg: ReleaseConfig) -> dict:
     """Build (or reuse) ``engine.dir`` for the backbone; return what was built. Writes nothing else, so a
     benchmark can take the stage's engines without touching the stage's record.
@@ -291,19 +299,18 @@ def compile_profile_engines(cfg: ReleaseConfig) -> dict:
     common = (cfg.engine.max_rank, cfg.engine.target_modules, cfg.engine.opset, cfg.engine.threads, None)
     metrics = compile_engine(model_dir, layout.engine_dir, *common)
     source = layout.engine_dir
-    kv_spec, attention = None, "standard"
+    form = serving_form(cfg.engine, cfg.kv)
+    cache = {k: form[k] for k in ("kv_spec", "kv_attention")}
     if cfg.engine.kv_cache == "quantized":
-        spec = cfg.kv.spec()
-        kv_spec, attention = spec.to_dict(), cfg.engine.kv_attention(spec)
-        kv = compile_engine(model_dir, layout.kv_engine_dir, *common, kv_spec=kv_spec, kv_attention=attention)
-        metrics |= {"kv_engine": {"dir": str(layout.kv_engine_dir), "attention": attention, "spec": spec.name,
-                                  "engine_builds": kv["engine_builds"], "interface_hash": kv["interface_hash"]}}
+        kv = compile_engine(model_dir, layout.kv_engine_dir, *common, **cache)
+        metrics |= {"kv_engine": {"dir": str(layout.kv_engine_dir), "attention": form["kv_attention"],
+                                  "spec": cfg.kv.spec().name, "engine_builds": kv["engine_builds"],
+                                  "interface_hash": kv["interface_hash"]}}
         metrics["engine_builds"] += kv["engine_builds"]
         source = layout.kv_engine_dir
     if cfg.engine.kv_block_size or cfg.engine.mixed_adapters:  # the serving form of that cache
         source = cache_engine_dir(cfg.engine)
-        serving = compile_engine(model_dir, source, *common, kv_spec=kv_spec, kv_attention=attention,
-                                 kv_block_size=cfg.engine.kv_block_size or None, stacked=cfg.engine.mixed_adapters)
+        serving = compile_engine(model_dir, source, *common, **form)
         metrics |= {"serving_engine": {"dir": str(source), "kv_block_size": cfg.engine.kv_block_size,
                                        "mixed_adapters": cfg.engine.mixed_adapters,
                                        "engine_builds": serving["engine_builds"],

@@ -188,6 +188,12 @@ class EngineInterface:
         return sum(int(np.prod([a for a in t.shape if isinstance(a, int)])) * np.dtype(t.dtype).itemsize
                    for t in self.inputs if axis in t.shape)
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes a row's cache grows by per token, every layer: a padded cache's slot (``slot_bytes``), a paged
+        cache's block over the tokens it holds."""
+        return self.slot_bytes("blocks") // self.kv_block_size if self.paged else self.slot_bytes("past")
+
     def to_dict(self) -> dict:
         d = asdict(self)
         # absent, not null: each engine keeps the hash it had before the field existed

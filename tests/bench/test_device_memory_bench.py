@@ -10,6 +10,7 @@ from bench import device_memory_bench as bench
 from kernels.kv_spec import KVQuantSpec
 from runtime.engine.interface import read_interface
 from runtime.engine.tokenizer import DeviceTokenizer
+from tasks.config import DEFAULT_KV_BLOCK_SIZE
 
 
 @pytest.fixture(scope="module")
@@ -17,10 +18,11 @@ def world(tmp_path_factory):
     return bench.build_world("tiny", tmp_path_factory.mktemp("device-memory") / "tiny", threads=1)
 
 
-def test_the_world_serves_int4_weights_with_the_shipped_4_bit_kv_cache(world):
+def test_the_world_serves_int4_weights_with_the_shipped_4_bit_kv_cache_in_the_default_serving_form(world):
     iface = read_interface(world["engine"])
     assert iface.weight_precision == "int4" and iface.kv_spec == KVQuantSpec().to_dict()
-    assert iface.slot_bytes("past") == 2 * 2 * 2 * 16 // 2  # 2 layers x K and V x 2 KV heads x 16 channels, 4 bits
+    assert (iface.kv_block_size, iface.stacked) == (DEFAULT_KV_BLOCK_SIZE, True)
+    assert iface.kv_bytes_per_token == 2 * 2 * 2 * 16 // 2  # 2 layers x K and V x 2 KV heads x 16 channels, 4 bits
     assert bench.build_world("tiny", world["engine"].parent, threads=1) == world  # built once, then reused
 
 

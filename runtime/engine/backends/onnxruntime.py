@@ -1,8 +1,8 @@
 """ONNX Runtime backend: CPU provider, every graph optimization, threads configurable.
 
-The first session on an engine directory saves its optimized graph (``model.ort-<version>.onnx``;
-for an engine over ``EXTERNAL_DATA_MIN_BYTES`` its initializers in ``model.ort-<version>.onnx.data``
-beside it) so later processes skip the optimization passes. Inputs go through one IOBinding: the LoRA
+The first session on an engine directory saves its optimized graph (``model.ort-<version>.onnx``, its
+initializers in ``model.ort-<version>.onnx.data`` beside it) so later processes skip the optimization
+passes; every session runs that saved graph, whose weights ORT memory-maps rather than copies. Inputs go through one IOBinding: the LoRA
 inputs are bound once per adapter (swapping adapters rebinds them; it never creates a new
 session), and a step rebinds only ids, positions, mask and the K/V cache, which stays in
 ORT values from one step to the next. Measured on 2 cores this cuts ~0.2 ms per decode
@@ -32,6 +32,7 @@ is one slot.
 from __future__ import annotations
 
 import copy
+import ctypes
 import os
 import shutil
 import tempfile
@@ -52,11 +53,10 @@ from runtime.engine.kv_scales import kv_scale_inputs
 # Per ORT version: an optimized graph from another version may hold kernels this one lacks.
 # ORT_ENABLE_ALL also bakes in CPU-specific layouts (NCHWc), so it belongs to this machine's engine dir.
 OPTIMIZED_ONNX = f"model.ort-{ort.__version__}.onnx"
-OPTIMIZED_ONNX_DATA = OPTIMIZED_ONNX + ".data"  # its initializers, when the source graph is large
-# A graph whose files (protobuf + external data) exceed this gets its optimized copy's initializers
-# written to OPTIMIZED_ONNX_DATA: protobuf refuses to serialize a message of 2 GiB or more, and ORT's
-# fusions can add initializers (the 0.5B float engine's optimized graph outgrew the limit). 1 GiB
-# leaves room for what the optimization adds; smaller engines stay one file.
+OPTIMIZED_ONNX_DATA = OPTIMIZED_ONNX + ".data"  # its initializers
+# An exported graph whose weights exceed this keeps them in a file beside it (``tasks.compile``,
+# ``tasks.weight_graph``): protobuf refuses to serialize a message of 2 GiB or more, and ORT's fusions
+# can add initializers. 1 GiB leaves room for what the optimization adds; smaller exports stay one file.
 EXTERNAL_DATA_MIN_BYTES = 1 << 30
 EXTERNAL_TENSOR_MIN_BYTES = 1024  # smaller initializers (scalars, shapes) stay in the graph, as ORT's default
 ORT_LOG_FATAL = 4  # ORT's log severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal
@@ -69,9 +69,14 @@ ORT_MEMORY_MODES = ("arena", "shrink", "no_arena")
 DEFAULT_ORT_MEMORY = "arena"
 
 
-def _onnx_bytes(path: Path) -> int:
-    """Bytes of an ONNX graph and of the external data files beside it that it may read."""
-    return path.stat().st_size + sum(p.stat().st_size for p in path.parent.glob(path.name + "*.data"))
+def _return_freed_heap() -> None:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere nothing): glibc
+    keeps what a process freed, so the weights of a session just closed would stay resident (0.5B int4
+    engine: 0.09 GB)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _ort(array: np.ndarray) -> ort.OrtValue:
@@ -120,51 +125,60 @@ class OrtEngine:
             raise ValueError(f"memory={memory!r}: one of {', '.join(ORT_MEMORY_MODES)}")
         self.engine_dir = engine_dir = Path(engine_dir)
         self.interface = read_interface(engine_dir)
-        opts = ort.SessionOptions()
-        opts.enable_cpu_mem_arena = memory != "no_arena"
         self._run_options = None
         if memory == "shrink":
             self._run_options = ort.RunOptions()
             self._run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         # ORT's C++ logger writes plain text to stderr, where the device's log is JSON lines; every error it
         # would log is also raised (with the same message) to the caller, which logs it. Fatal only, then,
         # for this session's runs and for the process-wide default logger (thread pools, environment).
-        opts.log_severity_level = ORT_LOG_FATAL
         ort.set_default_logger_severity(ORT_LOG_FATAL)
-        for key, value in (session_config or {}).items():
-            opts.add_session_config_entry(key, value)
+
+        def session(graph: Path, save_optimized_to: Path | None = None) -> ort.InferenceSession:
+            opts = ort.SessionOptions()
+            opts.enable_cpu_mem_arena = memory != "no_arena"
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            opts.intra_op_num_threads = threads
+            opts.inter_op_num_threads = 1
+            opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+            opts.log_severity_level = ORT_LOG_FATAL
+            for key, value in (session_config or {}).items():
+                opts.add_session_config_entry(key, value)
+            if save_optimized_to is not None:
+                # The initializers go to a file beside the graph (which names it relative to its own folder,
+                # so it gets its final name here): protobuf caps one file at 2 GiB, and a session opened on
+                # the saved graph memory-maps that file instead of copying every weight onto its heap.
+                opts.optimized_model_filepath = str(save_optimized_to)
+                opts.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                              OPTIMIZED_ONNX_DATA)
+                opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                              str(EXTERNAL_TENSOR_MIN_BYTES))
+            return ort.InferenceSession(str(graph), opts, providers=["CPUExecutionProvider"])
+
         optimized = engine_dir / OPTIMIZED_ONNX
         source = engine_dir / onnx_file
-        staging = None
-        if use_optimized and onnx_file == ENGINE_ONNX and not session_config:
-            if optimized.exists():
-                source = optimized
-            else:
-                # Written into a private folder and moved: never a half-written optimized graph.
-                staging = Path(tempfile.mkdtemp(prefix=f".{OPTIMIZED_ONNX}.{os.getpid()}.", dir=engine_dir))
-                opts.optimized_model_filepath = str(staging / OPTIMIZED_ONNX)
-                if _onnx_bytes(source) > EXTERNAL_DATA_MIN_BYTES:
-                    # Protobuf caps one file at 2 GiB and ORT writes the optimized graph as one protobuf
-                    # unless told to put the initializers in a file beside it; the graph names that file
-                    # relative to its own folder, so it is given its final name here.
-                    opts.add_session_config_entry("session.optimized_model_external_initializers_file_name",
-                                                  OPTIMIZED_ONNX_DATA)
-                    opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
-                                                  str(EXTERNAL_TENSOR_MIN_BYTES))
-        try:
-            self.session = ort.InferenceSession(str(source), opts, providers=["CPUExecutionProvider"])
-            if staging is not None:
+        if not (use_optimized and onnx_file == ENGINE_ONNX and not session_config):
+            self.session = session(source)
+        elif optimized.exists():
+            source = optimized
+            self.session = session(optimized)
+        else:
+            # Written into a private folder and moved: never a half-written optimized graph.
+            staging = Path(tempfile.mkdtemp(prefix=f".{OPTIMIZED_ONNX}.{os.getpid()}.", dir=engine_dir))
+            try:
+                session(source, staging / OPTIMIZED_ONNX)
                 # The data first: the graph's presence means "complete", and it reads the data by name.
                 if (staging / OPTIMIZED_ONNX_DATA).exists():
                     os.replace(staging / OPTIMIZED_ONNX_DATA, engine_dir / OPTIMIZED_ONNX_DATA)
                 os.replace(staging / OPTIMIZED_ONNX, optimized)
-        finally:
-            if staging is not None:
+            finally:
                 shutil.rmtree(staging, ignore_errors=True)
+            # The session that optimized holds every weight on its heap (and the heap keeps what it freed);
+            # one opened on the saved graph maps them (0.5B int4 engine, resident once open: 0.45 GB against
+            # 0.89 GB; its peak 0.56 GB against 1.02 GB: docs/measuring.md, "Device memory at the real size").
+            source = optimized
+            self.session = session(optimized)
+            _return_freed_heap()
         graph_inputs = [i.name for i in self.session.get_inputs()]
         if graph_inputs != self.interface.input_names:
             raise ValueError(f"{source}: graph inputs differ from interface.json; the engine directory is inconsistent")
@@ -173,7 +187,7 @@ class OrtEngine:
         names = self.interface.input_names
         self._kv_names = [n for n in names if n.startswith("past_") and n != "past_positions"]
         self._sink_names = [n for n in names if n.startswith("sink_")]
-        self.kv_bytes_per_token = self.interface.slot_bytes("past")  # a row's cache grows by this per token
+        self.kv_bytes_per_token = self.interface.kv_bytes_per_token
         self._sink_bytes_per_token = self.interface.slot_bytes("sink")
         self._lora: dict[str, ort.OrtValue] = {}
         self._kv_static: dict[str, ort.OrtValue] = {}  # quantized engines: bound by set_adapter(..., kv_scales)
@@ -187,7 +201,6 @@ class OrtEngine:
             self._array_inputs = ("input_ids", "position_ids", "attention_mask", BLOCK_TABLE)
             pools = [PoolTensor(t.name, tuple(t.shape[1:]), t.dtype) for t in self.interface.inputs if t.name.startswith("pool_")]
             self.pool = BlockPool.for_budget(pools, self.interface.kv_block_size, kv_budget_bytes, _ort)
-            self.kv_bytes_per_token = self.pool.block_bytes // self.pool.block_size  # a block holds block_size slots
         elif kv_budget_bytes is not None:
             raise ValueError(f"{engine_dir}: a KV budget needs a paged engine (interface version 6), this one is "
                              f"version {self.interface.version}")
