@@ -338,7 +338,7 @@ def test_a_request_failing_on_a_new_champion_reverts_it(w, tmp_path, decode):
     # Every stderr line is JSON, ONNX Runtime's failure included: its own (C++) logger, which writes plain text, is
     # silenced, and the error reaches the log as the exception of the request that failed
     lines = [json.loads(line) for line in log.read_text().splitlines()]
-    assert any("allocate" in line.get("exception", "") + line.get("message", "") for line in lines), lines[-5:]
+    assert any("alloc" in line.get("exception", "") + line.get("message", "") for line in lines), lines[-5:]
     events = [line for line in lines if line.get("event")]
     assert [(e["event"], e["release_id"], e.get("reason")) for e in events] == \
         [("release_reverted", good, "generation_errors")]

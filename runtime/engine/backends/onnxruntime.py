@@ -174,8 +174,8 @@ class OrtEngine:
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
             # The session that optimized holds every weight on its heap (and the heap keeps what it freed);
-            # one opened on the saved graph maps them (0.5B int4 engine, resident once open: 0.45 GB against
-            # 0.89 GB; its peak 0.56 GB against 1.02 GB: docs/measuring.md, "Device memory at the real size").
+            # one opened on the saved graph maps them (0.5B int4 engine, resident once open: 0.46 GB against
+            # 0.90 GB; docs/measuring.md, "Device memory at the real size").
             source = optimized
             self.session = session(optimized)
             _return_freed_heap()
