@@ -3,9 +3,10 @@
     python -m bench.mixed_adapters_bench [--shape tiny|0.5b] [--rounds 6] [--clients 8] [--adapters 4]
         [--prompt-tokens 64] [--max-tokens 32] [--threads 2] [--workdir DIR] [--out bench/results/mixed_adapters_bench.json]
 
-The world is ``bench.device_memory_bench.build_world``'s (the serving engine: int4 weights, the 4-bit GroupQueryAttention
-KV cache, interface version 5; a rank-8 adapter and its signed release), plus the stacked form of the same engine
-(interface version 7, ``tasks.compile.compile_engine(stacked=True)``, then int4 like the other). The release is
+The world is ``bench.device_memory_bench.build_world``'s (the default serving engine: int4 weights, the 4-bit
+GroupQueryAttention KV cache paged, adapters stacked, interface version 7 under 8; a rank-8 adapter and its signed
+release), plus the one-adapter form of the same engine (``tasks.compile.compile_engine(stacked=False)``, then int4
+like the other): today's engine before mixed batches. The release is
 verified against each engine (``runtime.release.package.verify_release``: it binds to both by the same contract) and
 bound to ``--adapters`` resident releases, release i with its LoRA B times (1 + i / 4) so that no two compute alike.
 
@@ -44,18 +45,19 @@ RESULTS = Path(__file__).parent / "results" / "mixed_adapters_bench.json"
 LOADS = ("stacked_one", "stacked_mixed", "today_one", "today_mixed")
 
 
-def stacked_engine(world: dict, root: Path, threads: int) -> Path:
-    """The world's serving engine in its stacked form (version 7), int4 like it; reused when built."""
-    from tasks.compile import compile_engine
+def one_adapter_engine(world: dict, root: Path, threads: int) -> Path:
+    """The world's serving engine (the default form: paged cache, stacked adapters) in its one-adapter form: the same
+    cache, one adapter per batch (today's engine before interface version 7), int4 like it; reused when built."""
+    from tasks.compile import compile_engine, serving_form
     from tasks.config import EngineConfig, KVConfig
     from tasks.weight_engines import ensure_quantized_engine
 
-    engine_cfg, spec = EngineConfig(weights="int4"), KVConfig().spec()
-    compile_engine(world["base"], root / "engine-kv-stacked", RANK, engine_cfg.target_modules, ort_threads=threads,
-                   kv_spec=spec.to_dict(), kv_attention=engine_cfg.kv_attention(spec), stacked=True)
-    ensure_quantized_engine(root / "engine-kv-stacked", root / "engine-stacked", engine_cfg.weights,
+    engine_cfg = EngineConfig(weights="int4")
+    compile_engine(world["base"], root / "engine-kv-one", RANK, engine_cfg.target_modules, ort_threads=threads,
+                   **serving_form(engine_cfg, KVConfig()) | {"stacked": False})
+    ensure_quantized_engine(root / "engine-kv-one", root / "engine-one", engine_cfg.weights,
                             engine_cfg.weight_block_size, engine_cfg.weights_format())
-    return root / "engine-stacked"
+    return root / "engine-one"
 
 
 def releases(world: dict, engine_dir: Path, count: int, threads: int) -> list:
@@ -98,15 +100,15 @@ def run_load(batcher, tokenizer, rels: list, prompts: list[list[int]], max_token
     return time.perf_counter() - t0, time.process_time() - c0, sum(tokens)
 
 
-def measure(world: dict, stacked_dir: Path, args) -> dict:
+def measure(world: dict, one_adapter_dir: Path, args) -> dict:
     from runtime.engine.tokenizer import DeviceTokenizer
     from runtime.serve.batcher import Batcher
     from runtime.serve.metrics import ServerMetrics
 
     tokenizer = DeviceTokenizer(world["tokenizer"])
     prompts = [tokenizer.encode(prompt_text(tokenizer, args.prompt_tokens, c)) for c in range(args.clients)]
-    engines = {"stacked": releases(world, stacked_dir, args.adapters, args.threads),
-               "today": releases(world, world["engine"], args.adapters, args.threads)}
+    engines = {"stacked": releases(world, world["engine"], args.adapters, args.threads),
+               "today": releases(world, one_adapter_dir, args.adapters, args.threads)}
     loads = {name: (engines[name.split("_")[0]], name.endswith("mixed")) for name in LOADS}
     per_load: dict[str, list[float]] = {name: [] for name in LOADS}
     per_cpu: dict[str, list[float]] = {name: [] for name in LOADS}  # tokens per CPU second: the shared cores' noise out
@@ -161,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="mixed-adapters-") as tmp:
         root = (args.workdir or Path(tmp)) / args.shape
         world = build_world(args.shape, root, args.threads)
-        progress("the stacked engine ...")
-        result = measure(world, stacked_engine(world, root, args.threads), args)
+        progress("the one-adapter engine ...")
+        result = measure(world, one_adapter_engine(world, root, args.threads), args)
     result = {"shape": args.shape, "clients": args.clients, "adapters": args.adapters, "prompt_tokens": args.prompt_tokens,
               "max_tokens": args.max_tokens, "threads": args.threads, "rounds": args.rounds,
               "loadavg_1m_before": before, **result, "loadavg_1m_after": os.getloadavg()[0],
