@@ -167,7 +167,8 @@ class OrtEngine:
             staging = Path(tempfile.mkdtemp(prefix=f".{OPTIMIZED_ONNX}.{os.getpid()}.", dir=engine_dir))
             try:
                 session(source, staging / OPTIMIZED_ONNX)
-                # The data first: the graph's presence means "complete", and it reads the data by name.
+                # The data first: the graph's presence means "complete", and it reads the data by name. Two
+                # processes optimizing at once write the same bytes (checked: one graph, ORT version and machine).
                 if (staging / OPTIMIZED_ONNX_DATA).exists():
                     os.replace(staging / OPTIMIZED_ONNX_DATA, engine_dir / OPTIMIZED_ONNX_DATA)
                 os.replace(staging / OPTIMIZED_ONNX, optimized)
