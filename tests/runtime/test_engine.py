@@ -232,6 +232,38 @@ def test_optimized_graph_keeps_its_initializers_in_a_data_file_that_later_sessio
     np.testing.assert_array_equal(prefill_then_decode(reopened, ids, 4), want)
 
 
+def test_an_optimized_graph_saved_inline_by_an_earlier_runtime_is_saved_again_with_its_data_file(
+        engine, tiny_engine, qwen_adapter, tmp_path):
+    # Given: an engine directory whose optimized graph holds its weights inline, as runtimes before the data
+    # file saved it (a session opened on it copies every weight onto its heap)
+    import onnx
+    import onnxruntime as ort
+
+    from runtime.engine.backends import onnxruntime as ort_backend
+
+    copy = tmp_path / "engine"
+    copy.mkdir()
+    for name in ("model.onnx", "interface.json", "cache_key.json"):
+        shutil.copy(tiny_engine / name, copy / name)
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.optimized_model_filepath = str(copy / ort_backend.OPTIMIZED_ONNX)
+    ort.InferenceSession(str(copy / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+    assert not (copy / ort_backend.OPTIMIZED_ONNX_DATA).exists()
+
+    # When: the engine is opened
+    reopened = OrtEngine(copy)
+
+    # Then: the graph was saved again, reading its weights from the data file, and computes as before
+    graph = onnx.load(str(copy / ort_backend.OPTIMIZED_ONNX), load_external_data=False).graph
+    assert {e.value for i in graph.initializer for e in i.external_data if e.key == "location"} == \
+        {ort_backend.OPTIMIZED_ONNX_DATA}
+    ids = np.random.default_rng(8).integers(0, 96, (2, 6))
+    for e in (engine, reopened):
+        e.set_adapter(load_adapter(qwen_adapter, e.interface))
+    np.testing.assert_array_equal(prefill_then_decode(reopened, ids, 4), prefill_then_decode(engine, ids, 4))
+
+
 def test_logits_at_selected_positions_equal_the_full_logits_there_on_engine_and_reference(engine, tiny_qwen, qwen_adapter):
     """Interface version 8: the LM head runs on the selected positions only, with the same logits."""
     lora = load_adapter(qwen_adapter, engine.interface)

@@ -159,11 +159,13 @@ class OrtEngine:
         source = engine_dir / onnx_file
         if not (use_optimized and onnx_file == ENGINE_ONNX and not session_config):
             self.session = session(source)
-        elif optimized.exists():
+        elif optimized.exists() and (engine_dir / OPTIMIZED_ONNX_DATA).exists():
             source = optimized
             self.session = session(optimized)
         else:
-            # Written into a private folder and moved: never a half-written optimized graph.
+            # Written into a private folder and moved: never a half-written optimized graph. A graph saved
+            # without its data file (by a runtime before this one: weights inline, copied onto the heap) is
+            # replaced the same way.
             staging = Path(tempfile.mkdtemp(prefix=f".{OPTIMIZED_ONNX}.{os.getpid()}.", dir=engine_dir))
             try:
                 session(source, staging / OPTIMIZED_ONNX)
