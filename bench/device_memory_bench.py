@@ -87,6 +87,21 @@ GB = 1e9
 
 # ---------------------------------------------------------------- the model, once per work directory
 
+def int4_serving_engine(base: Path, export: Path, out: Path, threads: int, **form) -> Path:
+    """``base`` compiled into ``export`` in the default serving form (``tasks.compile.serving_form``: the ``kv``
+    section's 4-bit cache, paged, adapters stacked; ``form`` overrides its keywords), then copied into ``out`` with
+    int4 weights as the compile stage does (``engine.weights: int4``); each reused when built."""
+    from tasks.compile import compile_engine, serving_form
+    from tasks.config import EngineConfig, KVConfig
+    from tasks.weight_engines import ensure_quantized_engine
+
+    engine_cfg = EngineConfig(weights="int4")
+    compile_engine(base, export, RANK, engine_cfg.target_modules, ort_threads=threads,
+                   **serving_form(engine_cfg, KVConfig()) | form)
+    ensure_quantized_engine(export, out, engine_cfg.weights, engine_cfg.weight_block_size, engine_cfg.weights_format())
+    return out
+
+
 def build_world(shape: str, root: Path, threads: int) -> dict:
     """The backbone, our int4 / 4-bit-KV serving engine, a rank-8 adapter and its signed release, in ``root``;
     an earlier build there (``world.json``, written last) is reused."""
@@ -95,22 +110,13 @@ def build_world(shape: str, root: Path, threads: int) -> dict:
         return {k: Path(v) for k, v in json.loads(record.read_text()).items()}
     from bench.hotswap_bench import make_tiny_adapter, make_tiny_base, make_tiny_release
     from bench.scale_bench import build_model
-    from tasks.compile import compile_engine, serving_form
-    from tasks.config import EngineConfig, KVConfig
-    from tasks.weight_engines import ensure_quantized_engine
 
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     progress(f"[world {shape}] the backbone ...")
     base = make_tiny_base(root / "base") if shape == "tiny" else build_model(root / "base", root)
-    engine_cfg, spec = EngineConfig(weights="int4"), KVConfig().spec()
-    progress(f"[world {shape}] the quantized-KV engine ({spec.name}) ... ({time.perf_counter() - t0:.0f} s)")
-    compile_engine(base, root / "engine-kv", RANK, engine_cfg.target_modules, ort_threads=threads,
-                   **serving_form(engine_cfg, KVConfig()))
-    progress(f"[world {shape}] its int4 weights ... ({time.perf_counter() - t0:.0f} s)")
-    engine = root / "engine"
-    ensure_quantized_engine(root / "engine-kv", engine, engine_cfg.weights, engine_cfg.weight_block_size,
-                            engine_cfg.weights_format())
+    progress(f"[world {shape}] the serving engine, then its int4 weights ... ({time.perf_counter() - t0:.0f} s)")
+    engine = int4_serving_engine(base, root / "engine-kv", root / "engine", threads)
     progress(f"[world {shape}] an adapter and its release ... ({time.perf_counter() - t0:.0f} s)")
     adapter = make_tiny_adapter(base, root / "adapter", engine, r=RANK, seed=11)
     key = root / "keys" / "release_signing.key"

@@ -143,7 +143,8 @@ def engine_form(engine_dir: Path) -> dict:
     from runtime.engine.interface import read_interface
 
     iface = read_interface(engine_dir)
-    return {"dir": str(engine_dir), "interface_version": iface.version, "kv_cache": KVQuantSpec.from_dict(iface.kv_spec).name if iface.kv_spec else "float",
+    kv_cache = KVQuantSpec.from_dict(iface.kv_spec).name if iface.kv_spec else "float"
+    return {"dir": str(engine_dir), "interface_version": iface.version, "kv_cache": kv_cache,
             "kv_block_size": iface.kv_block_size, "stacked": iface.stacked, "weights": iface.weight_precision}
 
 
@@ -401,12 +402,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     rates = [float(x) for x in args.rates.split(",")]
-    from tasks.compile import serving_form
-    from tasks.config import EngineConfig, KVConfig
-
     world = None if args.tiny else existing_world()
     with tempfile.TemporaryDirectory(prefix="hotswap-") as tmp:
         if world is None:
+            from tasks.compile import serving_form
+            from tasks.config import EngineConfig, KVConfig
+
             print("building a tiny world (base, engine, two signed releases)...", flush=True)
             form = serving_form(EngineConfig(), KVConfig()) if args.tiny_engine == "serving" else None
             world = build_tiny_world(Path(tmp), form)

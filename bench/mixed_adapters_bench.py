@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.device_memory_bench import RANK, build_world, progress, prompt_text
+from bench.device_memory_bench import build_world, int4_serving_engine, progress, prompt_text
 from bench.report import write_report
 
 RESULTS = Path(__file__).parent / "results" / "mixed_adapters_bench.json"
@@ -48,16 +48,7 @@ LOADS = ("stacked_one", "stacked_mixed", "today_one", "today_mixed")
 def one_adapter_engine(world: dict, root: Path, threads: int) -> Path:
     """The world's serving engine (the default form: paged cache, stacked adapters) in its one-adapter form: the same
     cache, one adapter per batch (today's engine before interface version 7), int4 like it; reused when built."""
-    from tasks.compile import compile_engine, serving_form
-    from tasks.config import EngineConfig, KVConfig
-    from tasks.weight_engines import ensure_quantized_engine
-
-    engine_cfg = EngineConfig(weights="int4")
-    compile_engine(world["base"], root / "engine-kv-one", RANK, engine_cfg.target_modules, ort_threads=threads,
-                   **serving_form(engine_cfg, KVConfig()) | {"stacked": False})
-    ensure_quantized_engine(root / "engine-kv-one", root / "engine-one", engine_cfg.weights,
-                            engine_cfg.weight_block_size, engine_cfg.weights_format())
-    return root / "engine-one"
+    return int4_serving_engine(world["base"], root / "engine-kv-one", root / "engine-one", threads, stacked=False)
 
 
 def releases(world: dict, engine_dir: Path, count: int, threads: int) -> list:
