@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -313,3 +317,59 @@ def test_a_prefill_in_chunks_through_the_cache_gives_the_whole_prefills_logits_a
         assert np.abs(a - b)[mask.astype(bool)[:, None, :, None].repeat(a.shape[1], 1).repeat(a.shape[3], 3)].max() <= 1e-4
     with pytest.raises(ValueError, match="prefill chunk must be >= 1 token"):
         prefill(engine, ids, pos, mask, 0)
+
+
+def test_every_memory_mode_computes_the_same_and_the_freeing_ones_fix_glibcs_mmap_threshold(
+        engine, tiny_engine, qwen_adapter, monkeypatch):
+    # Given: the engine opened in each way ONNX Runtime can hold its intermediate tensors
+    from runtime.engine.backends import onnxruntime as ort_backend
+
+    fixed = []
+    monkeypatch.setattr(ort_backend, "_unmap_large_blocks_when_freed", lambda: fixed.append(True))
+    ids = np.random.default_rng(3).integers(0, 96, (2, 9))
+    engine.set_adapter(load_adapter(qwen_adapter, engine.interface))
+    want = prefill_then_decode(engine, ids, 5)
+
+    for mode in ort_backend.ORT_MEMORY_MODES:
+        fixed.clear()
+        # When: it runs a prefill and decode steps
+        other = OrtEngine(tiny_engine, threads=2, memory=mode)
+        other.set_adapter(load_adapter(qwen_adapter, other.interface))
+        got = prefill_then_decode(other, ids, 5)
+
+        # Then: the same logits, and only the modes that free memory ask glibc to unmap it when freed
+        np.testing.assert_array_equal(got, want, err_msg=mode)
+        assert fixed == ([] if mode == "arena" else [True]), mode
+
+
+# Run in a fresh interpreter: the threshold is process-wide. A freed 8 MiB mapped block raises glibc's threshold to
+# 8 MiB; a 4 MiB block then comes from the heap, which keeps it once freed, unless the threshold was fixed first.
+_KEPT_AFTER_FREE = """
+import sys
+import numpy as np
+from runtime.engine.backends import onnxruntime as ort_backend
+
+def rss():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) * 1024
+
+if sys.argv[1] == "fixed":
+    ort_backend._unmap_large_blocks_when_freed()
+big = np.ones(8 << 20, dtype=np.uint8)
+del big
+before = rss()
+block = np.ones(4 << 20, dtype=np.uint8)
+spacer = np.ones(64 << 10, dtype=np.uint8)  # above the block on the heap: keeps glibc from trimming the heap's top
+del block
+print(rss() - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status") or platform.libc_ver()[0] != "glibc",
+                    reason="glibc's malloc on Linux only")
+def test_a_fixed_mmap_threshold_hands_a_freed_4_mib_block_back_to_the_system():
+    def kept(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _KEPT_AFTER_FREE, mode], capture_output=True, text=True, check=True)
+        return int(out.stdout)
+
+    assert kept("glibc default") >= 3 << 20  # what the heap kept of the 4 MiB block
+    assert kept("fixed") < 1 << 20
