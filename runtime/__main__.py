@@ -51,9 +51,10 @@ import sys
 from pathlib import Path
 
 from runtime.engine.errors import RefusedInput
-from runtime.release.contract import DEFAULT_PRODUCT, check_product
+# Not runtime.serve.channel_watch: it loads python-tuf and urllib3, which only a device following a channel
+# needs (imported where the watcher starts).
+from runtime.release.contract import DEFAULT_PRODUCT, DEFAULT_TUF_INTERVAL_S, check_product
 from runtime.release.package import DEFAULT_MAX_PACKAGE_BYTES, EXIT_CODES, PackageError
-from runtime.serve.channel_watch import DEFAULT_TUF_INTERVAL_S
 from runtime.serve.health import DEFAULT_HEALTH_WINDOW_S
 from runtime.serve.http_app import DECODE_MODES, DEFAULT_MAX_CONCURRENT, ServeSettings
 from runtime.serve.batcher import DEFAULT_PREFILL_CHUNK, KV_WAIT_S

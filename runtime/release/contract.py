@@ -109,6 +109,7 @@ TUF_METADATA_DIR = "metadata"
 TUF_TARGETS_DIR = "targets"
 TUF_CHANNELS_TARGET = REGISTRY_CHANNELS  # {"champion": month, "candidate": month}, a signed target
 TUF_CHANNELS = ("champion", "candidate")
+DEFAULT_TUF_INTERVAL_S = 300.0  # a device polls its channel every 5 min; the timestamp lives a day
 # The ``custom`` fields of a release target: what a device can check before downloading it.
 TUF_TARGET_CUSTOM = ("month", "release_id", "base_model_hash", "engine_interface_hash")
 

@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runtime.release.contract import format_time, release_order, release_target_path
+from runtime.release.contract import DEFAULT_TUF_INTERVAL_S, format_time, release_order, release_target_path
 from runtime.release.package import PackageError
 from runtime.release.tuf_pull import (
     EXIT_CODES, UpdateRefused, channel_month, refreshed, release_tarball, signed_channels, target_info,
@@ -78,7 +78,6 @@ if TYPE_CHECKING:
     from runtime.serve.server import AdapterServer
 
 log = logging.getLogger(__name__)
-DEFAULT_TUF_INTERVAL_S = 300.0  # a fleet polling a static server every 5 min; the timestamp lives a day
 FRESH, STALE, REFUSED = "fresh", "stale", "refused"
 NOT_CHECKED = "not_checked"
 MAX_REJECTED = 32  # refused signed targets remembered; each holds its refusal's message

@@ -144,3 +144,11 @@ def test_onnx_runtime_serving_path_does_not_import_torch():
     code = f"import sys; import {', '.join(SERVING_PATH)}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_serve_without_an_update_channel_does_not_load_python_tuf():
+    # the command and the HTTP server a device runs on a package alone (python-tuf and urllib3: ~20 MB imported alone)
+    code = ("import sys; import runtime.__main__, runtime.serve.http_server; "
+            "print(sorted(m for m in ('tuf', 'urllib3', 'runtime.serve.channel_watch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

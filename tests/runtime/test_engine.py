@@ -373,3 +373,40 @@ def test_a_fixed_mmap_threshold_hands_a_freed_4_mib_block_back_to_the_system():
 
     assert kept("glibc default") >= 3 << 20  # what the heap kept of the 4 MiB block
     assert kept("fixed") < 1 << 20
+
+
+
+# Run in a fresh interpreter: a session's maps stay while it lives, and the advice covers every map of the file.
+_MAPPED_FLAGS = """
+import json, sys
+from pathlib import Path
+import onnxruntime as ort
+from runtime.engine.backends.onnxruntime import OPTIMIZED_ONNX, OPTIMIZED_ONNX_DATA, OrtEngine
+
+engine_dir = Path(sys.argv[1])
+target = str((engine_dir / OPTIMIZED_ONNX_DATA).resolve())
+
+def vm_flags():  # of every map of the data file
+    flags, inside = [], False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and ":" not in head[0]:  # a mapping's first line
+            inside = len(head) >= 6 and head[5] == target
+        elif inside and head[0] == "VmFlags:":
+            flags.append(head[1:])
+    return flags
+
+plain = ort.InferenceSession(str(engine_dir / OPTIMIZED_ONNX), providers=["CPUExecutionProvider"])
+print(json.dumps(vm_flags()))
+engine = OrtEngine(engine_dir, threads=2)
+print(json.dumps(vm_flags()))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+def test_an_opened_engine_reads_its_mapped_weights_file_by_the_page(engine, tiny_engine):
+    # engine: the optimized graph and its data file are saved
+    out = subprocess.run([sys.executable, "-c", _MAPPED_FLAGS, str(tiny_engine)], capture_output=True, text=True, check=True)
+    plain, ours = (json.loads(line) for line in out.stdout.splitlines())
+    assert plain and all("rr" not in f for f in plain)  # ORT's own maps of the weights
+    assert len(ours) > len(plain) and all("rr" in f for f in ours)  # madvise(MADV_RANDOM): no read-ahead around a row

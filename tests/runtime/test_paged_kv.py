@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import time
 
 import numpy as np
@@ -146,6 +147,41 @@ def test_a_pool_without_budget_grows_keeping_its_rows_and_one_with_a_budget_refu
     assert budget.used_blocks == 0  # refused before any block was taken
     with pytest.raises(KVBudgetExceeded, match="less than one block"):
         BlockPool.for_budget(tensors, 4, tensors[0].block_bytes - 1)
+
+
+def resident_anonymous_bytes() -> int:
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("RssAnon:"))
+
+
+def _mapping_of(address: int) -> dict:
+    """The /proc/self/smaps entry (its fields, ``VmFlags`` split) of the mapping that holds ``address``."""
+    entry = None
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and ":" not in head[0]:  # a mapping's first line: its address range
+            if entry is not None:
+                break
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            entry = {} if lo <= address < hi else None
+        elif entry is not None:
+            key, _, value = line.partition(":")
+            entry[key] = value.split()
+    return entry
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+def test_a_pools_resident_memory_is_the_blocks_written_in_small_pages():
+    # 48 pools of 64 MiB each, the first 1 MiB of each written: numpy's own zeros would ask for 2 MiB huge pages
+    tensors = [PoolTensor(f"pool_key.{i}", (2, 16, 32), "uint8") for i in range(48)]
+    pool = BlockPool(tensors, 65536, block_size=16)
+    array = pool.arrays["pool_key.0"]
+    assert "nh" in _mapping_of(array.ctypes.data)["VmFlags"]  # madvise(MADV_NOHUGEPAGE) on the pool's memory
+    assert not array.any() and array.flags.writeable and array.flags.c_contiguous
+    before = resident_anonymous_bytes()
+    for a in pool.arrays.values():
+        a[:1024] = 1  # 1,024 blocks of 1 KiB
+    grown = resident_anonymous_bytes() - before
+    assert 48 << 20 <= grown < 56 << 20  # the 48 MiB written, not 96 MiB of huge pages
 
 
 def test_the_paged_interface_keeps_the_float_contract_and_padded_engines_still_load(gqa_pair, float_pair, tiny_engine):
