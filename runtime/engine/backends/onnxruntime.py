@@ -197,12 +197,6 @@ class OrtEngine:
             # (one process, 8 rows of 1,984 tokens, then 48 decode steps): 0.07 GB less anonymous memory at the
             # end (0.60 against 0.67 GB), the same decode speed (64.4 against 64.2 tokens/s).
             opts.enable_mem_pattern = False
-            # Nodes in priority order (ties: the graph's order) instead of ORT's default topological order, which
-            # runs many layers' cache gathers (inputs: the pools and the block table only) before the first
-            # attention, so their pasts are all alive at once. Measured at the 0.5B shape (one process, 8 rows
-            # of 1,984 tokens): a decode step's transient memory 57.5 -> 44.9 MB; decode step 1.014x (interleaved,
-            # 8 rows at 1,024 tokens: 76.1 against 77.1 ms).
-            opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
             opts.intra_op_num_threads = threads
             opts.inter_op_num_threads = 1
