@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -160,8 +161,25 @@ class JsonLogFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes each record to ``sys.stderr`` as it is at that record, not as it was when logging was configured: a
+    server run in-process (tests, ``bench.serve_bench``) outlives the stream a test runner swapped in and then closed,
+    and every line its threads logged after that was lost with a "Logging error" on the console."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _stream) -> None:  # StreamHandler.__init__ and setStream assign it: always sys.stderr
+        pass
+
+
 def configure_json_logging(level: int = logging.INFO) -> None:
-    handler = logging.StreamHandler()
+    handler = StderrHandler()
     handler.setFormatter(JsonLogFormatter())
     logging.basicConfig(level=level, handlers=[handler], force=True)
 

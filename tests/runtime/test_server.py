@@ -301,3 +301,25 @@ def test_sigterm_finishes_every_request_in_flight_and_exits_0(w, tmp_path):
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     served = [line for line in lines if line["message"] == "request" and line["path"] == "/v1/completions"]
     assert len(served) == 8 and all(line["status"] == 200 and len(line["request_id"]) == 32 for line in served)
+
+
+# In a fresh interpreter: configuring logging replaces the root logger's handlers, pytest's among them.
+_LOG_AFTER_STDERR_SWAP = """
+import io, logging, sys
+from runtime.serve.http_server import configure_json_logging
+
+configure_json_logging()
+first = sys.stderr = io.StringIO()  # a test runner's capture, say, swapped in and then closed
+first.close()
+sys.stderr = second = io.StringIO()
+logging.getLogger("runtime.serve.http_app").info("request", extra={"fields": {"status": 200}})
+print(second.getvalue(), end="")
+"""
+
+
+def test_the_json_log_goes_to_sys_stderr_as_it_is_when_a_line_is_logged():
+    out = subprocess.run([sys.executable, "-c", _LOG_AFTER_STDERR_SWAP], cwd=REPO, capture_output=True, text=True,
+                         check=True)
+    assert "Logging error" not in out.stderr
+    line = json.loads(out.stdout)
+    assert (line["level"], line["logger"], line["message"], line["status"]) == ("info", "runtime.serve.http_app", "request", 200)
