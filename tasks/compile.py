@@ -1,7 +1,7 @@
 """Compile the backbone once: one ONNX graph whose LoRA weights and KV cache are inputs.
 
 ``compile_engine`` writes ``engine/`` (``model.onnx``, ``interface.json``, ``cache_key.json``
-and the ONNX Runtime-optimized ``model.ort-<version>.onnx``) and is keyed by backbone hash + interface
+and the ONNX Runtime-optimized ``model.ort-<version>.outputs-early.onnx``) and is keyed by backbone hash + interface
 version + exporter version (+ the requested max rank, target modules and opset, which change
 the interface). A monthly run whose backbone did not change finds the key, exports nothing,
 builds nothing and records ``engine_builds: 0``.

@@ -410,3 +410,55 @@ def test_an_opened_engine_reads_its_mapped_weights_file_by_the_page(engine, tiny
     plain, ours = (json.loads(line) for line in out.stdout.splitlines())
     assert plain and all("rr" not in f for f in plain)  # ORT's own maps of the weights
     assert len(ours) > len(plain) and all("rr" in f for f in ours)  # madvise(MADV_RANDOM): no read-ahead around a row
+
+
+# Run in a fresh interpreter: its peak resident set is this graph's alone.
+_PEAK_OF_A_LAYER_CHAIN = """
+import sys, tempfile
+from pathlib import Path
+import numpy as np, onnx, onnxruntime as ort
+from onnx import TensorProto, helper
+from runtime.engine.backends.onnxruntime import _graph_outputs_when_ready, _unmap_large_blocks_when_freed
+
+def status(key):
+    return next(int(line.split()[1]) << 10 for line in open("/proc/self/status") if line.startswith(key))
+
+# 24 layers, each making a 2 MiB tensor that only a graph output's node reads (a layer's present and the slice
+# of its new slots), in ORT's saved order: every graph output's node last
+layers, nodes, h = 24, [], "x"
+for i in range(layers):
+    nodes += [helper.make_node("Expand", [h, "shape"], [f"present{i}"]), helper.make_node("Relu", [h], [f"h{i}"])]
+    h = f"h{i}"
+nodes += [helper.make_node("ReduceMax", [f"present{i}"], [f"new{i}"], keepdims=0) for i in range(layers)]
+outputs = [helper.make_tensor_value_info(f"new{i}", TensorProto.FLOAT, None) for i in range(layers)]
+graph = helper.make_graph(nodes, "layers", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024]),
+                          helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+                          outputs + [helper.make_tensor_value_info(h, TensorProto.FLOAT, None)])
+path = Path(tempfile.mkdtemp()) / "graph.onnx"
+onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+if sys.argv[1] == "outputs when ready":
+    _graph_outputs_when_ready(path)
+_unmap_large_blocks_when_freed()  # a freed tensor leaves the process
+opts = ort.SessionOptions()
+opts.enable_cpu_mem_arena = False
+opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED  # the engine's: the file's order
+opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+feed = {"x": np.ones((1, 1024), np.float32), "shape": np.array([512, 1024])}
+session.run(None, feed)
+before = status("VmRSS")
+open("/proc/self/clear_refs", "w").write("5")  # the peak starts again from here
+session.run(None, feed)
+print(status("VmHWM") - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="resets Linux's peak resident set")
+def test_a_graph_with_its_outputs_computed_when_ready_frees_each_layers_tensor_after_that_layer():
+    def peak(order: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _PEAK_OF_A_LAYER_CHAIN, order], capture_output=True, text=True,
+                             check=True)
+        return int(out.stdout)
+
+    assert peak("ORT's saved order") > 40 << 20  # all 24 tensors of 2 MiB alive at the end
+    assert peak("outputs when ready") < 8 << 20  # one or two at a time

@@ -302,3 +302,23 @@ def test_serve_refuses_a_prefill_chunk_or_ort_memory_it_cannot_use_naming_the_fl
                          str(w["trusted_key"]), "--tokenizer", str(w["tokenizer"]), flag, value])
     err = capsys.readouterr().err
     assert code == 2 and named in err
+
+
+def test_the_saved_graph_slices_each_layers_new_slots_right_after_its_attention(gqa_pair):
+    # The new slots are slices of the layer's present (its whole past and the new tokens): sliced at once, the
+    # present is freed before the next layer runs, not at the end of the step (ORT saves graph outputs last).
+    import onnx
+
+    from runtime.engine.backends.onnxruntime import OPTIMIZED_ONNX
+
+    _, paged = gqa_pair
+    graph = onnx.load(str(paged.engine_dir / OPTIMIZED_ONNX), load_external_data=False).graph
+    outputs = {o.name for o in graph.output}
+    position = {name: i for i, node in enumerate(graph.node) for name in node.output}
+    attention = [i for i, node in enumerate(graph.node) if node.op_type == "GroupQueryAttention"]
+    assert len(attention) == paged.interface.num_layers
+    for layer, at in enumerate(attention):
+        sliced = max(position[f"new_{kind}.{layer}"] for kind in ("key", "value"))
+        assert at < sliced
+        between = [n.name for n in graph.node[at + 1:sliced] if not set(n.output) <= outputs]
+        assert between == [], f"layer {layer}: {between} run between its attention and its new slots"
