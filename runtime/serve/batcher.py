@@ -56,8 +56,10 @@ from runtime.serve.generation import Choice, Generation, StopText
 # Prompt tokens a batched prefill runs per forward (``runtime.engine.generate.prefill``). Measured at the 0.5B shape
 # (int4, 4-bit KV, 8 clients x 2,048 tokens, docs/measuring.md): the server's peak resident set 1.55 GB whole,
 # 0.99 GB in chunks of 256, and a 2 x 1,024-token prefill no slower (15.1 s against 19.7 s whole, one noisy
-# interleaved run on 2 shared cores): a chunk's attention scores are (heads, 256, past + 256), not (heads, T, T).
-DEFAULT_PREFILL_CHUNK = 256
+# interleaved run on 2 shared cores): a chunk's attention scores are (heads, chunk, past + chunk), not (heads, T, T).
+# 128 once a decode step's transient fell below a 256-token chunk's (14 x 256 x 2,048 fp32 scores, 29 MB a layer):
+# 0.636 -> 0.615 GB (two runs of 128 at 0.615), the load's wall time the same (96.9 s both); 64: 0.615 GB.
+DEFAULT_PREFILL_CHUNK = 128
 
 log = logging.getLogger(__name__)
 # The scheduler thread waits this long for a request once it has no work, then ends (the next request
