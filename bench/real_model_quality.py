@@ -21,7 +21,7 @@ Every row is compared with one reference on the same positions: our fp32 engine 
 
 Rows:
 * ours, weights fp32 / int8 / int4 (the serving recipe: MatMulNBits RTN at ``engine.weight_block_size``,
-  LM head int8) with the float cache, and int4 at other block sizes (below);
+  LM head int8) with the float cache, int4 with a 4-bit LM head, and int4 at other block sizes (below);
 * ours, the served quantized KV cache: the compile stage's KV engine (``engine.kv_cache: quantized``,
   the ``kv`` section's scheme) with static scales calibrated on the calib documents, run by ONNX
   Runtime (``kv_read: engine``);
@@ -218,7 +218,7 @@ def kv_bits(spec, cfg, context_len: int) -> float:
 
 def weight_engines(float_dir: Path, work: Path, block_size: int) -> dict[str, Path]:
     """The float engine and its int8 / int4 copies, the serving recipe (LM head and embedding int8), int4 also at
-    ``INT4_BLOCKS``."""
+    ``INT4_BLOCKS`` and with a 4-bit LM head."""
     from tasks.weight_engines import (
         SERVING_EMBED_BITS,
         SERVING_HEAD_BITS,
@@ -233,13 +233,15 @@ def weight_engines(float_dir: Path, work: Path, block_size: int) -> dict[str, Pa
         out = work / f"{weights}-b{block_size}"
         ensure_quantized_engine(float_dir, out, weights, block_size)
         dirs[weights] = out
-    for block in INT4_BLOCKS:
-        out = work / f"int4-b{block}"
+    variants = {f"int4/b{block}": (block, SERVING_HEAD_BITS) for block in INT4_BLOCKS}
+    variants["int4/head4"] = (block_size, 4)  # the served int4 engine with its LM head at 4 bits too
+    for name, (block, head_bits) in variants.items():
+        out = work / name.replace("/", "-")
         if not (out / "weights.json").is_file():
             with atomic_output_dir(out) as tmp:
-                quantize_engine_dir(float_dir, tmp, "int4", block, keep=SERVING_KEEP, head_bits=SERVING_HEAD_BITS,
+                quantize_engine_dir(float_dir, tmp, "int4", block, keep=SERVING_KEEP, head_bits=head_bits,
                                     embed_bits=SERVING_EMBED_BITS)
-        dirs[f"int4/b{block}"] = out
+        dirs[name] = out
     return dirs
 
 
@@ -403,6 +405,7 @@ def measure(args, cfg) -> dict:
         kv_read="engine", note="the served cache: the compile stage's KV engine")
     weight_row("int8")
     weight_row("int4")
+    weight_row("int4/head4")  # what 4 bits in the LM head add (0.5B shape: 147 -> 80 MB resident)
     weight_row(f"int4/b{INT4_BLOCKS[0]}")  # aligned with the checkpoint's Q4_1 grid: how much of int4's cost is the grid
 
     ggufs, types = {}, {}
