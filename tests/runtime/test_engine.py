@@ -377,8 +377,11 @@ def test_a_fixed_mmap_threshold_hands_a_freed_4_mib_block_back_to_the_system():
 
 
 # Run in a fresh interpreter: a session's maps stay while it lives, and the advice covers every map of the file.
-_MAPPED_FLAGS = """
-import json, sys
+# ORT's own session on the saved graph maps the weights; a byte of each of their pages is read (as opening a
+# session reads the scales it repacks); then the engine opens. Prints every map of the weights file, flags and
+# resident kB, after the read and after the engine opened.
+_MAPPED_WEIGHTS = """
+import ctypes, json, sys
 from pathlib import Path
 import onnxruntime as ort
 from runtime.engine.backends.onnxruntime import OPTIMIZED_ONNX, OPTIMIZED_ONNX_DATA, OrtEngine
@@ -386,30 +389,40 @@ from runtime.engine.backends.onnxruntime import OPTIMIZED_ONNX, OPTIMIZED_ONNX_D
 engine_dir = Path(sys.argv[1])
 target = str((engine_dir / OPTIMIZED_ONNX_DATA).resolve())
 
-def vm_flags():  # of every map of the data file
-    flags, inside = [], False
+def maps():
+    found, inside = [], False
     for line in open("/proc/self/smaps"):
         head = line.split()
         if "-" in head[0] and ":" not in head[0]:  # a mapping's first line
             inside = len(head) >= 6 and head[5] == target
+            if inside:
+                found.append({"range": [int(a, 16) for a in head[0].split("-")]})
+        elif inside and head[0] == "Rss:":
+            found[-1]["rss_kb"] = int(head[1])
         elif inside and head[0] == "VmFlags:":
-            flags.append(head[1:])
-    return flags
+            found[-1]["flags"] = head[1:]
+    return found
 
 plain = ort.InferenceSession(str(engine_dir / OPTIMIZED_ONNX), providers=["CPUExecutionProvider"])
-print(json.dumps(vm_flags()))
+for m in maps():
+    for page in range(m["range"][0], m["range"][1], 4096):
+        ctypes.string_at(page, 1)
+print(json.dumps(maps()))
 engine = OrtEngine(engine_dir, threads=2)
-print(json.dumps(vm_flags()))
+print(json.dumps(maps()))
 """
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
-def test_an_opened_engine_reads_its_mapped_weights_file_by_the_page(engine, tiny_engine):
+def test_an_opened_engine_reads_its_mapped_weights_file_by_the_page_and_keeps_none_read_before(engine, tiny_engine):
     # engine: the optimized graph and its data file are saved
-    out = subprocess.run([sys.executable, "-c", _MAPPED_FLAGS, str(tiny_engine)], capture_output=True, text=True, check=True)
-    plain, ours = (json.loads(line) for line in out.stdout.splitlines())
-    assert plain and all("rr" not in f for f in plain)  # ORT's own maps of the weights
-    assert len(ours) > len(plain) and all("rr" in f for f in ours)  # madvise(MADV_RANDOM): no read-ahead around a row
+    out = subprocess.run([sys.executable, "-c", _MAPPED_WEIGHTS, str(tiny_engine)], capture_output=True, text=True,
+                         check=True)
+    plain, after = (json.loads(line) for line in out.stdout.splitlines())
+    assert plain and all("rr" not in m["flags"] for m in plain)  # ORT's own maps of the weights
+    assert sum(m["rss_kb"] for m in plain) >= 4 * len(plain)  # every page read is resident
+    assert len(after) > len(plain) and all("rr" in m["flags"] for m in after)  # MADV_RANDOM: no read-ahead
+    assert sum(m["rss_kb"] for m in after) == 0  # MADV_PAGEOUT: what was read before is no longer resident
 
 
 # Run in a fresh interpreter: its peak resident set is this graph's alone.
