@@ -24,6 +24,7 @@ from runtime.engine.interface import CACHE_KEY_FILE, ENGINE_ONNX, INTERFACE_FILE
 from tasks.weight_graph import (
     DEFAULT_ACCURACY_LEVEL,
     DEFAULT_BLOCK_SIZE,
+    HEAD_SLICE_MAX_BYTES,
     WEIGHT_FORMATS,
     WeightQuantError,
     quantize_engine_weights,
@@ -66,6 +67,8 @@ def weights_key_fields(weights: str, block_size: int = DEFAULT_BLOCK_SIZE, fold_
         fields["weights_accuracy_level"] = accuracy_level
     if "lm_head" not in keep and head_bits not in (None, WEIGHT_BITS[weights]):  # absent with the body's bits, as before
         fields["weights_head_bits"] = head_bits
+    if "lm_head" not in keep and fmt == "matmulnbits":  # a large head is written in slices of this size
+        fields["weights_head_slice_bytes"] = HEAD_SLICE_MAX_BYTES
     if "embed" not in keep and embed_bits not in (None, WEIGHT_BITS[weights]):
         fields["weights_embed_bits"] = embed_bits
     return fields

@@ -59,6 +59,11 @@ DEFAULT_ACCURACY_LEVEL = INT8_COMPUTE_LEVEL
 # accuracy at 1.000 and held-out perplexity within 0.03% of the float engine (int4 RTN 2.1317 at
 # either size, float 2.1312); calib-split KL int4 6.8e-5 -> 8.5e-5 nats.
 DEFAULT_BLOCK_SIZE = 128
+# The LM head's codes, at most this many bytes to one MatMulNBits (its columns in slices, concatenated). ONNX
+# Runtime repacks each weight when a session opens and keeps the original's pages mapped until that weight is
+# done: one 136 MB head (Qwen2-0.5B's 151,936 x 896 at 8 bits) was the process's peak, 0.12 GB over its resident
+# set once open. Slices of 16 MB leave 16 MB of it.
+HEAD_SLICE_MAX_BYTES = 16 << 20
 
 
 class WeightQuantError(RuntimeError):
@@ -204,7 +209,8 @@ def quantize_engine_weights(
         out = node.output[0] + "_nobias" if has_bias else node.output[0]
         if fmt == "matmulnbits":
             nodes, tensors, n_bytes = matmulnbits_nodes(base, a_name, out, q, scale, zp, n_bits, K, block_size,
-                                                         symmetric, accuracy_level)
+                                                         symmetric, accuracy_level,
+                                                         HEAD_SLICE_MAX_BYTES if is_head else None)
         else:
             nodes, tensors, n_bytes = _qdq_nodes(base, a_name, out, q, scale, zp, n_bits, K, block_size,
                                                  fmt == "qdq_fp16")
@@ -216,7 +222,8 @@ def quantize_engine_weights(
             # A separate Add: MatMulNBits' optional bias input is absent from older ORT kernels.
             new_nodes.append(helper.make_node("Add", [out, node.input[2]], [node.output[0]], name=base + "_bias"))
         summary["quantized"].append(f"{node.name} K={K} N={N}" + (" (norm folded)" if g is not None else "")
-                                    + (f" (lm_head, {n_bits} bits)" if is_head else ""))
+                                    + (f" (lm_head, {n_bits} bits)" if is_head else "")
+                                    + (f" in {len(nodes) - 1} slices" if fmt == "matmulnbits" and len(nodes) > 1 else ""))
 
     new_nodes = _unit_scale_norms(new_nodes, folded, inits, new_inits)
     summary["folded_norms"] = len(folded)
@@ -267,11 +274,23 @@ def quantize_engine_weights(
 
 
 def matmulnbits_nodes(base: str, a_name: str, out: str, q, scale, zp, bits: int, K: int, block_size: int,
-                       symmetric: bool, accuracy_level: int):
-    """One MatMulNBits reading packed (N, kb, block) codes; returns (nodes, initializers, bytes)."""
+                       symmetric: bool, accuracy_level: int, max_code_bytes: int | None = None):
+    """One MatMulNBits reading packed (N, kb, block) codes; returns (nodes, initializers, bytes). With
+    ``max_code_bytes``, codes over it go to equal slices of the N output columns (``base``_s0, _s1, ...), each a
+    MatMulNBits of at most that many code bytes, joined by a Concat: the same codes (each row is quantized alone)."""
     from onnx import helper, numpy_helper
 
     N = q.shape[0]
+    slices = 1 if max_code_bytes is None else -(-N * K * bits // 8 // max_code_bytes)
+    if slices > 1:
+        nodes, tensors, n_bytes, parts = [], [], 0, []
+        for i, cols in enumerate(np.array_split(np.arange(N), slices)):
+            lo, hi = int(cols[0]), int(cols[-1]) + 1
+            part = f"{out}_s{i}"
+            n, t, b = matmulnbits_nodes(f"{base}_s{i}", a_name, part, q[lo:hi], scale[lo:hi],
+                                        None if zp is None else zp[lo:hi], bits, K, block_size, symmetric, accuracy_level)
+            nodes, tensors, n_bytes, parts = nodes + n, tensors + t, n_bytes + b, parts + [part]
+        return nodes + [helper.make_node("Concat", parts, [out], name=f"{base}_concat", axis=-1)], tensors, n_bytes
     packed = pack_codes(q.numpy(), bits)  # (N, kb, block * bits / 8)
     tensors = [numpy_helper.from_array(packed, base + "_q"), numpy_helper.from_array(scale.numpy(), base + "_scales")]
     inputs = [a_name, base + "_q", base + "_scales"]

@@ -128,3 +128,30 @@ def test_the_embedding_table_becomes_a_gather_block_quantized_with_the_float_tab
     scale = np.abs(logits["fp32"]).max()
     for name in ("int8", "int8-sym"):
         assert 0 < np.abs(logits[name] - logits["fp32"]).max() < 4e-2 * scale
+
+
+def test_only_the_lm_head_is_written_in_slices_and_the_engine_computes_the_same_logits(tiny_engine, tmp_path,
+                                                                                        monkeypatch):
+    import tasks.weight_graph as weight_graph
+
+    # Given the int4 engine with an 8-bit head written whole, and again with slices of at most 4 kB of codes
+    ids = np.random.default_rng(5).integers(0, 96, (2, 9))
+    whole = quantize_engine_dir(tiny_engine, tmp_path / "whole", "int4", 32, keep=("embed",), head_bits=8)
+    monkeypatch.setattr(weight_graph, "HEAD_SLICE_MAX_BYTES", 4096)
+    sliced = quantize_engine_dir(tiny_engine, tmp_path / "sliced", "int4", 32, keep=("embed",), head_bits=8)
+    graph = onnx.load(str(tmp_path / "sliced" / "model.onnx")).graph
+    heads = [n for n in graph.node if n.op_type == "MatMulNBits" and n.name.startswith(f"{_head_name(whole)}_w8_s")]
+    # Then the head, and nothing else, is several MatMulNBits of at most 4 kB of codes joined into the logits
+    inits = {i.name: i for i in graph.initializer}
+    assert len(heads) > 1 and all(np.prod(inits[n.input[1]].dims) <= 4096 for n in heads)
+    assert sum(n.op_type == "MatMulNBits" for n in graph.node) == len(whole["quantized"]) - 1 + len(heads)
+    assert sliced["quantized"][-1].endswith(f"(lm_head, 8 bits) in {len(heads)} slices")
+    assert sliced["quantized_weight_bytes"] == whole["quantized_weight_bytes"]
+    # and the engine's logits are the whole head's
+    got, want = (prefill_and_decode(OrtEngine(tmp_path / name), ids) for name in ("sliced", "whole"))
+    assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
+
+
+def _head_name(record: dict) -> str:
+    """The LM head's node name from a quantization summary (its entry says "(lm_head")."""
+    return next(q.split()[0] for q in record["quantized"] if "(lm_head" in q)

@@ -94,6 +94,34 @@ def test_int8_rounded_linear_is_what_matmulnbits_computes_at_accuracy_level_4(bi
     assert np.abs(got - (x @ w_dq.t()).numpy()).max() > 1e-3
 
 
+def test_a_head_over_the_slice_size_is_written_in_slices_that_compute_its_logits():
+    from onnx import TensorProto, helper
+
+    from tasks.weight_graph import matmulnbits_nodes
+
+    # Given an 8-bit head of 1,000 columns over 128 inputs (128,000 code bytes), whole and in slices of 32 kB
+    torch.manual_seed(0)
+    K, N = 128, 1000
+    w, x = torch.randn(N, K) * 0.05, torch.randn(3, K)
+    q, scale, zp = quantize_groups(w, 8, 32)
+
+    def logits(max_code_bytes):
+        nodes, inits, n_bytes = matmulnbits_nodes("head", "x", "y", q, scale, zp, 8, K, 32, False, 4, max_code_bytes)
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, K])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, N])], initializer=inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, {"x": x.numpy()})[0], [n.op_type for n in nodes], n_bytes
+
+    whole, whole_ops, whole_bytes = logits(None)
+    sliced, sliced_ops, sliced_bytes = logits(32_000)
+    # Then the slices are four MatMulNBits joined by a Concat, with the same bytes and the same logits (to float
+    # rounding: the kernel's column tiles differ, measured 2.4e-7 at most)
+    assert whole_ops == ["MatMulNBits"] and sliced_ops == ["MatMulNBits"] * 4 + ["Concat"]
+    assert sliced_bytes == whole_bytes
+    assert sliced.shape == (3, N) and np.abs(sliced - whole).max() < 1e-6 * np.abs(whole).max()
+
+
 @pytest.mark.parametrize("bits,keep", [(8, ("lm_head", "embed")), (4, ("lm_head", "embed")), (4, ("embed",))],
                          ids=["int8", "int4", "int4-head"])
 def test_int8_compute_engine_matches_the_reference_that_rounds_activations_like_it(
