@@ -221,9 +221,10 @@ def quantize_engine_weights(
         if has_bias:
             # A separate Add: MatMulNBits' optional bias input is absent from older ORT kernels.
             new_nodes.append(helper.make_node("Add", [out, node.input[2]], [node.output[0]], name=base + "_bias"))
+        slices = sum(n.op_type == "MatMulNBits" for n in nodes)
         summary["quantized"].append(f"{node.name} K={K} N={N}" + (" (norm folded)" if g is not None else "")
                                     + (f" (lm_head, {n_bits} bits)" if is_head else "")
-                                    + (f" in {len(nodes) - 1} slices" if fmt == "matmulnbits" and len(nodes) > 1 else ""))
+                                    + (f" in {slices} slices" if slices > 1 else ""))
 
     new_nodes = _unit_scale_norms(new_nodes, folded, inits, new_inits)
     summary["folded_norms"] = len(folded)
@@ -286,10 +287,12 @@ def matmulnbits_nodes(base: str, a_name: str, out: str, q, scale, zp, bits: int,
         nodes, tensors, n_bytes, parts = [], [], 0, []
         for i, cols in enumerate(np.array_split(np.arange(N), slices)):
             lo, hi = int(cols[0]), int(cols[-1]) + 1
-            part = f"{out}_s{i}"
-            n, t, b = matmulnbits_nodes(f"{base}_s{i}", a_name, part, q[lo:hi], scale[lo:hi],
+            parts.append(f"{out}_s{i}")
+            n, t, b = matmulnbits_nodes(f"{base}_s{i}", a_name, parts[-1], q[lo:hi], scale[lo:hi],
                                         None if zp is None else zp[lo:hi], bits, K, block_size, symmetric, accuracy_level)
-            nodes, tensors, n_bytes, parts = nodes + n, tensors + t, n_bytes + b, parts + [part]
+            nodes += n
+            tensors += t
+            n_bytes += b
         return nodes + [helper.make_node("Concat", parts, [out], name=f"{base}_concat", axis=-1)], tensors, n_bytes
     packed = pack_codes(q.numpy(), bits)  # (N, kb, block * bits / 8)
     tensors = [numpy_helper.from_array(packed, base + "_q"), numpy_helper.from_array(scale.numpy(), base + "_scales")]

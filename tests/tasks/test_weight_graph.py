@@ -140,7 +140,8 @@ def test_only_the_lm_head_is_written_in_slices_and_the_engine_computes_the_same_
     monkeypatch.setattr(weight_graph, "HEAD_SLICE_MAX_BYTES", 4096)
     sliced = quantize_engine_dir(tiny_engine, tmp_path / "sliced", "int4", 32, keep=("embed",), head_bits=8)
     graph = onnx.load(str(tmp_path / "sliced" / "model.onnx")).graph
-    heads = [n for n in graph.node if n.op_type == "MatMulNBits" and n.name.startswith(f"{_head_name(whole)}_w8_s")]
+    (head,) = weight_graph._lm_head_nodes(onnx.load(str(tiny_engine / "model.onnx")).graph)
+    heads = [n for n in graph.node if n.op_type == "MatMulNBits" and n.name.startswith(f"{head}_w8_s")]
     # Then the head, and nothing else, is several MatMulNBits of at most 4 kB of codes joined into the logits
     inits = {i.name: i for i in graph.initializer}
     assert len(heads) > 1 and all(np.prod(inits[n.input[1]].dims) <= 4096 for n in heads)
@@ -150,8 +151,3 @@ def test_only_the_lm_head_is_written_in_slices_and_the_engine_computes_the_same_
     # and the engine's logits are the whole head's
     got, want = (prefill_and_decode(OrtEngine(tmp_path / name), ids) for name in ("sliced", "whole"))
     assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
-
-
-def _head_name(record: dict) -> str:
-    """The LM head's node name from a quantization summary (its entry says "(lm_head")."""
-    return next(q.split()[0] for q in record["quantized"] if "(lm_head" in q)

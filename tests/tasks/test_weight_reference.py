@@ -72,10 +72,19 @@ def test_tensorrt_qdq_engine_matches_pytorch_reference_of_same_symmetric_quantiz
     assert record["symmetric"] is True and record["format"] == "qdq" and record["accuracy_level"] is None
 
 
-@pytest.mark.parametrize("bits,K,block", [(4, 256, 128), (8, 256, 32), (4, 96, 64)], ids=["int4", "int8", "int4-partial-block"])
-def test_int8_rounded_linear_is_what_matmulnbits_computes_at_accuracy_level_4(bits, K, block):
+def _run_x_to_y(nodes, inits, x: np.ndarray, n_out: int) -> np.ndarray:
+    """``nodes`` (reading ``x``, writing ``y``) and their initializers as one graph, run by ONNX Runtime on ``x``."""
     from onnx import TensorProto, helper
 
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [x.shape[0], n_out])],
+                              initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("bits,K,block", [(4, 256, 128), (8, 256, 32), (4, 96, 64)], ids=["int4", "int8", "int4-partial-block"])
+def test_int8_rounded_linear_is_what_matmulnbits_computes_at_accuracy_level_4(bits, K, block):
     from tasks.weight_graph import matmulnbits_nodes
     from weight_reference import int8_rounded_linear
 
@@ -84,10 +93,7 @@ def test_int8_rounded_linear_is_what_matmulnbits_computes_at_accuracy_level_4(bi
     w, x = torch.randn(48, K) * 0.05, torch.randn(5, K)
     q, scale, zp = quantize_groups(w, bits, block)
     nodes, inits, _ = matmulnbits_nodes("m", "x", "y", q, scale, zp, bits, K, block, False, 4)
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, K])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 48])], initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})[0]
+    got = _run_x_to_y(nodes, inits, x.numpy(), 48)
     w_dq = dequantize_groups(q, scale, zp, K)
     # Then rounding the input per block to int8 reproduces it to float precision, and a float input does not
     assert np.abs(got - int8_rounded_linear(x, w_dq, block_size=block).numpy()).max() < 1e-5
@@ -95,8 +101,6 @@ def test_int8_rounded_linear_is_what_matmulnbits_computes_at_accuracy_level_4(bi
 
 
 def test_a_head_over_the_slice_size_is_written_in_slices_that_compute_its_logits():
-    from onnx import TensorProto, helper
-
     from tasks.weight_graph import matmulnbits_nodes
 
     # Given an 8-bit head of 1,000 columns over 128 inputs (128,000 code bytes), whole and in slices of 32 kB
@@ -107,11 +111,7 @@ def test_a_head_over_the_slice_size_is_written_in_slices_that_compute_its_logits
 
     def logits(max_code_bytes):
         nodes, inits, n_bytes = matmulnbits_nodes("head", "x", "y", q, scale, zp, 8, K, 32, False, 4, max_code_bytes)
-        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, K])],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, N])], initializer=inits)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        return session.run(None, {"x": x.numpy()})[0], [n.op_type for n in nodes], n_bytes
+        return _run_x_to_y(nodes, inits, x.numpy(), N), [n.op_type for n in nodes], n_bytes
 
     whole, whole_ops, whole_bytes = logits(None)
     sliced, sliced_ops, sliced_bytes = logits(32_000)
