@@ -425,6 +425,46 @@ def test_an_opened_engine_reads_its_mapped_weights_file_by_the_page_and_keeps_no
     assert sum(m["rss_kb"] for m in after) == 0  # MADV_PAGEOUT: what was read before is no longer resident
 
 
+# Run in a fresh interpreter: glibc's arenas are process-wide. Opens the engine (or not), then lets a new thread
+# allocate 64 KiB (under the mmap threshold: from an arena) and prints how many arenas that added (malloc_info).
+_ARENAS_A_THREAD_ADDS = """
+import ctypes, re, sys, tempfile, threading
+from runtime.engine.backends.onnxruntime import OrtEngine, _glibc
+
+libc = _glibc()
+libc.fopen.restype = ctypes.c_void_p
+libc.fclose.argtypes = [ctypes.c_void_p]
+libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+
+def arenas():
+    with tempfile.NamedTemporaryFile("r") as f:
+        stream = libc.fopen(f.name.encode(), b"w")
+        libc.malloc_info(0, stream)
+        libc.fclose(stream)
+        return len(re.findall(r'<heap nr="', f.read()))
+
+if sys.argv[1] != "no engine":
+    engine = OrtEngine(sys.argv[1], threads=2)
+before = arenas()
+thread = threading.Thread(target=lambda: bytearray(64 << 10))
+thread.start()
+thread.join()
+print(arenas() - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status") or platform.libc_ver()[0] != "glibc",
+                    reason="glibc's malloc on Linux only")
+def test_threads_of_a_process_with_an_open_engine_allocate_from_the_one_heap(tiny_engine):
+    def arenas_added(engine: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _ARENAS_A_THREAD_ADDS, engine], capture_output=True, text=True,
+                             check=True)
+        return int(out.stdout)
+
+    assert arenas_added("no engine") == 1  # glibc's default: a new thread gets an arena of its own
+    assert arenas_added(str(tiny_engine)) == 0
+
+
 # Run in a fresh interpreter: its peak resident set is this graph's alone.
 _PEAK_OF_A_LAYER_CHAIN = """
 import sys, tempfile

@@ -77,8 +77,9 @@ DEFAULT_ORT_MEMORY = "arena"
 
 # Linux's madvise advice that reclaims a range's pages now (mmap.MADV_PAGEOUT where Python has it, 3.8+ on Linux).
 MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21)
-# glibc's mallopt parameter, and the threshold it starts from: blocks at least this big are mapped on their own.
+# glibc's mallopt parameters, and the threshold it starts from: blocks at least this big are mapped on their own.
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 MAPPED_BLOCK_MIN_BYTES = 128 << 10
 
 
@@ -108,6 +109,17 @@ def _unmap_large_blocks_when_freed() -> None:
     thresholds kept more: 1 MiB 0.50, 4 MiB 0.54, 16 MiB 0.56 GB). Setting it also stops the raising."""
     if (libc := _glibc()) is not None:
         libc.mallopt(M_MMAP_THRESHOLD, MAPPED_BLOCK_MIN_BYTES)
+
+
+def _one_heap_for_every_thread() -> None:
+    """Process-wide (glibc; elsewhere nothing): every thread allocates from the one heap. glibc gives a thread
+    that finds the heap busy an arena of its own (up to 8 per core), and what a thread frees stays in its arena
+    for that thread: in ``serve`` the batcher thread runs every step, the tokenizer's worker threads encode
+    prompts, and each kept its own high-water mark beside the main heap's. Set before the session starts its
+    threads; arenas that already exist stay. Measured in ``serve`` at the 0.5B shape, 8 x 2,048 (one run each,
+    ``bench.device_memory_bench``): peak 0.593 GB with an arena per thread, 0.580 GB with one, 4.6 tokens/s both."""
+    if (libc := _glibc()) is not None:
+        libc.mallopt(M_ARENA_MAX, 1)
 
 
 def _read_mapped_weights_by_the_page(data_file: Path) -> None:
@@ -239,6 +251,7 @@ class OrtEngine:
             self._run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         if memory != "arena":  # what these modes free must leave the process, not stay on the heap
             _unmap_large_blocks_when_freed()
+        _one_heap_for_every_thread()
         # ORT's C++ logger writes plain text to stderr, where the device's log is JSON lines; every error it
         # would log is also raised (with the same message) to the caller, which logs it. Fatal only, then,
         # for this session's runs and for the process-wide default logger (thread pools, environment).
