@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import time
 
@@ -288,7 +289,18 @@ def test_a_request_waits_for_blocks_and_decodes_as_alone_or_gets_503_when_the_wa
             assert app.engine.pool.used_blocks == 0
 
 
-def test_serve_refuses_a_kv_budget_for_a_padded_engine_naming_the_flag(w, capsys):
+@pytest.fixture()
+def root_logging_restored():
+    """``serve`` run in this process makes the root logger's handlers its JSON one (``configure_json_logging``):
+    put pytest's back, or every later test's in-process server writes its request lines to the terminal."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_serve_refuses_a_kv_budget_for_a_padded_engine_naming_the_flag(w, capsys, root_logging_restored):
     code = runtime_main(["serve", "--engine", str(w["engine"]), "--package", str(w["b"]), "--trusted-key",
                          str(w["trusted_key"]), "--tokenizer", str(w["tokenizer"]), "--kv-budget-mb", "64"])
     err = capsys.readouterr().err
@@ -297,7 +309,8 @@ def test_serve_refuses_a_kv_budget_for_a_padded_engine_naming_the_flag(w, capsys
 
 @pytest.mark.parametrize("flag,value,named", [("--prefill-chunk", "0", "prefill_chunk (--prefill-chunk) 0"),
                                               ("--ort-memory", "pool", "ort_memory (--ort-memory) 'pool'")])
-def test_serve_refuses_a_prefill_chunk_or_ort_memory_it_cannot_use_naming_the_flag(w, capsys, flag, value, named):
+def test_serve_refuses_a_prefill_chunk_or_ort_memory_it_cannot_use_naming_the_flag(w, capsys, flag, value, named,
+                                                                                   root_logging_restored):
     code = runtime_main(["serve", "--engine", str(w["engine"]), "--package", str(w["b"]), "--trusted-key",
                          str(w["trusted_key"]), "--tokenizer", str(w["tokenizer"]), flag, value])
     err = capsys.readouterr().err
