@@ -17,7 +17,6 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.relative_to(TESTS).as_posix(), len(rank)))
 
 
-
 @pytest.fixture
 def process_groups():
     """Long-lived processes a test starts, each in its own process group (``service_testkit.start_service``,
