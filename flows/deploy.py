@@ -43,7 +43,7 @@ from tasks.config import ConfigError, ReleaseConfig, load_config, parse_assignme
 WORK_POOL = "adapter-release"
 ENTRYPOINT = "flows/monthly_release.py:monthly_release"
 REFRESH_ENTRYPOINT = "flows/refresh_channel.py:refresh_update_channel"
-# `make mlflow-server` listens here; a tracking server chooses where artifacts go (tasks/tracking.py).
+# `make mlflow-server` listens here; a tracking server chooses where artifacts go (tasks/release/tracking.py).
 TRACKING_URI = "http://127.0.0.1:5000"
 GPU_POOL_TYPES = ("kubernetes", "docker")
 # Prefect's server ships every worker type's default base job template (what `prefect work-pool

@@ -1,6 +1,6 @@
 """The KV-quality grid of one release on a Dask cluster: calibration statistics and perplexities as Prefect tasks.
 
-The evaluate stage computes this grid in one process (``tasks.kv_quality.release_kv_quality``):
+The evaluate stage computes this grid in one process (``tasks.checks.kv_quality.release_kv_quality``):
 calibration statistics of base + adapter on ``calib.jsonl``, then the held-out suffix perplexity
 through the release's KV spec and its neighbours at 8/3/2 bits (``grid_specs``). Here the same
 functions run as Prefect tasks on a ``DaskTaskRunner``: one statistics task per RoPE placement
@@ -27,7 +27,7 @@ from pathlib import Path
 from prefect import flow, task  # after flows/__init__.py set Prefect's environment
 from prefect.cache_policies import NO_CACHE
 
-from tasks.calibrate import DEFAULT_CLIP_PERCENTILE
+from tasks.kv_stats import DEFAULT_CLIP_PERCENTILE
 
 FLOAT = "float"
 
@@ -35,8 +35,8 @@ FLOAT = "float"
 @functools.lru_cache(maxsize=2)
 def _release_model(base_dir: str, adapter_dir: str):
     """(backbone with the adapter merged, tokenizer), loaded once per worker process."""
-    from tasks.base_model import load_tokenizer
-    from tasks.calibrate import load_release_backbone
+    from tasks.models import load_tokenizer
+    from tasks.kv_stats import load_release_backbone
 
     backbone, _, _ = load_release_backbone(Path(base_dir), Path(adapter_dir))
     return backbone, load_tokenizer(Path(base_dir))
@@ -44,9 +44,9 @@ def _release_model(base_dir: str, adapter_dir: str):
 
 def grid_configs(release_spec, both_ropes: bool = False) -> dict:
     """name -> KVQuantSpec (None = the float cache): the float reference, the release's spec and its
-    8/3/2-bit neighbours (``tasks.kv_quality.grid_specs``); with ``both_ropes`` every spec also with
+    8/3/2-bit neighbours (``tasks.checks.kv_quality.grid_specs``); with ``both_ropes`` every spec also with
     the keys quantized on the other side of RoPE, which needs its own calibration statistics."""
-    from tasks.kv_quality import grid_specs
+    from tasks.checks.kv_quality import grid_specs
 
     specs = grid_specs(release_spec)
     configs = {FLOAT: None} | specs
@@ -69,10 +69,10 @@ def _dask_worker() -> str | None:
 @task(task_run_name="kv-calibration-pre_rope={pre_rope_keys}", cache_policy=NO_CACHE)
 def calibration_stats(base_dir: str, adapter_dir: str, calib_jsonl: str, pre_rope_keys: bool, clip_percentile: float,
                       batch_size: int, max_seq_len: int, threads: int) -> dict:
-    """Per-channel K/V ranges over the calibration rows (``tasks.calibrate.collect_kv_stats``)."""
+    """Per-channel K/V ranges over the calibration rows (``tasks.kv_stats.collect_kv_stats``)."""
     import torch
 
-    from tasks.calibrate import collect_kv_stats, jsonl_batches
+    from tasks.kv_stats import collect_kv_stats, jsonl_batches
 
     torch.set_num_threads(threads)
     backbone, tokenizer = _release_model(base_dir, adapter_dir)
@@ -87,8 +87,8 @@ def grid_point(base_dir: str, adapter_dir: str, heldout_txt: str, name: str, spe
     import torch
 
     from kernels.kv_spec import KVQuantSpec, bytes_per_token
-    from tasks.calibrate import scales_from_stats
-    from tasks.kv_quality import heldout_sequences, suffix_perplexity
+    from tasks.kv_stats import scales_from_stats
+    from tasks.checks.kv_quality import heldout_sequences, suffix_perplexity
 
     torch.set_num_threads(threads)
     backbone, tokenizer = _release_model(base_dir, adapter_dir)

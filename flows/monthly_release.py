@@ -6,8 +6,8 @@ fields and ``prefect deployment run monthly-release/monthly-release -p month=202
 are set onto the run's defaults: a deployment's are ``params.yaml`` as it was when the deployment
 was registered (kept in the Prefect variable ``DEFAULTS_VARIABLE``); a run outside a deployment
 starts from ``ReleaseConfig``'s defaults, which the shipped ``params.yaml`` states. The flow only
-wires things together: stages are ``dvc.yaml``'s, decisions are in ``tasks/release.py``,
-``tasks/publish.py`` and ``tasks/tracking.py``.
+wires things together: stages are ``dvc.yaml``'s, decisions are in ``tasks/release/steps.py``,
+``tasks/release/registry.py`` and ``tasks/release/tracking.py``.
 
     python -m flows.monthly_release --params params.yaml      # ephemeral Prefect, what `make release` runs
 """
@@ -29,13 +29,13 @@ from prefect.transactions import get_transaction, transaction
 from prefect.variables import Variable
 
 from flows import ServerStartupTimeout, naming_the_startup_timeout
-from flows.progress import StageProgress
-from tasks import pipeline, publish, release, tracking, update_channel
+from flows.progress_artifact import StageProgress
+from tasks.release import registry, stage_runner, steps, tracking, update_channel
 from tasks.config import (
     ConfigError, ReleaseConfig, StageError, changed_settings, load_config, parse_config, with_settings,
 )
-from tasks.gates import GateFailed, failed_reason
-from tasks.release_notes import describe_trigger
+from tasks.gate_rules import GateFailed, failed_reason
+from tasks.release.notes import describe_trigger
 
 
 # A deployment's defaults: the registered params.yaml, as JSON (flows/serve.py and flows/deploy.py write it).
@@ -93,42 +93,42 @@ def resolve_config(defaults: ReleaseConfig, month: str | None, dry_run: bool | N
 
 @task(retries=2, retry_delay_seconds=5)
 def set_up(config: ReleaseConfig) -> None:
-    pipeline.ensure_dvc_repo(Path.cwd(), config.publish.remote_dir)
-    publish.ensure_registry(Path(config.publish.registry_dir), config.publish.remote_dir)
+    stage_runner.ensure_dvc_repo(Path.cwd(), config.publish.remote_dir)
+    registry.ensure_registry(Path(config.publish.registry_dir), config.publish.remote_dir)
 
 
 @task(task_run_name="dvc-repro-{name}")
-def reproduce(name: str, force: bool = False) -> pipeline.StageRun:
+def reproduce(name: str, force: bool = False) -> stage_runner.StageRun:
     logger = get_run_logger()
     # The stage's progress bars and losses reach this task's page as progress artifacts and log lines.
-    run = pipeline.reproduce_stage(Path.cwd(), name, force=force, on_progress=StageProgress(name, logger))
+    run = stage_runner.reproduce_stage(Path.cwd(), name, force=force, on_progress=StageProgress(name, logger))
     logger.info(run.describe())
     return run
 
 
 @task(retries=2, retry_delay_seconds=5)
-def record(config: ReleaseConfig, runs: list[pipeline.StageRun], report: dict) -> release.Recorded:
-    return release.record_in_mlflow(config, Path.cwd(), runs, report, str(flow_run.id))
+def record(config: ReleaseConfig, runs: list[stage_runner.StageRun], report: dict) -> steps.Recorded:
+    return steps.record_in_mlflow(config, Path.cwd(), runs, report, str(flow_run.id))
 
 
 @task
-def summarize(config: ReleaseConfig, runs: list[pipeline.StageRun], report: dict, recorded: release.Recorded | None,
+def summarize(config: ReleaseConfig, runs: list[stage_runner.StageRun], report: dict, recorded: steps.Recorded | None,
               outcome: str, notes: str | None = None) -> str:
-    text = release.summary_markdown(config, runs, report, recorded, outcome, notes) + settings_markdown(config)
-    create_markdown_artifact(text, key=release.SUMMARY_KEY, description=f"release {config.data.month}: {outcome}")
+    text = steps.summary_markdown(config, runs, report, recorded, outcome, notes) + settings_markdown(config)
+    create_markdown_artifact(text, key=steps.SUMMARY_KEY, description=f"release {config.data.month}: {outcome}")
     return text
 
 
 @task(retries=2, retry_delay_seconds=5)
 def reconcile(config: ReleaseConfig, entry: dict) -> list[str]:
-    return release.reconcile_published(config, Path.cwd(), entry)
+    return steps.reconcile_published(config, Path.cwd(), entry)
 
 
 @task
-def publish_to_registry(config: ReleaseConfig, recorded: release.Recorded, notes: str) -> publish.Published:
-    published = publish.publish_release(
+def publish_to_registry(config: ReleaseConfig, recorded: steps.Recorded, notes: str) -> registry.Published:
+    published = registry.publish_release(
         Path(config.publish.registry_dir), config.layout.package_release_dir, config.data.month,
-        release.registry_entry(config, recorded), champion=True, force=config.publish.force,
+        steps.registry_entry(config, recorded), champion=True, force=config.publish.force,
         lineage=Path.cwd() / "dvc.lock", notes=notes, product=config.data.product,
     )
     get_transaction().set("published", published)
@@ -138,7 +138,7 @@ def publish_to_registry(config: ReleaseConfig, recorded: release.Recorded, notes
 @publish_to_registry.on_rollback
 def _unpublish(txn) -> None:
     published = txn.get("published")
-    publish.rollback(Path.cwd() / txn.get("registry"), published.previous_head, published.month, published.previous_tag,
+    registry.rollback(Path.cwd() / txn.get("registry"), published.previous_head, published.month, published.previous_tag,
                      published.product)
 
 
@@ -150,11 +150,11 @@ def sign_update_channel(config: ReleaseConfig) -> list[str]:
 
 @task(retries=2, retry_delay_seconds=5)
 def push_pipeline_outputs() -> int:
-    return pipeline.push_outputs(Path.cwd())
+    return stage_runner.push_outputs(Path.cwd())
 
 
 @task
-def promote(config: ReleaseConfig, recorded: release.Recorded) -> str | None:
+def promote(config: ReleaseConfig, recorded: steps.Recorded) -> str | None:
     client, _ = tracking.client_for(config.publish, Path.cwd())
     previous = tracking.move_champion(client, config.publish.model_name, recorded.version)
     get_transaction().set("previous_champion", previous)
@@ -187,7 +187,7 @@ def monthly_release(month: str | None = None, dry_run: bool | None = None, force
     changes = changed_settings(config, defaults)
     get_run_logger().info("settings: %s%s", source,
                           "".join(f"; {key} = {value!r}" for key, value in changes.items()) or ", unchanged")
-    with pipeline.release_lock(Path.cwd()), pipeline.params_for_run(config, Path.cwd() / pipeline.PARAMS_FILE) as changed:
+    with stage_runner.release_lock(Path.cwd()), stage_runner.params_for_run(config, Path.cwd() / stage_runner.PARAMS_FILE) as changed:
         if changed:
             get_run_logger().info("params.yaml states this run's parameters until it ends: %s", ", ".join(changed))
         return _release(config)
@@ -196,47 +196,47 @@ def monthly_release(month: str | None = None, dry_run: bool | None = None, force
 def _release(config: ReleaseConfig) -> dict:
     set_up(config)
     # The parent MLflow run opens now, so the MLflow UI shows the release while it runs; `record` finds it.
-    with release.live_run(config, Path.cwd(), str(flow_run.id)) as opened:
+    with steps.live_run(config, Path.cwd(), str(flow_run.id)) as opened:
         return _stages_gates_publish(config, opened)
 
 
-def _stages_gates_publish(config: ReleaseConfig, opened: release.Recorded) -> dict:
+def _stages_gates_publish(config: ReleaseConfig, opened: steps.Recorded) -> dict:
     trigger = describe_trigger(FlowRunContext.get().flow_run, flow_run.ui_url)
     runs = []
-    for name in pipeline.stage_names(Path.cwd()):
-        if name == release.PACKAGE_STAGE and not release.full_gate_report(config)["passed"]:
+    for name in stage_runner.stage_names(Path.cwd()):
+        if name == steps.PACKAGE_STAGE and not steps.full_gate_report(config)["passed"]:
             break  # the package stage would refuse: nothing is packaged for a failed candidate
         # The gates read the registry's champion, which DVC does not track: always re-evaluate them.
-        runs.append(reproduce(name, force=name == release.GATES_STAGE))
-        if runs[-1].reproduced and (placement := release.placement_line(config, name)):
+        runs.append(reproduce(name, force=name == steps.GATES_STAGE))
+        if runs[-1].reproduced and (placement := steps.placement_line(config, name)):
             get_run_logger().info(placement)
-    report = release.full_gate_report(config)
+    report = steps.full_gate_report(config)
 
-    existing = release.already_published(config) if report["passed"] and not config.publish.force else None
+    existing = steps.already_published(config) if report["passed"] and not config.publish.force else None
     if existing is not None:
         repairs = reconcile(config, existing)
         outcome = f"already published as {existing['release_id']}; " + ("; ".join(repairs) or "nothing to do")
-        release.finish_mlflow_run(config, Path.cwd(), opened, "FINISHED", outcome)
+        steps.finish_mlflow_run(config, Path.cwd(), opened, "FINISHED", outcome)
         summarize(config, runs, report, None, outcome)
         return {"outcome": outcome, "release_id": existing["release_id"], "published": False}
 
     recorded = record(config, runs, report)
     if not report["passed"]:
         reason = failed_reason(report)
-        release.finish_mlflow_run(config, Path.cwd(), recorded, "FAILED", f"gates failed: {reason}")
+        steps.finish_mlflow_run(config, Path.cwd(), recorded, "FAILED", f"gates failed: {reason}")
         outcome = "FAILED: a gate did not pass"
-        summarize(config, runs, report, recorded, outcome, release.release_notes(config, Path.cwd(), report, recorded, trigger,
+        summarize(config, runs, report, recorded, outcome, steps.release_notes(config, Path.cwd(), report, recorded, trigger,
                                                                                "refused: a gate did not pass"))
         raise GateFailed(f"release {config.data.month} not published: {reason}")
     if config.publish.dry_run:
         outcome = "dry run: gates passed, nothing published"
-        release.finish_mlflow_run(config, Path.cwd(), recorded, "FINISHED", outcome)
-        summarize(config, runs, report, recorded, outcome, release.release_notes(config, Path.cwd(), report, recorded,
+        steps.finish_mlflow_run(config, Path.cwd(), recorded, "FINISHED", outcome)
+        summarize(config, runs, report, recorded, outcome, steps.release_notes(config, Path.cwd(), report, recorded,
                                                                                 trigger, outcome))
         return {"outcome": "dry run", "mlflow_run_id": recorded.run_id, "published": False}
 
     # Registry commit + tag + remote push, pipeline outputs pushed, champion moved: all or nothing.
-    notes = release.release_notes(config, Path.cwd(), report, recorded, trigger,
+    notes = steps.release_notes(config, Path.cwd(), report, recorded, trigger,
                                   f"published as champion (MLflow model version {recorded.version})")
     with transaction() as txn:
         txn.set("config", config)
@@ -246,8 +246,8 @@ def _stages_gates_publish(config: ReleaseConfig, opened: release.Recorded) -> di
         push_pipeline_outputs()
         if not published.already:  # the registry already names an identical release: its version stays champion
             promote(config, recorded)
-    sign_update_channel(config)  # idempotent; a rerun after a crash here signs it (release.reconcile_published)
-    release.finish_mlflow_run(config, Path.cwd(), recorded, "FINISHED", f"published {published.release_id}")
+    sign_update_channel(config)  # idempotent; a rerun after a crash here signs it (``steps.reconcile_published``)
+    steps.finish_mlflow_run(config, Path.cwd(), recorded, "FINISHED", f"published {published.release_id}")
     summarize(config, runs, report, recorded, f"published {published.release_id} as champion", notes)
     return {"outcome": "published", "release_id": published.release_id, "mlflow_run_id": recorded.run_id,
             "model_version": recorded.version, "tag": published.tag, "published": True}

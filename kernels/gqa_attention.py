@@ -73,7 +73,7 @@ def gqa_append(k, v, past_k, past_v, k_scale, v_scale, kv_num_heads: int) -> tup
 def gqa_attend(q, present_k, present_v, k_scale, v_scale, bias, num_heads: int, kv_num_heads: int) -> torch.Tensor:
     """The op's read: q (B, T, nh d), the last T of the S packed slots being its own tokens, attends over
     every slot dequantized -> out (B, T, nh d). Also what the engine parity check attends with when it
-    feeds the engine's own codes back (``tasks.engine_parity``)."""
+    feeds the engine's own codes back (``tasks.checks.engine_parity``)."""
     B, T, _ = q.shape
     nkv, d = kv_num_heads, k_scale.shape[-1]
     read = [dequantize(unpack_bits_f32(packed, GQA_BITS, d), scale, torch.tensor(_OFFSET))  # (B, nkv, S, d)

@@ -89,7 +89,7 @@ def quantize_per_token(x: torch.Tensor, bits: int, symmetric: bool) -> tuple[tor
 # when queries turn with the keys, (q R)(k R)^T = q k^T, and the value mix turns back after it,
 # (a (v R)) R^T = a v. A Hadamard R spreads a few outlier channels over all d, so per-channel scales
 # no longer spend their levels on them (QuaRot, Ashkboos et al. 2024, sec. 4; llama.cpp's rotated KV
-# cache). Calibration chooses R per layer (tasks/calibrate.py ``choose_rotation``).
+# cache). Calibration chooses R per layer (tasks/kv_stats.py ``choose_rotation``).
 
 def hadamard_matrix(d: int) -> torch.Tensor:
     """Normalized Walsh-Hadamard matrix (d, d), d a power of two (Sylvester's construction).

@@ -7,7 +7,7 @@ form and the ONNX Runtime serving path can read a scheme without loading it.
 
 Granularity (shapes: B batch, nkv kv heads, T tokens, d head dim):
 * per channel: one (scale, zero) per (layer, kv head, channel), shape (nkv, d), calibrated
-  offline for a release (``tasks/calibrate.py``). Used for keys: a few key channels carry
+  offline for a release (``tasks/stages/calibrate.py``). Used for keys: a few key channels carry
   much larger values than the rest, and a per-token scale would be set by them and crush
   the small channels of the same token (KIVI, Liu et al. 2024, sec. 3; KVQuant, Hooper et
   al. 2024, sec. 3.1).

@@ -2,7 +2,7 @@
 
 The backbone (``runtime/engine/model.py``) rotates queries and keys with it; the quantized-KV engine
 (``runtime/engine/kv_model.py``) re-rotates the pre-RoPE keys it reads from its cache; the reference cache
-(``kernels/kv_quant.py``) and the calibration (``tasks/calibrate.py``) undo it to quantize keys
+(``kernels/kv_quant.py``) and the calibration (``tasks/stages/calibrate.py``) undo it to quantize keys
 before RoPE. Channel i pairs with channel i + d/2 and both share an angle (Hugging Face's
 ``rotate_half`` layout); the inverse frequencies come from ``runtime.engine.model.rope_inv_freq``.
 

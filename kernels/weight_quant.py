@@ -4,7 +4,7 @@ dequantization, and the byte packing ONNX Runtime's ``com.microsoft.MatMulNBits`
 Each output column is quantized in groups of ``block_size`` input channels (round to nearest,
 asymmetric min/max with a zero point, or symmetric with the zero point fixed at 2^(bits-1)). The
 layout is MatMulNBits': B ``(N, K/block, block*bits/8)`` uint8, scales ``(N, K/block)``, zero points
-packed the same way. ``tasks/weight_graph.py`` writes these codes into an engine's graph;
+packed the same way. ``tasks/weights/graph.py`` writes these codes into an engine's graph;
 ``tests/weight_reference.py`` loads their dequantized weights into the PyTorch backbone.
 """
 

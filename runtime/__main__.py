@@ -35,7 +35,7 @@ relative paths are relative to the file); flags add to it or override it:
 Exit codes: 0 success, 1 crash (a bug), 2 bad usage or device configuration, 30 the registry
 could not give the release, 31-38 the update channel refused (``runtime.release.tuf_pull.EXIT_CODES``:
 31 stale_metadata, 32 untrusted_metadata, 33 metadata_rollback, 34 hash_mismatch, 35 too_large,
-36 unreachable, 37 unknown_target, 38 repository), and one code per refusal of ``runtime.release.package.EXIT_CODES``:
+36 unreachable, 37 unknown_target, 38 repository), and one code per refusal of ``runtime.release.verify.EXIT_CODES``:
 10 malformed, 11 checksum, 12 unlisted_file, 13 signature, 14 backbone_mismatch,
 15 interface_mismatch, 16 adapter, 17 kv_scales, 18 size_limit, 19 unsafe_path, 20 rollback,
 21 expired, 22 tokenizer_mismatch, 23 reverted (serve with --state-dir), 24 month_mismatch (fetched by
@@ -54,7 +54,7 @@ from runtime.engine.errors import RefusedInput
 # Not runtime.serve.channel_watch: it loads python-tuf and urllib3, which only a device following a channel
 # needs (imported where the watcher starts).
 from runtime.release.contract import DEFAULT_PRODUCT, DEFAULT_TUF_INTERVAL_S, check_product
-from runtime.release.package import DEFAULT_MAX_PACKAGE_BYTES, EXIT_CODES, PackageError
+from runtime.release.verify import DEFAULT_MAX_PACKAGE_BYTES, EXIT_CODES, PackageError
 from runtime.serve.health import DEFAULT_HEALTH_WINDOW_S
 from runtime.serve.http_app import DECODE_MODES, DEFAULT_MAX_CONCURRENT, ServeSettings
 from runtime.serve.batcher import DEFAULT_PREFILL_CHUNK, KV_WAIT_S
@@ -178,7 +178,7 @@ def _tokenizer_checks(settings) -> dict:
 
 def cmd_verify(args, settings) -> int:
     from runtime.release.contract import release_order
-    from runtime.release.package import load_trusted_keys, verify_path
+    from runtime.release.verify import load_trusted_keys, verify_path
 
     if args.active_release is not None:
         try:
@@ -195,7 +195,7 @@ def cmd_verify(args, settings) -> int:
 
 
 def cmd_pull(args, settings) -> int:
-    from runtime.release.package import load_trusted_keys
+    from runtime.release.verify import load_trusted_keys
 
     if (args.registry is None) == (settings["tuf_url"] is None):
         raise DeviceConfigError("pull needs exactly one source: --registry (dvc get) or --tuf-url (update channel)")
@@ -232,7 +232,7 @@ def _check_channel(settings, command: str) -> None:
 def cmd_serve(args, settings) -> int:
     from runtime.engine.engine import open_engine
     from runtime.engine.tokenizer import TOKENIZER_FILE, DeviceTokenizer
-    from runtime.release.package import load_trusted_keys
+    from runtime.release.verify import load_trusted_keys
     from runtime.serve.http_server import configure_json_logging, serve
     from runtime.serve.server import AdapterServer
 

@@ -23,7 +23,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from kernels.kv_spec import Granularity, KVQuantSpec
 from runtime.engine.interface import paged_problems
 from runtime.release.contract import DEFAULT_PRODUCT, check_product
-from tasks.layout import BASE_MODEL_STAGE_DIR, ArtifactLayout
+from tasks.layout import BASE_MODEL_STAGE_DIR, KV_ENGINE, PAGED_ENGINE, STACKED_ENGINE, ArtifactLayout
 
 # engine.kv_block_size, when paged: vLLM's CUDA kernels take 8, 16 or 32 tokens (16 is what docs/paged-kv.md
 # measured). A row wastes less than one block, so past 256 a short row's block is mostly empty; below 8 the
@@ -64,7 +64,7 @@ class DataConfig(_Section):
     dir: str = "data"
     jsonl_dir: str | None = None
     heldout_text: str | None = None
-    # chat | raw for prompt/completion rows; None: chat when the tokenizer has a chat template (tasks.data).
+    # chat | raw for prompt/completion rows; None: chat when the tokenizer has a chat template (tasks.stages.data).
     prompt_format: Literal["chat", "raw"] | None = None
     seed: int = Field(1234, ge=0)
     train_size: int = Field(3000, ge=1)
@@ -172,8 +172,33 @@ class EngineConfig(_Section):
     # one batch. False = one release per batch (the engine the TensorRT and eager backends need).
     mixed_adapters: bool = True
 
+    @property
+    def cache_engine_dir(self) -> Path:
+        """The engine with the configured KV cache and adapter slots and float weights: the float engine, its
+        quantized-KV variant (``kv``), the paged form of either (``paged16``, ``kv-paged16``: blocks of 16 tokens),
+        each with stacked adapters (``kv-paged16-stacked``, the default)."""
+        return self._engine_variant(with_weights=False)
+
+    @property
+    def serving_engine_dir(self) -> Path:
+        """The engine the device runs: ``cache_engine_dir``, or a weight-quantized copy of it (``kv-int8``,
+        ``int8``, ``kv-paged16-stacked-int8``; TensorRT's format appended: ``int8-qdq_fp16``)."""
+        return self._engine_variant(with_weights=True)
+
+    def _engine_variant(self, with_weights: bool) -> Path:
+        variant = [KV_ENGINE] if self.kv_cache == "quantized" else []
+        if self.kv_block_size:  # each block size its own folder: switching back and forth rebuilds nothing
+            variant.append(f"{PAGED_ENGINE}{self.kv_block_size}")
+        if self.mixed_adapters:
+            variant.append(STACKED_ENGINE)
+        if with_weights and self.weights != "fp32":
+            variant.append(self.weights)
+            if self.weights_format() != "matmulnbits":
+                variant.append(self.weights_format())
+        return Path(self.dir, "-".join(variant)) if variant else Path(self.dir)
+
     def weights_format(self) -> str:
-        """How quantized weights are written for the backend (``tasks.weight_graph.WEIGHT_FORMATS``):
+        """How quantized weights are written for the backend (``tasks.weights.graph.WEIGHT_FORMATS``):
         ONNX Runtime's MatMulNBits, or the Q/DQ form with fp16 GEMMs that TensorRT builds weight-only."""
         return "qdq_fp16" if self.backend == "tensorrt" else "matmulnbits"
 
@@ -237,7 +262,7 @@ class KVConfig(_Section):
     calib_batch_size: int = Field(16, ge=1)
     # Post-RoPE keys are calibrated at positions drawn uniformly below this (0: at their own positions).
     # Calibration rows are short; a long context turns slow RoPE pairs into channels whose static
-    # range never saw them (tasks/calibrate.py collect_kv_stats). Set it to the context you serve.
+    # range never saw them (tasks/kv_stats.py collect_kv_stats). Set it to the context you serve.
     calib_key_positions: int = Field(0, ge=0)
 
     def spec(self) -> KVQuantSpec:
@@ -286,7 +311,7 @@ class PublishConfig(_Section):
     remote_dir: str = "dvc-remote"
     signing_key: str = "keys/release_signing.key"
     expiry_days: int = Field(120, ge=1)
-    tuf_dir: str = "tuf"  # the update channel's TUF repository (tasks/update_channel.py), served as static files
+    tuf_dir: str = "tuf"  # the update channel's TUF repository (tasks/release/update_channel.py), served as static files
     tuf_keys_dir: str = "keys/tuf"
     timestamp_expiry_days: int = Field(1, ge=1, le=7)  # a device refuses metadata older than this
     tracking_uri: str = "sqlite:///mlflow.db"
@@ -367,7 +392,13 @@ class ReleaseConfig(_Section):
     @property
     def layout(self) -> ArtifactLayout:
         """Every path the stages read and write (``tasks/layout.py``)."""
-        return ArtifactLayout.from_config(self)
+        return ArtifactLayout(
+            data_dir=Path(self.data.dir) / self.data.month,
+            output_dir=Path(self.train.output_dir),
+            release_dir=Path(self.train.output_dir) / self.data.month,
+            engine_dir=Path(self.engine.dir),
+            serving_engine_dir=self.engine.serving_engine_dir,
+        )
 
     def base_build_hash(self) -> str:
         """Hash of everything the embedded base model is built from; unchanged = reuse it."""

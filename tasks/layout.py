@@ -1,6 +1,6 @@
 """Where every stage of the monthly release reads and writes: one frozen layout built from the config.
 
-Stages, the flow's decisions (``tasks/release.py``) and the benchmarks take their paths from here;
+Stages, the flow's decisions (``tasks/release/steps.py``) and the benchmarks take their paths from here;
 ``dvc.yaml`` declares the same folders as outputs and dependencies (``tests/tasks/test_layout.py``
 holds the two together). Paths are relative to the project root, as DVC runs the stages there::
 
@@ -28,11 +28,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tasks.config import EngineConfig, ReleaseConfig
-
 # The base_model stage's output: the embedded default is built here; with ``source: local`` it holds
 # only the card that records the user's checkpoint, which is never an output.
 BASE_MODEL_STAGE_DIR = "models/base"
@@ -48,32 +43,6 @@ GATES_FILE = "gates.json"  # in gates/
 RELEASE_DIR, CHECK_FILE = "release", "check.json"  # in package/
 
 
-def cache_engine_dir(engine: EngineConfig) -> Path:
-    """The engine with the configured KV cache and adapter slots and float weights: the float engine, its
-    quantized-KV variant (``kv``), the paged form of either (``paged16``, ``kv-paged16``: blocks of 16 tokens),
-    each with stacked adapters (``kv-paged16-stacked``, the default)."""
-    return _engine_variant(engine, with_weights=False)
-
-
-def serving_engine_dir(engine: EngineConfig) -> Path:
-    """The engine the device runs: ``cache_engine_dir``, or a weight-quantized copy of it (``kv-int8``,
-    ``int8``, ``kv-paged16-stacked-int8``; TensorRT's format appended: ``int8-qdq_fp16``)."""
-    return _engine_variant(engine, with_weights=True)
-
-
-def _engine_variant(engine: EngineConfig, with_weights: bool) -> Path:
-    variant = [KV_ENGINE] if engine.kv_cache == "quantized" else []
-    if engine.kv_block_size:  # each block size its own folder: switching back and forth rebuilds nothing
-        variant.append(f"{PAGED_ENGINE}{engine.kv_block_size}")
-    if engine.mixed_adapters:
-        variant.append(STACKED_ENGINE)
-    if with_weights and engine.weights != "fp32":
-        variant.append(engine.weights)
-        if engine.weights_format() != "matmulnbits":
-            variant.append(engine.weights_format())
-    return Path(engine.dir, "-".join(variant)) if variant else Path(engine.dir)
-
-
 @dataclass(frozen=True)
 class ArtifactLayout:
     data_dir: Path  # <data.dir>/<month>
@@ -82,16 +51,6 @@ class ArtifactLayout:
     engine_dir: Path  # <engine.dir>: the float engine
     serving_engine_dir: Path  # the engine the device runs (engine.kv_cache, engine.kv_block_size, engine.weights)
     base_model_dir: Path = Path(BASE_MODEL_STAGE_DIR)
-
-    @classmethod
-    def from_config(cls, cfg: ReleaseConfig) -> ArtifactLayout:
-        return cls(
-            data_dir=Path(cfg.data.dir) / cfg.data.month,
-            output_dir=Path(cfg.train.output_dir),
-            release_dir=Path(cfg.train.output_dir) / cfg.data.month,
-            engine_dir=Path(cfg.engine.dir),
-            serving_engine_dir=serving_engine_dir(cfg.engine),
-        )
 
     @property
     def kv_engine_dir(self) -> Path:

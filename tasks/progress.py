@@ -1,7 +1,7 @@
 """Progress of a long stage, for the terminal and for whoever runs the stage.
 
 A stage runs as a ``dvc repro`` subprocess, so its progress bar reaches only the terminal. When
-the parent sets ``RELEASE_PROGRESS_FILE`` (``tasks/pipeline.py`` does, for the Prefect flow), each
+the parent sets ``RELEASE_PROGRESS_FILE`` (``tasks/release/stage_runner.py`` does, for the Prefect flow), each
 bar also appends JSON lines to that file: the first update, then at most one per
 ``REPORT_INTERVAL_S``, and the last. The parent tails the file and forwards the records (to
 Prefect's progress artifacts and run log). Without the variable, ``dvc repro`` alone, only the bar.

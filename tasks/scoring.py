@@ -1,8 +1,8 @@
 """How the reference model's answers are made and scored: greedy completions through PyTorch and their
 exact-match accuracy.
 
-The evaluate stage scores the release with them, and so do the checks it runs (``tasks.engine_parity``,
-``tasks.kv_quality``), which is why they live below all three.
+The evaluate stage scores the release with them, and so do the checks it runs (``tasks.checks.engine_parity``,
+``tasks.checks.kv_quality``), which is why they live below all three.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from runtime.engine.tokenizer import encode_prompt, until_stop
-from tasks.data import Example
+from tasks.records import Example
 
 
 def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int,

@@ -19,7 +19,7 @@ import torch
 
 from runtime.engine.tokenizer import ChatPrompt, encode_prompt
 from tasks.config import StageError
-from tasks.data import DataError, Example
+from tasks.records import DataError, Example
 from tasks.device import ON_CPU, Placement
 from tasks.progress import Progress
 

@@ -36,8 +36,8 @@ def tiny_llama_dir(tmp_path_factory):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tasks.base_model import train_tokenizer
-    from tasks.data import rulebook, sample_examples
+    from tasks.stages.base_model import train_tokenizer
+    from tasks.inspection import rulebook, sample_examples
     import random
 
     path = tmp_path_factory.mktemp("llama")
@@ -66,7 +66,7 @@ def tiny_llama_bos_dir(tmp_path_factory):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from tasks.data import rulebook, sample_examples
+    from tasks.inspection import rulebook, sample_examples
 
     path = tmp_path_factory.mktemp("llama_bos")
     examples = sample_examples(rulebook("2026-10", 1234, 2), 64, random.Random(0))

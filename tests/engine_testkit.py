@@ -67,7 +67,7 @@ def calibrate(model_dir: Path, spec, lora: dict | None = None, rotated: bool = F
 
     from kernels.kv_quant import hadamard_matrix
     from runtime.engine.model import load_backbone
-    from tasks.calibrate import collect_kv_stats, kv_scales_from_stats
+    from tasks.kv_stats import collect_kv_stats, kv_scales_from_stats
 
     model = load_backbone(model_dir, merged_lora=None if lora is None else {k: torch.from_numpy(v) for k, v in lora.items()})
     ids = torch.from_numpy(np.random.default_rng(11).integers(0, 96, (4, 24)))
@@ -111,7 +111,7 @@ def qwen_adapter(tiny_qwen, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_qwen, tmp_path_factory) -> Path:
     """One compiled engine (max rank 8, q/k/v/o) shared by the engine tests: exports cost seconds."""
-    from tasks.compile import compile_engine
+    from tasks.stages.compile import compile_engine
 
     engine_dir = tmp_path_factory.mktemp("engines") / "engine"
     compile_engine(tiny_qwen, engine_dir, max_rank=8, target_modules=TARGETS)

@@ -1,8 +1,9 @@
 """The project's imports read from the AST of every module: the scan the layering and import-cycle tests share.
 
-An import counts wherever it is: at module level or inside a function (a lazy import), relative ones
-resolved to absolute names first. ``import_graph`` leaves out imports under ``if TYPE_CHECKING:``, which
-never run, so a type-only back-reference is not a circle.
+An import counts wherever it is: at module level, inside a function (a lazy import) or under
+``if TYPE_CHECKING:`` (a type-only one: it never runs, but its module still names the other, so a type-only
+back-reference closes a circle too), relative ones resolved to absolute names first. ``runtime_only`` leaves
+the type-only ones out, to tell them apart.
 """
 
 from __future__ import annotations
@@ -71,13 +72,13 @@ def project_modules(root: Path = ROOT) -> dict[str, Path]:
     return modules
 
 
-def import_graph(modules: dict[str, Path], root: Path = ROOT) -> dict[str, set[str]]:
-    """module -> the modules of ``modules`` it imports when it runs (``from a import b`` of a submodule b is
-    an arrow to ``a.b``; ``import a.b`` or ``import a.b as c`` to ``a.b``)."""
+def import_graph(modules: dict[str, Path], root: Path = ROOT, runtime_only: bool = False) -> dict[str, set[str]]:
+    """module -> the modules of ``modules`` it imports, type-only imports included unless ``runtime_only``
+    (``from a import b`` of a submodule b is an arrow to ``a.b``; ``import a.b`` or ``import a.b as c`` to ``a.b``)."""
     graph = {}
     for name, path in modules.items():
         targets = set()
-        for _, module, names in imports(path, root, runtime_only=True):
+        for _, module, names in imports(path, root, runtime_only):
             submodules = {f"{module}.{n}" for n, _ in names if f"{module}.{n}" in modules}
             targets |= submodules
             if not names or len(submodules) < len(names):  # `import module`, or names defined in the module itself

@@ -23,7 +23,7 @@ from runtime.engine.backends.onnxruntime import OrtEngine
 from runtime.engine.tokenizer import DeviceTokenizer
 from runtime.release.contract import DEFAULT_PRODUCT
 from runtime.release.device_state import DeviceState
-from runtime.release.package import load_trusted_keys
+from runtime.release.verify import load_trusted_keys
 from runtime.serve.health import ReleaseGate
 from runtime.serve.http_app import ServeSettings
 from runtime.serve.batcher import KV_WAIT_S

@@ -191,7 +191,7 @@ def test_packaging_on_a_full_disk_fails_clearly_and_leaves_nothing(project):
     package = root / "artifacts" / "2027-02" / "package"
     package.rename(package.with_name("package.kept"))
     before = registry_state(root)
-    done = subprocess.run([sys.executable, "-m", "tasks.package", "--params", str(params_for(project, "2027-02"))],
+    done = subprocess.run([sys.executable, "-m", "tasks.stages.package", "--params", str(params_for(project, "2027-02"))],
                           cwd=root, env=project["env"], capture_output=True, text=True, preexec_fn=_full_disk)
     assert done.returncode == 3, done.stderr[-3000:]
     assert done.stderr.startswith("error: ") and "File too large" in done.stderr

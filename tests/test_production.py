@@ -29,7 +29,7 @@ import yaml
 from flows.local_server import wait_http
 from project_testkit import ENV, MODEL, copy_project, git
 from service_testkit import free_port, kill_pids, processes_in, start_service, stop_group
-from tasks.release import SUMMARY_KEY
+from tasks.release.steps import SUMMARY_KEY
 
 pytestmark = pytest.mark.slow  # the real monthly flow, end to end: minutes per test
 

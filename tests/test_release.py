@@ -70,7 +70,7 @@ def record_again(root, parent):
         "from pathlib import Path\n"
         "from tasks import release\n"
         "from tasks.config import load_config\n"
-        "from tasks.pipeline import StageRun, stage_names\n"
+        "from tasks.release.stage_runner import StageRun, stage_names\n"
         "cfg = load_config('params.yaml')\n"
         "runs = [StageRun(name, True, 1.0, 0.0, 1.0) for name in stage_names(Path.cwd())]\n"
         "recorded = release.record_in_mlflow(cfg, Path.cwd(), runs, release.full_gate_report(cfg), sys.argv[1])\n"
@@ -168,7 +168,7 @@ def test_first_month_publishes_and_records_everything(project):
 def check_update_channel(root, package):
     """python-tuf's ngclient, in a process of its own, refreshes from the channel's first root over
     ``python -m http.server`` and downloads the release target; altered bytes on the server are refused."""
-    from runtime.release.package import write_tarball
+    from runtime.release.verify import write_tarball
 
     served = shutil.copytree(root / "tuf", root.parent / "tuf-served")  # the tampering must not touch the project's
     fetched, tampered = ngclient_then_tampered(served, root / "tuf" / "metadata" / "1.root.json",

@@ -4,7 +4,7 @@
 channel); ``mirror(folder)`` is the same server whose folder can be switched at once, as a compromised
 mirror switches what it serves to a running device. The helpers below change the served files as a
 man in the middle or a compromised mirror would, with python-tuf's own Metadata API; each takes the
-served copy of a repository written by ``tasks.update_channel`` and the channel (its keys folder).
+served copy of a repository written by ``tasks.release.update_channel`` and the channel (its keys folder).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from tuf.api.serialization.json import JSONSerializer
 from tuf.ngclient import Updater
 
 from runtime.release.contract import DEFAULT_PRODUCT, TUF_CHANNELS_TARGET, TUF_METADATA_DIR, product_path, release_target_path
-from runtime.release.package import write_tarball
-from tasks.update_channel import Channel, _add_target, _resign, load_state, refresh, release_target, signers
+from runtime.release.verify import write_tarball
+from tasks.release.update_channel import Channel, _add_target, _resign, load_state, refresh, release_target, signers
 
 REPO = Path(__file__).resolve().parents[1]
 

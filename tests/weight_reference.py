@@ -1,5 +1,5 @@
 """Test kit, the PyTorch side of weight-only quantization: ``runtime.engine.model.Backbone`` with the dequantized
-weights of the same integer codes the quantized engine stores (``tasks/weight_graph.py``), and
+weights of the same integer codes the quantized engine stores (``tasks/weights/graph.py``), and
 optionally its activations rounded as MatMulNBits rounds them at int8 compute. The engine must
 match it (tests/tasks/test_weight_reference.py).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kernels.weight_quant import fake_quantize
-from tasks.weight_graph import DEFAULT_BLOCK_SIZE, INT8_COMPUTE_LEVEL
+from tasks.weights.graph import DEFAULT_BLOCK_SIZE, INT8_COMPUTE_LEVEL
 
 _NORM_BEFORE = {  # which RMSNorm scale multiplies each projection's input
     "q_proj": "input_layernorm", "k_proj": "input_layernorm", "v_proj": "input_layernorm",

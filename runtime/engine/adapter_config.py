@@ -1,7 +1,7 @@
 """A PEFT adapter's files, and ``adapter_config.json`` read once into one typed object every reader takes.
 
-The pipeline writes these files (``tasks/finetune.py``), the engine reads them (``runtime.engine.adapter``)
-and a release carries them unchanged (``runtime.release.package``). Torch-free.
+The pipeline writes these files (``tasks/stages/finetune.py``), the engine reads them (``runtime.engine.adapter``)
+and a release carries them unchanged (``runtime.release.verify``). Torch-free.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def decode_steps(
 
 
 def generate_text(engine: Engine, tokenizer, prompts: Sequence[str | ChatPrompt], max_new_tokens: int, batch_size: int = 8) -> list[str]:
-    """Text in, text out with a tokenizer from ``tasks.base_model.load_tokenizer``; stops at any of its
+    """Text in, text out with a tokenizer from ``tasks.models.load_tokenizer``; stops at any of its
     ``stop_ids``, as the device does. For evaluation."""
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -11,15 +11,12 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kernels.kv_spec import packed_size
+from runtime.engine.backbone_config import BackboneConfig
 from runtime.engine.errors import RefusedInput
-
-if TYPE_CHECKING:  # the ONNX Runtime side reads interfaces without importing torch
-    from runtime.engine.model import BackboneConfig
 
 # 1: ids/positions/mask + per-layer past K/V (B, nkv, P, d) + unmerged LoRA A/B/scale inputs per module.
 # 2: version 1 with the KV cache quantized and bit-packed as ``kv_spec`` (a kernels.kv_spec.KVQuantSpec
@@ -50,7 +47,7 @@ LOGIT_POSITIONS_INTERFACE_VERSION = 8
 SUPPORTED_VERSIONS = (INTERFACE_VERSION, 4, QUANT_KV_INTERFACE_VERSION, PAGED_INTERFACE_VERSION, STACKED_INTERFACE_VERSION,
                       LOGIT_POSITIONS_INTERFACE_VERSION)
 INTERFACE_FILE = "interface.json"
-ENGINE_ONNX = "model.onnx"  # beside it in an engine folder (tasks/compile.py)
+ENGINE_ONNX = "model.onnx"  # beside it in an engine folder (tasks/stages/compile.py)
 CACHE_KEY_FILE = "cache_key.json"  # what the engine was built from; its presence means the build completed
 KV_LAYOUT = "B,num_kv_heads,past_len,head_dim"  # one key and one value tensor per layer
 PAGED_KV_LAYOUT = "blocks,num_kv_heads,block_size,head_dim"  # one pool per cache tensor and layer
@@ -301,7 +298,7 @@ def paged_problems(kv_spec: dict | None, block_size: int) -> list[str]:
 
 
 def build_interface(
-    cfg: "BackboneConfig", backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], kv_spec: dict | None = None,
+    cfg: BackboneConfig, backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], kv_spec: dict | None = None,
     kv_block_size: int | None = None, stacked: bool = False, logit_positions: bool = False,
 ) -> EngineInterface:
     """The interface of the float-KV engine, or with ``kv_spec`` of the quantized-KV engine; with

@@ -180,7 +180,7 @@ class QuantizedKVBackbone(nn.Module):
 
     def forward_reading(self, read_codes: list, *args):
         """GQA mode, eager only: ``forward(*args)`` whose attention reads ``read_codes`` (per layer the
-        packed present K and V, e.g. an engine's: ``tasks.engine_parity``) instead of the codes this
+        packed present K and V, e.g. an engine's: ``tasks.checks.engine_parity``) instead of the codes this
         module stores; the outputs are still this module's own codes."""
         if self.attention != "gqa":
             raise ValueError("forward_reading runs the GroupQueryAttention path only")

@@ -1,7 +1,7 @@
 """A release's static KV-cache scales: their files, their one reader and writer, and the engine inputs made of them.
 
-The pipeline calibrates and writes them (``tasks/calibrate.py``), a release carries them
-(``runtime.release.package``) and a quantized-KV engine takes them as inputs (``kv_scale_inputs``).
+The pipeline calibrates and writes them (``tasks/stages/calibrate.py``), a release carries them
+(``runtime.release.verify``) and a quantized-KV engine takes them as inputs (``kv_scale_inputs``).
 Torch-free (json, numpy, safetensors.numpy).
 """
 
@@ -154,7 +154,7 @@ def read_kv_scales(
     record_file = file.with_name(KV_SCALES_JSON)
     for f in (file, record_file):
         if not f.exists():
-            raise KVScalesError("missing", f"{f} is missing: calibrate this release (python -m tasks.calibrate); "
+            raise KVScalesError("missing", f"{f} is missing: calibrate this release (python -m tasks.stages.calibrate); "
                                 "KV scales are never defaulted to 1.0")
     try:
         record = json.loads(record_file.read_text())

@@ -1,6 +1,6 @@
 """Latency summaries: the one percentile of the release's decode gate and the device's swap metrics.
 
-Torch-free and import-free, so the serving path and the pipeline (``tasks/evaluate.py``) share it.
+Torch-free and import-free, so the serving path and the pipeline (``tasks/stages/evaluate.py``) share it.
 """
 
 from __future__ import annotations

@@ -5,14 +5,14 @@ The serving path stays free of torch and transformers. One special-token policy 
 the tokenizer's own special tokens, i.e. what the ``tokenizer.json`` post-processor adds (a Llama
 BOS, nothing for the embedded default); a completion is encoded without them and ends with eos.
 ``DeviceTokenizer.encode`` is that prompt encoding on the device, ``encode_prompt`` the same on a
-transformers tokenizer (``tasks.base_model.load_tokenizer`` refuses a directory where they differ).
+transformers tokenizer (``tasks.models.load_tokenizer`` refuses a directory where they differ).
 
 A chat is rendered with the tokenizer's own chat template (``chat_template`` of
 ``tokenizer_config.json``, or ``chat_template.jinja`` beside it), as transformers renders it: a
 sandboxed jinja2 environment, the generation prompt added; the rendered text holds its special
 tokens already, so it is encoded without the post-processor's. ``DeviceTokenizer.encode_chat`` is the
 one rendering: the device's ``/v1/chat/completions`` calls it, and so do training and evaluation
-(``encode_prompt`` of a ``ChatPrompt`` on a tokenizer from ``tasks.base_model.load_tokenizer``), so the
+(``encode_prompt`` of a ``ChatPrompt`` on a tokenizer from ``tasks.models.load_tokenizer``), so the
 device answers the token ids evaluation scored.
 
 Generation stops at any of ``stop_ids``: ``eos_token`` of ``tokenizer_config.json``, then every
@@ -56,7 +56,7 @@ class ChatPrompt:
 def encode_prompt(tokenizer, prompt: str | ChatPrompt) -> list[int]:
     """A prompt's ids from a transformers tokenizer: a text with its special tokens, what
     ``DeviceTokenizer.encode`` gives; a chat through the device's own ``encode_chat``, which
-    ``tasks.base_model.load_tokenizer`` attaches as ``tokenizer.device_tokenizer``."""
+    ``tasks.models.load_tokenizer`` attaches as ``tokenizer.device_tokenizer``."""
     if isinstance(prompt, ChatPrompt):
         return tokenizer.device_tokenizer.encode_chat(list(prompt.messages))
     return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])

@@ -1,6 +1,6 @@
 """What the backbone is traced with: example inputs in interface order and the dynamic axes' bounds.
 
-Both exporters use them: ``tasks.compile`` (torch.onnx, the ONNX graph every backend runs) and the
+Both exporters use them: ``tasks.stages.compile`` (torch.onnx, the ONNX graph every backend runs) and the
 torch-tensorrt builder in ``runtime.engine.backends.tensorrt``. The bounds are also the TensorRT
 optimization-profile maxima. torch is imported inside the functions: the ONNX Runtime serving path
 imports nothing from here.

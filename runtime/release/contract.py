@@ -6,14 +6,14 @@ this package, and are named here only to say where each is: the adapter's (``run
 the KV scales' (``runtime.engine.kv_scales``) and the engine folder's (``runtime.engine.interface``).
 Torch-free, so the ONNX Runtime serving path can import it. Folders and their files:
 
-  adapter   (tasks/finetune.py)   adapter_config.json, adapter_model.safetensors (PEFT, unchanged),
+  adapter   (tasks/stages/finetune.py)   adapter_config.json, adapter_model.safetensors (PEFT, unchanged),
                                   provenance.json (backbone hash, params hash, library versions)
-  KV scales (tasks/calibrate.py)  kv_scales.safetensors, kv_scales.json
-  release   (tasks/package.py;    the adapter's and the KV-scale files, manifest.json (sorted keys),
+  KV scales (tasks/stages/calibrate.py)  kv_scales.safetensors, kv_scales.json
+  release   (tasks/stages/package.py;    the adapter's and the KV-scale files, manifest.json (sorted keys),
    verified:                      manifest.sig (Ed25519 over the manifest bytes, runtime/release/signing.py)
-   runtime/release/package.py)
-  engine    (tasks/compile.py)    model.onnx, interface.json, cache_key.json
-  registry  (tasks/publish.py;    releases/<month>/ (a release, tracked by DVC), releases/index.json,
+   runtime/release/verify.py)
+  engine    (tasks/stages/compile.py)    model.onnx, interface.json, cache_key.json
+  registry  (tasks/release/registry.py;    releases/<month>/ (a release, tracked by DVC), releases/index.json,
    pulled:                        channels.json, and a git tag release/<month> per published month
    runtime/release/pull.py)       (the default product's; another product's under products/<name>/, below)
 

@@ -255,7 +255,7 @@ class DeviceState:
     def keep(self, release_dir: Path, release_id: str, trusted_keys: dict, max_bytes: int) -> Path:
         """Copy the verified release at ``release_dir`` into the state directory (verified again from the
         copied bytes, then installed with ``install_folder``); its path."""
-        from runtime.release.package import verify_release
+        from runtime.release.verify import verify_release
 
         target = self.copy_path(release_id)
         with self._lock:

@@ -3,7 +3,7 @@
 The registry (written by the pipeline's publish stage) is a git repository with DVC, whose
 default remote holds the release files:
 
-  releases/<month>.dvc   DVC pointer of the directory releases/<month>/ (a release, runtime/release/package.py)
+  releases/<month>.dvc   DVC pointer of the directory releases/<month>/ (a release, runtime/release/verify.py)
   channels.json          git-tracked aliases: {"champion": "2026-11", ...}
   tag release/<month>    the commit that published <month>
 
@@ -45,7 +45,7 @@ from runtime.release.contract import (
     release_tag,
 )
 from runtime.release.device_state import install_folder
-from runtime.release.package import PackageError, VerifiedRelease, verify_release
+from runtime.release.verify import PackageError, VerifiedRelease, verify_release
 
 ALIAS = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 

@@ -1,6 +1,6 @@
 """Pull a release from the update channel with python-tuf's ngclient, verify it, install it.
 
-The update channel (``tasks/update_channel.py``) is a TUF repository of static files at a URL:
+The update channel (``tasks/release/update_channel.py``) is a TUF repository of static files at a URL:
 ``<url>/metadata/`` and ``<url>/targets/`` (``runtime/release/contract.py``). The device is given its
 first root out of band (``--trusted-root FILE``, device config ``trusted_root``) and keeps what
 ngclient has verified in ``--metadata-dir`` (newer roots after a rotation, the last timestamp,
@@ -42,8 +42,8 @@ from runtime.release.contract import (
     product_path,
     release_target_path,
 )
-from runtime.release.package import DEFAULT_MAX_PACKAGE_BYTES, SizeLimitExceeded, VerifiedRelease, extract_tarball
 from runtime.release.pull import install
+from runtime.release.verify import DEFAULT_MAX_PACKAGE_BYTES, SizeLimitExceeded, VerifiedRelease, extract_tarball
 
 # reason -> exit code of ``python -m runtime pull --tuf-url`` (30 is the registry's PullError)
 EXIT_CODES = {"stale_metadata": 31, "untrusted_metadata": 32, "metadata_rollback": 33, "hash_mismatch": 34,

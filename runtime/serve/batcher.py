@@ -1,6 +1,6 @@
 """Continuous batching: one scheduler thread decodes every running request, one step at a time, batched per release.
 
-A request picked its release (``runtime.serve.server.ActiveRelease``) once, when it started; its rows (one
+A request picked its release (``runtime.serve.active_release.ActiveRelease``) once, when it started; its rows (one
 per prompt) run every step on that release's batch, and rows of two releases are never in one
 batch. Each turn of the loop:
 

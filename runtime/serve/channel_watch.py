@@ -34,7 +34,7 @@ log line (``"event": "update_channel"``; a warning unless fresh):
   ``metadata_rollback``; ``too_large``; ``hash_mismatch``: metadata of another snapshot; see
   ``runtime.release.tuf_pull.EXIT_CODES``), or no poll has finished yet (``not_checked``);
 - ``refused``: the metadata is fresh, but what it names was refused: the target's bytes
-  (``hash_mismatch``, ``too_large``), the release itself (a ``runtime.release.package`` reason), a release
+  (``hash_mismatch``, ``too_large``), the release itself (a ``runtime.release.verify`` reason), a release
   this device ``reverted``, or one older than it runs (``rollback``).
 
 Nothing is installed from metadata ngclient did not verify as fresh: a stale channel leaves every
@@ -64,18 +64,15 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from runtime.release.contract import DEFAULT_TUF_INTERVAL_S, format_time, release_order, release_target_path
-from runtime.release.package import PackageError
 from runtime.release.tuf_pull import (
     EXIT_CODES, UpdateRefused, channel_month, refreshed, release_tarball, signed_channels, target_info,
 )
+from runtime.release.verify import PackageError
 from runtime.serve.metrics import ChannelMetrics
 from runtime.serve.residents import CANDIDATE, CHAMPION, ResidencyError
-
-if TYPE_CHECKING:
-    from runtime.serve.server import AdapterServer
+from runtime.serve.server import AdapterServer
 
 log = logging.getLogger(__name__)
 FRESH, STALE, REFUSED = "fresh", "stale", "refused"

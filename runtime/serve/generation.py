@@ -74,7 +74,7 @@ class Choice:
 
 
 class Generation:
-    """A request's choices on its release (``release``: the ``runtime.serve.server.ActiveRelease`` it read
+    """A request's choices on its release (``release``: the ``runtime.serve.active_release.ActiveRelease`` it read
     once, when it started). ``next_choices()`` (async) gives the choices that changed in the next
     step, None once every choice has finished; ``close()`` ends the decode (a client that left)."""
 

@@ -3,7 +3,7 @@ ArtifactRollback, without a reboot).
 
 With a state directory (``runtime.release.device_state``), every new champion starts on trial:
 
-1. its signed probes (``runtime.release.package.release_probes``) run on it, greedy, through
+1. its signed probes (``runtime.release.verify.release_probes``) run on it, greedy, through
    ``AdapterServer.start_generation`` in the server's decode mode, the path clients get (batched with their
    requests, or alone on a fork); each answer must equal the expected one (whitespace-trimmed);
 2. then, for ``window_s`` seconds, any request on it that fails with 500 (``adapter_generation_errors_total``)
@@ -33,16 +33,14 @@ import datetime as dt
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from runtime.engine.sampling import greedy
 from runtime.release.contract import format_time, release_order
 from runtime.release.device_state import CHAMPION_STATES, COMMITTED, FAILED, TRIAL, DeviceState, StateError, newer
-from runtime.release.package import RevertedRelease, release_probes
+from runtime.release.verify import RevertedRelease, release_probes
+from runtime.serve.active_release import ActiveRelease
 from runtime.serve.residents import CANDIDATE, CHAMPION, ResidencyError
-
-if TYPE_CHECKING:
-    from runtime.serve.server import ActiveRelease, AdapterServer
+from runtime.serve.server import AdapterServer
 
 log = logging.getLogger(__name__)
 DEFAULT_HEALTH_WINDOW_S = 30.0

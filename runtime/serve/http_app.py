@@ -60,7 +60,7 @@ from runtime.engine.kv_blocks import KVBudgetExceeded
 from runtime.engine.sampling import make_sampler
 from runtime.engine.tokenizer import NoChatTemplate
 from runtime.engine.tracing import MAX_SEQ
-from runtime.release.package import PackageError, RollbackRefused
+from runtime.release.verify import PackageError, RollbackRefused
 from runtime.serve.generation import Generation
 from runtime.serve.openai_api import (
     APIError,

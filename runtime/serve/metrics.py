@@ -2,9 +2,9 @@
 
 Every value is a counter, a gauge or a fixed-bucket histogram: memory stays bounded however long
 the device runs. Labels are bounded too: endpoints and statuses are the server's own, refusal
-reasons are ``runtime.release.package.EXIT_CODES``'s, channels ``runtime.serve.residents``'s, revert reasons and
+reasons are ``runtime.release.verify.EXIT_CODES``'s, channels ``runtime.serve.residents``'s, revert reasons and
 champion states ``runtime.release.device_state``'s, the update channel's refusal reasons ``runtime.release.tuf_pull``'s
-and ``runtime.release.package``'s. What describes the resident releases (``release_info``, seconds to
+and ``runtime.release.verify``'s. What describes the resident releases (``release_info``, seconds to
 expiry, the resident count) is read from the resident set at each scrape (``ResidentCollector``), so
 an unloaded release leaves no series behind. The counters labelled by release (requests per release
 and channel, generation errors) are swept at each load and unload (``sweep_releases``): a release's

@@ -1,7 +1,7 @@
 """The releases resident on a device, their channels, and which one a request gets.
 
 A device holds up to ``max_resident`` verified releases at once, each bound to its own engine handle
-(``runtime.serve.server.ActiveRelease``). Two channels name one release each:
+(``runtime.serve.active_release.ActiveRelease``). Two channels name one release each:
 
 - ``champion``: what a request without ``model`` gets; loading a release as champion is a swap, and
   it is refused when older than the champion (``RollbackRefused``) unless rollback is allowed (a
@@ -33,14 +33,11 @@ import math
 import threading
 from collections import OrderedDict
 from fractions import Fraction
-from typing import TYPE_CHECKING
 
 from runtime.engine.errors import RefusedInput
 from runtime.release.contract import DEFAULT_PRODUCT, check_product, release_order
-from runtime.release.package import RollbackRefused
-
-if TYPE_CHECKING:
-    from runtime.serve.server import ActiveRelease
+from runtime.release.verify import RollbackRefused
+from runtime.serve.active_release import ActiveRelease
 
 CHAMPION, CANDIDATE, STANDBY = "champion", "candidate", "standby"
 CHANNELS = (CHAMPION, CANDIDATE)  # what a release can be loaded as; STANDBY is what a replaced one becomes

@@ -33,13 +33,12 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from runtime.engine.generate import decode_steps
 from runtime.release.contract import DEFAULT_PRODUCT, MANIFEST, manifest_product
-from runtime.release.package import (
+from runtime.release.verify import (
     DEFAULT_MAX_PACKAGE_BYTES,
     PackageError,
     RollbackRefused,
@@ -47,29 +46,26 @@ from runtime.release.package import (
     unpacked_release,
     verify_release,
 )
+from runtime.serve.active_release import ActiveRelease
 from runtime.serve.batcher import DEFAULT_PREFILL_CHUNK, KV_WAIT_S, BatchedGeneration, Batcher, worst_case_blocks
 from runtime.serve.generation import ForkedGeneration, Generation, StopText
 from runtime.serve.metrics import ServerMetrics
 from runtime.serve.residents import CANDIDATE, CHAMPION, DEFAULT_MAX_RESIDENT, ResidencyError, ResidentSet
 
 if TYPE_CHECKING:
-    from runtime.serve.channel_watch import ChannelWatcher
+    # The project's one two-way link, and type-only: a ReleaseGate (runtime.serve.health, above this module)
+    # drives the server and registers itself in ``gates``, and ``load`` calls back into it (floor, admit, begin)
+    # in the middle of a load. A Protocol here would only repeat the gate's hooks.
     from runtime.serve.health import ReleaseGate
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ActiveRelease:
-    release_id: str
-    activation: int  # 1 for the first release loaded, +1 per load (either channel)
-    manifest: dict
-    handle: object  # an engine handle with this release bound; forked per batch or request, never rebound
-    loaded_at: float
+class UpdateChannelStatus(Protocol):
+    """What the server asks of the update channel it follows (``runtime.serve.channel_watch.ChannelWatcher``,
+    which sets itself as ``AdapterServer.channel``): its state, for ``/healthz`` and ``/ready``."""
 
-    @property
-    def product(self) -> str:
-        return manifest_product(self.manifest)
+    def summary(self) -> dict: ...
 
 
 def claimed_product(release_dir: Path) -> str:
@@ -103,7 +99,7 @@ class AdapterServer:
                         if getattr(engine, "merges_caches", False) else None)
         # set by runtime.serve.health.ReleaseGate: per product, the state directory and its trials
         self.gates: dict[str, ReleaseGate] = {}
-        self.channel: ChannelWatcher | None = None  # set by runtime.serve.channel_watch.ChannelWatcher: the update channel
+        self.channel: UpdateChannelStatus | None = None  # set by runtime.serve.channel_watch.ChannelWatcher
 
     @property
     def gate(self) -> ReleaseGate | None:

@@ -32,7 +32,8 @@ def torch_threads_restored():
 
 @pytest.fixture(scope="module")
 def release(tiny_llama_dir, tmp_path_factory):
-    from tasks.data import rulebook, sample_examples, write_jsonl
+    from tasks.inspection import rulebook, sample_examples
+    from tasks.records import write_jsonl
 
     root = tmp_path_factory.mktemp("kv-grid")
     adapter = make_adapter(tiny_llama_dir, root / "adapter")
@@ -48,10 +49,11 @@ def sequential(release: dict, both_ropes: bool) -> dict:
     from pathlib import Path
 
     from kernels.kv_spec import bytes_per_token
-    from tasks.base_model import load_tokenizer
-    from tasks.calibrate import (DEFAULT_CLIP_PERCENTILE, collect_kv_stats, jsonl_batches, load_release_backbone,
-                                 scales_from_stats)
-    from tasks.kv_quality import heldout_sequences, suffix_perplexity
+    from tasks.models import load_tokenizer
+    from tasks.kv_stats import (
+        DEFAULT_CLIP_PERCENTILE, collect_kv_stats, jsonl_batches, load_release_backbone, scales_from_stats,
+    )
+    from tasks.checks.kv_quality import heldout_sequences, suffix_perplexity
     from flows.kv_grid import grid_configs
 
     torch.set_num_threads(1)

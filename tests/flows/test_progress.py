@@ -30,7 +30,7 @@ STAGE = (
 
 @pytest.fixture
 def repo(tmp_path, monkeypatch):
-    from tasks.pipeline import ensure_dvc_repo
+    from tasks.release.stage_runner import ensure_dvc_repo
 
     root = tmp_path / "repo"
     root.mkdir()

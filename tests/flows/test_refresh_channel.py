@@ -11,7 +11,7 @@ from prefect.flow_engine import run_flow
 from flows.monthly_release import register_defaults
 from flows.refresh_channel import REFRESH_CRON, REFRESH_DEPLOYMENT, refresh_update_channel
 from tasks.config import ReleaseConfig, with_settings
-from tasks.update_channel import Channel, ensure_repository, load_state
+from tasks.release.update_channel import Channel, ensure_repository, load_state
 
 
 @pytest.fixture(scope="module")

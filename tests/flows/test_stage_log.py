@@ -19,7 +19,7 @@ from pathlib import Path
 from prefect import flow
 
 from flows.monthly_release import reproduce
-from tasks.pipeline import ensure_dvc_repo, stage_names
+from tasks.release.stage_runner import ensure_dvc_repo, stage_names
 
 
 @flow

@@ -25,12 +25,13 @@ from runtime.engine.backends.onnxruntime import OrtEngine
 from runtime.engine.generate import decode_steps
 from runtime.engine.sampling import Sampler, greedy
 from runtime.engine.tokenizer import DeviceTokenizer
-from runtime.release.package import load_trusted_keys
+from runtime.release.verify import load_trusted_keys
+from runtime.serve.active_release import ActiveRelease
 from runtime.serve.batcher import BatchedGeneration, Batcher
 from runtime.serve.generation import StopText
 from runtime.serve.http_app import ServeSettings
 from runtime.serve.metrics import ServerMetrics
-from runtime.serve.server import ActiveRelease, AdapterServer
+from runtime.serve.server import AdapterServer
 
 OTHER_PROMPT = "inspect board=PCB-1201 line=L2 part=C7 temp_c=244 defect=lifted lift_um=40 verdict:"
 SHORT_PROMPT = "verdict:"
@@ -59,7 +60,7 @@ def release(request, w, tmp_path_factory):
         app = adapter_server(w)
         app.load(w["b"])
         return app.active
-    from tasks.compile import compile_engine
+    from tasks.stages.compile import compile_engine
 
     spec = KVQuantSpec()  # the default scheme: what engine/kv ships, no fp16 sink
     engine_dir = tmp_path_factory.mktemp("kv-engine") / "engine"

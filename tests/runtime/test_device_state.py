@@ -27,7 +27,7 @@ from runtime.engine.atomic_files import atomic_copy, atomic_write
 from runtime.engine.tokenizer import DeviceTokenizer
 from runtime.release.contract import MANIFEST
 from runtime.release.device_state import STATE_FILE, DeviceState, StateError
-from runtime.release.package import (
+from runtime.release.verify import (
     DEFAULT_MAX_PACKAGE_BYTES,
     MalformedPackage,
     load_trusted_keys,

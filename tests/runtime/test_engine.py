@@ -191,7 +191,7 @@ def test_lora_inputs_are_bound_from_one_buffer_in_graph_order(engine, qwen_adapt
 
 
 def test_llama_engine_with_tied_embeddings_matches_peft_merged(tiny_llama, tmp_path):
-    from tasks.compile import compile_engine
+    from tasks.stages.compile import compile_engine
 
     adapter = make_adapter(tiny_llama, tmp_path / "adapter", r=8, alpha=16.0)
     compile_engine(tiny_llama, tmp_path / "engine", max_rank=8)

@@ -18,7 +18,7 @@ from runtime.engine.generate import greedy_generate
 from runtime.engine.interface import LOGIT_POSITIONS_INTERFACE_VERSION, read_interface
 from runtime.engine.kv_scales import KVScales
 from runtime.engine.model import load_backbone
-from tasks.calibrate import cache_kwargs
+from tasks.kv_stats import cache_kwargs
 from engine_testkit import TARGETS, calibrate, engine_run
 
 # The other corner: 8-bit symmetric post-RoPE keys (ORT GroupQueryAttention's layout), asymmetric
@@ -50,7 +50,7 @@ def reference_run(model_dir, iface, lora: dict, spec: KVQuantSpec, scales: KVSca
 
 @pytest.fixture(scope="module", params=[PRE_ROPE_SCHEME, OTHER], ids=["K4c-pre-V4t-sink1", "K8c-post-V3ta-sink0"])
 def quant_engine(request, tiny_qwen, tmp_path_factory):
-    from tasks.compile import compile_engine
+    from tasks.stages.compile import compile_engine
 
     engine_dir = tmp_path_factory.mktemp("kv_engines") / "engine"
     compile_engine(tiny_qwen, engine_dir, max_rank=8, target_modules=TARGETS, kv_spec=request.param.to_dict())
@@ -152,7 +152,7 @@ def test_quantized_interface_records_its_spec_and_the_float_contract(quant_engin
 
 
 def test_window_tokens_are_refused_at_compile(tiny_qwen, tmp_path):
-    from tasks.compile import compile_engine
+    from tasks.stages.compile import compile_engine
 
     with pytest.raises(ValueError, match="window_tokens=4: the engine's quantized cache has no fp16 window"):
         compile_engine(tiny_qwen, tmp_path / "e", 8, TARGETS, kv_spec=replace(PRE_ROPE_SCHEME, window_tokens=4).to_dict())
@@ -165,7 +165,7 @@ GQA = KVQuantSpec()  # the defaults: the scheme the release ships, the one the o
 
 @pytest.fixture(scope="module")
 def gqa_engine(tiny_qwen, tmp_path_factory):
-    from tasks.compile import compile_engine
+    from tasks.stages.compile import compile_engine
 
     engine_dir = tmp_path_factory.mktemp("kv_engines") / "engine-gqa"
     compile_engine(tiny_qwen, engine_dir, max_rank=8, target_modules=TARGETS, kv_spec=GQA.to_dict(), kv_attention="gqa")
@@ -218,7 +218,7 @@ def test_gqa_engine_generates_alike_batched_with_left_padding_and_per_row(gqa_en
 
 
 def test_a_scheme_group_query_attention_cannot_run_is_refused_at_compile_naming_what_differs(tiny_qwen, tmp_path):
-    from tasks.compile import compile_engine
+    from tasks.stages.compile import compile_engine
 
     with pytest.raises(ValueError, match=r"cannot run on GroupQueryAttention: v_granularity='token' \(the op needs 'channel'\)"
                                          r".*sink_tokens=1 \(the op needs 0\).*pre_rope_keys=True"):
@@ -246,9 +246,9 @@ def test_a_version_4_engine_takes_unrotated_scales_and_refuses_a_rotation(tiny_q
 
 
 def test_engine_parity_reads_the_engines_codes_and_finds_no_quantizer_difference(gqa_engine, tiny_qwen):
-    """``tasks.engine_parity``: the module attends over the engine's stored codes while it stores its
+    """``tasks.checks.engine_parity``: the module attends over the engine's stored codes while it stores its
     own from the same layer inputs; on the same quantizer nothing differs and logits agree."""
-    from tasks.engine_parity import quantized_prefill_parity
+    from tasks.checks.engine_parity import quantized_prefill_parity
 
     scales = calibrate(tiny_qwen, GQA, rotated=True)
     gqa_engine.set_adapter(None, kv_scales=scales)

@@ -13,9 +13,10 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from runtime.engine.adapter import load_adapter
+from runtime.engine.backbone_config import ModelFormatError
 from runtime.engine.hashing import backbone_hash
 from runtime.engine.interface import build_interface
-from runtime.engine.model import ModelFormatError, load_backbone, read_config, read_weights
+from runtime.engine.model import load_backbone, read_config, read_weights
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 

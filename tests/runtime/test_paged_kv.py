@@ -27,7 +27,7 @@ from runtime.engine.backends.onnxruntime import OrtEngine
 from runtime.engine.generate import greedy_generate
 from runtime.engine.interface import LOGIT_POSITIONS_INTERFACE_VERSION, SUPPORTED_VERSIONS, read_interface
 from runtime.engine.kv_blocks import BlockPool, KVBudgetExceeded, PagedCache, PoolTensor
-from tasks.compile import CompileError, compile_engine
+from tasks.stages.compile import CompileError, compile_engine
 
 GQA = KVQuantSpec()  # the shipped scheme: ONNX Runtime's GroupQueryAttention over the 4-bit packed cache
 # Standard ONNX ops: 8-bit keys, asymmetric 3-bit per-token values (fp16 scale and zero pools beside the codes)

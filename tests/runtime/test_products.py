@@ -2,7 +2,7 @@
 
 Servers are the real app under uvicorn (``server_testkit.running_server``) on the tiny world's ONNX Runtime
 engine, asked through the ``openai`` SDK; the update channel is written by the publish step's own code
-(``tasks.update_channel``) and followed through python-tuf's ngclient (``runtime.serve.channel_watch``).
+(``tasks.release.update_channel``) and followed through python-tuf's ngclient (``runtime.serve.channel_watch``).
 A (2026-10) and B (2026-11) answer differently; the products' releases are their adapters signed as:
 
     alpha    champion 2026-10 (A's adapter)   candidate 2026-11 (B's adapter)
@@ -29,12 +29,12 @@ from server_testkit import PROMPT, call, manifest_id, running_server, sample, sc
 from tuf_testkit import misnamed_release, serve
 
 from runtime.release.contract import DEFAULT_PRODUCT
-from runtime.release.package import RollbackRefused, load_trusted_keys
 from runtime.release.tuf_pull import UpdateRefused, tuf_pull
+from runtime.release.verify import RollbackRefused, load_trusted_keys
+from runtime.serve.active_release import ActiveRelease
 from runtime.serve.channel_watch import FRESH, REFUSED, ChannelWatcher, Outcome
 from runtime.serve.residents import ResidencyError, ResidentSet
-from runtime.serve.server import ActiveRelease
-from tasks.update_channel import Channel, publish_release
+from tasks.release.update_channel import Channel, publish_release
 
 REPO = Path(__file__).resolve().parents[2]
 SIGNED_AS = {  # name: (release of the world, product, month)

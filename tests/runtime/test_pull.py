@@ -13,8 +13,8 @@ import pytest
 from release_testkit import make_registry, world
 
 from runtime.engine.interface import read_interface
-from runtime.release.package import RollbackRefused, load_trusted_keys
 from runtime.release.pull import PullError, pull
+from runtime.release.verify import RollbackRefused, load_trusted_keys
 
 REPO = Path(__file__).resolve().parents[2]
 

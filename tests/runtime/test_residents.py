@@ -17,7 +17,7 @@ import pytest
 from release_testkit import copy_release, resign, world
 from server_testkit import PROMPT, call, manifest_id, running_server, sample, scrape
 
-from runtime.release.package import RollbackRefused
+from runtime.release.verify import RollbackRefused
 from runtime.serve.residents import CanarySplit
 
 LONG = 1024  # tokens: over a second of decode on the tiny world, long enough to unload its release meanwhile

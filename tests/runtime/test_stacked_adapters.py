@@ -23,7 +23,7 @@ from runtime.engine.interface import (
     read_interface,
     single_interface,
 )
-from tasks.compile import compile_engine
+from tasks.stages.compile import compile_engine
 
 GQA = KVQuantSpec()
 # Standard ONNX ops: 8-bit keys with static scales (per row on the stacked engine), 3-bit per-token values
@@ -223,10 +223,10 @@ def test_rows_joining_and_leaving_a_stacked_batch_keep_their_releases_weights(se
     from runtime.engine.generate import decode_steps
     from runtime.engine.sampling import greedy
     from runtime.engine.tokenizer import DeviceTokenizer
+    from runtime.serve.active_release import ActiveRelease
     from runtime.serve.batcher import BatchedGeneration, Batcher
     from runtime.serve.generation import StopText
     from runtime.serve.metrics import ServerMetrics
-    from runtime.serve.server import ActiveRelease
 
     engine = OrtEngine(served["stacked_engine"], threads=1)
     loras = [load_adapter(a, engine.interface) for a in served["adapters"]]

@@ -47,7 +47,7 @@ def _plan_and_onnx_runtime_logits(engine_dir, adapter_dir):
     """Build the plan of ``engine_dir``, then prefill logits of TensorRT and of ONNX Runtime on the same graph."""
     from runtime.engine.adapter import load_adapter
     from runtime.engine.backends.tensorrt import TensorRTEngine, build_plan
-    from tasks.weight_engines import open_on_cpu
+    from tasks.weights.engines import open_on_cpu
 
     build_plan(engine_dir, max_batch=4, max_seq=64, max_past=128, opt=(1, 1, 32))
     ort_engine, trt_engine = open_on_cpu(engine_dir), TensorRTEngine(engine_dir)
@@ -68,7 +68,7 @@ def test_tensorrt_plan_matches_onnx_runtime(tiny_engine, qwen_adapter):
 
 @needs_gpu
 def test_tensorrt_weight_only_int4_plan_matches_onnx_runtime_on_the_same_graph(tiny_engine, qwen_adapter, tmp_path):
-    from tasks.weight_engines import quantize_engine_dir
+    from tasks.weights.engines import quantize_engine_dir
 
     # Given the int4 weights in TensorRT's weight-only form (symmetric blocked DequantizeLinear, fp16 GEMMs)
     quantize_engine_dir(tiny_engine, tmp_path / "int4", "int4", 32, fmt="qdq_fp16")

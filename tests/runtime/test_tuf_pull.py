@@ -1,6 +1,6 @@
 """Pull real signed releases from the update channel (TUF over loopback HTTP): by channel, by month, refusals.
 
-The repository is written by the publish step's own code (``tasks.update_channel``) with A
+The repository is written by the publish step's own code (``tasks.release.update_channel``) with A
 (2026-10) the champion and B (2026-11) the candidate; each refusal is made on a copy of it by
 changing the served files, and must leave the installed release as it was.
 """
@@ -25,11 +25,11 @@ from runtime.engine.adapter_config import ADAPTER_WEIGHTS
 from runtime.engine.hashing import sha256_file
 from runtime.engine.interface import read_interface
 from runtime.release.contract import TUF_CHANNELS_TARGET, release_target_path
-from runtime.release.package import RollbackRefused, load_trusted_keys
 from runtime.release.tuf_pull import EXIT_CODES, UpdateRefused, tuf_pull
-from tasks import publish
+from runtime.release.verify import RollbackRefused, load_trusted_keys
+from tasks.release import registry
 from tasks.config import PublishConfig
-from tasks.update_channel import Channel, publish_from_registry, publish_release
+from tasks.release.update_channel import Channel, publish_from_registry, publish_release
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -125,13 +125,13 @@ def test_older_metadata_after_newer_is_refused_and_an_unreachable_channel_instal
 
 
 def test_the_publish_step_signs_into_a_channel_ngclient_reads_in_its_own_process(w, tmp_path):
-    """What the flow runs: tasks.publish into a real git + DVC registry, then the update channel from it;
+    """What the flow runs: tasks.release.registry into a real git + DVC registry, then the update channel from it;
     python-tuf's ngclient, in a venv holding only tuf, refreshes from the first root over `python -m http.server`."""
     cfg = PublishConfig(registry_dir=str(tmp_path / "registry"), remote_dir=str(tmp_path / "dvc-remote"),
                         tuf_dir=str(tmp_path / "tuf"), tuf_keys_dir=str(tmp_path / "keys"))
-    publish.ensure_registry(Path(cfg.registry_dir), cfg.remote_dir)
+    registry.ensure_registry(Path(cfg.registry_dir), cfg.remote_dir)
     entry = {"release_id": manifest(w["b"])["release_id"], "adapter_sha256": sha256_file(w["b"] / ADAPTER_WEIGHTS)}
-    publish.publish_release(Path(cfg.registry_dir), w["b"], "2026-11", entry, champion=True)
+    registry.publish_release(Path(cfg.registry_dir), w["b"], "2026-11", entry, champion=True)
     assert publish_from_registry(cfg, "2026-11") == ["targets", "snapshot", "timestamp"]
     assert publish_from_registry(cfg, "2026-11") == []  # a rerun (reconcile) signs nothing twice
     fetched, tampered = ngclient_then_tampered(tmp_path / "tuf", tmp_path / "tuf" / "metadata" / "1.root.json",

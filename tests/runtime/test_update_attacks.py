@@ -1,6 +1,6 @@
 """Attacks on the update channel against a running device, in the style of TUF's conformance tests.
 
-The repository is written by the publish step's own code (``tasks.update_channel``) in three states:
+The repository is written by the publish step's own code (``tasks.release.update_channel``) in three states:
 S1 (A = 2026-10 champion), SC (B = 2026-11 published as candidate) and S2 (B champion). A device,
 ``python -m runtime serve --tuf-url`` in a process of its own with a state directory, follows a loopback
 HTTP mirror (``tuf_testkit.mirror``) that the test switches to what an attacker would serve. Each
@@ -36,7 +36,7 @@ from tuf_testkit import (
 from runtime.release.contract import TUF_METADATA_DIR
 from runtime.release.signing import load_private_key
 from runtime.serve.channel_watch import FRESH, REFUSED, STALE, ChannelWatcher, Outcome
-from tasks.update_channel import Channel, key_file, load_state, publish_release, revoke_key
+from tasks.release.update_channel import Channel, key_file, load_state, publish_release, revoke_key
 
 REPO = Path(__file__).resolve().parents[2]
 POLL_S = 0.2  # the device's --tuf-interval here

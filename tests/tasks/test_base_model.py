@@ -6,7 +6,8 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from runtime.engine.hashing import backbone_hash
-from tasks.base_model import BaseModelError, check_base_model_dir, load_base_model, prepare_base_model
+from tasks.models import BaseModelError, check_base_model_dir, load_base_model
+from tasks.stages.base_model import prepare_base_model
 from tasks.config import parse_config
 
 

@@ -20,8 +20,10 @@ from kernels.kv_spec import PRE_ROPE_SCHEME, KVQuantSpec
 from runtime.engine.adapter_config import ADAPTER_WEIGHTS, AdapterError
 from runtime.engine.hashing import backbone_hash, sha256_file
 from runtime.engine.kv_scales import KV_SCALES_FILE, KV_SCALES_JSON, KVScales, KVScalesError, read_kv_scales
-from tasks.calibrate import cache_kwargs, calibrate_kv_scales, main, save_kv_scales
-from tasks.data import rulebook, sample_examples, write_jsonl
+from tasks.kv_stats import cache_kwargs
+from tasks.stages.calibrate import calibrate_kv_scales, main, save_kv_scales
+from tasks.inspection import rulebook, sample_examples
+from tasks.records import write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +207,7 @@ def test_cli_reads_the_kv_section_of_params(release, tmp_path):
 def test_with_kv_disabled_the_stage_calibrates_nothing_and_says_so(tmp_path, capsys):
     """A float-cache profile: no base model or adapter is read (none exists here), no scales are written."""
     from runtime.engine.kv_scales import KV_SCALES_FILE
-    from tasks.calibrate import KV_DISABLED_FILE
+    from tasks.stages.calibrate import KV_DISABLED_FILE
 
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({
@@ -232,7 +234,7 @@ def test_cli_refuses_bad_kv_settings_naming_the_key(tmp_path, capsys):
 def test_calibration_binds_scales_to_the_compiled_engine_interface(release, tmp_path):
     """An adapter bound to a compiled engine is checked against that engine, and so are its scales."""
     from runtime.engine.interface import read_interface
-    from tasks.compile import compile_engine
+    from tasks.stages.compile import compile_engine
 
     engine_dir = tmp_path / "engine"
     compile_engine(release["base"], engine_dir, max_rank=8, ort_threads=1)
@@ -278,7 +280,7 @@ def test_calibration_turns_a_layer_when_the_turned_cache_quantizes_its_calibrati
     from bench.kv_quality import inject_key_outliers
     from kernels.kv_quant import hadamard_matrix
     from runtime.engine.model import load_backbone
-    from tasks.calibrate import ROTATION_MIN_GAIN, choose_rotation, collect_kv_stats
+    from tasks.kv_stats import ROTATION_MIN_GAIN, choose_rotation, collect_kv_stats
 
     backbone = inject_key_outliers(load_backbone(tiny_llama_dir), factor=50.0)  # the float model is unchanged
     stats, rotation, record = choose_rotation(backbone, _random_batches(), KVQuantSpec(), 99.0)
@@ -298,7 +300,7 @@ def test_calibration_turns_a_layer_when_the_turned_cache_quantizes_its_calibrati
 
 def test_keys_cached_before_rope_are_never_turned(tiny_llama_dir):
     from runtime.engine.model import load_backbone
-    from tasks.calibrate import choose_rotation
+    from tasks.kv_stats import choose_rotation
 
     _, rotation, record = choose_rotation(load_backbone(tiny_llama_dir), _random_batches(), PRE_ROPE_SCHEME, 99.0)
     assert rotation is None and record["rotation"] == ["none", "none"] and "kv_error_hadamard" not in record

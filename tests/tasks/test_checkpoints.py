@@ -17,10 +17,10 @@ import torch
 from runtime.engine.generate import generate_text
 from runtime.engine.model import read_config
 from runtime.engine.tokenizer import ChatPrompt, DeviceTokenizer, encode_prompt
-from tasks.base_model import BaseModelError, check_base_model_dir, load_tokenizer
-from tasks.data import DataError, Example
+from tasks.models import BaseModelError, check_base_model_dir, load_tokenizer
+from tasks.records import DataError, Example
 from tasks.scoring import greedy_completions
-from tasks.kv_quality import greedy_through_cache
+from tasks.checks.kv_quality import greedy_through_cache
 from tasks.training import encode_example
 
 PROMPT = "inspect board=PCB-0007 void_pct=12 verdict:"
@@ -139,7 +139,7 @@ def break_eos(model_dir):
                          ids=["sliding-window", "rope-type", "bin-only", "no-eos"])
 def test_base_model_stage_refuses_with_one_line_exit_2_and_writes_nothing(breaks, llama_copy, tmp_path, monkeypatch,
                                                                           capsys):
-    from tasks.base_model import main
+    from tasks.stages.base_model import main
 
     file, message = breaks(llama_copy)
     (tmp_path / "params.yaml").write_text(f"base_model:\n  source: local\n  path: {llama_copy}\n")
@@ -326,9 +326,9 @@ def test_transformers_tokenizer_that_disagrees_with_tokenizer_json_is_refused(ti
 
 def test_compiled_engine_of_the_bos_llama3_checkpoint_matches_pytorch(tiny_llama_bos_dir, tmp_path):
     from runtime.engine.backends.onnxruntime import OrtEngine
-    from tasks.base_model import load_base_model
-    from tasks.compile import compile_engine
-    from tasks.evaluate import engine_perplexity, perplexity
+    from tasks.models import load_base_model
+    from tasks.stages.compile import compile_engine
+    from tasks.stages.evaluate import engine_perplexity, perplexity
 
     compile_engine(tiny_llama_bos_dir, tmp_path / "engine", max_rank=4, ort_threads=1)
     engine = OrtEngine(tmp_path / "engine", threads=1)

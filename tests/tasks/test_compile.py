@@ -11,10 +11,10 @@ import pytest
 from engine_testkit import make_model, tiny_engine, tiny_qwen  # noqa: F401  (fixtures)
 from project_testkit import ENV, repeated_lines
 
-import tasks.compile as compile_stage
+import tasks.stages.compile as compile_stage
 from runtime.engine.hashing import backbone_hash
 from runtime.engine.interface import LOGIT_POSITIONS_INTERFACE_VERSION, read_interface
-from tasks.compile import compile_engine
+from tasks.stages.compile import compile_engine
 
 
 def test_unchanged_backbone_is_a_cache_hit_with_no_export(tiny_qwen, tiny_engine, tmp_path, monkeypatch):
@@ -104,7 +104,7 @@ def test_large_backbone_is_exported_with_its_weights_beside_every_graph(tiny_qwe
 # The stage as DVC runs it, then a warning from the exporter's optimizer after the stage set up its logging.
 COMPILE_THEN_WARN = """
 import logging, sys
-from tasks.compile import main
+from tasks.stages.compile import main
 code = main(["--params", "params.yaml"])
 logging.getLogger("onnxscript.rewriter").warning("a warning from onnxscript")
 sys.exit(code)

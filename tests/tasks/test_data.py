@@ -7,17 +7,9 @@ import pytest
 
 from runtime.engine.tokenizer import ChatPrompt
 from tasks.config import DataConfig
-from tasks.data import (
-    DEFECTS,
-    DataError,
-    changed_rules,
-    generate_month,
-    import_month,
-    prepare_data,
-    read_jsonl,
-    read_text_corpus,
-    rulebook,
-)
+from tasks.inspection import DEFECTS, changed_rules, rulebook
+from tasks.records import DataError, read_jsonl, read_text_corpus
+from tasks.stages.data import generate_month, import_month, prepare_data
 
 SMALL = DataConfig(train_size=40, val_size=8, calib_size=8, test_size=16, heldout_lines=8)
 REPO = Path(__file__).resolve().parents[2]
@@ -125,7 +117,7 @@ def test_cli_exits_nonzero_and_names_the_bad_key(tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text("data:\n  month: november\n")
     result = subprocess.run(
-        [sys.executable, "-m", "tasks.data", "--params", str(params)],
+        [sys.executable, "-m", "tasks.stages.data", "--params", str(params)],
         cwd=REPO, capture_output=True, text=True,
     )
     assert result.returncode == 2

@@ -3,9 +3,9 @@ import math
 import pytest
 from transformers import AutoModelForCausalLM
 
-from tasks.base_model import load_tokenizer
-from tasks.data import Example
-from tasks.evaluate import perplexity
+from tasks.models import load_tokenizer
+from tasks.records import Example
+from tasks.stages.evaluate import perplexity
 from tasks.scoring import accuracy_report
 
 
@@ -42,8 +42,8 @@ def test_perplexity_of_an_untrained_model_is_near_the_vocabulary_size(tiny_llama
 
 def test_perplexity_on_the_engine_equals_perplexity_in_pytorch(tiny_llama_dir, tmp_path):
     from runtime.engine.backends.onnxruntime import OrtEngine
-    from tasks.compile import compile_engine
-    from tasks.evaluate import engine_perplexity
+    from tasks.stages.compile import compile_engine
+    from tasks.stages.evaluate import engine_perplexity
 
     compile_engine(tiny_llama_dir, tmp_path / "engine", max_rank=4, ort_threads=1)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
@@ -56,8 +56,8 @@ def test_perplexity_on_the_engine_equals_perplexity_in_pytorch(tiny_llama_dir, t
 
 def test_decode_latency_rows_carry_the_past_length_each_step_attends_to(tiny_llama_dir, tmp_path):
     from runtime.engine.backends.onnxruntime import OrtEngine
-    from tasks.compile import compile_engine
-    from tasks.evaluate import decode_latency
+    from tasks.stages.compile import compile_engine
+    from tasks.stages.evaluate import decode_latency
     from tasks.plots import latency_by_past_length, latency_figure, read_rows, save_figure
 
     compile_engine(tiny_llama_dir, tmp_path / "engine", max_rank=4, ort_threads=1)

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from runtime.engine.hashing import backbone_hash
 from tasks.config import DataConfig, LoraSection, TrainConfig
-from tasks.data import generate_month
-from tasks.finetune import finetune
+from tasks.stages.data import generate_month
+from tasks.stages.finetune import finetune
 from tasks.training import TrainingDiverged
 
 LORA = LoraSection(r=4, alpha=8)
@@ -74,7 +74,7 @@ def test_target_module_missing_from_the_model_is_a_config_error(tmp_path, tiny_l
 
 def test_adapter_is_bound_to_the_compiled_engine_and_a_foreign_engine_is_refused(tmp_path, tiny_llama_dir, month_dir):
     from runtime.engine.interface import read_interface
-    from tasks.compile import compile_engine
+    from tasks.stages.compile import compile_engine
 
     compile_engine(tiny_llama_dir, tmp_path / "engine", max_rank=4, ort_threads=1)
     adapter = finetune(tiny_llama_dir, month_dir, tmp_path / "ft", LORA, TRAIN, "abc", engine_dir=tmp_path / "engine")
@@ -149,9 +149,9 @@ def test_two_processes_train_the_global_batch_to_the_val_loss_of_one(tmp_path, m
 
     import yaml
 
-    from tasks.base_model import prepare_base_model
+    from tasks.stages.base_model import prepare_base_model
     from tasks.config import load_config
-    from tasks.data import run_stage as write_data
+    from tasks.stages.data import run_stage as write_data
 
     repo = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(tmp_path)  # a project: the embedded default is built at its models/base
@@ -169,7 +169,7 @@ def test_two_processes_train_the_global_batch_to_the_val_loss_of_one(tmp_path, m
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
     val, metrics = {}, {}
     for processes in (1, 2):
-        done = subprocess.run([sys.executable, "-m", "tasks.finetune", "--params", f"p{processes}.yaml"], env=env,
+        done = subprocess.run([sys.executable, "-m", "tasks.stages.finetune", "--params", f"p{processes}.yaml"], env=env,
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         finetune_dir = load_config(f"p{processes}.yaml").layout.finetune_dir

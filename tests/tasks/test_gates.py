@@ -3,10 +3,13 @@ import json
 import pytest
 
 from tasks.config import GatesConfig, ReleaseConfig, parse_config
-from tasks.data import Example
+from tasks.records import Example
 from tasks.scoring import accuracy_report
-from tasks.gates import (current_champion, evaluation_gates, failed_reason, gate_report, package_gates,
-                         render_gate_table, run_stage, weights_accuracy_gate)
+from tasks.gate_rules import (
+    current_champion, evaluation_gates, failed_reason, gate_report, package_gates, render_gate_table,
+    weights_accuracy_gate,
+)
+from tasks.stages.gates import run_stage
 
 
 def good_metrics(**engine_overrides) -> dict:

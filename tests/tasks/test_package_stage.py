@@ -14,9 +14,9 @@ import pytest
 import yaml
 from release_testkit import world
 
-from runtime.release.package import load_trusted_keys, release_probes, verify_release
+from runtime.release.verify import load_trusted_keys, release_probes, verify_release
 from runtime.release.signing import generate_key, key_id, load_private_key
-from tasks.package import build_release, main, select_probes
+from tasks.stages.package import build_release, main, select_probes
 
 GATES = {"passed": True, "gates": [
     {"name": "accuracy_new", "value": 0.97, "threshold": 0.95, "op": ">=", "passed": True, "detail": "engine"},
@@ -119,7 +119,7 @@ def test_a_missing_or_damaged_predictions_file_is_refused_naming_it(stage, capsy
     assert f"not a prediction row: {predictions}:1: missing field 'completion'" in capsys.readouterr().err
     predictions.unlink()
     assert main(["--params", str(stage["params"])]) == 2
-    assert f"{predictions} is missing: run python -m tasks.evaluate first" in capsys.readouterr().err
+    assert f"{predictions} is missing: run python -m tasks.stages.evaluate first" in capsys.readouterr().err
 
 
 def test_the_same_inputs_and_time_give_the_same_bytes(w, stage, tmp_path):

@@ -15,13 +15,13 @@ from runtime.engine.backends.onnxruntime import OrtEngine
 from runtime.engine.generate import generate_text
 from runtime.engine.interface import BLOCK_TABLE, LOGIT_POSITIONS_INTERFACE_VERSION, read_interface
 from runtime.engine.model import load_backbone
-from tasks.base_model import load_tokenizer
-from tasks.compile import compile_profile_engines
+from tasks.models import load_tokenizer
+from tasks.stages.compile import compile_profile_engines
 from tasks.config import parse_config, with_settings
-from tasks.engine_parity import MAX_KV_CODE_MISMATCH, quantized_prefill_parity
-from tasks.evaluate import decode_latency, engine_perplexity
-from tasks.weight_engines import quantize_engine_dir
-from tasks.weight_graph import calibrate_activations
+from tasks.checks.engine_parity import MAX_KV_CODE_MISMATCH, quantized_prefill_parity
+from tasks.stages.evaluate import decode_latency, engine_perplexity
+from tasks.weights.engines import quantize_engine_dir
+from tasks.weights.graph import calibrate_activations
 
 # Prompts of 11, 31 and 85 tokens: decoding 20 takes every row across a block boundary of 16.
 PROMPTS = ["inspect board=PCB-0001 verdict:", "inspect board=PCB-0042 line=L3 part=P7 defect=void size=12 verdict:",
@@ -72,7 +72,7 @@ def test_the_compile_stage_builds_a_paged_serving_engine_with_stacked_adapters_b
 
 
 def test_a_rerun_builds_nothing_and_another_block_size_is_built_beside_it(paged_build, monkeypatch):
-    import tasks.compile as compile_stage
+    import tasks.stages.compile as compile_stage
 
     cfg, first = paged_build
     again = compile_profile_engines(cfg)

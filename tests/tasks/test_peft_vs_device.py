@@ -1,4 +1,4 @@
-"""``python -m tasks.peft_vs_device`` finds the device answering what PEFT answers, and finds it when not."""
+"""``python -m tasks.checks.peft_vs_device`` finds the device answering what PEFT answers, and finds it when not."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import shutil
 import pytest
 
 from release_testkit import world
-from tasks.data import read_jsonl, rulebook, sample_examples, write_jsonl
-from tasks.peft_vs_device import compare, release_id, render, serving
+from tasks.inspection import rulebook, sample_examples
+from tasks.records import read_jsonl, write_jsonl
+from tasks.checks.peft_vs_device import compare, release_id, render, serving
 
 # A template the tiny world's tokenizer does not have: its tokenizer.json (and so the release's hash) is kept.
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -56,7 +57,7 @@ def test_peft_answers_a_model_that_ends_on_several_eos_ids_and_has_no_pad_token(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tasks.peft_vs_device import peft_greedy
+    from tasks.checks.peft_vs_device import peft_greedy
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_bos_dir)
     assert tokenizer.pad_token_id is None

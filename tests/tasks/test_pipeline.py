@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from tasks.config import ReleaseConfig, load_config
-from tasks.pipeline import PipelineError, ensure_dvc_repo, reproduce_stage, stage_names, write_params_file
+from tasks.release.stage_runner import PipelineError, ensure_dvc_repo, reproduce_stage, stage_names, write_params_file
 
 REPO = Path(__file__).resolve().parents[2]
 PARAMS = textwrap.dedent("""\
@@ -149,7 +149,7 @@ def test_a_failing_stage_names_itself(tmp_path):
 
 
 def test_a_url_remote_is_taken_as_is_and_a_folder_is_made_absolute(tmp_path):
-    from tasks.pipeline import remote_url
+    from tasks.release.stage_runner import remote_url
 
     assert remote_url(tmp_path, "s3://bucket/releases") == "s3://bucket/releases"
     assert remote_url(tmp_path, "store") == str(tmp_path / "store") and (tmp_path / "store").is_dir()
@@ -161,7 +161,7 @@ def test_dvc_needs_a_git_repository(tmp_path):
 
 
 def test_a_run_with_other_parameters_puts_the_params_file_back_when_it_ends(tmp_path):
-    from tasks.pipeline import params_for_run
+    from tasks.release.stage_runner import params_for_run
 
     path = tmp_path / "params.yaml"
     path.write_text(PARAMS)
@@ -175,7 +175,7 @@ def test_a_run_with_other_parameters_puts_the_params_file_back_when_it_ends(tmp_
 
 
 def test_a_killed_run_leaves_the_params_file_to_be_restored_by_the_next(tmp_path):
-    from tasks.pipeline import params_for_run
+    from tasks.release.stage_runner import params_for_run
 
     path = tmp_path / "params.yaml"
     path.write_text(PARAMS)

@@ -5,8 +5,9 @@ import sys
 
 import pytest
 
-from tasks.publish import (PublishError, ensure_registry, publish_release, read_channels, read_index, release_notes_path,
-                           rollback)
+from tasks.release.registry import (
+    PublishError, ensure_registry, publish_release, read_channels, read_index, release_notes_path, rollback,
+)
 
 
 def package(tmp_path, name: str, payload: bytes):

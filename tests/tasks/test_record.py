@@ -4,10 +4,10 @@ the fine-tune ran (device, precision, processes) as tags of its run, and as a li
 
 from tasks.artifacts import write_json
 from tasks.config import ReleaseConfig
-from tasks.gates import Gate, gate_report
-from tasks.pipeline import StageRun
+from tasks.gate_rules import Gate, gate_report
+from tasks.release.stage_runner import StageRun
 from tasks.plots import LOSS_CSV, VAL_LOSS_CSV
-from tasks.release import live_run, placement_line, record_in_mlflow
+from tasks.release.steps import live_run, placement_line, record_in_mlflow
 
 
 def test_record_twice_for_one_flow_run_logs_one_run_and_each_loss_point_once(tmp_path):
@@ -29,7 +29,7 @@ def test_record_twice_for_one_flow_run_logs_one_run_and_each_loss_point_once(tmp
     with live_run(cfg, tmp_path, "flow-run-7") as opened:
         first = record_in_mlflow(cfg, tmp_path, runs, {**gate_report([]), "packaged": False}, "flow-run-7")
         second = record_in_mlflow(cfg, tmp_path, runs, {**gate_report([]), "packaged": False}, "flow-run-7")
-        from tasks.tracking import client_for
+        from tasks.release.tracking import client_for
 
         client, experiment = client_for(cfg.publish, tmp_path)
         assert client.get_run(opened.run_id).info.status == "RUNNING"  # visible while the flow runs

@@ -7,8 +7,8 @@ import pytest
 
 from tasks.artifacts import write_json
 from tasks.config import ReleaseConfig
-from tasks.gates import Gate, gate_report
-from tasks.release_notes import describe_trigger, render_release_notes
+from tasks.gate_rules import Gate, gate_report
+from tasks.release.notes import describe_trigger, render_release_notes
 
 TRIGGER = {"by": "the deployment's schedule", "flow_run": "brave-otter (1234)", "url": "http://127.0.0.1:4200/runs/flow-run/1234"}
 
@@ -63,7 +63,8 @@ def test_published_notes_compare_with_the_champion_and_name_the_run(cfg, tmp_pat
 
 def test_the_notes_name_the_rules_changed_since_the_champions_month(cfg, tmp_path):
     from tasks.config import DataConfig
-    from tasks.data import generate_month, rulebook
+    from tasks.inspection import rulebook
+    from tasks.stages.data import generate_month
 
     small = {"train_size": 16, "val_size": 8, "calib_size": 8, "test_size": 16, "heldout_lines": 4}
     for month in ("2026-11", "2026-12"):
@@ -100,7 +101,7 @@ def test_the_trigger_says_schedule_person_or_local_run():
 
 
 def test_the_summary_artifact_carries_the_notes_as_its_last_section(cfg, tmp_path):
-    from tasks.release import summary_markdown
+    from tasks.release.steps import summary_markdown
 
     report = gates(False) | {"champion": None}
     notes = render_release_notes(cfg, tmp_path, report, "refused", TRIGGER, "run-abc", "deadbeef")

@@ -1,6 +1,8 @@
 from tasks.config import PublishConfig, ReleaseConfig
-from tasks.tracking import (CANDIDATE, CHAMPION, alias_version, client_for, flatten_numbers, log_stage_run,
-                            move_champion, register_candidate, restore_champion, start_release_run)
+from tasks.release.tracking import (
+    CANDIDATE, CHAMPION, alias_version, client_for, flatten_numbers, log_stage_run, move_champion, register_candidate,
+    restore_champion, start_release_run,
+)
 
 
 def test_numeric_leaves_become_dotted_metric_names():
@@ -34,7 +36,7 @@ def test_parent_and_nested_runs_versions_and_aliases_on_sqlite(tmp_path):
 
 
 def test_a_retried_record_finds_its_parent_run_stage_runs_and_model_version_again(tmp_path):
-    from tasks.tracking import log_history
+    from tasks.release.tracking import log_history
 
     publish = PublishConfig(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifacts_dir=str(tmp_path / "mlruns"))
     client, experiment = client_for(publish, tmp_path)

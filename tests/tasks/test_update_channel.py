@@ -24,10 +24,10 @@ from tuf.api.metadata import Metadata
 from tuf_testkit import resign_metadata, same_length_change, serve, updater
 
 from runtime.release.contract import TUF_CHANNELS_TARGET, product_path, release_target_path
-from runtime.release.package import write_tarball
+from runtime.release.verify import write_tarball
 from runtime.release.signing import load_private_key
 from tasks.config import ConfigError, PublishConfig, parse_config
-from tasks.update_channel import (
+from tasks.release.update_channel import (
     ROOT_THRESHOLD, Channel, UpdateChannelError, ensure_repository, key_file, load_state, publish_release, refresh,
     rotate_root, status,
 )
@@ -137,7 +137,7 @@ def test_each_product_has_its_own_channels_and_candidate_in_one_repository(chann
 def test_every_published_file_is_fsynced_then_renamed_into_place_then_its_folder_fsynced(channel, tmp_path):
     """A power cut must leave a served file whole or absent: the system calls of a real publish, as strace saw them."""
     release, trace = fake_release(tmp_path / "r", "2026-11"), tmp_path / "trace"
-    code = ("import sys; from pathlib import Path; from tasks.update_channel import Channel, publish_release; "
+    code = ("import sys; from pathlib import Path; from tasks.release.update_channel import Channel, publish_release; "
             "publish_release(Channel(Path(sys.argv[1]), Path(sys.argv[2])), Path(sys.argv[3]), '2026-11', '2026-11')")
     subprocess.run(["strace", "-f", "-y", "-qq", "-e", "trace=fsync,rename,renameat,renameat2", "-o", str(trace),
                     sys.executable, "-c", code, str(channel.repo), str(channel.keys), str(release)],
@@ -218,7 +218,7 @@ def params_file(tmp_path: Path, channel: Channel) -> Path:
 
 
 def cli(params: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tasks.update_channel", "--params", str(params), *args],
+    return subprocess.run([sys.executable, "-m", "tasks.release.update_channel", "--params", str(params), *args],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
 
 

@@ -1,4 +1,4 @@
-"""Weight-quantized engine directories (tasks/weight_engines.py): records, cache keys, the compile stage's copy."""
+"""Weight-quantized engine directories (tasks/weights/engines.py): records, cache keys, the compile stage's copy."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from engine_testkit import tiny_engine, tiny_qwen  # noqa: F401  (fixtures)
 from weight_testkit import external_copy
 
 from runtime.engine.backends.onnxruntime import OrtEngine
-from tasks.weight_engines import ensure_quantized_engine, quantize_engine_dir
-from tasks.weight_graph import DEFAULT_BLOCK_SIZE, WeightQuantError
+from tasks.weights.engines import ensure_quantized_engine, quantize_engine_dir
+from tasks.weights.graph import DEFAULT_BLOCK_SIZE, WeightQuantError
 
 
 def test_cache_key_and_record_separate_precisions(tiny_engine, tmp_path):
@@ -58,7 +58,7 @@ def test_compile_stage_builds_the_int8_serving_engine_once_inside_the_float_ones
     import yaml
 
     from runtime.engine.interface import read_interface
-    from tasks import compile as compile_stage
+    from tasks.stages import compile as compile_stage
     from tasks.config import load_config
 
     params = tmp_path / "params.yaml"
@@ -94,7 +94,7 @@ def test_quantized_weights_are_refused_on_a_backend_that_cannot_run_them():
 def test_tensorrt_release_gets_the_qdq_serving_engine_from_the_compile_stage(tiny_llama_dir, tmp_path):
     import yaml
 
-    from tasks import compile as compile_stage
+    from tasks.stages import compile as compile_stage
     from tasks.config import load_config
 
     params = tmp_path / "params.yaml"

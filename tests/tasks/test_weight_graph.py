@@ -1,4 +1,4 @@
-"""The graph rewrite of tasks/weight_graph.py: what the quantized graphs hold, and the activation calibration."""
+"""The graph rewrite of tasks/weights/graph.py: what the quantized graphs hold, and the activation calibration."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from weight_testkit import external_copy, prefill_and_decode
 
 from runtime.engine.adapter import load_adapter
 from runtime.engine.backends.onnxruntime import OrtEngine
-from tasks.weight_engines import open_on_cpu, quantize_engine_dir
-from tasks.weight_graph import calibrate_activations
+from tasks.weights.engines import open_on_cpu, quantize_engine_dir
+from tasks.weights.graph import calibrate_activations
 
 
 def test_tensorrt_qdq_graph_holds_only_what_its_onnx_parser_takes(tiny_engine, qwen_adapter, tmp_path):
@@ -106,7 +106,7 @@ def test_the_embedding_table_becomes_a_gather_block_quantized_with_the_float_tab
                                   ("int8-sym", ("lm_head",), True)):
         out = tmp_path / name
         if symmetric:  # the engine-dir writer takes the serving settings; the graph rewrite takes symmetry
-            from tasks.weight_graph import quantize_engine_weights
+            from tasks.weights.graph import quantize_engine_weights
 
             quantize_engine_dir(tiny_engine, out, "int8", 32, keep=keep)
             record = quantize_engine_weights(tiny_engine / "model.onnx", out / "model.onnx", 8, 32, keep=keep, symmetric=True)
@@ -132,7 +132,7 @@ def test_the_embedding_table_becomes_a_gather_block_quantized_with_the_float_tab
 
 def test_only_the_lm_head_is_written_in_slices_and_the_engine_computes_the_same_logits(tiny_engine, tmp_path,
                                                                                         monkeypatch):
-    import tasks.weight_graph as weight_graph
+    import tasks.weights.graph as weight_graph
 
     # Given the int4 engine with an 8-bit head written whole, and again with slices of at most 4 kB of codes
     ids = np.random.default_rng(5).integers(0, 96, (2, 9))

@@ -14,7 +14,7 @@ from weight_testkit import prefill_and_decode
 from kernels.weight_quant import dequantize_groups, quantize_groups
 from runtime.engine.adapter import load_adapter
 from runtime.engine.backends.onnxruntime import OrtEngine
-from tasks.weight_engines import open_on_cpu, quantize_engine_dir
+from tasks.weights.engines import open_on_cpu, quantize_engine_dir
 from weight_reference import reference_backbone
 
 
@@ -85,7 +85,7 @@ def _run_x_to_y(nodes, inits, x: np.ndarray, n_out: int) -> np.ndarray:
 
 @pytest.mark.parametrize("bits,K,block", [(4, 256, 128), (8, 256, 32), (4, 96, 64)], ids=["int4", "int8", "int4-partial-block"])
 def test_int8_rounded_linear_is_what_matmulnbits_computes_at_accuracy_level_4(bits, K, block):
-    from tasks.weight_graph import matmulnbits_nodes
+    from tasks.weights.graph import matmulnbits_nodes
     from weight_reference import int8_rounded_linear
 
     # Given one MatMulNBits node with int8 compute and the dequantized weight of its codes
@@ -101,7 +101,7 @@ def test_int8_rounded_linear_is_what_matmulnbits_computes_at_accuracy_level_4(bi
 
 
 def test_a_head_over_the_slice_size_is_written_in_slices_that_compute_its_logits():
-    from tasks.weight_graph import matmulnbits_nodes
+    from tasks.weights.graph import matmulnbits_nodes
 
     # Given an 8-bit head of 1,000 columns over 128 inputs (128,000 code bytes), whole and in slices of 32 kB
     torch.manual_seed(0)

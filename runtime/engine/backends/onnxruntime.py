@@ -57,8 +57,8 @@ from runtime.engine.kv_scales import kv_scale_inputs
 # runtime (ORT's own order) has another name, so it is optimized again instead of run in that order.
 OPTIMIZED_ONNX = f"model.ort-{ort.__version__}.outputs-early.onnx"
 OPTIMIZED_ONNX_DATA = OPTIMIZED_ONNX + ".data"  # its initializers
-# An exported graph whose weights exceed this keeps them in a file beside it (``tasks.compile``,
-# ``tasks.weight_graph``): protobuf refuses to serialize a message of 2 GiB or more, and the session that
+# An exported graph whose weights exceed this keeps them in a file beside it (``tasks.stages.compile``,
+# ``tasks.weights.graph``): protobuf refuses to serialize a message of 2 GiB or more, and the session that
 # optimizes an engine on its first open copies a graph's inline weights onto its heap, where a data file's are
 # mapped. 0.5B int4 engine (474 MB of weights), first open in one process: peak 1.06 GB inline, 0.60 GB from a data
 # file (once optimized, an open peaks at 0.46 GB either way). Small graphs (the embedded default's) stay one file.

@@ -15,7 +15,7 @@ inputs are copied to the GPU once per adapter and their addresses bound once; a 
 the input shapes, the ids/positions/mask/cache addresses, and reads the logits back.
 
 Precision follows the graph ("strong typing"): a float32 ONNX gives a float32 engine.
-The weight-only int8/int4 copies (``tasks.weight_graph``, format ``qdq_fp16``) run their
+The weight-only int8/int4 copies (``tasks.weights.graph``, format ``qdq_fp16``) run their
 projections in fp16, the rest in fp32; an all-fp16 engine would need an fp16 export, not produced yet.
 """
 

@@ -21,9 +21,9 @@ files ``<role>-<n>.key`` in ``publish.tuf_keys_dir``: root ``ROOT_KEYS`` keys wi
 needed to create the repository and to change keys (``rotate-root``, ``revoke-key``): keep them
 offline and bring them back with ``--root-key`` (docs/update-channel.md).
 
-    python -m tasks.update_channel init | refresh | status [--params params.yaml]
-    python -m tasks.update_channel rotate-root [--add-key FILE] [--remove-key KEYID] [--threshold N] [--root-key FILE]
-    python -m tasks.update_channel revoke-key KEYID --replacement FILE [--root-key FILE]
+    python -m tasks.release.update_channel init | refresh | status [--params params.yaml]
+    python -m tasks.release.update_channel rotate-root [--add-key FILE] [--remove-key KEYID] [--threshold N] [--root-key FILE]
+    python -m tasks.release.update_channel revoke-key KEYID --replacement FILE [--root-key FILE]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from runtime.release.contract import (
     DEFAULT_PRODUCT, MANIFEST, TUF_CHANNELS_TARGET, TUF_METADATA_DIR, TUF_TARGETS_DIR, channels_bytes, manifest_product,
     product_path, registry_release_path, release_target_path,
 )
-from runtime.release.package import write_tarball
+from runtime.release.verify import write_tarball
 from runtime.release.signing import generate_key, load_private_key
 from tasks.config import PublishConfig, StageError
 
@@ -170,7 +170,7 @@ def _load(path: Path) -> Metadata:
         return Metadata.from_bytes(path.read_bytes())
     except OSError as err:
         raise UpdateChannelError(f"{path}: cannot read TUF metadata ({err.strerror}); is {path.parent.parent} "
-                                 "an update channel (python -m tasks.update_channel init)?") from None
+                                 "an update channel (python -m tasks.release.update_channel init)?") from None
 
 
 def root_versions(channel: Channel) -> list[int]:
@@ -181,7 +181,7 @@ def load_state(channel: Channel) -> State:
     versions = root_versions(channel)
     if not versions:
         raise UpdateChannelError(f"{channel.metadata}: no root metadata; create the repository first "
-                                 "(python -m tasks.update_channel init)")
+                                 "(python -m tasks.release.update_channel init)")
     root = _load(_metadata_file(channel, Root.type, versions[-1]))
     timestamp = _load(_metadata_file(channel, Timestamp.type, 0))
     snapshot = _load(_metadata_file(channel, Snapshot.type, timestamp.signed.snapshot_meta.version))
@@ -330,9 +330,9 @@ def publish_from_registry(publish: PublishConfig, month: str, now: dt.datetime |
                           product: str = DEFAULT_PRODUCT) -> list[str]:
     """Sign the registry's ``month`` of ``product`` (as ``releases/<month>`` holds it) and the product's champion
     into the update channel. The flow runs it once the registry has committed; a rerun
-    (``tasks.release.reconcile_published``) finishes it after a crash. Returns the roles written ([]: the
+    (``tasks.release.steps.reconcile_published``) finishes it after a crash. Returns the roles written ([]: the
     channel already said so)."""
-    from tasks.publish import read_channels
+    from tasks.release.registry import read_channels
 
     registry = Path(publish.registry_dir)
     champion = read_channels(registry, product).get("champion")
@@ -448,7 +448,7 @@ def status(channel: Channel) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from tasks.config import load_config
 
-    parser = argparse.ArgumentParser(prog="python -m tasks.update_channel", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tasks.release.update_channel", description=__doc__.splitlines()[0])
     parser.add_argument("--params", default="params.yaml", help="publish.tuf_dir, tuf_keys_dir, timestamp_expiry_days")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("init", "refresh", "status"):

@@ -9,7 +9,7 @@ rest (a symbol from a mark, punctuation from a symbol), which a LoRA adapter lea
 disjoint characters, the same number of each class. The held-out text for perplexity is real prose:
 paragraphs of the Python reference's topics (``pydoc_data.topics``), not task rows.
 
-    python -m tasks.real_model_data --out real-models/unicode/2026-11    # make real-model
+    python -m tasks.real_model.month --out real-models/unicode/2026-11    # make real-model
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from runtime.engine.tokenizer import ChatPrompt
 from tasks.artifacts import atomic_output_dir
-from tasks.data import HELDOUT_TEXT, Example, write_jsonl
+from tasks.records import HELDOUT_TEXT, Example, write_jsonl
 
 DEFAULT_OUT = Path("real-models/unicode/2026-11")
 # The class of each general category kept; the others (other letters, other numbers, separators,

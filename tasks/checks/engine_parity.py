@@ -5,7 +5,7 @@ Two numbers: the max abs logit difference over every test prompt's prefill (must
 PyTorch side is ``tasks.scoring.greedy_completions``, the engine side
 ``runtime.engine.generate.generate_text``, with the same batch size and max new tokens).
 
-    python -m tasks.engine_parity --base-dir B --adapter-dir A --engine-dir E --test test.jsonl
+    python -m tasks.checks.engine_parity --base-dir B --adapter-dir A --engine-dir E --test test.jsonl
 """
 
 from __future__ import annotations
@@ -140,8 +140,8 @@ def engine_parity(
     from runtime.engine.adapter import load_adapter
     from runtime.engine.backends.onnxruntime import OrtEngine
     from runtime.engine.generate import generate_text
-    from tasks.base_model import load_base_model
-    from tasks.data import read_jsonl
+    from tasks.models import load_base_model
+    from tasks.records import read_jsonl
     from tasks.scoring import greedy_completions
 
     prompts = [ex.prompt for ex in read_jsonl(Path(test_jsonl))]

@@ -10,11 +10,13 @@ its own ``PackageError`` subclass with a ``reason`` and a process exit code (``E
 Nothing is executed or unpickled: JSON is parsed with ``json``, tensors with safetensors, and
 the only files accepted are the ``.json`` / ``.safetensors`` ones the signed manifest lists.
 
-Order of the checks, cheapest and most fundamental first: layout (regular files only, no
-links, no unlisted names) -> signature over the manifest bytes (nothing in the manifest is
-trusted before this) -> manifest fields -> size limits -> sha256 of every file -> expiry ->
-rollback -> backbone and interface hashes against the local engine -> tokenizer -> adapter
-rank, modules, shapes, finite values (``runtime.engine.adapter.load_adapter``) -> KV-scale sanity.
+Order of the checks, cheapest and most fundamental first, one function per phase: layout
+(``_listing``: regular files only, no links) -> signature over the manifest bytes (``_check_signature``:
+nothing in the manifest is trusted before this) -> manifest fields (``_signed_manifest``) -> files
+(``_check_files``: size limits, no unlisted names, sha256 of every file) -> freshness (``_check_freshness``:
+expiry, the month and product it was fetched as, rollback) -> engine (``_check_engine``: backbone and interface
+hashes against the local engine, tokenizer) -> adapter rank, modules, shapes, finite values (``_adapter_inputs``,
+``runtime.engine.adapter.load_adapter``) -> KV-scale sanity (``_kv_scales``).
 
 Rollback protection: a candidate whose release id sorts before the active release's
 (``runtime.release.contract.release_order``) is refused unless rollback is explicitly allowed; the same
@@ -430,21 +432,41 @@ def verify_release(
     fetched as (a registry's or an update channel's ``releases/<month>``), which its manifest must say.
     ``product``: the product it was fetched or loaded as, which its manifest must say (absent: the default).
     """
+    path = Path(path)
+    now = now or dt.datetime.now(dt.timezone.utc)
+    sizes = _listing(path)
+    raw, kid = _check_signature(path, sizes, trusted_keys)
+    checks = [f"signature: ed25519 key {kid}"]
+    manifest = _signed_manifest(raw, path / MANIFEST)
+    checks.append(_check_files(path, sizes, manifest["files"], max_bytes))
+    checks += _check_freshness(path, manifest, now, month, product, active_release, allow_rollback)
+    verified = VerifiedRelease(path, manifest, kid, checks=checks)
+    if iface is None:
+        checks.append("engine: skipped (no engine given): backbone, interface, adapter and KV bindings unchecked")
+        return verified
+    checks.append(_check_engine(path, manifest, iface, tokenizer_sha256, stop_token_ids))
+    verified.lora, adapter_check = _adapter_inputs(path, manifest, iface)
+    checks.append(adapter_check)
+    verified.kv_scales, kv_checks = _kv_scales(path, manifest, iface)
+    checks += kv_checks
+    return verified
+
+
+def _check_signature(path: Path, sizes: dict[str, int], trusted_keys: dict) -> tuple[bytes, str]:
+    """(manifest bytes, id of the trusted key that signed them). Refuses a directory without a manifest (not a
+    release), one without a signature (an unsigned release is never loaded), a manifest over MAX_MANIFEST_BYTES
+    (refused before it is read), and a signature that no trusted key verifies over those exact bytes, naming
+    the key the manifest claims when this device does not trust it. Nothing in the manifest is trusted before."""
     from cryptography.exceptions import InvalidSignature
 
     from runtime.release.signing import verify_detached
 
-    path = Path(path)
-    now = now or dt.datetime.now(dt.timezone.utc)
-    sizes = _listing(path)
-    checks = []
     if MANIFEST not in sizes:
         raise MalformedPackage(f"{path}: {MANIFEST} is missing; not a release")
     if SIGNATURE not in sizes:
         raise SignatureRefused(f"{path}: {SIGNATURE} is missing; unsigned releases are never loaded")
     if sizes[MANIFEST] > MAX_MANIFEST_BYTES:
         raise SizeLimitExceeded(f"{path / MANIFEST}: {sizes[MANIFEST]} bytes, the limit is {MAX_MANIFEST_BYTES}")
-
     raw = (path / MANIFEST).read_bytes()
     signature = (path / SIGNATURE).read_bytes()[:128]
     try:  # only to learn which key claims to have signed; nothing is trusted before the signature
@@ -452,24 +474,33 @@ def verify_release(
     except (ValueError, AttributeError):
         claimed = None
     try:
-        kid = verify_detached(trusted_keys, raw, signature, claimed if isinstance(claimed, str) else None)
+        return raw, verify_detached(trusted_keys, raw, signature, claimed if isinstance(claimed, str) else None)
     except InvalidSignature as err:
         if isinstance(claimed, str) and claimed not in trusted_keys:
             raise SignatureRefused(f"{path / SIGNATURE}: manifest says it was signed by key {claimed}, which this "
                                    f"device does not trust (trusted: {', '.join(sorted(trusted_keys))})") from None
         raise SignatureRefused(f"{path / SIGNATURE}: signature does not verify against {path / MANIFEST} "
                                f"with any trusted key ({err}); the manifest or its signature was altered") from None
-    checks.append(f"signature: ed25519 key {kid}")
 
+
+def _signed_manifest(raw: bytes, where: Path) -> dict:
+    """The signed manifest, parsed. Refuses bytes that are not a JSON object and any field every later check
+    reads (``_check_manifest_fields``): a signature proves who wrote a manifest, not that this runtime reads it."""
     try:
         manifest = json.loads(raw)
     except ValueError as err:
-        raise MalformedPackage(f"{path / MANIFEST}: not valid JSON ({err})") from None
+        raise MalformedPackage(f"{where}: not valid JSON ({err})") from None
     if not isinstance(manifest, dict):
-        raise MalformedPackage(f"{path / MANIFEST}: top level must be an object")
-    _check_manifest_fields(manifest, path / MANIFEST)
+        raise MalformedPackage(f"{where}: top level must be an object")
+    _check_manifest_fields(manifest, where)
+    return manifest
 
-    listed = manifest["files"]
+
+def _check_files(path: Path, sizes: dict[str, int], listed: dict, max_bytes: int) -> str:
+    """What the manifest says of the files is what the directory holds; the check passed. Refuses a release whose
+    declared size or file count is over the device's limit (before anything is hashed), a file the signed manifest
+    does not list (nothing unsigned reaches a reader), and a listed file that is missing, of another size, or of
+    another sha256 (altered or corrupted after signing)."""
     declared = sum(e["bytes"] for e in listed.values()) + sizes[MANIFEST] + sizes[SIGNATURE]
     if declared > max_bytes or len(listed) > MAX_FILES:
         raise SizeLimitExceeded(f"{path}: {declared} bytes in {len(listed)} files, the device limit is "
@@ -486,14 +517,20 @@ def verify_release(
         if digest != entry["sha256"]:
             raise ChecksumMismatch(f"{path / name}: sha256 {digest[:12]} does not match the manifest's "
                                    f"{entry['sha256'][:12]}; the file was altered or corrupted")
-    checks.append(f"checksums: {len(listed)} files, {declared} bytes")
+    return f"checksums: {len(listed)} files, {declared} bytes"
 
+
+def _check_freshness(path: Path, manifest: dict, now: dt.datetime, month: str | None, product: str | None,
+                     active_release: str | None, allow_rollback: bool) -> list[str]:
+    """The checks passed that a validly signed release is the one this device should take now. Refuses an expired
+    release (a frozen or replayed one), one whose signed month or product is not what it was fetched as (another
+    release served under this name), and, unless ``allow_rollback``, one older than ``active_release`` (a
+    rollback is a local act, never one a package can ask for)."""
     expires = parse_time(manifest["expires_at"])
     if now >= expires:
         raise ExpiredRelease(f"{path / MANIFEST}: release {manifest['release_id']} expired at "
                              f"{manifest['expires_at']} (now {format_time(now)}); publish a fresh release")
-    checks.append(f"expiry: valid until {manifest['expires_at']}")
-
+    checks = [f"expiry: valid until {manifest['expires_at']}"]
     if month is not None:
         if manifest["month"] != month:
             raise MonthMismatch(f"{path}: fetched as the release of {month}, but its signed manifest is release "
@@ -504,7 +541,6 @@ def verify_release(
             raise ProductMismatch(f"{path}: fetched as a release of product {product}, but its signed manifest is "
                                   f"release {manifest['release_id']} of product {manifest_product(manifest)}; refused")
         checks.append(f"product: {product}, as fetched")
-
     if active_release is not None:
         if release_order(manifest["release_id"]) < release_order(active_release):
             if not allow_rollback:
@@ -513,19 +549,20 @@ def verify_release(
             checks.append(f"rollback: allowed explicitly, from {active_release}")
         else:
             checks.append(f"rollback: not older than active {active_release}")
+    return checks
 
-    verified = VerifiedRelease(path, manifest, kid, checks=checks)
-    if iface is None:
-        checks.append("engine: skipped (no engine given): backbone, interface, adapter and KV bindings unchecked")
-        return verified
 
+def _check_engine(path: Path, manifest: dict, iface: EngineInterface, tokenizer_sha256: str | None,
+                  stop_token_ids: tuple[int, ...] | None) -> str:
+    """The release was made for this device's engine and tokenizer; the check passed. Refuses another backbone,
+    an engine interface the local engine does not accept (its inputs would mean something else), and a tokenizer
+    or stop ids other than the ones the release was evaluated with (the same ids would be other text)."""
     if manifest["base_model_hash"] != iface.backbone_hash:
         raise BackboneMismatch(f"{path}: release is for backbone {manifest['base_model_hash'][:12]}, "
                                f"the local engine runs backbone {iface.backbone_hash[:12]}")
     if manifest["engine"]["interface_hash"] not in iface.accepted_hashes:
         raise InterfaceMismatch(f"{path}: release is for engine interface {manifest['engine']['interface_hash'][:12]}, "
                                 f"the local engine has {iface.interface_hash[:12]}")
-    checks.append(f"engine: backbone {iface.backbone_hash[:12]}, interface {manifest['engine']['interface_hash'][:12]}")
     if tokenizer_sha256 is not None and manifest.get("tokenizer_sha256") not in (None, tokenizer_sha256):
         raise TokenizerMismatch(f"{path}: release was trained with tokenizer {manifest['tokenizer_sha256'][:12]}, "
                                 f"the device has {tokenizer_sha256[:12]}")
@@ -536,22 +573,34 @@ def verify_release(
         raise TokenizerMismatch(f"{path}: release was evaluated stopping at token ids {expected_stops}, the device's "
                                 f"tokenizer stops at {list(stop_token_ids)} (its tokenizer_config.json or "
                                 "generation_config.json differ from the base model's)")
+    return f"engine: backbone {iface.backbone_hash[:12]}, interface {manifest['engine']['interface_hash'][:12]}"
 
+
+def _adapter_inputs(path: Path, manifest: dict, iface: EngineInterface) -> tuple[dict[str, np.ndarray], str]:
+    """(the LoRA inputs of ``iface``, the check passed). Refuses an adapter_config.json whose rank or modules
+    disagree with the signed manifest, and an adapter the engine cannot take (``load_adapter``: rank over the
+    engine's, unknown modules, wrong shapes, values that are not finite)."""
     try:
         acfg = read_adapter_config(path)
         if acfg.r != manifest["adapter"]["r"] or list(acfg.target_modules) != sorted(manifest["adapter"]["target_modules"]):
             raise MalformedPackage(f"{path / ADAPTER_CONFIG}: r={acfg.r} modules={list(acfg.target_modules)} disagree "
                                    "with the manifest")
-        verified.lora = load_adapter(path, iface, require_provenance=PROVENANCE in listed)
+        lora = load_adapter(path, iface, require_provenance=PROVENANCE in manifest["files"])
     except AdapterError as err:
         raise AdapterRefused(str(err)) from None
-    checks.append(f"adapter: r={acfg.r} on {list(acfg.target_modules)}, within max rank {iface.max_rank}")
+    return lora, f"adapter: r={acfg.r} on {list(acfg.target_modules)}, within max rank {iface.max_rank}"
 
+
+def _kv_scales(path: Path, manifest: dict, iface: EngineInterface) -> tuple[KVScales | None, list[str]]:
+    """(the release's KV scales, None without them; the checks passed). Refuses scales that are not finite and
+    positive or were calibrated for another adapter or backbone, and, on an engine with a quantized cache, scales
+    of another KV format than the engine's or that do not fit its cache (it would dequantize with wrong numbers)."""
+    scales, checks = None, []
     if manifest["kv_format"] is not None:
         try:
-            verified.kv_scales = read_kv_scales(path, manifest["files"][ADAPTER_WEIGHTS]["sha256"],
-                                                manifest["base_model_hash"], spec=manifest["kv_format"],
-                                                num_layers=iface.num_layers, channels=(iface.num_kv_heads, iface.head_dim))
+            scales = read_kv_scales(path, manifest["files"][ADAPTER_WEIGHTS]["sha256"], manifest["base_model_hash"],
+                                    spec=manifest["kv_format"], num_layers=iface.num_layers,
+                                    channels=(iface.num_kv_heads, iface.head_dim))
         except KVScalesError as err:
             raise KVScalesRefused(str(err)) from None
         checks.append("kv scales: finite, positive, calibrated for this adapter and backbone")
@@ -562,11 +611,11 @@ def verify_release(
         from runtime.engine.kv_scales import kv_scale_inputs
 
         try:
-            kv_scale_inputs(iface, verified.kv_scales)
+            kv_scale_inputs(iface, scales)
         except RefusedInput as err:
             raise KVScalesRefused(f"{path}: {err}") from None
         checks.append("kv scales: match the engine's quantized cache")
-    return verified
+    return scales, checks
 
 
 def verify_path(path: str | Path, trusted_keys: dict, **kwargs) -> VerifiedRelease:

@@ -22,7 +22,6 @@ from runtime.engine.interface import CACHE_KEY_FILE, ENGINE_ONNX, INTERFACE_FILE
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
 from tasks.config import EngineConfig, KVConfig, ReleaseConfig, StageError
-from tasks.layout import cache_engine_dir
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +41,13 @@ def exporter_version() -> dict:
 
 
 # The code that defines the exported graph: editing any of it must rebuild the engine.
-GRAPH_SOURCES = ("runtime/engine/model.py", "runtime/engine/kv_model.py", "runtime/engine/paged_model.py",
+GRAPH_SOURCES = ("runtime/engine/model.py", "runtime/engine/backbone_config.py", "runtime/engine/kv_model.py", "runtime/engine/paged_model.py",
                  "runtime/engine/interface.py", "kernels/kv_spec.py",
                  "kernels/rope.py", "kernels/kv_quant.py", "kernels/gqa_attention.py")
 
 
 def graph_source_hash() -> str:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     digest = hashlib.sha256()
     for name in GRAPH_SOURCES:
         digest.update(name.encode() + b"\0" + (root / name).read_bytes())
@@ -288,7 +287,7 @@ def compile_profile_engines(cfg: ReleaseConfig) -> dict:
     With ``engine.kv_cache: quantized`` the engine with the ``kv`` section's quantized cache is
     built too (``layout.kv_engine_dir``; its scales are runtime inputs, so it is month-independent
     like the float one). With ``engine.kv_block_size`` N > 0 and/or ``engine.mixed_adapters`` the serving form
-    of that cache is built besides (``tasks.layout.cache_engine_dir``: ``kv-pagedN-stacked`` by default, paged
+    of that cache is built besides (``tasks.config.EngineConfig.cache_engine_dir``: ``kv-pagedN-stacked`` by default, paged
     interface version 6 with stacked adapters, version 7); the padded engines stay, as adapters bind to the
     float one and the benchmarks and the KV checks read them. With ``engine.weights`` int8/int4
     the serving engine is also copied with quantized weights into ``layout.serving_engine_dir`` (reused
@@ -309,7 +308,7 @@ def compile_profile_engines(cfg: ReleaseConfig) -> dict:
         metrics["engine_builds"] += kv["engine_builds"]
         source = layout.kv_engine_dir
     if cfg.engine.kv_block_size or cfg.engine.mixed_adapters:  # the serving form of that cache
-        source = cache_engine_dir(cfg.engine)
+        source = cfg.engine.cache_engine_dir
         serving = compile_engine(model_dir, source, *common, **form)
         metrics |= {"serving_engine": {"dir": str(source), "kv_block_size": cfg.engine.kv_block_size,
                                        "mixed_adapters": cfg.engine.mixed_adapters,
@@ -317,7 +316,7 @@ def compile_profile_engines(cfg: ReleaseConfig) -> dict:
                                        "interface_hash": serving["interface_hash"]}}
         metrics["engine_builds"] += serving["engine_builds"]
     if cfg.engine.weights != "fp32":
-        from tasks.weight_engines import ensure_quantized_engine
+        from tasks.weights.engines import ensure_quantized_engine
 
         metrics |= ensure_quantized_engine(source, layout.serving_engine_dir, cfg.engine.weights,
                                             cfg.engine.weight_block_size, cfg.engine.weights_format())

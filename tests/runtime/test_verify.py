@@ -21,12 +21,12 @@ from runtime.engine.generate import greedy_generate
 from runtime.engine.interface import read_interface
 from runtime.engine.tokenizer import DeviceTokenizer
 from runtime.release.contract import parse_time
-from runtime.release.package import (
+from runtime.release.signing import generate_key
+from runtime.release.verify import (
     EXIT_CODES, BackboneMismatch, ChecksumMismatch, ExpiredRelease, InterfaceMismatch, KVScalesRefused, MonthMismatch,
     RollbackRefused, SignatureRefused, SizeLimitExceeded, TokenizerMismatch, UnlistedFile, UnsafePath, bind_release,
     load_trusted_keys, verify_path, verify_release,
 )
-from runtime.release.signing import generate_key
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def w(tmp_path_factory):
     from bench.hotswap_bench import make_tiny_base
-    from tasks.compile import compile_engine
+    from tasks.stages.compile import compile_engine
 
     w = world(tmp_path_factory)
     w["keys"] = load_trusted_keys([w["trusted_key"]])

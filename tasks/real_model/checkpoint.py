@@ -13,7 +13,7 @@ whose groups align with those blocks finds them already on a grid, so weight-qua
 this model read better than they would on a float checkpoint. KV-cache numbers are not affected
 (activations are continuous).
 
-    python -m tasks.real_model --out real-models/SmolLM2-135M-Instruct      # make real-model
+    python -m tasks.real_model.checkpoint --out real-models/SmolLM2-135M-Instruct      # make real-model
 """
 
 from __future__ import annotations

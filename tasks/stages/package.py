@@ -19,7 +19,7 @@ The signing key is ``publish.signing_key`` (PEM) or the file named by the enviro
 ``RELEASE_SIGNING_KEY``; when neither exists the key is created at ``publish.signing_key``
 (mode 0600) with its public half beside it (``.pub``, PEM), the file devices are given to trust.
 
-    python -m tasks.package --params params.yaml
+    python -m tasks.stages.package --params params.yaml
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import datetime as dt
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -42,8 +41,9 @@ from runtime.release.contract import DEFAULT_PRODUCT
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
 from tasks.config import ReleaseConfig, StageError
-from tasks.data import DataError, is_chat, parse_row
+from tasks.records import DataError, is_chat, parse_row
 from tasks.layout import CHECK_FILE, PREDICTIONS_FILE, RELEASE_DIR
+from tasks.provenance import git_revision
 
 SIGNING_KEY_ENV = "RELEASE_SIGNING_KEY"
 TARBALL = "release.tar.gz"
@@ -83,7 +83,7 @@ def select_probes(predictions: Path, max_tokens: int, count: int = PROBE_COUNT) 
     (``adapter_on_engine``) was the test split's (whitespace-trimmed), so a device reproduces it."""
     predictions = Path(predictions)
     if not predictions.exists():
-        raise PackageRefused(f"{predictions} is missing: run python -m tasks.evaluate first")
+        raise PackageRefused(f"{predictions} is missing: run python -m tasks.stages.evaluate first")
     probes = []
     with open(predictions) as fh:
         for lineno, line in enumerate(fh, 1):
@@ -126,21 +126,6 @@ def key_metrics(metrics: dict) -> dict:
             if inner:
                 out[key] = inner
     return out
-
-
-def git_revision(cwd: Path | None = None) -> dict:
-    """HEAD of the pipeline repository and whether its tracked files differ from it."""
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=30)
-
-    try:
-        head = git("rev-parse", "HEAD")
-        if head.returncode != 0:
-            return {"git_revision": "unknown", "git_dirty": None}
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-        return {"git_revision": head.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
-    except (OSError, subprocess.TimeoutExpired):
-        return {"git_revision": "unknown", "git_dirty": None}
 
 
 def resolve_signing_key(setting: str | Path):
@@ -209,7 +194,7 @@ def build_manifest(release_dir: Path, month: str, created: dt.datetime, expiry_d
 def _check_inputs(adapter_dir: Path, kv_dir: Path | None, iface) -> None:
     problems = [f"{adapter_dir / n} is missing" for n in ADAPTER_FILES if not (adapter_dir / n).exists()]
     if kv_dir is not None:
-        problems += [f"{kv_dir / n} is missing (run python -m tasks.calibrate)" for n in KV_SCALES_FILES
+        problems += [f"{kv_dir / n} is missing (run python -m tasks.stages.calibrate)" for n in KV_SCALES_FILES
                      if not (kv_dir / n).exists()]
     if problems:
         raise PackageRefused("; ".join(problems))
@@ -223,7 +208,7 @@ def _check_inputs(adapter_dir: Path, kv_dir: Path | None, iface) -> None:
         except KVScalesError as err:
             why = {"adapter_mismatch": "KV scales were calibrated for another adapter",
                    "base_mismatch": "KV scales were calibrated on another backbone"}.get(err.reason, "KV scales are unusable")
-            raise PackageRefused(f"{kv_dir}: {why}; run python -m tasks.calibrate ({err})") from None
+            raise PackageRefused(f"{kv_dir}: {why}; run python -m tasks.stages.calibrate ({err})") from None
 
 
 def load_and_query(release_dir: Path, pub_path: Path, engine_dir: Path, backend: str, threads: int,
@@ -232,7 +217,7 @@ def load_and_query(release_dir: Path, pub_path: Path, engine_dir: Path, backend:
     /v1/chat/completions would) through the device's verify + load path."""
     from runtime.engine.engine import open_engine
     from runtime.engine.generate import greedy_generate
-    from runtime.release.package import bind_release, load_trusted_keys, release_probes, verify_release
+    from runtime.release.verify import bind_release, load_trusted_keys, release_probes, verify_release
 
     start = time.perf_counter()
     engine = open_engine(engine_dir, backend, threads=threads)
@@ -275,13 +260,13 @@ def build_release(
     """Package, sign, archive and check one release into ``out_dir`` (replaced as a whole); return it."""
     from runtime.engine.interface import read_interface
     from runtime.release.contract import MANIFEST, SIGNATURE, manifest_bytes
-    from runtime.release.package import load_trusted_keys, verify_release, write_tarball
+    from runtime.release.verify import load_trusted_keys, verify_release, write_tarball
     from runtime.release.signing import key_id, sign
 
     adapter_dir, base_dir, engine_dir = Path(adapter_dir), Path(base_dir), Path(engine_dir)
     gates = gate_verdicts(read_gates(gates_path))
     if not Path(metrics_path).exists():
-        raise PackageRefused(f"{metrics_path} is missing: run python -m tasks.evaluate first")
+        raise PackageRefused(f"{metrics_path} is missing: run python -m tasks.stages.evaluate first")
     metrics = key_metrics(json.loads(Path(metrics_path).read_text()))
     iface = read_interface(engine_dir)
     _check_inputs(adapter_dir, Path(kv_dir) if kv_dir is not None else None, iface)

@@ -8,11 +8,11 @@ pretrained checkpoint reads, at the context lengths (1,024+ tokens) where its er
 Documents are split by a hash of their name into ``calib`` and ``eval`` (stable across machines),
 so scales are never set on the text that scores them.
 
-``write_heldout_text(path)`` writes the ``eval`` documents one per line (``tasks.data.read_text_corpus``
+``write_heldout_text(path)`` writes the ``eval`` documents one per line (``tasks.records.read_text_corpus``
 reads one document per line; inner whitespace is collapsed to single spaces): the file a profile's
 ``data.heldout_text`` names.
 
-    python -m tasks.real_text --out heldout.txt
+    python -m tasks.real_model.text --out heldout.txt
 """
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from runtime.engine.adapter_config import PROVENANCE
 from tasks.artifacts import atomic_output_dir, write_json
-from tasks.base_model import load_base_model
+from tasks.models import load_base_model
 from tasks.cli import stage_main
 from tasks.config import ConfigError, LoraSection, ReleaseConfig, StageError, TrainConfig
-from tasks.data import is_chat, read_jsonl
+from tasks.records import is_chat, read_jsonl
 from tasks.device import choose_placement, is_launched_rank, launch_command, rank_accelerator
 from tasks.layout import ADAPTER_DIR
 
@@ -80,7 +80,7 @@ def finetune(
         iface = read_interface(engine_dir)
         if iface.backbone_hash != base_hash:
             raise ConfigError(
-                f"{engine_dir}: engine was compiled for another backbone; run `python -m tasks.compile` first"
+                f"{engine_dir}: engine was compiled for another backbone; run `python -m tasks.stages.compile` first"
             )
         interface_hash = iface.lora_contract_hash
     torch.set_num_threads(train.threads)
@@ -182,7 +182,7 @@ def launch_or_run(cfg: ReleaseConfig, argv: list[str]) -> str:
         adapter = run_stage(cfg)
         rank = os.environ.get("RANK", "0")  # set in every rank by torch.distributed.run
         return f"adapter written to {adapter}" if rank == "0" else f"rank {rank} trained; rank 0 writes the adapter"
-    done = subprocess.run(launch_command("tasks.finetune", argv, cfg.train.processes))
+    done = subprocess.run(launch_command("tasks.stages.finetune", argv, cfg.train.processes))
     if done.returncode:
         raise StageError(f"fine-tune on {cfg.train.processes} processes failed (accelerate launch exit "
                          f"{done.returncode}); the ranks' errors are above")

@@ -18,10 +18,10 @@ from runtime.engine.adapter_config import ADAPTER_WEIGHTS
 from runtime.engine.hashing import sha256_file
 from runtime.engine.kv_scales import KV_SCALES_JSON
 from runtime.release.contract import MANIFEST, release_tag
-from tasks.base_model import CARD
+from tasks.models import CARD
 from tasks.config import ReleaseConfig
-from tasks.gates import accuracy_measure, gate_report, package_gates, render_gate_table, scored_metrics
-from tasks.pipeline import StageRun, push_outputs
+from tasks.gate_rules import accuracy_measure, gate_report, package_gates, render_gate_table, scored_metrics
+from tasks.release.stage_runner import StageRun, push_outputs
 from tasks.plots import KV_BITS_PNG, KV_GRID_CSV, LATENCY_CSV, LATENCY_PNG, LOSS_CSV, LOSS_PNG, VAL_LOSS_CSV
 
 GATES_STAGE, PACKAGE_STAGE = "gates", "package"
@@ -42,7 +42,7 @@ def full_gate_report(cfg: ReleaseConfig) -> dict:
     check = cfg.layout.package_check_file
     if not check.exists():
         return evaluation | {"packaged": False}
-    from tasks.gates import Gate
+    from tasks.gate_rules import Gate
 
     gates = [Gate(**g) for g in evaluation["gates"]] + package_gates(json.loads(check.read_text()), cfg.gates)
     carried = {key: evaluation.get(key) for key in ("champion", "accuracy_measure")}
@@ -61,7 +61,7 @@ def _read(path: Path) -> dict:
 
 def stage_outputs(cfg: ReleaseConfig, stage: str) -> tuple[dict[str, float], list[Path]]:
     """The metrics (numeric leaves of the stage's JSON outputs) and files to attach to a stage's MLflow run."""
-    from tasks.tracking import flatten_numbers
+    from tasks.release.tracking import flatten_numbers
 
     layout = cfg.layout
     finetune, evaluation = layout.finetune_dir, layout.eval_dir
@@ -153,8 +153,8 @@ def headline_metrics(cfg: ReleaseConfig, runs: list[StageRun], report: dict) -> 
 
 def record_in_mlflow(cfg: ReleaseConfig, root: Path, runs: list[StageRun], report: dict, flow_run: str | None) -> Recorded:
     """Parent run, nested stage runs, gate metrics, and a candidate model version (packaged candidates)."""
-    from tasks import tracking
-    from tasks.package import git_revision
+    from tasks.release import tracking
+    from tasks.provenance import git_revision
 
     client, experiment_id = tracking.client_for(cfg.publish, root)
     parent = tracking.start_release_run(client, experiment_id, cfg, git_revision(root)["git_revision"], flow_run)
@@ -201,8 +201,8 @@ def live_run(cfg: ReleaseConfig, root: Path, flow_run: str | None) -> Iterator[R
     finds it again by the flow run's tag. A block that raises leaves it FAILED with the error; one
     that returns without finishing it (nothing to record) leaves it FINISHED.
     """
-    from tasks import tracking
-    from tasks.package import git_revision
+    from tasks.release import tracking
+    from tasks.provenance import git_revision
 
     client, experiment_id = tracking.client_for(cfg.publish, root)
     run_id = tracking.start_release_run(client, experiment_id, cfg, git_revision(root)["git_revision"], flow_run)
@@ -219,7 +219,7 @@ def live_run(cfg: ReleaseConfig, root: Path, flow_run: str | None) -> Iterator[R
 
 
 def finish_mlflow_run(cfg: ReleaseConfig, root: Path, recorded: Recorded, status: str, note: str) -> None:
-    from tasks import tracking
+    from tasks.release import tracking
 
     client, _ = tracking.client_for(cfg.publish, root)
     client.set_tag(recorded.run_id, "outcome", note[:5000])
@@ -246,7 +246,7 @@ def registry_entry(cfg: ReleaseConfig, recorded: Recorded | None) -> dict:
 
 def already_published(cfg: ReleaseConfig) -> dict | None:
     """The registry's entry for this month if it holds this very package (same adapter bytes)."""
-    from tasks.publish import read_index, tag_exists
+    from tasks.release.registry import read_index, tag_exists
 
     registry = Path(cfg.publish.registry_dir)
     entry = read_index(registry, cfg.data.product).get(cfg.data.month)
@@ -263,16 +263,16 @@ def reconcile_published(cfg: ReleaseConfig, root: Path, entry: dict) -> list[str
     The registry commit is the point of no return: once it names the month, a rerun pushes its
     files again (idempotent) and moves the MLflow ``champion`` to the version the registry names.
     """
-    from tasks import publish, tracking, update_channel
+    from tasks.release import registry, tracking, update_channel
 
     repairs = []
-    registry = Path(cfg.publish.registry_dir)
-    publish.push_release(registry, cfg.data.month, cfg.data.product)
+    registry_dir = Path(cfg.publish.registry_dir)
+    registry.push_release(registry_dir, cfg.data.month, cfg.data.product)
     push_outputs(root)
     if update_channel.publish_from_registry(cfg.publish, cfg.data.month, product=cfg.data.product):
         repairs.append(f"{cfg.data.month} and the registry's champion signed into the update channel {cfg.publish.tuf_dir}")
     version = entry.get("mlflow_version")
-    if publish.read_channels(registry, cfg.data.product).get("champion") == cfg.data.month and version:
+    if registry.read_channels(registry_dir, cfg.data.product).get("champion") == cfg.data.month and version:
         client, _ = tracking.client_for(cfg.publish, root)
         if tracking.alias_version(client, cfg.publish.model_name, tracking.CHAMPION) != str(version):
             tracking.move_champion(client, cfg.publish.model_name, str(version))
@@ -281,9 +281,9 @@ def reconcile_published(cfg: ReleaseConfig, root: Path, entry: dict) -> list[str
 
 
 def release_notes(cfg: ReleaseConfig, root: Path, report: dict, recorded: Recorded, trigger: dict, outcome: str) -> str:
-    """This month's release notes (``tasks/release_notes.py``) with the run's MLflow run and git revision."""
-    from tasks.package import git_revision
-    from tasks.release_notes import render_release_notes
+    """This month's release notes (``tasks/release/notes.py``) with the run's MLflow run and git revision."""
+    from tasks.provenance import git_revision
+    from tasks.release.notes import render_release_notes
 
     return render_release_notes(cfg, root, report, outcome, trigger, recorded.run_id, git_revision(root)["git_revision"])
 

@@ -1,7 +1,7 @@
 """Release notes: what a person reads about one month's candidate, published or refused.
 
 A published release's notes lie in the registry beside it (``releases/<month>.RELEASE_NOTES.md``,
-``tasks/publish.py``) and in the flow's summary artifact; a refused candidate's are in the summary.
+``tasks/release/registry.py``) and in the flow's summary artifact; a refused candidate's are in the summary.
 Everything comes from the stage outputs, the gate report and the run's provenance; nothing is measured here.
 """
 
@@ -14,8 +14,8 @@ import yaml
 
 from runtime.release.contract import MANIFEST
 from tasks.config import ReleaseConfig
-from tasks.data import RULEBOOK
-from tasks.gates import failed_reason, scored_metrics
+from tasks.inspection import RULEBOOK
+from tasks.gate_rules import failed_reason, scored_metrics
 
 COMPARED = (("accuracy_new", "accuracy, changed rules"), ("accuracy_regression", "accuracy, unchanged rules"),
             ("accuracy", "accuracy, all"))
@@ -64,7 +64,7 @@ def _read(path: Path) -> dict:
 
 
 def rule_changes(this_month: Path, champion_month: Path) -> list[str] | None:
-    """What each rule changed between two months' ``rulebook.json`` (``tasks/data.py``), e.g.
+    """What each rule changed between two months' ``rulebook.json`` (``tasks/stages/data.py``), e.g.
     ``shift: threshold 40 -> 55``; None when either month has no rule book (a user's own rows)."""
     books = [Path(d) / RULEBOOK for d in (champion_month, this_month)]
     if not all(b.exists() for b in books):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +114,126 @@ def _const_weight(node, inits: dict, producer: dict):
     return w.T if trans_b else w  # (K, N)
 
 
+@dataclass
+class _Rewrite:
+    """What the rewrite of one graph accumulates: the new nodes and initializers, the norm-scale Muls
+    folded into projections, the weight bytes before and after, and the summary's lists."""
+
+    nodes: list = field(default_factory=list)
+    initializers: list = field(default_factory=list)
+    folded: dict = field(default_factory=dict)  # norm-scale Mul name -> (node, name of its g initializer)
+    bytes_before: int = 0
+    bytes_after: int = 0
+    quantized: list[str] = field(default_factory=list)
+    kept_fp32: list[str] = field(default_factory=list)
+
+    def add(self, nodes: list, tensors: list, fp32_bytes: int, quantized_bytes: int, line: str) -> None:
+        self.nodes += nodes
+        self.initializers += tensors
+        self.bytes_before += fp32_bytes
+        self.bytes_after += quantized_bytes
+        self.quantized.append(line)
+
+
+def _check_settings(bits: int, head_bits: int | None, embed_bits: int | None, block_size: int, fmt: str,
+                    keep: tuple[str, ...]) -> None:
+    if bits not in (4, 8) or head_bits not in (None, 4, 8) or embed_bits not in (None, 4, 8):
+        raise WeightQuantError(f"bits must be 4 or 8, got {bits} (LM head: {head_bits}, embedding: {embed_bits})")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise WeightQuantError(f"block_size must be a power of two >= 16 (MatMulNBits), got {block_size}")
+    if fmt not in WEIGHT_FORMATS:
+        raise WeightQuantError(f"format must be one of {list(WEIGHT_FORMATS)}, got {fmt!r}")
+    unknown = set(keep) - {"lm_head", "embed"}
+    if unknown:
+        raise WeightQuantError(f"keep: unknown entries {sorted(unknown)}; expected lm_head and/or embed")
+
+
+def _folded_norm_scale(node, K: int, inits: dict, producer: dict, rewrite: _Rewrite):
+    """(g, name of the projection's input once g is folded into its weight) when a norm scale feeds the
+    projection: a Mul by a (K,) constant (the RMSNorm weight), every entry finite and non-zero (the PyTorch
+    reference divides by g); else (None, the input as it is)."""
+    import torch
+    from onnx import numpy_helper
+
+    a_name = node.input[0]
+    mul = producer.get(a_name)
+    if mul is None or mul.op_type != "Mul":
+        return None, a_name
+    const = [i for i in mul.input if i in inits and tuple(inits[i].dims) == (K,)]
+    if len(const) != 1:
+        return None, a_name
+    g_np = numpy_helper.to_array(inits[const[0]]).astype(np.float32)
+    if not (np.all(np.isfinite(g_np)) and np.all(g_np != 0)):
+        return None, a_name
+    rewrite.folded[mul.name] = (mul, const[0])
+    return torch.from_numpy(g_np), mul.output[0] + "_unit"  # x_hat: the norm output before its scale
+
+
+def _quantize_projection(node, w_kn: np.ndarray, n_bits: int, is_head: bool, block_size: int, symmetric: bool,
+                         accuracy_level: int, fmt: str, fold_norms: bool, act_sq: dict | None, inits: dict,
+                         producer: dict, rewrite: _Rewrite) -> None:
+    """One MatMul/Gemm with a constant (K, N) weight as MatMulNBits (or Q/DQ), its bias as an Add."""
+    import torch
+    from onnx import helper
+
+    K, N = w_kn.shape
+    a_sq = None if act_sq is None else act_sq.get(node.input[0])
+    g, a_name = _folded_norm_scale(node, K, inits, producer, rewrite) if fold_norms else (None, node.input[0])
+    w_nk = torch.from_numpy(np.array(w_kn.T, dtype=np.float32, order="C"))  # (N, K), a writable copy
+    if g is not None:
+        w_nk = w_nk * g[None, :]
+        a_sq = None if a_sq is None else a_sq / g.double().numpy() ** 2  # moments of x_hat = h / g
+    q, scale, zp = quantize_groups(w_nk, n_bits, block_size, symmetric, a_sq)
+    if not torch.isfinite(scale).all():
+        raise WeightQuantError(f"{node.name}: non-finite quantization scales")
+    base = f"{node.name}_w{n_bits}"
+    has_bias = node.op_type == "Gemm" and len(node.input) > 2 and node.input[2]
+    out = node.output[0] + "_nobias" if has_bias else node.output[0]
+    if fmt == "matmulnbits":
+        nodes, tensors, n_bytes = matmulnbits_nodes(base, a_name, out, q, scale, zp, n_bits, K, block_size,
+                                                     symmetric, accuracy_level,
+                                                     HEAD_SLICE_MAX_BYTES if is_head else None)
+    else:
+        nodes, tensors, n_bytes = _qdq_nodes(base, a_name, out, q, scale, zp, n_bits, K, block_size,
+                                             fmt == "qdq_fp16")
+    if has_bias:
+        # A separate Add: MatMulNBits' optional bias input is absent from older ORT kernels.
+        nodes = [*nodes, helper.make_node("Add", [out, node.input[2]], [node.output[0]], name=base + "_bias")]
+    slices = sum(n.op_type == "MatMulNBits" for n in nodes)
+    rewrite.add(nodes, tensors, w_kn.nbytes, n_bytes,
+                f"{node.name} K={K} N={N}" + (" (norm folded)" if g is not None else "")
+                + (f" (lm_head, {n_bits} bits)" if is_head else "") + (f" in {slices} slices" if slices > 1 else ""))
+
+
+def _set_opsets(model, fmt: str) -> None:
+    from onnx import helper
+
+    if fmt == "matmulnbits":
+        if not any(o.domain == "com.microsoft" for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    else:
+        # Blocked DequantizeLinear needs opset 21; the ops of the float export (opset 18) keep their
+        # meaning there (19-21 only add types and Pad's wrap mode), and the checker validates it.
+        for o in model.opset_import:
+            if o.domain in ("", "ai.onnx"):
+                o.version = max(o.version, QDQ_OPSET)
+
+
+def _save_checked(model, onnx_out: str | Path) -> None:
+    import onnx
+
+    from runtime.engine.backends import onnxruntime as ort_backend
+
+    # Protobuf caps one file at 2 GiB: a large graph's initializers go to <name>.data beside it, and
+    # the checker then reads it by path (the in-memory form refuses a message over the cap).
+    big = model.ByteSize() > ort_backend.EXTERNAL_DATA_MIN_BYTES
+    if not big:
+        onnx.checker.check_model(model)
+    onnx.save(model, str(onnx_out), save_as_external_data=big, location=Path(onnx_out).name + ".data")
+    if big:
+        onnx.checker.check_model(str(onnx_out))
+
+
 def quantize_engine_weights(
     onnx_in: str | Path,
     onnx_out: str | Path,
@@ -138,19 +259,9 @@ def quantize_engine_weights(
     ``calibrate_activations``; with it each group's clipping range is searched (``quantize_groups``).
     """
     import onnx
-    import torch
-    from onnx import helper, numpy_helper
 
-    if bits not in (4, 8) or head_bits not in (None, 4, 8) or embed_bits not in (None, 4, 8):
-        raise WeightQuantError(f"bits must be 4 or 8, got {bits} (LM head: {head_bits}, embedding: {embed_bits})")
-    if block_size < 16 or block_size & (block_size - 1):
-        raise WeightQuantError(f"block_size must be a power of two >= 16 (MatMulNBits), got {block_size}")
-    if fmt not in WEIGHT_FORMATS:
-        raise WeightQuantError(f"format must be one of {list(WEIGHT_FORMATS)}, got {fmt!r}")
+    _check_settings(bits, head_bits, embed_bits, block_size, fmt, keep)
     symmetric = symmetric or fmt != "matmulnbits"
-    unknown = set(keep) - {"lm_head", "embed"}
-    if unknown:
-        raise WeightQuantError(f"keep: unknown entries {sorted(unknown)}; expected lm_head and/or embed")
     t0 = time.perf_counter()
     model = onnx.load(str(onnx_in))
     graph = model.graph
@@ -160,100 +271,39 @@ def quantize_engine_weights(
     if not lm_head:
         raise WeightQuantError(f"{onnx_in}: no MatMul produces 'logits'; not an engine graph")
 
-    new_nodes, new_inits, summary = [], [], {"quantized": [], "kept_fp32": []}
-    folded: dict[str, tuple] = {}  # norm-scale Mul name -> (node, name of its g initializer)
-    bytes_before = bytes_after = 0
+    rewrite = _Rewrite()
     quantize_table = "embed" not in keep and fmt == "matmulnbits"
     for node in graph.node:
         table = _embedding_table(node, inits) if quantize_table else None
         if table is not None and table.shape[1] % block_size == 0:
             nodes, tensors, n_bytes = gather_block_quantized_nodes(node, table, embed_bits or bits, block_size, symmetric)
-            new_nodes += nodes
-            new_inits += tensors
-            bytes_before += table.nbytes
-            bytes_after += n_bytes
-            summary["quantized"].append(f"{node.name} V={table.shape[0]} H={table.shape[1]} (embedding, {embed_bits or bits} bits)")
+            rewrite.add(nodes, tensors, table.nbytes, n_bytes,
+                        f"{node.name} V={table.shape[0]} H={table.shape[1]} (embedding, {embed_bits or bits} bits)")
             continue
         w_kn = _const_weight(node, inits, producer) if node.op_type in ("MatMul", "Gemm") else None
         is_head = node.name in lm_head
         if w_kn is None or (is_head and "lm_head" in keep):
             if w_kn is not None:
-                summary["kept_fp32"].append(f"{node.name} {list(w_kn.shape)} (lm_head)")
-            new_nodes.append(node)
+                rewrite.kept_fp32.append(f"{node.name} {list(w_kn.shape)} (lm_head)")
+            rewrite.nodes.append(node)
             continue
-        K, N = w_kn.shape
-        n_bits = (head_bits or bits) if is_head else bits
-        a_name = node.input[0]
-        a_sq = None if act_sq is None else act_sq.get(a_name)
-        g = None
-        # A norm scale in front: a Mul by a (K,) constant (the RMSNorm weight).
-        mul = producer.get(a_name)
-        if fold_norms and mul is not None and mul.op_type == "Mul":
-            const = [i for i in mul.input if i in inits and tuple(inits[i].dims) == (K,)]
-            if len(const) == 1:
-                g_np = numpy_helper.to_array(inits[const[0]]).astype(np.float32)
-                # A zero scale would make the PyTorch reference (which divides by g) undefined.
-                if np.all(np.isfinite(g_np)) and np.all(g_np != 0):
-                    g = torch.from_numpy(g_np)
-                    folded[mul.name] = (mul, const[0])
-                    a_name = mul.output[0] + "_unit"  # x_hat: the norm output before its scale
-        w_nk = torch.from_numpy(np.array(w_kn.T, dtype=np.float32, order="C"))  # (N, K), a writable copy
-        if g is not None:
-            w_nk = w_nk * g[None, :]
-            a_sq = None if a_sq is None else a_sq / g.double().numpy() ** 2  # moments of x_hat = h / g
-        q, scale, zp = quantize_groups(w_nk, n_bits, block_size, symmetric, a_sq)
-        if not torch.isfinite(scale).all():
-            raise WeightQuantError(f"{node.name}: non-finite quantization scales")
-        base = f"{node.name}_w{n_bits}"
-        has_bias = node.op_type == "Gemm" and len(node.input) > 2 and node.input[2]
-        out = node.output[0] + "_nobias" if has_bias else node.output[0]
-        if fmt == "matmulnbits":
-            nodes, tensors, n_bytes = matmulnbits_nodes(base, a_name, out, q, scale, zp, n_bits, K, block_size,
-                                                         symmetric, accuracy_level,
-                                                         HEAD_SLICE_MAX_BYTES if is_head else None)
-        else:
-            nodes, tensors, n_bytes = _qdq_nodes(base, a_name, out, q, scale, zp, n_bits, K, block_size,
-                                                 fmt == "qdq_fp16")
-        new_nodes += nodes
-        new_inits += tensors
-        bytes_before += w_kn.nbytes
-        bytes_after += n_bytes
-        if has_bias:
-            # A separate Add: MatMulNBits' optional bias input is absent from older ORT kernels.
-            new_nodes.append(helper.make_node("Add", [out, node.input[2]], [node.output[0]], name=base + "_bias"))
-        slices = sum(n.op_type == "MatMulNBits" for n in nodes)
-        summary["quantized"].append(f"{node.name} K={K} N={N}" + (" (norm folded)" if g is not None else "")
-                                    + (f" (lm_head, {n_bits} bits)" if is_head else "")
-                                    + (f" in {slices} slices" if slices > 1 else ""))
+        _quantize_projection(node, w_kn, (head_bits or bits) if is_head else bits, is_head, block_size, symmetric,
+                             accuracy_level, fmt, fold_norms, act_sq, inits, producer, rewrite)
 
-    new_nodes = _unit_scale_norms(new_nodes, folded, inits, new_inits)
-    summary["folded_norms"] = len(folded)
+    new_nodes = _unit_scale_norms(rewrite.nodes, rewrite.folded, inits, rewrite.initializers)
     # Drop what the rewrite orphaned: float weights, a Transpose feeding only a quantized head,
     # a norm-scale Mul whose only consumer was a folded projection.
     del graph.node[:]
     graph.node.extend(new_nodes)
-    graph.initializer.extend(new_inits)
+    graph.initializer.extend(rewrite.initializers)
     _prune(graph)
-    if fmt == "matmulnbits":
-        if not any(o.domain == "com.microsoft" for o in model.opset_import):
-            model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    else:
-        # Blocked DequantizeLinear needs opset 21; the ops of the float export (opset 18) keep their
-        # meaning there (19-21 only add types and Pad's wrap mode), and the checker validates it.
-        for o in model.opset_import:
-            if o.domain in ("", "ai.onnx"):
-                o.version = max(o.version, QDQ_OPSET)
-    from runtime.engine.backends import onnxruntime as ort_backend
-
-    # Protobuf caps one file at 2 GiB: a large graph's initializers go to <name>.data beside it, and
-    # the checker then reads it by path (the in-memory form refuses a message over the cap).
-    big = model.ByteSize() > ort_backend.EXTERNAL_DATA_MIN_BYTES
-    if not big:
-        onnx.checker.check_model(model)
-    onnx.save(model, str(onnx_out), save_as_external_data=big, location=Path(onnx_out).name + ".data")
-    if big:
-        onnx.checker.check_model(str(onnx_out))
-    summary |= {
+    _set_opsets(model, fmt)
+    _save_checked(model, onnx_out)
+    quantized_table = any("(embedding" in line for line in rewrite.quantized)
+    summary = {
+        "quantized": rewrite.quantized,
+        "kept_fp32": rewrite.kept_fp32 + ([] if quantized_table else ["embedding table (Gather)"]),
+        "folded_norms": len(rewrite.folded),
         "bits": bits,
         "block_size": block_size,
         "fold_norms": fold_norms,
@@ -263,13 +313,11 @@ def quantize_engine_weights(
         "clip_search": act_sq is not None,
         "keep": list(keep),
         "head_bits": None if "lm_head" in keep else head_bits or bits,
-        "embed_bits": embed_bits or bits if any("(embedding" in q for q in summary["quantized"]) else None,
-        "quantized_weight_bytes_fp32": int(bytes_before),
-        "quantized_weight_bytes": int(bytes_after),
+        "embed_bits": embed_bits or bits if quantized_table else None,
+        "quantized_weight_bytes_fp32": int(rewrite.bytes_before),
+        "quantized_weight_bytes": int(rewrite.bytes_after),
         "seconds": round(time.perf_counter() - t0, 2),
     }
-    if summary["embed_bits"] is None:
-        summary["kept_fp32"].append("embedding table (Gather)")
     log.info("quantized %d matmuls to %d bits in %.1fs", len(summary["quantized"]), bits, summary["seconds"])
     return summary
 

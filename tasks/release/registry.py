@@ -6,7 +6,7 @@ Layout (names: ``runtime/release/contract.py``; the device side, ``runtime/relea
   files live in the DVC remote;
 - ``releases/index.json`` month -> release id, adapter sha256, headline metrics, MLflow version;
 - ``channels.json`` alias -> month, e.g. ``{"champion": "2026-11"}``;
-- ``releases/<month>.RELEASE_NOTES.md`` what the release changed and measured (``tasks/release_notes.py``);
+- ``releases/<month>.RELEASE_NOTES.md`` what the release changed and measured (``tasks/release/notes.py``);
 - a tag ``release/<month>`` on the commit that published the month.
 
 That is the default product's; another product's (``data.product``) are the same under
@@ -36,7 +36,7 @@ from runtime.release.contract import (DEFAULT_PRODUCT, REGISTRY_CHANNELS, REGIST
                               channels_bytes, parse_channels, product_path, registry_release_path, release_tag)
 from tasks.artifacts import write_json
 from tasks.config import StageError
-from tasks.pipeline import DVC_ENV, REMOTE_NAME, remote_url
+from tasks.release.stage_runner import DVC_ENV, REMOTE_NAME, remote_url
 
 GIT_IDENTITY = {"user.name": "adapter-release", "user.email": "adapter-release@localhost"}
 

@@ -1,8 +1,8 @@
 """Weight-quantized engine directories: a copy of a compiled engine whose graph stores int8/int4
-weights (``tasks/weight_graph.py``), its record and its cache key, and the compile stage's serving
+weights (``tasks/weights/graph.py``), its record and its cache key, and the compile stage's serving
 copy, built once per float engine and settings.
 
-    python -m tasks.weight_engines --engine-dir engine --out-dir engine-int4 --weights int4 [--fold-norms]
+    python -m tasks.weights.engines --engine-dir engine --out-dir engine-int4 --weights int4 [--fold-norms]
 
 measures nothing; ``python -m bench.weight_quant_quality`` scores a copy (or every scheme) against the
 float engine.
@@ -21,12 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from runtime.engine.interface import CACHE_KEY_FILE, ENGINE_ONNX, INTERFACE_FILE
-from tasks.weight_graph import (
-    DEFAULT_ACCURACY_LEVEL,
-    DEFAULT_BLOCK_SIZE,
-    HEAD_SLICE_MAX_BYTES,
-    WEIGHT_FORMATS,
-    WeightQuantError,
+from tasks.weights.graph import (
+    DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, HEAD_SLICE_MAX_BYTES, WEIGHT_FORMATS, WeightQuantError,
     quantize_engine_weights,
 )
 
@@ -46,7 +42,7 @@ QDQ_EXACT_ORT_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "0"}
 # keeps this tensor at Q8_0 too (its Q6_K needs rows of a multiple of 256 columns; 896 is not).
 SERVING_HEAD_BITS = 8
 SERVING_KEEP = ()
-# The embedding table of a serving engine: int8 as GatherBlockQuantized (``tasks.weight_graph``), whatever
+# The embedding table of a serving engine: int8 as GatherBlockQuantized (``tasks.weights.graph``), whatever
 # the body's bits. Kept fp32 it was 545 of the int4 engine's resident MB at the 0.5B shape; int8 is 137 MB,
 # the bits of the LM head it is tied to in Qwen2 (llama.cpp keeps a tied table at Q8_0 likewise).
 SERVING_EMBED_BITS = 8
@@ -75,7 +71,7 @@ def weights_key_fields(weights: str, block_size: int = DEFAULT_BLOCK_SIZE, fold_
 
 
 def quantized_cache_key(float_key: dict, fields: dict) -> dict:
-    """``tasks.compile.cache_key`` of the float engine + the weight fields, re-hashed."""
+    """``tasks.stages.compile.cache_key`` of the float engine + the weight fields, re-hashed."""
     key = {k: v for k, v in float_key.items() if k != "key"} | fields
     key["key"] = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     return key
@@ -122,7 +118,7 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
     exporter = json.loads((engine_dir / INTERFACE_FILE).read_text()).get("exporter")
     write_interface(dataclasses.replace(iface, weights=stored), out_dir / INTERFACE_FILE, exporter)
     src_key = engine_dir / CACHE_KEY_FILE
-    if src_key.exists():  # written last, as tasks.compile does: its presence means "complete"
+    if src_key.exists():  # written last, as tasks.stages.compile does: its presence means "complete"
         key = quantized_cache_key(json.loads(src_key.read_text()), fields)
         (out_dir / CACHE_KEY_FILE).write_text(json.dumps(key, indent=2, sort_keys=True) + "\n")
     return record
@@ -161,7 +157,7 @@ def open_on_cpu(engine_dir: Path, threads: int = 2):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Quantize a compiled engine's weights (MatMulNBits or TensorRT's Q/DQ form).")
-    ap.add_argument("--engine-dir", type=Path, required=True, help="a compiled float engine (tasks.compile)")
+    ap.add_argument("--engine-dir", type=Path, required=True, help="a compiled float engine (tasks.stages.compile)")
     ap.add_argument("--out-dir", type=Path, required=True)
     ap.add_argument("--weights", choices=sorted(WEIGHT_BITS), default="int8")
     ap.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)

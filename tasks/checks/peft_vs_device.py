@@ -8,8 +8,8 @@ the release served by the runtime, asked through the openai SDK: ``/v1/completio
 The prompts are the month's test rows. Every pair of answers is printed; any difference, or a device
 serving another release than the one PEFT loaded, exits 1.
 
-    python -m tasks.peft_vs_device --params examples/smollm2.yaml            # serves the release in this process
-    python -m tasks.peft_vs_device --params examples/smollm2.yaml --url http://127.0.0.1:8080/v1
+    python -m tasks.checks.peft_vs_device --params examples/smollm2.yaml            # serves the release in this process
+    python -m tasks.checks.peft_vs_device --params examples/smollm2.yaml --url http://127.0.0.1:8080/v1
                                    # asks a running `python -m runtime serve` with that release instead
 """
 
@@ -24,7 +24,8 @@ from pathlib import Path
 
 from runtime.release.contract import MANIFEST
 from tasks.config import ReleaseConfig, load_config
-from tasks.data import ChatPrompt, read_jsonl
+from tasks.records import read_jsonl
+from runtime.engine.tokenizer import ChatPrompt
 from tasks.layout import RELEASE_DIR
 
 Prompt = str | list[dict]  # a completion prompt, or a chat's messages
@@ -104,7 +105,7 @@ def serving(engine_dir: Path, tokenizer_dir: Path, release_dir: Path, trusted_ke
     process; yields its ``.../v1`` URL."""
     from runtime.engine.engine import open_engine
     from runtime.engine.tokenizer import DeviceTokenizer
-    from runtime.release.package import load_trusted_keys
+    from runtime.release.verify import load_trusted_keys
     from runtime.serve.http_app import ServeSettings
     from runtime.serve.http_server import BackgroundServer
     from runtime.serve.server import AdapterServer

@@ -142,11 +142,11 @@ def release_kv_quality(
 ) -> dict:
     """Accuracy and perplexity of base + adapter with the float cache and with this release's
     quantized cache; plus the perplexity of the same spec at other widths (scales from the same
-    calibration statistics) for the plot. ``test`` is a list of ``tasks.data.Example``; ``backbone``
-    is the release's adapter-merged backbone (``tasks.calibrate.load_release_backbone``)."""
+    calibration statistics) for the plot. ``test`` is a list of ``tasks.records.Example``; ``backbone``
+    is the release's adapter-merged backbone (``tasks.kv_stats.load_release_backbone``)."""
     from kernels.kv_spec import KVQuantSpec, bytes_per_token
-    from tasks.base_model import load_tokenizer
-    from tasks.calibrate import cache_kwargs, collect_kv_stats, jsonl_batches, read_release_kv_scales, scales_from_stats
+    from tasks.models import load_tokenizer
+    from tasks.kv_stats import cache_kwargs, collect_kv_stats, jsonl_batches, read_release_kv_scales, scales_from_stats
     from tasks.scoring import accuracy_report
 
     tokenizer = load_tokenizer(Path(base_dir))
@@ -177,7 +177,7 @@ def release_kv_quality(
     bpt = bytes_per_token(spec, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, context_len)
     return {
         "spec": spec.to_dict(),
-        # What calibration saw and chose, per layer (tasks/calibrate.py choose_rotation): the largest
+        # What calibration saw and chose, per layer (tasks/kv_stats.py choose_rotation): the largest
         # key channel's range over the median channel's, and the cache rotation.
         "key_outlier_ratio": record.get("key_outlier_ratio"),
         "rotation": record.get("rotation", ["none"] * cfg.num_layers),

@@ -17,12 +17,12 @@ from typing import Literal
 from runtime.engine.latency import percentile
 from runtime.engine.tokenizer import ChatPrompt, encode_prompt
 from tasks.artifacts import atomic_output_dir, write_json
-from tasks.base_model import load_base_model
+from tasks.models import load_base_model
 from tasks.cli import stage_main
 from tasks.config import EngineConfig, EvalConfig, ReleaseConfig, WeightAccuracyDrop
-from tasks.data import HELDOUT_TEXT, Example, read_jsonl, read_text_corpus
+from tasks.records import HELDOUT_TEXT, Example, read_jsonl, read_text_corpus
 from tasks.device import choose_placement
-from tasks.layout import METRICS_FILE, PREDICTIONS_FILE, serving_engine_dir
+from tasks.layout import METRICS_FILE, PREDICTIONS_FILE
 from tasks.plots import (KV_BITS_PNG, KV_GRID_CSV, LATENCY_CSV, LATENCY_PNG, kv_bits_figure, latency_figure, read_rows,
                          save_figure)
 from tasks.progress import Progress
@@ -120,13 +120,13 @@ def _score_on_engine(
     """Accuracy, perplexity and decode latency of base + adapter on the serving engine, and its
     parity with PyTorch + merged PEFT (a quantized-KV engine: with its own PyTorch module, the
     release's scales on both sides; ``release_backbone`` is the adapter-merged backbone from
-    ``tasks.calibrate.load_release_backbone``). The last item is every timed decode step (``decode_latency``)."""
+    ``tasks.kv_stats.load_release_backbone``). The last item is every timed decode step (``decode_latency``)."""
     from runtime.engine.adapter import load_adapter
     from runtime.engine.engine import open_engine
     from runtime.engine.generate import generate_text
-    from tasks.engine_parity import parity_report, prefill_logit_diff, quantized_prefill_parity
+    from tasks.checks.engine_parity import parity_report, prefill_logit_diff, quantized_prefill_parity
 
-    engine = open_engine(serving_engine_dir(engine_cfg), backend=engine_cfg.backend, threads=engine_cfg.threads)
+    engine = open_engine(engine_cfg.serving_engine_dir, backend=engine_cfg.backend, threads=engine_cfg.threads)
     lora = load_adapter(adapter_dir, engine.interface)
     prompts = [ex.prompt for ex in test]
     kv_parity = {}
@@ -135,7 +135,7 @@ def _score_on_engine(
         diff = prefill_logit_diff(engine, merged_model, tokenizer, prompts)
     else:
         from kernels.kv_spec import KVQuantSpec
-        from tasks.calibrate import read_release_kv_scales
+        from tasks.kv_stats import read_release_kv_scales
 
         scales = read_release_kv_scales(base_dir, adapter_dir, kv_dir, spec=engine.interface.kv_spec)
         engine.set_adapter(lora, kv_scales=scales)
@@ -279,7 +279,7 @@ def evaluate(
     engine_predictions, latency_samples = None, []
     release_backbone = None
     if kv_dir is not None:
-        from tasks.calibrate import load_release_backbone
+        from tasks.kv_stats import load_release_backbone
 
         # One load serves the quantized-KV engine's parity module and the KV quality grid.
         release_backbone, _, _ = load_release_backbone(Path(base_dir), Path(adapter_dir),
@@ -290,14 +290,14 @@ def evaluate(
             engine, Path(adapter_dir), merged, tokenizer, test, texts, cfg, Path(base_dir), kv_dir, release_backbone
         )
         if engine.weights != "fp32":
-            from tasks.gates import weights_accuracy_gate
+            from tasks.gate_rules import weights_accuracy_gate
 
             # Quantized weights cannot match float logits to 1e-4; what must hold is accuracy.
             metrics["weights_gate"] = weights_accuracy_gate(adapter_report, metrics["adapter_on_engine"], engine.weights,
                                                             max_weight_accuracy_drop)
         progress.advance(accuracy_engine=metrics["adapter_on_engine"]["accuracy"])
     if kv_dir is not None:
-        from tasks.kv_quality import release_kv_quality
+        from tasks.checks.kv_quality import release_kv_quality
 
         metrics["kv_cache"] = release_kv_quality(
             base_dir, adapter_dir, kv_dir, Path(data_dir) / "calib.jsonl", test, texts, cfg.max_new_tokens,
