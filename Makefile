@@ -45,10 +45,10 @@ release: $(STAMP)
 
 # The tests on two processes (pytest-xdist; CI's machine has 2 cores and the end-to-end flows alone leave one idle),
 # a file at a time per process: a file's tests share its fixtures and build on each other. tests/conftest.py
-# orders the files longest first, and --no-loadscope-reorder keeps that order.
+# orders the files longest first, and --no-loadscope-reorder keeps that order; --durations shows what to reorder.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # The linter: ruff (pinned in pyproject's dev extra), its rules in pyproject.toml (pyflakes, import order, bugbear).
 lint: $(STAMP)
@@ -90,21 +90,21 @@ deploy: $(STAMP)
 	PREFECT_API_URL=$(PROD_API_URL) $(PY) -m flows.deploy --params params.yaml --work-pool $(WORK_POOL) \
 	  --set publish.tracking_uri=http://$(HOST):$(MLFLOW_PORT) --set publish.remote_dir=$(DVC_REMOTE)
 
-# Every benchmark of bench/, one after another (21 min on 2 busy cores): bench/results/latest.{json,md} + plots,
+# Every benchmark of bench/, one after another (21 min on 2 busy cores): bench/results/latest.{json,md} + charts,
 # then docs/benchmarks.md from every stamped JSON in bench/results/ (also those of benchmarks run by hand).
 .PHONY: bench
 bench: $(STAMP)
 	$(PY) -m bench.run_all; status=$$?; $(PY) -m bench.benchmarks_page && exit $$status
 
-# The GPU checks (bench/gpu_check.py), what a session lent an NVIDIA GPU runs first (planned for under 10 min on
+# The GPU checks (bench/engine/gpu_check.py), what a session lent an NVIDIA GPU runs first (planned for under 10 min on
 # an H200): fine-tune GPU vs CPU, TensorRT plans vs ONNX Runtime, torch-tensorrt. Without a GPU: a dry run that
 # skips each part with its reason. The real-model profile is skipped while its checkpoint is absent.
 .PHONY: gpu-check
 gpu-check: $(STAMP)
-	$(PY) -m bench.gpu_check --skip-unavailable --params params.yaml --real-params examples/smollm2.yaml
+	$(PY) -m bench.engine.gpu_check --skip-unavailable --params params.yaml --real-params examples/smollm2.yaml
 
 # The llama.cpp peer benchmark (not in `make bench`, not in CI): llama.cpp and our engines on the same
-# backbone in one run (bench/llama_cpp_bench.py). The `peer` extra compiles llama.cpp from the
+# backbone in one run (bench/engine/llama_cpp_bench.py). The `peer` extra compiles llama.cpp from the
 # llama-cpp-python sdist, CPU only, once (10-20 min on 2 cores); the sdist stays in $(PEER_SRC) for
 # the GGUF converter it vendors.
 PEER_SRC := $(VENV)/llama_cpp_src
@@ -120,9 +120,9 @@ $(PEER_STAMP): $(STAMP)
 
 .PHONY: bench-peer
 bench-peer: $(PEER_STAMP)
-	$(PY) -m bench.llama_cpp_bench
+	$(PY) -m bench.engine.llama_cpp_bench
 
-# The serving benchmark against llama.cpp's llama-server (bench/serve_bench.py; not in `make bench`, not in CI):
+# The serving benchmark against llama.cpp's llama-server (bench/serving/serve_bench.py; not in `make bench`, not in CI):
 # llama-server built from the same sdist's vendored llama.cpp, CPU only, static, no HTTPS (10-20 min on 2
 # cores, once). The sdist stays in $(PEER_SRC) for the GGUF converters.
 PEER_SERVER_BUILD := $(VENV)/llama_server_build
@@ -142,7 +142,7 @@ $(PEER_SERVER): $(STAMP)
 
 .PHONY: bench-peer-server
 bench-peer-server: $(PEER_SERVER)
-	$(PY) -m bench.serve_bench --llama-server $(PEER_SERVER)
+	$(PY) -m bench.serving.serve_bench --llama-server $(PEER_SERVER)
 
 clean:
 	rm -rf artifacts data models

@@ -3,28 +3,30 @@
     python -m bench.benchmarks_page [--results bench/results] [--out docs/benchmarks.md]
 
 `make bench` (``bench.run_all``) ends with this; run alone it rewrites the page from what
-``bench/results/`` holds, after a benchmark run by hand (``python -m bench.serve_bench``...).
-Every benchmark's JSON is stamped by ``bench.report`` with its command, start and end and the load
+``bench/results/`` holds, after a benchmark run by hand (``python -m bench.serving.serve_bench``...).
+Every benchmark's JSON is stamped by ``bench.lib.report`` with its command, start and end and the load
 averages at both. For each benchmark the newest stamped file (its default ``bench/results/<name>.json``
 or ``bench.run_all``'s ``bench/results/latest/<name>.json``) gives one row per figure, and every row
-names the command, the date and the load. The figures are ``bench.run_all.FIGURES``'; a benchmark
-without a figure list there shows the numbers of its JSON by key. A JSON without the stamp (written
-before it existed) is named at the end, not quoted. ``bench/results/`` is not in git: a benchmark whose
-JSON is not there keeps the section the page already had (its figures, command, date and load as they were).
+names the command, the date and the load. The figures are those the benchmark states (its module's
+``figures``, the module found from the stamped command); a benchmark that states none shows the numbers
+of its JSON by key. A JSON without the stamp (written before it existed) is named at the end, not quoted.
+``bench/results/`` is not in git: a benchmark whose JSON is not there keeps the section the page already had
+(its figures, command, date and load as they were).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import shlex
 import sys
 from pathlib import Path
 
-from bench.report import RECORDED
-from bench.run_all import FIGURES, REPO, table_cell
+from bench.lib.report import RECORDED, REPO, RESULTS
+from bench.lib.tables import table
 
 PAGE = REPO / "docs" / "benchmarks.md"
-RESULTS = REPO / "bench" / "results"
 REPORT_FILES = {"latest.json"}  # bench.run_all's summary of a run, not a benchmark's payload
 MAX_KEYED_ROWS = 60
 UNQUOTED = "Not quoted "  # the page's last paragraph: the JSON files without a stamp
@@ -62,10 +64,23 @@ def load_text(stamp: dict) -> str:
     return f"{start[0]:.2f} → {end[0]:.2f} (1 min; 15 min {end[2]:.2f}), {stamp['cpus']} CPUs"
 
 
-def figure_rows(name: str, payload: dict) -> list[tuple[str, str]]:
-    if name in FIGURES:
+def benchmark_module(command: str):
+    """The module of the benchmark a stamped command ran (``python -m bench.<kind>.<name> ...``), found by its file
+    name, which is unique in bench/ (a command stamped before bench/ had kinds names ``bench.<name>``); None if
+    no benchmark has that name."""
+    words = shlex.split(command)
+    if "-m" not in words[:-1]:
+        return None
+    name = words[words.index("-m") + 1].rpartition(".")[2]
+    found = sorted((REPO / "bench").glob(f"*/{name}.py"))
+    return importlib.import_module(f"bench.{found[0].parent.name}.{name}") if found else None
+
+
+def figure_rows(payload: dict) -> list[tuple[str, str]]:
+    module = benchmark_module(payload[RECORDED]["command"])
+    if hasattr(module, "figures"):
         try:
-            return [(figure, text) for figure, _, text in FIGURES[name](payload)]
+            return [(figure, text) for figure, _, text in module.figures(payload)]
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:
             return [("figures", f"**not readable**: {type(err).__name__}: {err}")]
     rows = keyed_numbers(payload)
@@ -113,11 +128,11 @@ def render_page(results_dir: Path, previous: str = "") -> str:
         path, payload = newest[name]
         stamp = payload[RECORDED]
         shown_path = path.relative_to(REPO) if path.is_relative_to(REPO) else path
-        lines += [f"## {name}", "", f"From `{shown_path}`.", "", "| figure | value | command | finished | load average |", "|---|---|---|---|---|"]
-        cells = (f"`{table_cell(stamp['command'])}`", stamp["finished_at"], load_text(stamp))
-        for figure, text in figure_rows(name, payload):
-            lines.append("| " + " | ".join((table_cell(figure), table_cell(text), *cells)) + " |")
-        lines.append("")
+        cells = (f"`{stamp['command']}`", stamp["finished_at"], load_text(stamp))
+        lines += [f"## {name}", "", f"From `{shown_path}`.", "",
+                  table(["figure", "value", "command", "finished", "load average"],
+                        ([figure, text, *cells] for figure, text in figure_rows(payload)), align="<<<<<", markdown=True),
+                  ""]
     if unstamped:
         lines += [UNQUOTED + "(written before benchmarks stamped their command, date and load): "
                   + ", ".join(f"`{p.name}`" for p in unstamped), ""]

@@ -35,8 +35,8 @@ FLOAT = "float"
 @functools.lru_cache(maxsize=2)
 def _release_model(base_dir: str, adapter_dir: str):
     """(backbone with the adapter merged, tokenizer), loaded once per worker process."""
-    from tasks.models import load_tokenizer
     from tasks.kv_stats import load_release_backbone
+    from tasks.models import load_tokenizer
 
     backbone, _, _ = load_release_backbone(Path(base_dir), Path(adapter_dir))
     return backbone, load_tokenizer(Path(base_dir))
@@ -87,8 +87,8 @@ def grid_point(base_dir: str, adapter_dir: str, heldout_txt: str, name: str, spe
     import torch
 
     from kernels.kv_spec import KVQuantSpec, bytes_per_token
-    from tasks.kv_stats import scales_from_stats
     from tasks.checks.kv_quality import heldout_sequences, suffix_perplexity
+    from tasks.kv_stats import scales_from_stats
 
     torch.set_num_threads(threads)
     backbone, tokenizer = _release_model(base_dir, adapter_dir)

@@ -30,13 +30,18 @@ from prefect.variables import Variable
 
 from flows import ServerStartupTimeout, naming_the_startup_timeout
 from flows.progress_artifact import StageProgress
-from tasks.release import registry, stage_runner, steps, tracking, update_channel
 from tasks.config import (
-    ConfigError, ReleaseConfig, StageError, changed_settings, load_config, parse_config, with_settings,
+    ConfigError,
+    ReleaseConfig,
+    StageError,
+    changed_settings,
+    load_config,
+    parse_config,
+    with_settings,
 )
 from tasks.gate_rules import GateFailed, failed_reason
+from tasks.release import registry, stage_runner, steps, tracking, update_channel
 from tasks.release.notes import describe_trigger
-
 
 # A deployment's defaults: the registered params.yaml, as JSON (flows/serve.py and flows/deploy.py write it).
 DEFAULTS_VARIABLE = "monthly-release-defaults"

@@ -18,8 +18,8 @@ from prefect import flow, get_run_logger, task  # after flows/__init__.py set Pr
 
 from flows import ServerStartupTimeout, naming_the_startup_timeout
 from flows.monthly_release import run_defaults
-from tasks.release import update_channel
 from tasks.config import StageError, load_config
+from tasks.release import update_channel
 
 REFRESH_DEPLOYMENT = "refresh-update-channel"
 REFRESH_CRON = "0 */6 * * *"

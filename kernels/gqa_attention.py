@@ -5,7 +5,7 @@
 one GroupQueryAttention node with ``k_quant_type = v_quant_type = PER_CHANNEL`` and
 ``kv_cache_bit_width = 4``. That op is ORT's fused CPU kernel: it reads the packed cache
 directly instead of the dozen elementwise ops a hand-written dequantization needs, which
-is what made the standard-ops quantized engine slower than the float cache (``bench/kv_engine_bench.py``).
+is what made the standard-ops quantized engine slower than the float cache (``bench/engine/kv_engine_bench.py``).
 
 What the op does, checked against it (tests/kernels/test_gqa_attention.py), and therefore what the
 reference does:

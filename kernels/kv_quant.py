@@ -165,9 +165,25 @@ def unpack_bits_f32(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """``unpack_bits`` as float32 (exact integers), for a dequantize that follows: no uint8 round trip."""
     if bits == 8:
         return packed[..., :n].to(torch.float32)
+    if bits == 3:
+        return _unpack_words_f32(packed, bits)[..., :n]
     if 8 % bits:
         return unpack_bits(packed, bits, n).to(torch.float32)
     return torch.stack(unpack_parts_f32(packed, bits), dim=-1).flatten(-2)[..., :n]  # (..., n): low bits first
+
+
+def _unpack_words_f32(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """A width that straddles bytes, 3 bits: each 8 values fill ``bits`` bytes, read as one little-endian integer
+    below 2^24 (exact in float32), then peeled ``bits`` at a time as ``unpack_parts_f32`` peels a byte: the
+    integers of ``unpack_bits``'s int64 bit planes, in the float ops the aligned widths use (see below)."""
+    words = packed.to(torch.float32).unflatten(-1, (packed.shape[-1] // bits, bits))  # (..., n8, bits)
+    word = (words * torch.tensor([256.0**j for j in range(bits)])).sum(-1)  # (..., n8): below 2^(8 bits) = 2^24
+    parts = []
+    for _ in range(7):
+        high = torch.floor(word * 2.0**-bits)
+        parts.append(word - high * 2.0**bits)  # value j of each 8: the lowest bits left
+        word = high
+    return torch.stack(parts + [word], dim=-1).flatten(-2)  # (..., n8 * 8): low bits first
 
 
 def unpack_parts_f32(packed: torch.Tensor, bits: int) -> list[torch.Tensor]:

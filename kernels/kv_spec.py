@@ -21,7 +21,7 @@ into its partner with a varying sign and the per-channel statistics that static 
 are smeared across positions; before RoPE a channel's range is the same at every position
 (KVQuant, sec. 3.2). The price: the cache holds pre-RoPE keys, so RoPE is re-applied to the
 dequantized keys at every read (the cache stores no extra data: a slot's position is known).
-Measured (bench/kv_quality.py, K4/V4, two-pass): pre- vs post-RoPE per-channel keys give KL to
+Measured (bench/quality/kv_schemes.py, K4/V4, two-pass): pre- vs post-RoPE per-channel keys give KL to
 the float cache 0.00089 vs 0.00138 on stdlib text (scales at the 99.9th percentile).
 
 Full-precision tokens: the first ``sink_tokens`` (the attention sink, StreamingLLM, Xiao et al.
@@ -34,6 +34,10 @@ keys with symmetric per-channel K and V scales and no sink; with scales at the 9
 measured -0.08% perplexity on stdlib text and -0.02% on the default month, computed exactly as that
 engine computes it. ``PRE_ROPE_SCHEME`` is the best quality on the reference cache, which only the
 standard-ops engine runs.
+
+Quantized pages (``PageQuantSpec``, issue 39) are the other kind of scheme: no calibrated scales at all; each full
+page of the paged cache gets scales of its own when its last slot is written, and each row's first and newest page
+stay float. ``PageQuantSpec.stored_bits_per_value`` counts what they store.
 
 Stored sizes assumed by ``bytes_per_token``: fp16 sink/window tokens, packed integers, fp16
 per-token scales and zero points, fp32 per-channel scales and zero points (static per release,
@@ -99,7 +103,7 @@ class KVQuantSpec:
 
 
 # K4 per-channel asymmetric keys quantized before RoPE, V4 per-token symmetric values, one fp16
-# sink token: the lowest error measured on the reference cache (bench/kv_quality.py "K4/V4 chosen"),
+# sink token: the lowest error measured on the reference cache (bench/quality/kv_schemes.py "K4/V4 chosen"),
 # the scheme the standard-ops engine was built for; GroupQueryAttention cannot run it.
 PRE_ROPE_SCHEME = KVQuantSpec(k_granularity="channel", v_granularity="token", k_symmetric=False, v_symmetric=True,
                               sink_tokens=1, pre_rope_keys=True)
@@ -130,3 +134,81 @@ def bytes_per_token(spec: KVQuantSpec | None, num_layers: int, num_kv_heads: int
             static += nkv * d * params * CHANNEL_SCALE_BYTES
     total = L * (full * fp16_token + (T - full) * per_token + static)
     return total / T
+
+
+# ---------------------------------------------------------------- quantized pages
+
+# Widths a quantized page stores: 2, 4 and 8 bits pack whole values into bytes; 3 bits are packed densely too
+# (8 values in 3 bytes, ``kernels.kv_quant.pack_bits``), so a 3-bit page stores 3 bits per code, not 4.
+PAGE_BITS = (2, 3, 4, 8)
+PAGE_SCALE_BYTES = 2  # each scale and each minimum of a sealed page is fp16
+FLOAT_PAGE_BYTES = 4  # a float page (the sink, the open page) holds fp32 K and V, as the float paged cache does
+# The smallest scale a page stores: the smallest normal fp16, so a constant group (hi == lo) codes to 0 and reads
+# back as its minimum instead of dividing by zero (kernels.kv_quant floors a per-token scale there too).
+MIN_PAGE_SCALE = 2.0**-14
+
+
+@dataclass(frozen=True, kw_only=True)
+class PageQuantSpec:
+    """Quantized pages: a paged cache whose full pages are quantized with scales of their own (KIVI, Liu et al.
+    2024, sec. 3), computed when the page is sealed instead of calibrated offline.
+
+    A page is one block of the paged cache (``engine.kv_block_size`` tokens). It is sealed when its last slot is
+    written: keys get a scale and a minimum per (page, kv head, channel) over the page's tokens, values per
+    (token, kv head, group of ``v_group_size`` channels); asymmetric, the whole range, no clipping. Each row's first
+    page (the attention sink) and its open page (the newest tokens, KIVI's residual) stay float. Codes, scales and
+    minima live in the page pool; ``runtime.engine.kv_pages`` seals (numpy), ``kernels.page_quant`` is the
+    PyTorch reference and the graph's read."""
+
+    k_bits: int = 4
+    v_bits: int = 4
+    v_group_size: int = 32  # channels per value scale: q4_0's block of 32
+
+    def __post_init__(self) -> None:
+        problems = [f"{name}={getattr(self, name)} is not one of {PAGE_BITS}" for name in ("k_bits", "v_bits")
+                    if getattr(self, name) not in PAGE_BITS]
+        if self.v_group_size < 1:
+            problems.append(f"v_group_size={self.v_group_size} is not a positive number of channels")
+        if problems:
+            raise ValueError("invalid PageQuantSpec: " + "; ".join(problems))
+
+    @property
+    def name(self) -> str:
+        """Short label for tables: K4/V4 pages g32."""
+        return f"K{self.k_bits}/V{self.v_bits} pages g{self.v_group_size}"
+
+    def problems(self, head_dim: int) -> list[str]:
+        """Why pages of this scheme cannot hold a head of ``head_dim`` channels (empty: they can)."""
+        problems = [] if head_dim % 8 == 0 else [f"head_dim={head_dim} (codes pack 8 channels at a time: needs a multiple of 8)"]
+        if head_dim % self.v_group_size:
+            problems.append(f"v_group_size={self.v_group_size} does not divide head_dim={head_dim}")
+        return problems
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PageQuantSpec":
+        unknown = sorted(set(d) - {f for f in cls.__dataclass_fields__})
+        if unknown:
+            raise ValueError(f"invalid PageQuantSpec: unknown fields {unknown}")
+        return cls(**d)
+
+    def sealed_page_bytes(self, head_dim: int, block_size: int) -> int:
+        """Bytes of one sealed page of one kv head and layer, K and V: codes, then fp16 scales and minima (keys:
+        one pair per channel; values: one pair per token and group)."""
+        d, bs = head_dim, block_size
+        keys = bs * packed_size(d, self.k_bits) + 2 * d * PAGE_SCALE_BYTES
+        values = bs * packed_size(d, self.v_bits) + 2 * bs * (d // self.v_group_size) * PAGE_SCALE_BYTES
+        return keys + values
+
+    def stored_bits_per_value(self, head_dim: int, block_size: int, context_len: int) -> float:
+        """Bits a row of ``context_len`` tokens stores per K or V value, everything counted: whole pages as they
+        are allocated (the open page's empty slots too), codes, scales, minima, and the float sink and open pages."""
+        d, bs, n = head_dim, block_size, context_len
+        pages = -(-n // bs)
+        open_page = n % bs != 0 and pages > 1
+        float_pages = min(pages, 1) + open_page
+        sealed = pages - float_pages
+        float_bytes = float_pages * 2 * bs * d * FLOAT_PAGE_BYTES
+        return 8 * (float_bytes + sealed * self.sealed_page_bytes(d, bs)) / (2 * n * d)

@@ -51,13 +51,14 @@ import sys
 from pathlib import Path
 
 from runtime.engine.errors import RefusedInput
+
 # Not runtime.serve.channel_watch: it loads python-tuf and urllib3, which only a device following a channel
 # needs (imported where the watcher starts).
 from runtime.release.contract import DEFAULT_PRODUCT, DEFAULT_TUF_INTERVAL_S, check_product
 from runtime.release.verify import DEFAULT_MAX_PACKAGE_BYTES, EXIT_CODES, PackageError
+from runtime.serve.batcher import DEFAULT_PREFILL_CHUNK, KV_WAIT_S
 from runtime.serve.health import DEFAULT_HEALTH_WINDOW_S
 from runtime.serve.http_app import DECODE_MODES, DEFAULT_MAX_CONCURRENT, ServeSettings
-from runtime.serve.batcher import DEFAULT_PREFILL_CHUNK, KV_WAIT_S
 from runtime.serve.residents import CANDIDATE, CHANNELS, DEFAULT_MAX_RESIDENT
 
 EXIT_USAGE = 2

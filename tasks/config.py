@@ -20,10 +20,10 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kernels.kv_spec import Granularity, KVQuantSpec
+from kernels.kv_spec import PAGE_BITS, Granularity, KVQuantSpec, PageQuantSpec
 from runtime.engine.interface import paged_problems
 from runtime.release.contract import DEFAULT_PRODUCT, check_product
-from tasks.layout import BASE_MODEL_STAGE_DIR, KV_ENGINE, PAGED_ENGINE, STACKED_ENGINE, ArtifactLayout
+from tasks.layout import BASE_MODEL_STAGE_DIR, KV_ENGINE, KV_PAGES_ENGINE, PAGED_ENGINE, STACKED_ENGINE, ArtifactLayout
 
 # engine.kv_block_size, when paged: vLLM's CUDA kernels take 8, 16 or 32 tokens (16 is what docs/paged-kv.md
 # measured). A row wastes less than one block, so past 256 a short row's block is mostly empty; below 8 the
@@ -162,7 +162,10 @@ class EngineConfig(_Section):
     parity_tolerance: float = Field(1e-4, gt=0)
     weights: Literal["fp32", "int8", "int4"] = "fp32"
     weight_block_size: int = Field(128, ge=16, le=4096)
-    kv_cache: Literal["float", "quantized"] = "quantized"
+    # float; quantized = the static scheme of the ``kv`` section, the release's calibrated scales as inputs;
+    # quantized_pages = each full page of the paged cache quantized with its own scales when it fills, the first
+    # and the open page float (``kernels.kv_spec.PageQuantSpec``: kv.k_bits, kv.v_bits, kv.v_group_size)
+    kv_cache: Literal["float", "quantized", "quantized_pages"] = "quantized"
     # Tokens per block of the serving engine's paged KV cache (engine interface version 6, docs/paged-kv.md):
     # rows hold only the blocks they fill instead of a cache as long as the batch's longest row.
     # 0 = the padded cache, which the TensorRT and eager backends and the sink / pre-RoPE schemes need.
@@ -176,7 +179,7 @@ class EngineConfig(_Section):
     def cache_engine_dir(self) -> Path:
         """The engine with the configured KV cache and adapter slots and float weights: the float engine, its
         quantized-KV variant (``kv``), the paged form of either (``paged16``, ``kv-paged16``: blocks of 16 tokens),
-        each with stacked adapters (``kv-paged16-stacked``, the default)."""
+        each with stacked adapters (``kv-paged16-stacked``, the default); quantized pages: ``kvpages-paged16-stacked``."""
         return self._engine_variant(with_weights=False)
 
     @property
@@ -186,7 +189,7 @@ class EngineConfig(_Section):
         return self._engine_variant(with_weights=True)
 
     def _engine_variant(self, with_weights: bool) -> Path:
-        variant = [KV_ENGINE] if self.kv_cache == "quantized" else []
+        variant = {"quantized": [KV_ENGINE], "quantized_pages": [KV_PAGES_ENGINE]}.get(self.kv_cache, [])
         if self.kv_block_size:  # each block size its own folder: switching back and forth rebuilds nothing
             variant.append(f"{PAGED_ENGINE}{self.kv_block_size}")
         if self.mixed_adapters:
@@ -232,7 +235,7 @@ class EngineConfig(_Section):
             raise ValueError(f"weights {self.weights} needs backend onnxruntime or tensorrt, not torch")
         # Every onnxruntime-only default named in one error: a user switching backends fixes them in one edit.
         if self.backend != "onnxruntime":
-            needs = [("engine.kv_cache: float", self.kv_cache == "quantized"),  # its runtime binds no KV scales yet
+            needs = [("engine.kv_cache: float", self.kv_cache != "float"),  # their runtimes read no quantized cache yet
                      ("engine.kv_block_size: 0", bool(self.kv_block_size)),
                      ("engine.mixed_adapters: false", self.mixed_adapters)]
             fixes = [fix for fix, needed in needs if needed]
@@ -264,10 +267,16 @@ class KVConfig(_Section):
     # Calibration rows are short; a long context turns slow RoPE pairs into channels whose static
     # range never saw them (tasks/kv_stats.py collect_kv_stats). Set it to the context you serve.
     calib_key_positions: int = Field(0, ge=0)
+    # engine.kv_cache quantized_pages: channels per value scale of a sealed page (k_bits and v_bits are the pages' too)
+    v_group_size: int = Field(PageQuantSpec().v_group_size, ge=1)
 
     def spec(self) -> KVQuantSpec:
         """The scheme as a ``KVQuantSpec``, field by field."""
         return KVQuantSpec(**{f.name: getattr(self, f.name) for f in fields(KVQuantSpec)})
+
+    def page_spec(self) -> PageQuantSpec:
+        """The quantized pages as a ``PageQuantSpec``: the widths of this section and its value group."""
+        return PageQuantSpec(k_bits=self.k_bits, v_bits=self.v_bits, v_group_size=self.v_group_size)
 
 
 class EvalConfig(_Section):
@@ -358,6 +367,21 @@ class ReleaseConfig(_Section):
             if problems:
                 raise ValueError(f"engine.kv_block_size {self.engine.kv_block_size}: the quantized cache cannot be "
                                  "paged with " + "; ".join("kv." + p for p in problems) + " (or set engine.kv_block_size: 0)")
+        return self
+
+    @model_validator(mode="after")
+    def _quantized_pages_fit(self) -> "ReleaseConfig":
+        # What the compile stage would refuse after the month's training, refused before it (a local backbone's
+        # head_dim is read at compile).
+        if self.engine.kv_cache != "quantized_pages":
+            return self
+        problems = [f"kv.{n} {getattr(self.kv, n)} (pages store {', '.join(map(str, PAGE_BITS))} bits)"
+                    for n in ("k_bits", "v_bits") if getattr(self.kv, n) not in PAGE_BITS]
+        problems += [] if self.engine.kv_block_size else ["engine.kv_block_size 0 (a page is a block of the paged cache)"]
+        if not problems and self.base_model.source == "embedded":
+            problems += ["kv." + p for p in self.kv.page_spec().problems(self.base_model.head_dim)]
+        if problems:
+            raise ValueError("engine.kv_cache quantized_pages: " + "; ".join(problems))
         return self
 
     @model_validator(mode="after")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
 from runtime.release.contract import DEFAULT_PRODUCT, REGISTRY_CHANNELS, REGISTRY_INDEX, parse_channels, product_path
 from tasks.config import GatesConfig, StageError, WeightAccuracyDrop
 

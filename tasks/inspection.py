@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from tasks.records import DataError, Example
 
+from tasks.records import DataError, Example
 
 RULEBOOK = "rulebook.json"
 

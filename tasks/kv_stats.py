@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+
 from runtime.engine.adapter_config import ADAPTER_WEIGHTS
 from runtime.engine.hashing import sha256_file
 from runtime.engine.kv_scales import KVScales, read_kv_scales
 
-
 # Static scales are set on calib text and read on other text: a percentile range spends the 16
 # levels on the bulk rather than on a few extreme values. Measured for the default scheme (static
-# per-channel K after RoPE and V, read by the GQA engine, stdlib text, bench/kv_quality.py):
+# per-channel K after RoPE and V, read by the GQA engine, stdlib text, bench/quality/kv_schemes.py):
 # perplexity +0.71% at the 99.9th percentile, +0.15% at 99.5, -0.08% at 99.0, -0.17% at 98.
 DEFAULT_CLIP_PERCENTILE = 99.0
 

@@ -8,6 +8,7 @@ holds the two together). Paths are relative to the project root, as DVC runs the
     <data.dir>/<month>/              the data stage: train/val/calib/test.jsonl, held-out text
     <engine.dir>/                    the compile stage: the float engine of the backbone, and inside it
         kv/                          the engine with the quantized KV cache (engine.kv_cache: quantized)
+        kvpages-paged16-stacked/     the serving engine with quantized pages (engine.kv_cache: quantized_pages)
         kv-paged16-stacked/          the serving engine: paged KV cache (engine.kv_block_size: 16), stacked
                                      adapters (engine.mixed_adapters); kv-paged16/, paged16/, kv-stacked/... without
         kv-paged16-stacked-int8/...  weight-quantized copies of the serving engine (engine.weights; int8-qdq_fp16/ for TensorRT)
@@ -28,11 +29,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
 # The base_model stage's output: the embedded default is built here; with ``source: local`` it holds
 # only the card that records the user's checkpoint, which is never an output.
 BASE_MODEL_STAGE_DIR = "models/base"
 ENGINE_BUILD_FILE = "engine_build.json"
 KV_ENGINE = "kv"  # the quantized-KV engine's folder inside the float engine's
+KV_PAGES_ENGINE = "kvpages"  # the serving engine with quantized pages (``kvpages-paged16-stacked``)
 PAGED_ENGINE = "paged"  # + engine.kv_block_size: a paged-cache engine's folder (``paged16``, ``kv-paged16``)
 STACKED_ENGINE = "stacked"  # engine.mixed_adapters: the serving form with stacked adapters (``kv-paged16-stacked``)
 FINETUNE, KV, EVAL, GATES, PACKAGE = "finetune", "kv", "eval", "gates", "package"  # a month's stage folders

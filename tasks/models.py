@@ -7,8 +7,8 @@ tokenizer is checked to encode as the device's does (``load_tokenizer``).
 from __future__ import annotations
 
 from pathlib import Path
-from tasks.config import StageError
 
+from tasks.config import StageError
 
 CARD = "base_model_card.json"
 

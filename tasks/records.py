@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
 from runtime.engine.tokenizer import ChatPrompt
 from tasks.config import StageError
-
 
 SPLITS = ("train", "val", "calib", "test")
 

@@ -19,9 +19,10 @@ import torch
 
 from runtime.engine.tokenizer import ChatPrompt, encode_prompt
 from tasks.config import StageError
-from tasks.records import DataError, Example
 from tasks.device import ON_CPU, Placement
 from tasks.progress import Progress
+from tasks.records import DataError, Example
+
 
 class TrainingDiverged(StageError, RuntimeError):
     """The loss stopped being a finite number; nothing trained in this run is saved."""

@@ -1,5 +1,7 @@
 import flows  # noqa: F401  (first: Prefect's environment, its start-up deadline among it, before anything imports Prefect)
 
+# isort: split
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,17 @@ LONGEST_FIRST = ("test_release.py", "test_faults.py", "test_own_model.py", "test
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.relative_to(TESTS).as_posix(), len(rank)))
+
+
+@pytest.fixture(scope="session")
+def published(tmp_path_factory):
+    """The project after `make release` on the embedded default, once for the whole test run
+    (``project_testkit.published_project``): CI's own release when .ci/run has just made it from these files,
+    else built by the first xdist worker that needs it. Read only; ``copy_published`` gives a test its own."""
+    from project_testkit import published_project
+
+    base = tmp_path_factory.getbasetemp()  # under xdist each worker's, in the run's own folder: share that
+    return published_project(base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base)
 
 
 @pytest.fixture
@@ -33,12 +46,13 @@ def process_groups():
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A randomly initialised Llama saved by save_pretrained, standing in for a user's own model."""
+    import random
+
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tasks.stages.base_model import train_tokenizer
     from tasks.inspection import rulebook, sample_examples
-    import random
+    from tasks.stages.base_model import train_tokenizer
 
     path = tmp_path_factory.mktemp("llama")
     examples = sample_examples(rulebook("2026-10", 1234, 2), 64, random.Random(0))

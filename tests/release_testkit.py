@@ -2,7 +2,7 @@
 
 ``world(tmp_path_factory)`` builds (about 12 s on 2 cores) a random Qwen2 with a trained
 tokenizer, its compiled engine, a signing key and two packaged releases, A (2026-10, r=4) and
-B (2026-11, r=8), with the same code the benchmark uses (``bench.hotswap_bench``).
+B (2026-11, r=8), with the same code the benchmark uses (``bench.serving.hotswap_bench``).
 ``make_registry`` writes what the publish stage publishes: git + DVC, ``releases/<month>``
 tracked by DVC and pushed to a local remote, tagged ``release/<month>``, ``channels.json``.
 """
@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.hotswap_bench import build_tiny_world
+from bench.lib.worlds import build_tiny_world
 from runtime.engine.hashing import sha256_file
 from runtime.release.contract import (
     MANIFEST,

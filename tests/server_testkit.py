@@ -24,9 +24,9 @@ from runtime.engine.tokenizer import DeviceTokenizer
 from runtime.release.contract import DEFAULT_PRODUCT
 from runtime.release.device_state import DeviceState
 from runtime.release.verify import load_trusted_keys
+from runtime.serve.batcher import KV_WAIT_S
 from runtime.serve.health import ReleaseGate
 from runtime.serve.http_app import ServeSettings
-from runtime.serve.batcher import KV_WAIT_S
 from runtime.serve.http_server import BackgroundServer
 from runtime.serve.residents import DEFAULT_MAX_RESIDENT
 from runtime.serve.server import AdapterServer

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from project_testkit import ENV, MODEL, copy_project, git
 from service_testkit import free_port, kill_group_when
 

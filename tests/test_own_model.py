@@ -22,13 +22,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from project_testkit import ENV, copy_project
 from service_testkit import free_port, kill_group_when, run_in_group, start_service, stop_group
+
 from tasks.checks import peft_vs_device
 from tasks.config import load_config
 from tasks.inspection import rulebook, sample_examples
-from tasks.records import SPLITS
 
 pytestmark = pytest.mark.slow  # the real monthly flow, end to end: minutes per test
 
@@ -188,9 +187,9 @@ def module_greedy(model_dir: Path, release: Path, engine: Path, prompts: list[st
     """Base + released adapter merged into the project's PyTorch module, greedy through a float cache and
     through the release's calibrated 4-bit cache (``kernels.kv_quant``, the evaluate stage's reference)."""
     from kernels.kv_spec import KVQuantSpec
-    from tasks.models import load_tokenizer
-    from tasks.kv_stats import cache_kwargs, load_release_backbone, read_release_kv_scales
     from tasks.checks.kv_quality import greedy_through_cache
+    from tasks.kv_stats import cache_kwargs, load_release_backbone, read_release_kv_scales
+    from tasks.models import load_tokenizer
 
     backbone, _, _ = load_release_backbone(model_dir, release, engine)
     scales = read_release_kv_scales(model_dir, release, release)  # a package holds the adapter and its scales

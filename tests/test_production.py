@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from flows.local_server import wait_http
 from project_testkit import ENV, MODEL, copy_project, git
 from service_testkit import free_port, kill_pids, processes_in, start_service, stop_group
+
+from flows.local_server import wait_http
 from tasks.release.steps import SUMMARY_KEY
 
 pytestmark = pytest.mark.slow  # the real monthly flow, end to end: minutes per test

@@ -7,7 +7,6 @@ import sys
 import time
 
 import pytest
-
 from service_testkit import live, run_in_group
 
 SPAWNS_A_CHILD = ("import subprocess, sys, time\n"

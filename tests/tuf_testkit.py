@@ -30,7 +30,13 @@ from tuf.api.metadata import Metadata, TargetFile, Targets
 from tuf.api.serialization.json import JSONSerializer
 from tuf.ngclient import Updater
 
-from runtime.release.contract import DEFAULT_PRODUCT, TUF_CHANNELS_TARGET, TUF_METADATA_DIR, product_path, release_target_path
+from runtime.release.contract import (
+    DEFAULT_PRODUCT,
+    TUF_CHANNELS_TARGET,
+    TUF_METADATA_DIR,
+    product_path,
+    release_target_path,
+)
 from runtime.release.verify import write_tarball
 from tasks.release.update_channel import Channel, _add_target, _resign, load_state, refresh, release_target, signers
 

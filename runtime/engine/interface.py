@@ -39,19 +39,30 @@ from runtime.engine.errors import RefusedInput
 #    (2,048 x 151,936 floats = 1.2 GB at the 0.5B shape) are never computed. Recorded as ``logit_positions``
 #    (hashed); the LoRA contract is unchanged, so adapters of the engine without it bind
 #    (``float_interface_hash``). Versions 3-7 still load: their forward returns every position's logits.
+# 9: quantized pages (``kv_pages``, a kernels.kv_spec.PageQuantSpec dict, hashed): version 8's float paged cache
+#    (stacked or not) whose full pages the runtime seals into codes, scales and minima. Each row's float pages (its
+#    first page, the sink, and its open page) are read from the float pools ``pool_key.i`` / ``pool_value.i`` through
+#    ``float_block_table`` (B, float_blocks <= 2); its sealed pages from the pools ``quantized_pages_tensors`` lists
+#    through ``block_table`` (B, max_blocks). The mask covers float slots, sealed slots, new tokens, in that order.
+#    The graph outputs the new tokens' float K/V (``new_*.i``), as version 6. No release statics: a release of the
+#    float engine binds unchanged (``float_interface_hash``).
 INTERFACE_VERSION = 3
 QUANT_KV_INTERFACE_VERSION = 5
 PAGED_INTERFACE_VERSION = 6
 STACKED_INTERFACE_VERSION = 7
 LOGIT_POSITIONS_INTERFACE_VERSION = 8
+QUANTIZED_PAGES_INTERFACE_VERSION = 9
 SUPPORTED_VERSIONS = (INTERFACE_VERSION, 4, QUANT_KV_INTERFACE_VERSION, PAGED_INTERFACE_VERSION, STACKED_INTERFACE_VERSION,
-                      LOGIT_POSITIONS_INTERFACE_VERSION)
+                      LOGIT_POSITIONS_INTERFACE_VERSION, QUANTIZED_PAGES_INTERFACE_VERSION)
 INTERFACE_FILE = "interface.json"
 ENGINE_ONNX = "model.onnx"  # beside it in an engine folder (tasks/stages/compile.py)
 CACHE_KEY_FILE = "cache_key.json"  # what the engine was built from; its presence means the build completed
 KV_LAYOUT = "B,num_kv_heads,past_len,head_dim"  # one key and one value tensor per layer
 PAGED_KV_LAYOUT = "blocks,num_kv_heads,block_size,head_dim"  # one pool per cache tensor and layer
 BLOCK_TABLE = "block_table"
+FLOAT_BLOCK_TABLE = "float_block_table"  # version 9: each row's float pages, the sink's block first
+FLOAT_PAGES = 2  # version 9: float pages a row holds at most, its first and its open one
+SEALED_BLOCKS_AXIS = "sealed_blocks"  # version 9: the sealed pools' first axis ("blocks": the float pools')
 LOGIT_POSITIONS = "logit_positions"
 QUANT_KV_DTYPE = "packed-uint8"
 KV_ROTATION_INPUT = "kv_rotation"
@@ -79,7 +90,7 @@ def lora_groups(modules: tuple[str, ...]) -> list[tuple[tuple[str, ...], tuple[s
     A fused linear takes one LoRA: A stacks the targets' A matrices (n r_max, in), B is block-diagonal
     (out of the whole fused linear, n r_max) with each target's scale folded in; the rows of an
     untargeted member are zero. Two graph ops per fused linear instead of three per module: at
-    0.5B width with int4 weights the per-module inputs cost 7-9% of a decode step (bench.weight_quant_bench).
+    0.5B width with int4 weights the per-module inputs cost 7-9% of a decode step (bench.engine.weight_quant_bench).
     """
     return [(tuple(m for m in fused if m in modules), fused) for fused in FUSED_LINEARS if any(m in modules for m in fused)]
 
@@ -131,6 +142,7 @@ class EngineInterface:
     # adapter made for the float engine binds to its weight-quantized copy.
     weights: dict | None = None
     logit_positions: bool = False  # version 8: a LOGIT_POSITIONS input selects where logits are computed
+    kv_pages: dict | None = None  # version 9: PageQuantSpec.to_dict() of the quantized pages; None = none
 
     @property
     def lora_contract_hash(self) -> str:
@@ -149,6 +161,10 @@ class EngineInterface:
     @property
     def paged(self) -> bool:
         return self.kv_block_size is not None
+
+    @property
+    def quantized_pages(self) -> bool:
+        return self.kv_pages is not None
 
     @property
     def stacked(self) -> bool:
@@ -188,13 +204,15 @@ class EngineInterface:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes a row's cache grows by per token, every layer: a padded cache's slot (``slot_bytes``), a paged
-        cache's block over the tokens it holds."""
+        cache's block over the tokens it holds (quantized pages: a sealed page's, what a long row holds per token)."""
+        if self.quantized_pages:
+            return self.slot_bytes(SEALED_BLOCKS_AXIS) // self.kv_block_size
         return self.slot_bytes("blocks") // self.kv_block_size if self.paged else self.slot_bytes("past")
 
     def to_dict(self) -> dict:
         d = asdict(self)
         # absent, not null: each engine keeps the hash it had before the field existed
-        for key in ("kv_spec", "float_interface_hash", "kv_block_size"):
+        for key in ("kv_spec", "float_interface_hash", "kv_block_size", "kv_pages"):
             if d[key] is None:
                 del d[key]
         if self.weights is None:
@@ -286,6 +304,40 @@ def paged_kv_tensors(padded: EngineInterface, block_size: int) -> tuple[list, li
     return pools, outputs
 
 
+def quantized_pages_tensors(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, spec: dict) -> list:
+    """The sealed pools of a version-9 engine, as TensorSpecs (``kernels.kv_spec.PageQuantSpec`` says what a page holds).
+
+    Per layer i, each (sealed_blocks, nkv, ·, ·):
+      pool_key_codes.i    uint8 (.., bs, packed d): keys' codes, bit-packed (kernels.kv_quant.pack_bits)
+      pool_key_scale.i    float16 (.., 1, d): per channel over the page
+      pool_key_min.i      float16 (.., 1, d)
+      pool_value_codes.i  uint8 (.., bs, packed d)
+      pool_value_scale.i  float16 (.., bs, d / group): per token and group of channels
+      pool_value_min.i    float16 (.., bs, d / group)
+    """
+    nkv, d, bs, groups = num_kv_heads, head_dim, block_size, head_dim // spec["v_group_size"]
+    per_layer = [("key_codes", "uint8", bs, packed_size(d, spec["k_bits"])), ("key_scale", "float16", 1, d),
+                 ("key_min", "float16", 1, d), ("value_codes", "uint8", bs, packed_size(d, spec["v_bits"])),
+                 ("value_scale", "float16", bs, groups), ("value_min", "float16", bs, groups)]
+    return [TensorSpec(f"pool_{role}.{i}", dtype, (SEALED_BLOCKS_AXIS, nkv, slots, width))
+            for i in range(num_layers) for role, dtype, slots, width in per_layer]
+
+
+def pages_interface(paged: EngineInterface, kv_pages: dict) -> EngineInterface:
+    """The version-9 form of a float paged interface with logit positions (version 8, stacked or not): the float pools
+    hold each row's sink and open page (``FLOAT_BLOCK_TABLE``), its sealed pages come from the pools of
+    ``quantized_pages_tensors`` (``BLOCK_TABLE``)."""
+    if not (paged.paged and paged.logit_positions and paged.kv_spec is None):
+        raise ValueError(f"interface version {paged.version} is not a float paged cache with logit positions")
+    pools = [t for t in paged.inputs if t.name.startswith("pool_")]
+    head = list(paged.inputs[: paged.input_names.index(pools[0].name)])  # ids, positions, mask, block table
+    rest = list(paged.inputs[paged.input_names.index(pools[-1].name) + 1 :])  # LoRA, adapter mask, logit positions
+    float_table = TensorSpec(FLOAT_BLOCK_TABLE, "int64", ("batch", "float_blocks"))
+    sealed = quantized_pages_tensors(paged.num_layers, paged.num_kv_heads, paged.head_dim, paged.kv_block_size, kv_pages)
+    return EngineInterface(**{**paged.__dict__, "version": QUANTIZED_PAGES_INTERFACE_VERSION, "kv_pages": dict(kv_pages),
+                              "inputs": tuple(head + [float_table] + pools + sealed + rest)})
+
+
 def paged_problems(kv_spec: dict | None, block_size: int) -> list[str]:
     """Why a cache of ``kv_spec`` cannot be paged in blocks of ``block_size`` (empty: it can): fp16 sink
     tokens are each row's first tokens kept apart, and pre-RoPE keys need every slot's position; neither
@@ -299,11 +351,18 @@ def paged_problems(kv_spec: dict | None, block_size: int) -> list[str]:
 
 def build_interface(
     cfg: BackboneConfig, backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], kv_spec: dict | None = None,
-    kv_block_size: int | None = None, stacked: bool = False, logit_positions: bool = False,
+    kv_block_size: int | None = None, stacked: bool = False, logit_positions: bool = False, kv_pages: dict | None = None,
 ) -> EngineInterface:
     """The interface of the float-KV engine, or with ``kv_spec`` of the quantized-KV engine; with
     ``kv_block_size``, of its paged form (version 6); ``stacked``: either's stacked-adapter form (version 7);
-    with ``logit_positions``, any of them with the ``LOGIT_POSITIONS`` input last (version 8)."""
+    with ``logit_positions``, any of them with the ``LOGIT_POSITIONS`` input last (version 8); with ``kv_pages``
+    (a ``PageQuantSpec`` dict), the float paged one of version 8 with quantized pages (version 9)."""
+    if kv_pages is not None:
+        if kv_spec is not None or kv_block_size is None or not logit_positions:
+            raise ValueError("quantized pages are a float paged cache with logit positions: kv_block_size and "
+                             "logit_positions, no kv_spec")
+        return pages_interface(build_interface(cfg, backbone_hash, max_rank, target_modules, None, kv_block_size, stacked,
+                                               logit_positions=True), kv_pages)
     if logit_positions:
         whole = build_interface(cfg, backbone_hash, max_rank, target_modules, kv_spec, kv_block_size, stacked)
         logits = TensorSpec("logits", "float32", ("batch", "positions", cfg.vocab_size))
@@ -407,13 +466,15 @@ def stacked_interface(single: EngineInterface) -> EngineInterface:
 
 
 def single_interface(stacked: EngineInterface) -> EngineInterface:
-    """The interface ``stacked_interface`` made ``stacked`` from (version 3, 5 or 6; 8 with logit positions)."""
+    """The interface ``stacked_interface`` made ``stacked`` from (version 3, 5 or 6; 8 with logit positions; 9 with
+    quantized pages)."""
     def static(t: TensorSpec) -> bool:  # a KV static: (batch, fixed axes...)
         return t.shape[0] == "batch" and not any(isinstance(a, str) for a in t.shape[1:])
 
     inputs = [TensorSpec(t.name, t.dtype, stacked.adapter_shape(t) if t.name.startswith("lora_") or static(t) else t.shape)
               for t in stacked.inputs if t.name != ADAPTER_MASK]
-    version = LOGIT_POSITIONS_INTERFACE_VERSION if stacked.logit_positions else PAGED_INTERFACE_VERSION if stacked.paged \
+    version = QUANTIZED_PAGES_INTERFACE_VERSION if stacked.quantized_pages \
+        else LOGIT_POSITIONS_INTERFACE_VERSION if stacked.logit_positions else PAGED_INTERFACE_VERSION if stacked.paged \
         else QUANT_KV_INTERFACE_VERSION if stacked.quantized_kv else INTERFACE_VERSION
     return EngineInterface(**{**stacked.__dict__, "version": version, "inputs": tuple(inputs),
                               "float_interface_hash": None if version == INTERFACE_VERSION else stacked.float_interface_hash})

@@ -22,7 +22,6 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
-
 from typing import Any, Callable
 
 import numpy as np
@@ -117,6 +116,14 @@ class BlockPool:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity * self.block_bytes
+
+    def row_bytes(self, tokens: int) -> int:
+        """The most a row of up to ``tokens`` tokens holds: its blocks (the scheduler's worst case per row)."""
+        return self.blocks_for(tokens) * self.block_bytes
+
     def take(self, count: int) -> list[int]:
         """``count`` free blocks (caller holds ``lock``); a pool without a budget grows, one with refuses."""
         if count > len(self._free):
@@ -170,6 +177,14 @@ class PagedCache:
     def block_table(self) -> np.ndarray:
         """(B, M) int64: each row's blocks that hold its past, M the most any row has; unused entries 0 (masked)."""
         return self._table([self.pool.blocks_for(int(n)) for n in self.lengths])
+
+    def tables(self) -> list[np.ndarray]:
+        """The engine's table inputs, in interface order: ``block_table``."""
+        return [self.block_table()]
+
+    def past_mask(self, tables: list[np.ndarray]) -> np.ndarray:
+        """(B, M bs) bool: the slots of ``tables`` (``tables()``) each row has filled."""
+        return np.arange(tables[0].shape[1] * self.pool.block_size)[None, :] < self.lengths[:, None]
 
     def _table(self, held: list[int]) -> np.ndarray:
         """(B, max(held)) int64: the first ``held[b]`` blocks of each row b, then zeros."""

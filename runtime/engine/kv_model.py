@@ -9,7 +9,7 @@
      bits, d % 8 == 0) and keys are post-RoPE: dequantization is folded into the small side,
      q . ((u - z) s) = (q s) . u - (q s) . z and sum_p a_p (u_p - z_p) s_p = (a s) u - (a s) z,
      and the packed bytes are split into per-byte-position parts (channels j::per) instead
-     of being interleaved back. Measured (bench/kv_engine_bench.py): dequantizing the whole past
+     of being interleaved back. Measured (bench/engine/kv_engine_bench.py): dequantizing the whole past
      to float every step cost several times the float engine's whole decode step on 2 CPU cores.
      Keys quantized before RoPE are dequantized (per byte position too) and re-rotated, each
      slot at its own position (``past_positions``, cos/sin from a table): RoPE does not fold
@@ -132,7 +132,7 @@ class QuantizedKVBackbone(nn.Module):
         layers = []
         for _ in range(self.L):
             layer = {}
-            for kind, bits, gran, sym in self.kinds:
+            for kind, _bits, gran, sym in self.kinds:
                 n = self._n_cache(gran, sym)
                 layer[kind], cache = cache[:n], cache[n:]
                 n = 0 if gran == "token" else (1 if sym else 2)

@@ -33,7 +33,13 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from kernels.rope import apply_rope, rope_cos_sin
-from runtime.engine.backbone_config import ATTENTION_MODULES, CONFIG_FILE, LORA_MODULES, BackboneConfig, ModelFormatError
+from runtime.engine.backbone_config import (
+    ATTENTION_MODULES,
+    CONFIG_FILE,
+    LORA_MODULES,
+    BackboneConfig,
+    ModelFormatError,
+)
 from runtime.engine.interface import lora_group_name, lora_groups
 
 WEIGHTS_INDEX = "model.safetensors.index.json"  # save_pretrained(max_shard_size=...) writes it beside the shards

@@ -13,6 +13,10 @@ and what goes out:
      copies into each row's blocks. The gathered past is a transient of one layer that ONNX Runtime's
      memory planner frees after its attention: what persists is the pool, sized by the device's budget.
 
+``QuantizedPagesBackbone`` (version 9) reads two kinds of blocks: each row's float pages (its first page, the sink,
+and its open page) and its sealed pages (codes, fp16 scales and minima, ``kernels.kv_spec.PageQuantSpec``), which it
+dequantizes per layer (``kernels.page_quant``) and attends together with the float pages and the new tokens.
+
 Why a gather and not a contrib op: ORT's ``PagedAttention`` runs on CUDA only, and its ``GroupQueryAttention``
 takes a padded past; the gather keeps the one quantized attention the padded engine runs (same
 integers, same logits) and the standard-ops float engine alike. Shapes: B batch, T new tokens, M blocks
@@ -22,9 +26,13 @@ per row in the table, bs block size, N blocks in the pool, w the stored width (d
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn as nn
+
+from kernels.kv_spec import PageQuantSpec
+from kernels.page_quant import dequantize_key_pages, dequantize_value_pages
 
 
 def gathered(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -64,8 +72,9 @@ class PagedKVBackbone(nn.Module):
         T = input_ids.shape[1]
         past = [gathered(p, block_table) for p in pools]  # each (B, nkv, M bs, w)
         P = past[0].shape[2]
-        if not self.quantized:
-            return self._forward_float(input_ids, position_ids, attention_mask, past, lora, logit_positions)
+        if not self.quantized:  # the float backbone's layers over the gathered past, one segment per layer
+            return attend_past(self.backbone, input_ids, position_ids, attention_mask, P,
+                               lambda i: [(past[2 * i], past[2 * i + 1])], lora, logit_positions)
         cache, per_layer = [], len(pools) // self.cfg.num_layers
         empty_sink = past[0].new_zeros((past[0].shape[0], self.cfg.num_kv_heads, 0, self.cfg.head_dim), dtype=torch.float16)
         for i in range(self.cfg.num_layers):  # the padded engine's order: the layer's past_*, then its two sinks
@@ -75,25 +84,72 @@ class PagedKVBackbone(nn.Module):
         return (logits, *(outputs[i * per_out + j].narrow(2, P, T)
                           for i in range(self.cfg.num_layers) for j in range(per_layer)))
 
-    def _forward_float(self, input_ids, position_ids, attention_mask, past: list, lora: list, logit_positions=None):
-        """The float backbone's layers (``Block.project_qkv``, ``Block.finish``) with attention over the
-        gathered past and the new tokens side by side, never concatenated: ``Block.forward`` builds
-        present = past ++ new, a copy of the past that the gather has already made once (measured with it:
-        paged decode 0.77x the padded engine's tokens/s, float cache, 8 rows of 128-1024 tokens)."""
-        bb = self.backbone
-        B, T = input_ids.shape
-        P, nkv, d = past[0].shape[2], self.cfg.num_kv_heads, self.cfg.head_dim
-        g = self.cfg.num_heads // nkv
-        x, cos, sin, mask = bb.prepare(input_ids, position_ids, attention_mask, P)  # mask (B, 1, g T, P + T)
-        new = []
-        loras = bb.layer_loras(tuple(lora), T)
-        for i, block in enumerate(bb.blocks):
-            lora_i = loras[i]
-            q, k, v = block.project_qkv(x, B, T, cos, sin, lora_i)  # (B, nh, T, d), (B, nkv, T, d) x 2
-            qg = q.reshape(B, nkv, g * T, d)  # (B, nkv, g T, d): Block.forward's GQA fold
-            scores = torch.cat([qg @ past[2 * i].transpose(-1, -2), qg @ k.transpose(-1, -2)], dim=-1)  # (B, nkv, g T, P + T)
-            att = torch.softmax(scores * (1.0 / math.sqrt(d)) + mask, dim=-1)
-            y = att[..., :P] @ past[2 * i + 1] + att[..., P:] @ v  # (B, nkv, g T, d)
-            x = block.finish(x, y, B, T, lora_i)
-            new += [k, v]
-        return (bb.head(x, B, T, logit_positions), *new)
+
+def attend_past(bb, input_ids, position_ids, attention_mask, P, segments: Callable[[int], list], lora: list,
+                logit_positions=None):
+    """The float backbone ``bb``'s layers (``Block.project_qkv``, ``Block.finish``) with attention over a past of
+    ``P`` slots in segments and the new tokens side by side, never concatenated: ``Block.forward`` builds
+    present = past ++ new, a copy of the past that the gather has already made once (measured with it: paged decode
+    0.77x the padded engine's tokens/s, float cache, 8 rows of 128-1024 tokens). ``segments(i)``: layer i's past as
+    [(k, v), ...], each (B, nkv, P_j, d), in the mask's order, sum of P_j = P; called inside the layer, so a segment
+    made from the pools (a gather, a dequantization) is a transient of that layer alone. Returns (logits, *new K/V)."""
+    cfg = bb.cfg
+    B, T = input_ids.shape
+    nkv, d = cfg.num_kv_heads, cfg.head_dim
+    g = cfg.num_heads // nkv
+    x, cos, sin, mask = bb.prepare(input_ids, position_ids, attention_mask, P)  # mask (B, 1, g T, P + T)
+    new = []
+    loras = bb.layer_loras(tuple(lora), T)
+    for i, block in enumerate(bb.blocks):
+        lora_i = loras[i]
+        q, k, v = block.project_qkv(x, B, T, cos, sin, lora_i)  # (B, nh, T, d), (B, nkv, T, d) x 2
+        qg = q.reshape(B, nkv, g * T, d)  # (B, nkv, g T, d): Block.forward's GQA fold
+        past = segments(i)
+        scores = torch.cat([qg @ pk.transpose(-1, -2) for pk, _ in past] + [qg @ k.transpose(-1, -2)], dim=-1)  # (B, nkv, g T, P + T)
+        att = torch.softmax(scores * (1.0 / math.sqrt(d)) + mask, dim=-1)
+        y, start = None, 0
+        for pk, pv in past:
+            part = att[..., start : start + pk.shape[2]] @ pv  # (B, nkv, g T, d)
+            y, start = part if y is None else y + part, start + pk.shape[2]
+        y = y + att[..., P:] @ v
+        x = block.finish(x, y, B, T, lora_i)
+        new += [k, v]
+    return (bb.head(x, B, T, logit_positions), *new)
+
+
+class QuantizedPagesBackbone(nn.Module):
+    """forward(input_ids, position_ids, attention_mask, block_table, float_block_table, float_pools, sealed_pools, lora,
+    logit_positions) -> (logits, *new K/V): the version-9 engine (``runtime.engine.interface.pages_interface``).
+
+    ``float_pools``: per layer ``pool_key.i``, ``pool_value.i`` (blocks, nkv, bs, d) float32, read through
+    ``float_block_table`` (B, F <= 2); ``sealed_pools``: per layer the six pools of
+    ``runtime.engine.interface.quantized_pages_tensors``, read through ``block_table`` (B, M). attention_mask
+    (B, F bs + M bs + T): float slots, sealed slots, new tokens. The new tokens attend each other in float; only
+    pages the runtime sealed before this forward are read quantized. Outputs: the new tokens' float K/V per layer,
+    which the runtime writes and seals (``runtime.engine.kv_pages.PagesCache.append``)."""
+
+    def __init__(self, backbone: nn.Module, spec: PageQuantSpec, block_size: int):
+        super().__init__()
+        problems = spec.problems(backbone.cfg.head_dim)
+        if problems:
+            raise ValueError(f"{spec.name} cannot hold this backbone's heads: " + "; ".join(problems))
+        self.backbone, self.spec, self.block_size = backbone, spec, block_size
+
+    @property
+    def cfg(self):
+        return self.backbone.cfg
+
+    def forward(self, input_ids, position_ids, attention_mask, block_table, float_block_table, float_pools: list,
+                sealed_pools: list, lora: list, logit_positions=None):
+        spec, bs, d = self.spec, self.block_size, self.cfg.head_dim
+        F, M = float_block_table.shape[1], block_table.shape[1]
+
+        def segments(i: int) -> list:
+            k_codes, k_scale, k_min, v_codes, v_scale, v_min = (gathered(p, block_table) for p in sealed_pools[6 * i : 6 * i + 6])
+            sealed_k = dequantize_key_pages(k_codes, k_scale, k_min, spec.k_bits, bs)  # (B, nkv, M bs, d)
+            sealed_v = dequantize_value_pages(v_codes, v_scale, v_min, spec.v_bits, d)
+            float_k, float_v = (gathered(p, float_block_table) for p in float_pools[2 * i : 2 * i + 2])  # (B, nkv, F bs, d)
+            return [(float_k, float_v), (sealed_k, sealed_v)]
+
+        return attend_past(self.backbone, input_ids, position_ids, attention_mask, (F + M) * bs, segments, lora,
+                           logit_positions)

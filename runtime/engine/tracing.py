@@ -8,12 +8,21 @@ imports nothing from here.
 
 from __future__ import annotations
 
-from runtime.engine.interface import ADAPTER_MASK, KV_ROTATION_INPUT, SLOTS_AXIS, per_slot, quantized_kv_tensors
+from runtime.engine.interface import (
+    ADAPTER_MASK,
+    FLOAT_PAGES,
+    KV_ROTATION_INPUT,
+    SEALED_BLOCKS_AXIS,
+    SLOTS_AXIS,
+    per_slot,
+    quantized_kv_tensors,
+)
 from runtime.engine.kv_scales import KV_SCALE_KINDS
 
 # Sizes used to trace: deliberately not 0 or 1, which torch.export would specialize to constants.
 TRACE_BATCH, TRACE_SEQ, TRACE_PAST, TRACE_SINK = 2, 3, 5, 2
 TRACE_BLOCKS, TRACE_POOL = 4, 7  # a paged cache: blocks per row in the table, blocks in the pool
+TRACE_SEALED_POOL = 9  # quantized pages: blocks in the sealed pools, other than the float pools' (two dynamic axes)
 TRACE_SLOTS = 3  # a stacked engine's adapter slots (interface version 7)
 TRACE_LOGITS = 2  # logit positions per row (interface version 8), fewer than TRACE_SEQ
 # Upper bounds of the dynamic axes.
@@ -23,7 +32,8 @@ MAX_SLOTS = 16  # adapters one stacked forward holds; a device keeps a few resid
 
 def example_inputs(model, iface, batch: int, seq: int, past: int):
     """Random inputs in interface order: ids, positions, mask, the cache (float or packed; or the block
-    table and pools of a paged one, ``TRACE_BLOCKS`` blocks per row), (static scales,) LoRA(, logit positions)."""
+    table and pools of a paged one, ``TRACE_BLOCKS`` blocks per row; of quantized pages, both tables and the float and
+    sealed pools), (static scales,) LoRA(, logit positions)."""
     import torch
 
     args = _adapter_example_inputs(torch, model, iface, batch, seq, past)
@@ -52,6 +62,14 @@ def _adapter_example_inputs(torch, model, iface, batch: int, seq: int, past: int
 def _example_inputs(torch, cfg, iface, batch, seq, past, ids, pos, shapes, lora):
     """``example_inputs`` with one adapter's static KV inputs."""
     specs = {t.name: t for t in iface.inputs}
+    if iface.quantized_pages:  # the sealed table, each row's two float pages, the float then the sealed pools
+        table = torch.randint(0, TRACE_SEALED_POOL, (batch, TRACE_BLOCKS))  # (B, M)
+        float_table = torch.randint(0, TRACE_POOL, (batch, FLOAT_PAGES))  # (B, F)
+        mask = torch.ones(batch, (FLOAT_PAGES + TRACE_BLOCKS) * iface.kv_block_size + seq, dtype=torch.long)
+        sizes = {"blocks": TRACE_POOL, SEALED_BLOCKS_AXIS: TRACE_SEALED_POOL}
+        pools = {axis: [random_cache_tensor(torch, [sizes[axis], *t.shape[1:]], t.dtype)
+                        for t in iface.inputs if t.shape[0] == axis and t.name.startswith("pool_")] for axis in sizes}
+        return ids, pos, mask, table, float_table, pools["blocks"], pools[SEALED_BLOCKS_AXIS], lora
     if iface.paged:
         table = torch.randint(0, TRACE_POOL, (batch, TRACE_BLOCKS))  # (B, M)
         mask = torch.ones(batch, TRACE_BLOCKS * iface.kv_block_size + seq, dtype=torch.long)  # (B, M bs + T)
@@ -119,6 +137,12 @@ def _dynamic_shapes(iface, args, Dim, batch):
     specs = {t.name: {i: dim(a) for i, a in enumerate(t.shape) if dim(a) is not None} or None for t in iface.inputs}
     lora = [specs[n] for n in iface.lora_names] + ([specs[ADAPTER_MASK]] if iface.stacked else [])
     static = [specs[n] for n in iface.input_names if n.split(".")[0] in (*KV_SCALE_KINDS, KV_ROTATION_INPUT)]
+    if iface.quantized_pages:
+        blocks = Dim("max_blocks", min=0, max=MAX_PAST // iface.kv_block_size)  # 0: no page sealed yet
+        float_blocks = Dim("float_blocks", min=0, max=FLOAT_PAGES)  # 0 = prefill with an empty cache
+        pool, sealed_pool = Dim("blocks", min=1, max=None), Dim(SEALED_BLOCKS_AXIS, min=1, max=None)
+        return head + ({0: batch, 1: blocks}, {0: batch, 1: float_blocks}, [{0: pool} for _ in args[5]],
+                       [{0: sealed_pool} for _ in args[6]], lora)
     if iface.paged:
         blocks = Dim("max_blocks", min=0, max=MAX_PAST // iface.kv_block_size)  # 0 = prefill with an empty cache
         pool = Dim("blocks", min=1, max=None)

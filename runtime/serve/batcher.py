@@ -26,7 +26,8 @@ Every row's real slots are the last ``lengths[b]`` of the batch's past, so the p
 the longest row and a row's next position is its length: it decodes as it would alone, up to float
 rounding. On a paged engine (``runtime.engine.kv_blocks``) no row is padded: each holds the blocks its
 own length needs, and the pool of blocks, which every release's batch shares, is bounded by the device's
-KV budget. A request is admitted only when the worst case of every admitted row (prompt + max_tokens - 1
+KV budget, counted in bytes (an engine with quantized pages, ``runtime.engine.kv_pages``, holds float and sealed
+pages of two sizes). A request is admitted only when the worst case of every admitted row (prompt + max_tokens - 1
 tokens each) fits the pool together with its own, so no row ever runs out of blocks mid-decode
 (TensorRT-LLM's ``GUARANTEED_NO_EVICT`` policy; vLLM instead preempts and recomputes). A request that
 does not fit waits, first come first served, at most ``kv_wait_s``; then, or at once if it could never
@@ -49,6 +50,7 @@ import numpy as np
 
 from runtime.engine.generate import left_padded, prefill
 from runtime.engine.kv_blocks import BlockPool, KVBudgetExceeded
+from runtime.engine.kv_pages import PagePool
 from runtime.engine.sampling import greedy
 from runtime.engine.tracing import MAX_BATCH
 from runtime.serve.generation import Choice, Generation, StopText
@@ -69,18 +71,18 @@ IDLE_S = 0.5
 KV_WAIT_S = 30.0  # a request waits at most this long for KV blocks, then gets 503 with Retry-After
 
 
-def worst_case_blocks(pool: BlockPool | None, prompts: list[list[int]], max_tokens: int) -> list[int]:
-    """Per row, the blocks it may come to hold (its last sampled token is never fed back); zeros without a budget.
+def worst_case_kv_bytes(pool: BlockPool | PagePool | None, prompts: list[list[int]], max_tokens: int) -> list[int]:
+    """Per row, the bytes of KV blocks it may come to hold (its last sampled token is never fed back; with quantized
+    pages, its float and sealed pages at their worst, ``PagePool.row_bytes``); zeros without a budget.
     ``KVBudgetExceeded`` (never) when the whole pool cannot hold the request."""
     if pool is None or not pool.fixed:
         return [0] * len(prompts)
-    rows = [pool.blocks_for(len(p) + max_tokens - 1) for p in prompts]
+    rows = [pool.row_bytes(len(p) + max_tokens - 1) for p in prompts]
     need = sum(rows)
-    if need > pool.capacity:
+    if need > pool.capacity_bytes:
         raise KVBudgetExceeded(
             f"{len(prompts)} prompt(s) of up to {max(map(len, prompts))} tokens plus max_tokens {max_tokens} need "
-            f"{need * pool.block_bytes} bytes of KV cache; this device's budget holds {pool.capacity * pool.block_bytes}",
-            never=True)
+            f"{need} bytes of KV cache; this device's budget holds {pool.capacity_bytes}", never=True)
     return rows
 
 
@@ -94,7 +96,7 @@ class BatchedGeneration(Generation):
                  max_tokens: int):
         super().__init__(release, texts, max_tokens)
         self.batcher, self.prompts, self.sample = batcher, prompts, sample
-        self.row_blocks = worst_case_blocks(batcher.pool, prompts, max_tokens)  # per row (0: no budget)
+        self.row_kv_bytes = worst_case_kv_bytes(batcher.pool, prompts, max_tokens)  # per row (0: no budget)
         self.submitted = 0.0  # time.monotonic() when submitted: how long it has waited for KV blocks
         self.cancelled = False  # set by the event loop (the client left), read by the scheduler thread
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -145,8 +147,8 @@ class Row:
     index: int  # its choice index in the request
 
     @property
-    def kv_blocks(self) -> int:
-        return self.generation.row_blocks[self.index]
+    def kv_bytes(self) -> int:
+        return self.generation.row_kv_bytes[self.index]
 
 
 class ReleaseBatch:
@@ -191,7 +193,7 @@ class ReleaseBatch:
 class Batcher:
     """The scheduler of one ``AdapterServer``: ``submit`` a generation, its thread does the rest."""
 
-    def __init__(self, stop_ids, pad_id: int, metrics, max_rows: int = MAX_BATCH, pool: BlockPool | None = None,
+    def __init__(self, stop_ids, pad_id: int, metrics, max_rows: int = MAX_BATCH, pool: BlockPool | PagePool | None = None,
                  kv_wait_s: float = KV_WAIT_S, stacked: bool = False, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
         """``max_rows``: rows one release's batch decodes at most (the engine was exported for batches up
         to ``MAX_BATCH``); arrivals beyond it wait, in order, for rows to leave. ``pool``: a paged engine's
@@ -267,21 +269,20 @@ class Batcher:
         too, and once one waits for KV blocks, every later one does: first come, first served. A request
         that waited ``kv_wait_s`` for blocks fails with ``KVBudgetExceeded``; a cancelled one is dropped."""
         rows = {id(b.key): len(b.rows) for b in self._batches}
-        free = self.pool.capacity - sum(r.kv_blocks for b in self._batches for r in b.rows) \
-            if self.pool is not None and self.pool.fixed else None  # blocks no admitted row may come to need
+        free = self.pool.capacity_bytes - sum(r.kv_bytes for b in self._batches for r in b.rows) \
+            if self.pool is not None and self.pool.fixed else None  # bytes no admitted row may come to need
         admit, wait, full, kv_full = [], [], set(), False
         now = time.monotonic()
         for g in arrivals:
             if g.cancelled:
                 continue
-            key, need = id(self._key(g.release)), sum(g.row_blocks)
+            key, need = id(self._key(g.release)), sum(g.row_kv_bytes)
             taken = rows.get(key, 0)
             if kv_full or (free is not None and need > free):
                 if now - g.submitted >= self.kv_wait_s:
                     self._deliver(g, KVBudgetExceeded(
-                        f"waited {now - g.submitted:.1f} s for {need * self.pool.block_bytes} bytes of KV cache; "
-                        f"{free * self.pool.block_bytes} of {self.pool.capacity * self.pool.block_bytes} are not "
-                        "promised to running requests"))
+                        f"waited {now - g.submitted:.1f} s for {need} bytes of KV cache; {free} of "
+                        f"{self.pool.capacity_bytes} are not promised to running requests"))
                     continue
                 kv_full = True
                 wait.append(g)

@@ -67,7 +67,13 @@ from pathlib import Path
 
 from runtime.release.contract import DEFAULT_TUF_INTERVAL_S, format_time, release_order, release_target_path
 from runtime.release.tuf_pull import (
-    EXIT_CODES, UpdateRefused, channel_month, refreshed, release_tarball, signed_channels, target_info,
+    EXIT_CODES,
+    UpdateRefused,
+    channel_month,
+    refreshed,
+    release_tarball,
+    signed_channels,
+    target_info,
 )
 from runtime.release.verify import PackageError
 from runtime.serve.metrics import ChannelMetrics

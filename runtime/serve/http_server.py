@@ -163,7 +163,7 @@ class JsonLogFormatter(logging.Formatter):
 
 class StderrHandler(logging.StreamHandler):
     """Writes each record to ``sys.stderr`` as it is at that record, not as it was when logging was configured: a
-    server run in-process (tests, ``bench.serve_bench``) outlives the stream a test runner swapped in and then closed,
+    server run in-process (tests, ``bench.serving.serve_bench``) outlives the stream a test runner swapped in and then closed,
     and every line its threads logged after that was lost with a "Logging error" on the console."""
 
     def __init__(self):

@@ -47,7 +47,7 @@ from runtime.release.verify import (
     verify_release,
 )
 from runtime.serve.active_release import ActiveRelease
-from runtime.serve.batcher import DEFAULT_PREFILL_CHUNK, KV_WAIT_S, BatchedGeneration, Batcher, worst_case_blocks
+from runtime.serve.batcher import DEFAULT_PREFILL_CHUNK, KV_WAIT_S, BatchedGeneration, Batcher, worst_case_kv_bytes
 from runtime.serve.generation import ForkedGeneration, Generation, StopText
 from runtime.serve.metrics import ServerMetrics
 from runtime.serve.residents import CANDIDATE, CHAMPION, DEFAULT_MAX_RESIDENT, ResidencyError, ResidentSet
@@ -197,7 +197,7 @@ class AdapterServer:
         with the other requests on ``release`` (``runtime.serve.batcher``) when the engine's cache can be
         merged, else, and with ``"fork"``, alone on a fork of the release's handle. Raises
         ``runtime.engine.kv_blocks.KVBudgetExceeded`` for a request whose worst case the KV budget never holds."""
-        worst_case_blocks(getattr(self.engine, "pool", None), prompts, max_tokens)  # refused before it is counted
+        worst_case_kv_bytes(getattr(self.engine, "pool", None), prompts, max_tokens)  # refused before it is counted
         self.metrics.by_release.labels(release.release_id, self.residents.channel_of(release), release.product).inc()
         texts = [StopText(self.tokenizer, stops) for _ in prompts]
         if decode == "batched" and self.batcher is not None:

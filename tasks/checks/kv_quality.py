@@ -5,7 +5,7 @@ through the reference cache of ``kernels.kv_quant`` that the quantized engine ma
 Keys and values are scored two-pass (``two_pass_logits``): the prefix's K/V are quantized into the
 cache, then the suffix reads them, as a decode step does; a single fake-quantized pass would let
 every query read its own float key. Task accuracy decodes greedily with every token's K/V stored
-quantized (``greedy_through_cache``). The same functions drive ``bench/kv_quality.py``.
+quantized (``greedy_through_cache``). The same functions drive ``bench/quality/kv_schemes.py``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def greedy_through_cache(backbone, tokenizer, prompts: list[str | ChatPrompt], s
     out = [""] * len(prompts)
     L = backbone.cfg.num_layers
     with torch.no_grad():
-        for T, rows in sorted(by_len.items()):
+        for _, rows in sorted(by_len.items()):  # rows of one prompt length decode as one batch
             ids = torch.tensor([encoded[i] for i in rows])  # (B, T)
             B = len(rows)
             cache = None if spec is None else QuantizedKVCache(spec, L, backbone.cfg.head_dim, backbone.inv_freq, **(scales or {}))
@@ -145,8 +145,8 @@ def release_kv_quality(
     calibration statistics) for the plot. ``test`` is a list of ``tasks.records.Example``; ``backbone``
     is the release's adapter-merged backbone (``tasks.kv_stats.load_release_backbone``)."""
     from kernels.kv_spec import KVQuantSpec, bytes_per_token
-    from tasks.models import load_tokenizer
     from tasks.kv_stats import cache_kwargs, collect_kv_stats, jsonl_batches, read_release_kv_scales, scales_from_stats
+    from tasks.models import load_tokenizer
     from tasks.scoring import accuracy_report
 
     tokenizer = load_tokenizer(Path(base_dir))

@@ -22,11 +22,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.engine.tokenizer import ChatPrompt
 from runtime.release.contract import MANIFEST
 from tasks.config import ReleaseConfig, load_config
-from tasks.records import read_jsonl
-from runtime.engine.tokenizer import ChatPrompt
 from tasks.layout import RELEASE_DIR
+from tasks.records import read_jsonl
 
 Prompt = str | list[dict]  # a completion prompt, or a chat's messages
 

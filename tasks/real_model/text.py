@@ -23,7 +23,6 @@ import sys
 import sysconfig
 from pathlib import Path
 
-
 SPLITS = ("calib", "eval")
 
 

@@ -14,8 +14,8 @@ import yaml
 
 from runtime.release.contract import MANIFEST
 from tasks.config import ReleaseConfig
-from tasks.inspection import RULEBOOK
 from tasks.gate_rules import failed_reason, scored_metrics
+from tasks.inspection import RULEBOOK
 
 COMPARED = (("accuracy_new", "accuracy, changed rules"), ("accuracy_regression", "accuracy, unchanged rules"),
             ("accuracy", "accuracy, all"))
@@ -29,7 +29,7 @@ def kv_calibration_lines(kv: dict) -> list[str]:
     if not ratios:
         return []
     turned = [i for i, r in enumerate(rotation or []) if r != "none"]
-    return [f"- KV calibration: key-channel outlier ratio per layer (max / median channel range) "
+    return ["- KV calibration: key-channel outlier ratio per layer (max / median channel range) "
             + ", ".join(f"{r:.1f}" for r in ratios)
             + f"; Hadamard-rotated K/V in {len(turned)} of {len(ratios)} layers"
             + (f" ({', '.join(map(str, turned))})." if turned else ".")]

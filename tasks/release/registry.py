@@ -32,8 +32,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.release.contract import (DEFAULT_PRODUCT, REGISTRY_CHANNELS, REGISTRY_INDEX, REGISTRY_RELEASES, RELEASE_NOTES,
-                              channels_bytes, parse_channels, product_path, registry_release_path, release_tag)
+from runtime.release.contract import (
+    DEFAULT_PRODUCT,
+    REGISTRY_CHANNELS,
+    REGISTRY_INDEX,
+    REGISTRY_RELEASES,
+    RELEASE_NOTES,
+    channels_bytes,
+    parse_channels,
+    product_path,
+    registry_release_path,
+    release_tag,
+)
 from tasks.artifacts import write_json
 from tasks.config import StageError
 from tasks.release.stage_runner import DVC_ENV, REMOTE_NAME, remote_url

@@ -18,11 +18,11 @@ from runtime.engine.adapter_config import ADAPTER_WEIGHTS
 from runtime.engine.hashing import sha256_file
 from runtime.engine.kv_scales import KV_SCALES_JSON
 from runtime.release.contract import MANIFEST, release_tag
-from tasks.models import CARD
 from tasks.config import ReleaseConfig
 from tasks.gate_rules import accuracy_measure, gate_report, package_gates, render_gate_table, scored_metrics
-from tasks.release.stage_runner import StageRun, push_outputs
+from tasks.models import CARD
 from tasks.plots import KV_BITS_PNG, KV_GRID_CSV, LATENCY_CSV, LATENCY_PNG, LOSS_CSV, LOSS_PNG, VAL_LOSS_CSV
+from tasks.release.stage_runner import StageRun, push_outputs
 
 GATES_STAGE, PACKAGE_STAGE = "gates", "package"
 SUMMARY_KEY = "monthly-release-summary"  # stable Prefect artifact key: the UI shows its history
@@ -153,8 +153,8 @@ def headline_metrics(cfg: ReleaseConfig, runs: list[StageRun], report: dict) -> 
 
 def record_in_mlflow(cfg: ReleaseConfig, root: Path, runs: list[StageRun], report: dict, flow_run: str | None) -> Recorded:
     """Parent run, nested stage runs, gate metrics, and a candidate model version (packaged candidates)."""
-    from tasks.release import tracking
     from tasks.provenance import git_revision
+    from tasks.release import tracking
 
     client, experiment_id = tracking.client_for(cfg.publish, root)
     parent = tracking.start_release_run(client, experiment_id, cfg, git_revision(root)["git_revision"], flow_run)
@@ -201,8 +201,8 @@ def live_run(cfg: ReleaseConfig, root: Path, flow_run: str | None) -> Iterator[R
     finds it again by the flow run's tag. A block that raises leaves it FAILED with the error; one
     that returns without finishing it (nothing to record) leaves it FINISHED.
     """
-    from tasks.release import tracking
     from tasks.provenance import git_revision
+    from tasks.release import tracking
 
     client, experiment_id = tracking.client_for(cfg.publish, root)
     run_id = tracking.start_release_run(client, experiment_id, cfg, git_revision(root)["git_revision"], flow_run)

@@ -40,17 +40,33 @@ from pathlib import Path
 
 from securesystemslib.signer import CryptoSigner, Signer
 from tuf.api.metadata import (
-    SPECIFICATION_VERSION, Metadata, MetaFile, Role, Root, Snapshot, Targets, TargetFile, Timestamp,
+    SPECIFICATION_VERSION,
+    Metadata,
+    MetaFile,
+    Role,
+    Root,
+    Snapshot,
+    TargetFile,
+    Targets,
+    Timestamp,
 )
 from tuf.api.serialization.json import JSONSerializer
 
 from runtime.engine.atomic_files import atomic_copy, atomic_write
 from runtime.release.contract import (
-    DEFAULT_PRODUCT, MANIFEST, TUF_CHANNELS_TARGET, TUF_METADATA_DIR, TUF_TARGETS_DIR, channels_bytes, manifest_product,
-    product_path, registry_release_path, release_target_path,
+    DEFAULT_PRODUCT,
+    MANIFEST,
+    TUF_CHANNELS_TARGET,
+    TUF_METADATA_DIR,
+    TUF_TARGETS_DIR,
+    channels_bytes,
+    manifest_product,
+    product_path,
+    registry_release_path,
+    release_target_path,
 )
-from runtime.release.verify import write_tarball
 from runtime.release.signing import generate_key, load_private_key
+from runtime.release.verify import write_tarball
 from tasks.config import PublishConfig, StageError
 
 ROOT_KEYS, ROOT_THRESHOLD = 3, 2

@@ -19,8 +19,8 @@ from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
 from tasks.config import BaseModelConfig, DataConfig, ReleaseConfig, TrainConfig
 from tasks.inspection import rulebook, sample_examples
-from tasks.records import Example
 from tasks.models import CARD, check_base_model_dir
+from tasks.records import Example
 
 EOS_TOKEN = "<|endoftext|>"
 

@@ -31,8 +31,13 @@ from runtime.engine.kv_scales import KV_SCALES_FILE, KV_SCALES_FORMAT_VERSION, K
 from tasks.artifacts import atomic_output_dir
 from tasks.cli import stage_main
 from tasks.config import ReleaseConfig
-from tasks.kv_stats import DEFAULT_CLIP_PERCENTILE, choose_rotation, jsonl_batches, kv_scales_from_stats, load_release_backbone
-
+from tasks.kv_stats import (
+    DEFAULT_CLIP_PERCENTILE,
+    choose_rotation,
+    jsonl_batches,
+    kv_scales_from_stats,
+    load_release_backbone,
+)
 
 # ---------------------------------------------------------------- statistics
 

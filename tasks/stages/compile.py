@@ -43,7 +43,7 @@ def exporter_version() -> dict:
 # The code that defines the exported graph: editing any of it must rebuild the engine.
 GRAPH_SOURCES = ("runtime/engine/model.py", "runtime/engine/backbone_config.py", "runtime/engine/kv_model.py", "runtime/engine/paged_model.py",
                  "runtime/engine/interface.py", "kernels/kv_spec.py",
-                 "kernels/rope.py", "kernels/kv_quant.py", "kernels/gqa_attention.py")
+                 "kernels/rope.py", "kernels/kv_quant.py", "kernels/page_quant.py", "kernels/gqa_attention.py")
 
 
 def graph_source_hash() -> str:
@@ -55,7 +55,8 @@ def graph_source_hash() -> str:
 
 
 def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], opset: int, kv_spec: dict | None = None,
-              kv_attention: str = "standard", kv_block_size: int | None = None, stacked: bool = False) -> dict:
+              kv_attention: str = "standard", kv_block_size: int | None = None, stacked: bool = False,
+              kv_pages: dict | None = None) -> dict:
     from runtime.engine.interface import LOGIT_POSITIONS_INTERFACE_VERSION
 
     key = {
@@ -74,6 +75,8 @@ def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...]
         key["kv_block_size"] = kv_block_size
     if stacked:  # absent for one-adapter engines: their key stays as it was
         key["stacked"] = True
+    if kv_pages is not None:  # absent for every other cache: their keys stay as they were
+        key["kv_pages"] = dict(kv_pages)
     key["key"] = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     return key
 
@@ -117,6 +120,7 @@ def export_backbone(
     kv_attention: str = "standard",
     kv_block_size: int | None = None,
     stacked: bool = False,
+    kv_pages: dict | None = None,
 ):
     """Export the hand-written forward with dynamic batch/seq/past; return its EngineInterface.
 
@@ -129,6 +133,8 @@ def export_backbone(
     (``runtime.engine.paged_model``, interface version 6). ``stacked`` exports any of them with stacked
     adapters (``runtime.engine.interface.stacked_interface``, version 7). Every export takes the
     ``logit_positions`` input (interface version 8): a server computes the LM head at the positions it samples only.
+    ``kv_pages`` (a ``kernels.kv_spec.PageQuantSpec`` dict, with ``kv_block_size`` and no ``kv_spec``) exports the
+    paged cache with quantized pages (``runtime.engine.paged_model.QuantizedPagesBackbone``, version 9).
     """
     import torch
 
@@ -140,14 +146,19 @@ def export_backbone(
     merged = None if merged_lora is None else {k: torch.from_numpy(v) for k, v in merged_lora.items()}
     model = load_backbone(model_dir, tuple(target_modules), merged_lora=merged)
     iface = build_interface(model.cfg, backbone_hash(model_dir), max_rank, tuple(target_modules), kv_spec, kv_block_size,
-                            stacked, logit_positions=True)
+                            stacked, logit_positions=True, kv_pages=kv_pages)
     if kv_spec is not None:
         from kernels.gqa_attention import onnx_translation
         from kernels.kv_spec import KVQuantSpec
         from runtime.engine.kv_model import QuantizedKVBackbone
 
         model = QuantizedKVBackbone(model, KVQuantSpec.from_dict(kv_spec), kv_attention).eval()
-    if kv_block_size is not None:
+    if kv_pages is not None:
+        from kernels.kv_spec import PageQuantSpec
+        from runtime.engine.paged_model import QuantizedPagesBackbone
+
+        model = QuantizedPagesBackbone(model, PageQuantSpec.from_dict(kv_pages), kv_block_size).eval()
+    elif kv_block_size is not None:
         from runtime.engine.paged_model import PagedKVBackbone
 
         model = PagedKVBackbone(model).eval()
@@ -198,6 +209,7 @@ def compile_engine(
     kv_attention: str = "standard",
     kv_block_size: int | None = None,
     stacked: bool = False,
+    kv_pages: dict | None = None,
 ) -> dict:
     """Build ``engine_dir`` unless a build for the same key is already there; return metrics.
 
@@ -207,6 +219,8 @@ def compile_engine(
     per-channel K and V after RoPE, no sink: ``kernels.gqa_attention``). ``kv_block_size`` builds either
     with a paged cache (interface version 6; a cache with fp16 sink tokens or pre-RoPE keys is refused).
     ``stacked`` builds any of them with stacked adapters (version 7): rows of several releases in one forward.
+    ``kv_pages`` (a ``kernels.kv_spec.PageQuantSpec`` dict) builds the paged cache with quantized pages instead
+    (version 9): needs ``kv_block_size`` and no ``kv_spec``; a scheme the backbone's heads cannot hold is refused.
 
     The new engine is written into a temporary sibling and renamed into place only when the
     export, the interface check and the ORT optimization all succeeded.
@@ -229,7 +243,9 @@ def compile_engine(
         problems = paged_problems(kv_spec, kv_block_size)
         if problems:
             raise CompileError(f"{engine_dir}: this cache cannot be paged: " + "; ".join(problems))
-    key = cache_key(bhash, max_rank, tuple(target_modules), opset, kv_spec, kv_attention, kv_block_size, stacked)
+    if kv_pages is not None:
+        kv_pages = _checked_pages(model_dir, engine_dir, kv_pages, kv_spec, kv_block_size)
+    key = cache_key(bhash, max_rank, tuple(target_modules), opset, kv_spec, kv_attention, kv_block_size, stacked, kv_pages)
     key_file = engine_dir / CACHE_KEY_FILE
     metrics = {"backbone_hash": bhash, "cache_key": key["key"]}
     if key_file.exists() and json.loads(key_file.read_text()).get("key") == key["key"]:
@@ -240,7 +256,8 @@ def compile_engine(
         t0 = time.perf_counter()
         with atomic_output_dir(engine_dir) as tmp:
             iface = export_backbone(model_dir, tmp / ENGINE_ONNX, max_rank, tuple(target_modules), opset, kv_spec=kv_spec,
-                                    kv_attention=kv_attention, kv_block_size=kv_block_size, stacked=stacked)
+                                    kv_attention=kv_attention, kv_block_size=kv_block_size, stacked=stacked,
+                                    kv_pages=kv_pages)
             # The exported program and the module hold each other in reference cycles, so their copies of
             # the weights outlive the export until a collection; collected here, before ORT loads the graph
             # (measured on the 0.5B shape: the compile stage's peak RSS 10.5 -> 8.4 GB).
@@ -263,6 +280,24 @@ def compile_engine(
     return metrics
 
 
+def _checked_pages(model_dir: Path, engine_dir: Path, kv_pages: dict, kv_spec: dict | None,
+                   kv_block_size: int | None) -> dict:
+    """``kv_pages`` validated, every field spelled out; ``CompileError`` naming every problem."""
+    from kernels.kv_spec import PageQuantSpec
+    from runtime.engine.model import read_config
+
+    try:
+        spec = PageQuantSpec.from_dict(dict(kv_pages))
+    except (TypeError, ValueError) as err:
+        raise CompileError(f"{engine_dir}: {err}") from None
+    problems = spec.problems(read_config(model_dir).head_dim)
+    problems += ["kv_spec is set (quantized pages replace the static quantized cache)"] if kv_spec is not None else []
+    problems += ["no kv_block_size (a page is a block of the paged cache)"] if not kv_block_size else []
+    if problems:
+        raise CompileError(f"{engine_dir}: quantized pages {spec.name}: " + "; ".join(problems))
+    return spec.to_dict()
+
+
 def run_stage(cfg: ReleaseConfig) -> dict:
     """The compile stage: build (or reuse) the profile's engines (``compile_profile_engines``); record
     ``engine_builds`` in ``layout.engine_build_file``."""
@@ -274,10 +309,12 @@ def run_stage(cfg: ReleaseConfig) -> dict:
 
 def serving_form(engine: EngineConfig, kv: KVConfig) -> dict:
     """``compile_engine``'s keyword arguments for the engine ``serve`` runs under these sections: the ``kv``
-    section's cache (or a float one), paged and/or with stacked adapters as ``engine`` says."""
+    section's cache (static quantized, quantized pages, or a float one), paged and/or with stacked adapters as
+    ``engine`` says."""
     spec = kv.spec() if engine.kv_cache == "quantized" else None
+    pages = kv.page_spec().to_dict() if engine.kv_cache == "quantized_pages" else None
     return {"kv_spec": spec.to_dict() if spec else None, "kv_attention": engine.kv_attention(spec) if spec else "standard",
-            "kv_block_size": engine.kv_block_size or None, "stacked": engine.mixed_adapters}
+            "kv_block_size": engine.kv_block_size or None, "stacked": engine.mixed_adapters, "kv_pages": pages}
 
 
 def compile_profile_engines(cfg: ReleaseConfig) -> dict:
@@ -286,7 +323,9 @@ def compile_profile_engines(cfg: ReleaseConfig) -> dict:
 
     With ``engine.kv_cache: quantized`` the engine with the ``kv`` section's quantized cache is
     built too (``layout.kv_engine_dir``; its scales are runtime inputs, so it is month-independent
-    like the float one). With ``engine.kv_block_size`` N > 0 and/or ``engine.mixed_adapters`` the serving form
+    like the float one). With ``engine.kv_cache: quantized_pages`` the serving form alone carries the ``kv`` section's
+    quantized pages (no release scales; ``tasks.config.EngineConfig.cache_engine_dir``: ``kvpages-paged16-stacked``
+    by default). With ``engine.kv_block_size`` N > 0 and/or ``engine.mixed_adapters`` the serving form
     of that cache is built besides (``tasks.config.EngineConfig.cache_engine_dir``: ``kv-pagedN-stacked`` by default, paged
     interface version 6 with stacked adapters, version 7); the padded engines stay, as adapters bind to the
     float one and the benchmarks and the KV checks read them. With ``engine.weights`` int8/int4
@@ -314,6 +353,8 @@ def compile_profile_engines(cfg: ReleaseConfig) -> dict:
                                        "mixed_adapters": cfg.engine.mixed_adapters,
                                        "engine_builds": serving["engine_builds"],
                                        "interface_hash": serving["interface_hash"]}}
+        if form["kv_pages"] is not None:
+            metrics["serving_engine"]["kv_pages"] = form["kv_pages"]
         metrics["engine_builds"] += serving["engine_builds"]
     if cfg.engine.weights != "fp32":
         from tasks.weights.engines import ensure_quantized_engine

@@ -21,7 +21,16 @@ from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
 from tasks.config import DataConfig, ReleaseConfig
 from tasks.inspection import RULEBOOK, changed_rules, rulebook, sample_examples
-from tasks.records import DataError, HELDOUT_TEXT, SPLITS, read_numbered_rows, is_chat, read_jsonl, read_text_corpus, write_jsonl
+from tasks.records import (
+    HELDOUT_TEXT,
+    SPLITS,
+    DataError,
+    is_chat,
+    read_jsonl,
+    read_numbered_rows,
+    read_text_corpus,
+    write_jsonl,
+)
 
 
 def split_sizes(cfg: DataConfig) -> dict[str, int]:

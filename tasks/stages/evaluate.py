@@ -17,15 +17,23 @@ from typing import Literal
 from runtime.engine.latency import percentile
 from runtime.engine.tokenizer import ChatPrompt, encode_prompt
 from tasks.artifacts import atomic_output_dir, write_json
-from tasks.models import load_base_model
 from tasks.cli import stage_main
 from tasks.config import EngineConfig, EvalConfig, ReleaseConfig, WeightAccuracyDrop
-from tasks.records import HELDOUT_TEXT, Example, read_jsonl, read_text_corpus
 from tasks.device import choose_placement
 from tasks.layout import METRICS_FILE, PREDICTIONS_FILE
-from tasks.plots import (KV_BITS_PNG, KV_GRID_CSV, LATENCY_CSV, LATENCY_PNG, kv_bits_figure, latency_figure, read_rows,
-                         save_figure)
+from tasks.models import load_base_model
+from tasks.plots import (
+    KV_BITS_PNG,
+    KV_GRID_CSV,
+    LATENCY_CSV,
+    LATENCY_PNG,
+    kv_bits_figure,
+    latency_figure,
+    read_rows,
+    save_figure,
+)
 from tasks.progress import Progress
+from tasks.records import HELDOUT_TEXT, Example, read_jsonl, read_text_corpus
 from tasks.scoring import accuracy_report, greedy_completions
 
 

@@ -17,12 +17,12 @@ from pathlib import Path
 
 from runtime.engine.adapter_config import PROVENANCE
 from tasks.artifacts import atomic_output_dir, write_json
-from tasks.models import load_base_model
 from tasks.cli import stage_main
 from tasks.config import ConfigError, LoraSection, ReleaseConfig, StageError, TrainConfig
-from tasks.records import is_chat, read_jsonl
 from tasks.device import choose_placement, is_launched_rank, launch_command, rank_accelerator
 from tasks.layout import ADAPTER_DIR
+from tasks.models import load_base_model
+from tasks.records import is_chat, read_jsonl
 
 
 def library_versions() -> dict[str, str]:

@@ -11,7 +11,15 @@ from pathlib import Path
 from tasks.artifacts import write_json
 from tasks.cli import stage_main
 from tasks.config import ReleaseConfig, StageError
-from tasks.gate_rules import accuracy_measure, current_champion, evaluation_gates, failed_reason, gate_report, render_gate_table, scored_metrics
+from tasks.gate_rules import (
+    accuracy_measure,
+    current_champion,
+    evaluation_gates,
+    failed_reason,
+    gate_report,
+    render_gate_table,
+    scored_metrics,
+)
 
 
 def run_stage(cfg: ReleaseConfig) -> Path:

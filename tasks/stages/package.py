@@ -41,9 +41,9 @@ from runtime.release.contract import DEFAULT_PRODUCT
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
 from tasks.config import ReleaseConfig, StageError
-from tasks.records import DataError, is_chat, parse_row
 from tasks.layout import CHECK_FILE, PREDICTIONS_FILE, RELEASE_DIR
 from tasks.provenance import git_revision
+from tasks.records import DataError, is_chat, parse_row
 
 SIGNING_KEY_ENV = "RELEASE_SIGNING_KEY"
 TARBALL = "release.tar.gz"
@@ -260,8 +260,8 @@ def build_release(
     """Package, sign, archive and check one release into ``out_dir`` (replaced as a whole); return it."""
     from runtime.engine.interface import read_interface
     from runtime.release.contract import MANIFEST, SIGNATURE, manifest_bytes
-    from runtime.release.verify import load_trusted_keys, verify_release, write_tarball
     from runtime.release.signing import key_id, sign
+    from runtime.release.verify import load_trusted_keys, verify_release, write_tarball
 
     adapter_dir, base_dir, engine_dir = Path(adapter_dir), Path(base_dir), Path(engine_dir)
     gates = gate_verdicts(read_gates(gates_path))

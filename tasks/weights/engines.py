@@ -4,7 +4,7 @@ copy, built once per float engine and settings.
 
     python -m tasks.weights.engines --engine-dir engine --out-dir engine-int4 --weights int4 [--fold-norms]
 
-measures nothing; ``python -m bench.weight_quant_quality`` scores a copy (or every scheme) against the
+measures nothing; ``python -m bench.quality.weight_quant_quality`` scores a copy (or every scheme) against the
 float engine.
 """
 
@@ -22,7 +22,11 @@ import numpy as np
 
 from runtime.engine.interface import CACHE_KEY_FILE, ENGINE_ONNX, INTERFACE_FILE
 from tasks.weights.graph import (
-    DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, HEAD_SLICE_MAX_BYTES, WEIGHT_FORMATS, WeightQuantError,
+    DEFAULT_ACCURACY_LEVEL,
+    DEFAULT_BLOCK_SIZE,
+    HEAD_SLICE_MAX_BYTES,
+    WEIGHT_FORMATS,
+    WeightQuantError,
     quantize_engine_weights,
 )
 
@@ -35,7 +39,7 @@ QDQ_EXACT_ORT_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "0"}
 # The LM head of a serving engine (the compile stage's int8/int4 copy): int8 whatever the body's bits.
 # At Qwen2-0.5B's shape it is 136M of the 494M parameters (vocabulary 151,936 x 896) and the largest
 # read per token: kept fp32 it is 544 of the int4 engine's 736 MB per token. Measured there
-# (bench.scale_bench: random weights, the release's adapter and 4-bit KV cache, past 512, 2 cores under
+# (bench.flow.scale_bench: random weights, the release's adapter and 4-bit KV cache, past 512, 2 cores under
 # other load, one interleaved loop; median / p10 ms): int4 body with an fp32 head 83.4 / 39.8, int8 head
 # 53.6 / 27.4, int4 head 59.2 / 25.3; the head's own output error on the calib split (KL against the
 # fp32 head) 1.2e-5 nats at int8, 1.9e-3 at int4 (150x), for at most a p10 8% faster. llama.cpp's Q4_0

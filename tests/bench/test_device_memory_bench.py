@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from bench import device_memory_bench as bench
+from bench.lib import worlds
+from bench.serving import device_memory_bench as bench
 from kernels.kv_spec import KVQuantSpec
 from runtime.engine.interface import read_interface
 from runtime.engine.tokenizer import DeviceTokenizer
@@ -15,7 +16,7 @@ from tasks.config import DEFAULT_KV_BLOCK_SIZE
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    return bench.build_world("tiny", tmp_path_factory.mktemp("device-memory") / "tiny", threads=1)
+    return worlds.build_int4_world("tiny", tmp_path_factory.mktemp("device-memory") / "tiny", threads=1)
 
 
 def test_the_world_serves_int4_weights_with_the_shipped_4_bit_kv_cache_in_the_default_serving_form(world):
@@ -23,12 +24,12 @@ def test_the_world_serves_int4_weights_with_the_shipped_4_bit_kv_cache_in_the_de
     assert iface.weight_precision == "int4" and iface.kv_spec == KVQuantSpec().to_dict()
     assert (iface.kv_block_size, iface.stacked) == (DEFAULT_KV_BLOCK_SIZE, True)
     assert iface.kv_bytes_per_token == 2 * 2 * 2 * 16 // 2  # 2 layers x K and V x 2 KV heads x 16 channels, 4 bits
-    assert bench.build_world("tiny", world["engine"].parent, threads=1) == world  # built once, then reused
+    assert worlds.build_int4_world("tiny", world["engine"].parent, threads=1) == world  # built once, then reused
 
 
 def test_a_prompt_has_exactly_the_tokens_asked_and_no_two_rows_start_alike(world):
     tokenizer = DeviceTokenizer(world["tokenizer"])
-    texts = [bench.prompt_text(tokenizer, n, row) for row, n in enumerate((1, 17, 200, 200))]
+    texts = [worlds.prompt_text(tokenizer, n, row) for row, n in enumerate((1, 17, 200, 200))]
     assert [len(tokenizer.encode(t)) for t in texts] == [1, 17, 200, 200]
     assert texts[2] != texts[3]
 

@@ -1,4 +1,4 @@
-"""``make gpu-check`` (bench/gpu_check.py): a dry run without a GPU, and its parts that run on a CPU."""
+"""``make gpu-check`` (bench/engine/gpu_check.py): a dry run without a GPU, and its parts that run on a CPU."""
 
 import json
 import re
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.gpu_check import Unavailable, finetune_part, finetune_summary, need_real_profile
+from bench.engine.gpu_check import Unavailable, finetune_part, finetune_summary, need_real_profile
 from tasks.config import parse_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ def make_recipe() -> list[str]:
 @pytest.mark.skipif(torch.cuda.is_available() or has_tensorrt(), reason="this machine can run the GPU parts")
 def test_without_a_gpu_make_gpu_check_is_a_dry_run_that_says_what_each_part_needs(tmp_path):
     cmd = make_recipe()
-    assert cmd[1:4] == ["-m", "bench.gpu_check", "--skip-unavailable"]
+    assert cmd[1:4] == ["-m", "bench.engine.gpu_check", "--skip-unavailable"]
     done = subprocess.run([*cmd, "--out", str(tmp_path / "gpu_check.json")], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -53,7 +53,7 @@ def test_without_a_gpu_make_gpu_check_is_a_dry_run_that_says_what_each_part_need
 @pytest.mark.skipif(has_tensorrt(), reason="TensorRT is installed here")
 def test_without_skip_unavailable_a_machine_without_tensorrt_cannot_run_here(tmp_path):
     # bench.run_all records exit 2 with "cannot run here" as a skipped benchmark, not a failure.
-    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--out", str(tmp_path / "g.json")], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "bench.engine.gpu_check", "--out", str(tmp_path / "g.json")], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "gpu_check: cannot run here: tensorrt is not installed" in done.stderr
     assert not (tmp_path / "g.json").exists()

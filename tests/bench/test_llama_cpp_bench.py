@@ -1,15 +1,12 @@
-"""bench/llama_cpp_bench.py: its rules without llama.cpp (milliseconds), and, where the `peer` extra
-is installed, that the GGUF conversion is the same model as our engine (about 20 s)."""
+"""bench/engine/llama_cpp_bench.py: its rules, without llama.cpp (milliseconds)."""
 
-import io
 import sys
-import tarfile
 
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from bench import llama_cpp_bench as peer
+from bench.engine import llama_cpp_bench as bench
 
 
 def _init(name, shape, dtype=np.float32):
@@ -31,16 +28,16 @@ def test_onnx_weight_bytes_leave_out_only_a_table_read_by_gather():
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1])],
                               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)], inits)
     # when counted, then: everything but the gathered-only table, each at its stored width
-    assert peer.onnx_streamed_bytes(helper.make_model(graph)) == 4 * 32 * 4 + 6 * 16 + 6 * 4 + 6 * 10 * 4
+    assert bench.onnx_streamed_bytes(helper.make_model(graph)) == 4 * 32 * 4 + 6 * 16 + 6 * 4 + 6 * 10 * 4
 
 
 def test_gguf_weight_bytes_leave_out_the_token_embedding():
     tensors = {"token_embd.weight": 1000, "output.weight": 300, "blk.0.attn_q.weight": 50, "blk.0.attn_norm.weight": 4}
-    assert peer.gguf_streamed_bytes(tensors) == 354
+    assert bench.gguf_streamed_bytes(tensors) == 354
 
 
 def test_roofline_is_bytes_per_token_over_decode_time_against_the_measured_bandwidth():
-    r = peer.roofline(100_000_000, 10.0, 40.0)  # 100 MB in 10 ms
+    r = bench.roofline(100_000_000, 10.0, 40.0)  # 100 MB in 10 ms
     assert r["achieved_gb_s"] == pytest.approx(10.0)
     assert r["share"] == pytest.approx(0.25)
 
@@ -53,7 +50,7 @@ def test_comparisons_pair_like_for_like_and_mark_what_the_acceptance_covers():
             "ort_fp32": {"decode_512_ms": 12.0, "prefill_128_ms": 100.0},
             "llama_f32": {"decode_512_ms": 10.0, "prefill_128_ms": 200.0}}
     p10 = {k: {c: ms / 2 for c, ms in row.items()} for k, row in rows.items()} | {"ort_int8": {"decode_512_ms": 1.0, "prefill_128_ms": 45.0}}
-    got = {(c["ours"], c["peer"], c["case"]): c for c in peer.compare(rows, p10, [512])}
+    got = {(c["ours"], c["peer"], c["case"]): c for c in bench.compare(rows, p10, [512])}
     assert {k[:2] for k in got} == {("ort_int8", "llama_q8_0_lora"), ("ort_int8_merged", "llama_q8_0"),
                                     ("ort_int8", "llama_q8_0"), ("ort_fp32", "llama_f32")}  # no int4 rows: skipped
     with_adapter = got["ort_int8", "llama_q8_0_lora", "decode_512_ms"]
@@ -65,100 +62,13 @@ def test_comparisons_pair_like_for_like_and_mark_what_the_acceptance_covers():
     assert not mismatched["pass"] and not mismatched["acceptance"]
     assert got["ort_fp32", "llama_f32", "prefill_128_ms"]["acceptance"]
     assert not got["ort_fp32", "llama_f32", "decode_512_ms"]["acceptance"]  # fp32 decode is reported, not judged
-
-
-def test_an_unknown_pre_tokenizer_is_written_as_qwen2_and_known_ones_are_unchanged():
-    class Converter:  # stands in for the converter's TextModel
-        def get_vocab_base_pre(self, tokenizer):
-            if tokenizer == "known":
-                return "gpt-2"
-            raise NotImplementedError("BPE pre-tokenizer was not recognized - update get_vocab_base_pre()")
-
-    peer.accept_unknown_pre_tokenizer(Converter)
-    peer.accept_unknown_pre_tokenizer(Converter)  # idempotent: one wrapper
-    assert Converter().get_vocab_base_pre("known") == "gpt-2"
-    assert Converter().get_vocab_base_pre("ours") == "qwen2"
+    # the figures it states: the bandwidth, then only the pairings the acceptance judges
+    stated = bench.figures({"read_bandwidth": {"gb_s": 20.0}, "results": {"0.5b-width": {"comparisons": list(got.values())}}})
+    assert [f.name for f in stated] == ["read bandwidth"] + [f"0.5b-width: {c['ours']} / {c['peer']} median, {c['case'][:-3]}"
+                                                            for c in got.values() if c["acceptance"]]
 
 
 def test_without_llama_cpp_the_bench_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails
     with pytest.raises(SystemExit, match=r"make bench-peer.*pip install -e '\.\[peer\]'"):
-        peer.main(["--configs", "tiny"])
-
-
-def test_the_converter_is_extracted_once_from_the_sdist_and_nothing_else(tmp_path):
-    sdist = tmp_path / "llama_cpp_python-9.9.tar.gz"
-    files = {"convert_hf_to_gguf.py": b"# converter", "conversion/base.py": b"# base", "gguf-py/gguf/__init__.py": b"#",
-             "src/llama.cpp": b"// not needed", "convert_lora_to_gguf.py": b"# lora", "tools/x.py": b"# not needed"}
-    with tarfile.open(sdist, "w:gz") as tar:
-        for rel, data in files.items():
-            info = tarfile.TarInfo(f"llama_cpp_python-9.9/vendor/llama.cpp/{rel}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    out = peer.converter_dir(sdist)
-    assert out == tmp_path / "llama_cpp_python-9.9" / "llama.cpp"
-    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == [
-        "conversion/base.py", "convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "gguf-py/gguf/__init__.py"]
-    (out / "convert_lora_to_gguf.py").unlink()  # as an older bench extracted it: no LoRA converter
-    assert peer.converter_dir(sdist) == out and (out / "convert_lora_to_gguf.py").read_bytes() == b"# lora"
-    sdist.unlink()
-    assert peer.converter_dir(out.parent) == out  # an extracted directory is taken as it is
-    with pytest.raises(SystemExit, match="sdist is missing"):
-        peer.converter_dir(sdist)
-
-
-def test_gguf_f32_is_the_same_model_as_our_fp32_engine_with_and_without_the_adapter(tmp_path, llama_peer):
-    # given the tiny backbone and its random rank-8 adapter, our fp32 engine, and the same directories
-    # converted by llama.cpp's converters (F32 model, F32 LoRA); when both run the same 24 token ids,
-    # without and then with the adapter; then their logits agree both times
-    llama_cpp, llama_dir = llama_peer
-    from bench.engine_bench import RANK, TARGETS, make_backbone_and_adapter
-    from runtime.engine.backends.onnxruntime import OrtEngine
-    from tasks.compile import compile_engine
-
-    peer.require_llama_cpp()
-    from runtime.engine.adapter import load_adapter
-
-    model_dir, adapter_dir = make_backbone_and_adapter(tmp_path, peer.CONFIGS["tiny"])
-    compile_engine(model_dir, tmp_path / "engine", RANK, TARGETS, ort_threads=2)
-    engine = OrtEngine(tmp_path / "engine", threads=2)  # no adapter bound: the backbone alone
-    src = peer.gguf_source_dir(model_dir, peer.embedded_tokenizer_dir(tmp_path), tmp_path / "gguf_src")
-    gguf = peer.convert_to_gguf(llama_dir, src, tmp_path / "model-f32.gguf", "f32")
-    lora_gguf = peer.convert_adapter_to_gguf(llama_dir, adapter_dir, src, tmp_path / "adapter-f32.gguf")
-
-    ids = np.random.default_rng(1).integers(0, 512, (1, 24))
-    logits = {}
-    for name, lora in (("base", None), ("adapter", lora_gguf)):
-        if lora is not None:
-            engine.set_adapter(load_adapter(adapter_dir, engine.interface))
-        ours, _ = engine.forward(ids, np.arange(24)[None], np.ones((1, 24), dtype=np.int64), None)
-        llm = peer.load_llama(llama_cpp, gguf, 64, 2, flash_attn=True, lora=lora)
-        llm.eval(ids[0].tolist())
-        theirs = np.array(llm.scores[:24])
-        llm.close()
-        assert np.abs(ours[0] - theirs).max() < 1e-2, (name, np.abs(ours[0] - theirs).max())
-        assert (ours[0].argmax(-1) == theirs.argmax(-1)).all(), name
-        assert np.abs(ours).max() > 0.1  # the logits are not all near zero: the comparison means something
-        logits[name] = ours[0]
-    assert np.abs(logits["adapter"] - logits["base"]).max() > 0.1  # the adapter changed the model on both sides
-
-
-def test_a_q8_0_gguf_without_extra_buffer_types_decodes_like_f32_and_the_defaults_are_left_as_they_were(tmp_path, llama_peer):
-    # given the tiny backbone converted at F32 and at Q8_0 (on a CPU with AMX, llama.cpp's AMX buffers
-    # for Q8_0 weights die of a general protection fault in this VM: the bench turns extra buffer types off)
-    llama_cpp, llama_dir = llama_peer
-    from bench.engine_bench import make_backbone_and_adapter
-
-    model_dir, _ = make_backbone_and_adapter(tmp_path, peer.CONFIGS["tiny"])
-    src = peer.gguf_source_dir(model_dir, peer.embedded_tokenizer_dir(tmp_path), tmp_path / "gguf_src")
-    ids = np.random.default_rng(2).integers(0, 512, 24).tolist()
-    logits = {}
-    for outtype in ("f32", "q8_0"):
-        gguf = peer.convert_to_gguf(llama_dir, src, tmp_path / f"model-{outtype}.gguf", outtype)
-        llm = peer.load_llama(llama_cpp, gguf, 64, 2, flash_attn=True, extra_bufts=False)
-        llm.eval(ids)
-        logits[outtype] = np.array(llm.scores[:24])
-        llm.close()
-    # then Q8_0 decodes close to F32, and llama.cpp's defaults keep their extra buffer types for others
-    assert 0 < np.abs(logits["q8_0"] - logits["f32"]).max() < 0.05 * np.abs(logits["f32"]).max()
-    assert llama_cpp.llama_cpp.llama_model_default_params().use_extra_bufts
+        bench.main(["--configs", "tiny"])

@@ -1,4 +1,4 @@
-"""bench/real_model_quality.py: its perplexity and KL arithmetic, its rows and its decode loops, on tiny
+"""bench/quality/real_model_quality.py: its perplexity and KL arithmetic, its rows and its decode loops, on tiny
 arrays and a tiny model (seconds; the bench itself runs on the real checkpoint, not in CI)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from bench import real_model_quality as rq
+from bench.lib.real_checkpoint import real_documents
+from bench.quality import real_model_quality as rq
 
 
 def test_score_logits_gives_the_nll_of_the_targets_and_zero_kl_against_itself():
@@ -40,8 +41,8 @@ def test_a_row_has_the_issue_schema_and_its_increase_over_the_reference():
 
 
 def test_calib_and_eval_documents_never_share_a_name():
-    calib = {n for docs in rq.real_documents("calib") for n, _ in docs}
-    eval_ = {n for docs in rq.real_documents("eval") for n, _ in docs}
+    calib = {n for docs in real_documents("calib") for n, _ in docs}
+    eval_ = {n for docs in real_documents("eval") for n, _ in docs}
     assert calib and eval_ and not calib & eval_
     assert any(n.startswith("topic:") for n in eval_) and any(n.startswith("stdlib:") for n in eval_)
 
@@ -54,7 +55,7 @@ def test_decoding_token_by_token_gives_the_full_forward_logits(tiny_llama_dir):
     from runtime.engine.hashing import backbone_hash
     from runtime.engine.interface import build_interface
     from runtime.engine.model import load_backbone, read_config
-    from tasks.calibrate import collect_kv_stats, scales_from_stats
+    from tasks.kv_stats import collect_kv_stats, scales_from_stats
 
     torch.manual_seed(0)
     ids = torch.randint(0, 300, (12,)).tolist()

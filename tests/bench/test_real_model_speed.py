@@ -1,4 +1,4 @@
-"""bench/real_model_speed.py: its like-for-like comparison (milliseconds), its interleaving with one
+"""bench/engine/real_model_speed.py: its like-for-like comparison (milliseconds), its interleaving with one
 llama.cpp context held at a time (milliseconds), and, where the `peer` extra is installed, that rounds
 of llama.cpp contexts loaded and closed one at a time decode (about 20 s)."""
 
@@ -6,8 +6,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from bench import real_model_speed as speed
-from bench.engine_bench import PerRound, interleaved
+from bench.engine import real_model_speed as speed
+from bench.lib.timing import PerRound, interleaved
 
 
 def test_each_precision_is_judged_against_its_llama_cpp_counterpart_and_each_of_its_kv_caches():
@@ -49,13 +49,13 @@ def test_interleaving_holds_one_per_round_step_open_at_a_time_and_opens_it_for_e
 
 def test_llama_cpp_cases_load_one_context_per_round_and_decode_the_same_token_each_time(tmp_path, llama_peer):
     # given the tiny backbone as an F32 GGUF with a q4_0 and an f16 KV cache, each a llama_case at past 16
-    from bench import llama_cpp_bench as peer
-    from bench.engine_bench import make_backbone_and_adapter
+    from bench.lib import llama_cpp_peer as peer
+    from bench.lib.backbones import SHAPES, embedded_tokenizer_dir, make_backbone_and_adapter
 
     llama_cpp, llama_dir = llama_peer
 
-    model_dir, _ = make_backbone_and_adapter(tmp_path, peer.CONFIGS["tiny"])
-    src = peer.gguf_source_dir(model_dir, peer.embedded_tokenizer_dir(tmp_path), tmp_path / "gguf_src")
+    model_dir, _ = make_backbone_and_adapter(tmp_path, SHAPES["tiny"])
+    src = peer.gguf_source_dir(model_dir, embedded_tokenizer_dir(tmp_path), tmp_path / "gguf_src")
     gguf = peer.convert_to_gguf(llama_dir, src, tmp_path / "model-f32.gguf", "f32")
     cases = {kv: speed.llama_case(llama_cpp, gguf, kv, 2, 512, 16) for kv in ("q4_0", "f16")}
     # when each is opened twice, one at a time, and its step called twice per opening

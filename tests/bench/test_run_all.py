@@ -1,6 +1,6 @@
-"""The `make bench` report: figures from each benchmark's JSON, with the command that produced them.
+"""The `make bench` report: the figures each benchmark states of its JSON, with the command that produced them.
 
-Sample payloads have the shape each benchmark writes (trimmed to what the report reads); nothing heavy runs.
+Sample payloads have the shape each benchmark writes (trimmed to what its figures read); nothing heavy runs.
 """
 
 import json
@@ -45,7 +45,7 @@ def records():
 
     def rec(name, status, payload=None, **extra):
         b = plan[name]
-        return {"name": name, "title": b.title, "command": command_text(b), "mode": b.mode, "seconds": 1.0,
+        return {"name": name, "module": b.module, "title": b.title, "command": command_text(b), "mode": b.mode, "seconds": 1.0,
                 "json": f"/nonexistent/{name}.json", "status": status, **({"payload": payload} if payload else {}), **extra}
 
     return [
@@ -63,11 +63,11 @@ def test_every_figure_row_states_the_command_that_produced_it(records):
 
     first = rows[("flow_bench", "monthly flow wall time, first run 2026-11")]
     assert first["value"] == 241.5 and first["text"] == "241.5 s"
-    assert first["command"] == "python -m bench.flow_bench --workdir $WORK/flow --out $RESULTS/flow_bench.json"
+    assert first["command"] == "python -m bench.flow.flow_bench --workdir $WORK/flow --out $RESULTS/flow_bench.json"
     assert rows[("flow_bench", "engine builds, next month 2026-12")]["value"] == 0
     assert rows[("flow_bench", "unchanged rerun / first run wall time")]["text"] == "8.7 %"
     overhead = rows[("engine_bench", "tiny: LoRA-as-input overhead vs merged, decode past 512 (median; p10)")]
-    assert overhead["text"] == "+11.1 % (+5.0 %)" and overhead["command"].startswith("python -m bench.engine_bench ")
+    assert overhead["text"] == "+11.1 % (+5.0 %)" and overhead["command"].startswith("python -m bench.engine.engine_bench ")
     assert rows[("kv_engine_bench", "KV bytes per token stored by the engine at past 2048, K4pre/V4t sink1")]["text"] == "529 B"
     assert rows[("kv_engine_bench", "K4pre/V4t sink1 / float32 decode latency, past 2048")]["value"] == 1.5
     assert all(r["command"].startswith(("python -m bench.", "cd $FLOW_PROJECT && python -m bench.")) for r in report["figures"])
@@ -77,7 +77,7 @@ def test_a_failed_benchmark_is_a_failed_row_and_fails_the_report_a_skipped_one_d
     report = build_report(records, {"$RESULTS": "r"}, 1.0, machine_info(0.5))
     failed = [r for r in report["figures"] if r["bench"] == "hotswap_bench"]
     assert len(failed) == 1 and failed[0]["text"].startswith("**FAILED**: exit 1: ConnectionRefusedError")
-    assert failed[0]["command"] == "cd $FLOW_PROJECT && python -m bench.hotswap_bench --out $RESULTS/hotswap_bench.json"
+    assert failed[0]["command"] == "cd $FLOW_PROJECT && python -m bench.serving.hotswap_bench --out $RESULTS/hotswap_bench.json"
     skipped = [r for r in report["figures"] if r["bench"] == "gpu_check"]
     assert len(skipped) == 1 and "SKIPPED" in skipped[0]["text"]
     assert report["ok"] is False
@@ -102,14 +102,14 @@ def test_markdown_and_json_hold_every_benchmark_and_the_wall_time(records):
     for rec in records:
         assert f"| {rec['name']} | {rec['status']} |" in md
     assert "| flow_bench | monthly flow wall time, unchanged rerun (same month) 2026-11 | 21.0 s | " \
-           "`python -m bench.flow_bench --workdir $WORK/flow --out $RESULTS/flow_bench.json` |" in md
+           "`python -m bench.flow.flow_bench --workdir $WORK/flow --out $RESULTS/flow_bench.json` |" in md
     assert "![monthly flow wall time and engine builds](latest_flow.png)" in md
     assert json.loads(json.dumps(report))["figures"] == report["figures"]  # latest.json is plain JSON
 
 
 def test_a_benchmark_process_that_fails_is_recorded_with_its_exit_code_and_error(tmp_path):
-    bench = Bench("no_such_bench", "missing", ("--out", "$RESULTS/missing.json"), "full", 60)
+    bench = Bench("bench.engine.no_such_bench", "missing", ("--out", "$RESULTS/missing.json"), "full", 60)
     rec = run_bench(bench, {"$RESULTS": str(tmp_path)})
     assert rec["status"] == "failed" and rec["returncode"] == 1
-    assert "No module named bench.no_such_bench" in rec["reason"]
-    assert rec["command"] == "python -m bench.no_such_bench --out $RESULTS/missing.json" and "payload" not in rec
+    assert "No module named bench.engine.no_such_bench" in rec["reason"]
+    assert rec["command"] == "python -m bench.engine.no_such_bench --out $RESULTS/missing.json" and "payload" not in rec

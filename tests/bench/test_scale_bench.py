@@ -6,10 +6,17 @@ import shutil
 import subprocess
 import sys
 
-from bench import scale_bench
-from bench.scale_bench import OPEN_GATES, PROTOBUF_CAP, STAGE_HOOK, onnx_files, run_measured, write_params
-
-REPO = scale_bench.REPO
+from bench.flow.scale_bench import (
+    OPEN_GATES,
+    PROTOBUF_CAP,
+    STAGE_HOOK,
+    figures,
+    onnx_files,
+    run_measured,
+    targets,
+    write_params,
+)
+from bench.lib.report import REPO
 
 
 def test_params_run_the_local_backbone_on_a_short_schedule_with_open_quality_gates(tmp_path):
@@ -40,7 +47,7 @@ def test_stage_hook_records_each_stage_process_and_nothing_else(tmp_path):
     env = os.environ | {"PYTHONPATH": str(tmp_path / "hook"), "SCALE_BENCH_STAGE_LOG": str(log)}
 
     # When: both run to their end
-    subprocess.run([sys.executable, "-m", "tasks.gates", "--help"], cwd=REPO, env=env, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "tasks.stages.gates", "--help"], cwd=REPO, env=env, check=True, capture_output=True)
     subprocess.run([sys.executable, "-c", "pass"], cwd=REPO, env=env, check=True)
 
     # Then: only the stage wrote its line, with its wall time and a peak RSS of a real Python process
@@ -71,3 +78,14 @@ def test_only_protobuf_graphs_count_against_the_2_gib_cap(tmp_path):
 
     assert info["files"] == {"model.onnx": 100, "model.onnx.data": PROTOBUF_CAP + 1}
     assert info["largest_protobuf_bytes"] == 100 and info["protobuf_under_cap"]
+
+
+def test_the_figures_are_the_targets_then_every_engines_decode():
+    payload = {"flow": {"returncode": 0, "seconds": 1800.0, "peak_rss_bytes": 6e9, "stages": {}}, "package": {},
+               "decode": {"ort_int4": {"median_ms": 20.0}, "llama_q4_0_lora": {"median_ms": 25.0}},
+               "comparisons": [{"ours": "ort_int4", "peer": "llama_q4_0_lora", "ratio": 0.8}], "past": 512}
+    payload["targets"] = targets(payload)
+    stated = {f.name: f.text for f in figures(payload)}
+    assert stated["Qwen2-0.5B shape: flow_minutes (target <= 60.0)"] == "30.0 (met)"
+    assert stated["Qwen2-0.5B shape: int4_vs_q4_0 (target <= 1.0)"] == "0.8 (met)"
+    assert stated["Qwen2-0.5B shape: decode ms/token after a past of 512, llama_q4_0_lora"] == "25.0 ms"

@@ -6,12 +6,14 @@ import random
 import time
 
 import pytest
-
-from bench import serve_bench
-from bench.hotswap_bench import arrival_times, run_load_test
-from bench.serve_client import Answer, Client
-from bench.serve_faults_bench import classify, sigterm_run, slow_run
 from release_testkit import world
+
+from bench.lib.llama_cpp_peer import llama_server_binary
+from bench.lib.serve_client import Answer, Client
+from bench.serving import serve_bench
+from bench.serving.hotswap_bench import arrival_times, run_load_test
+from bench.serving.serve_faults_bench import classify, sigterm_run, slow_run
+from bench.serving.serve_faults_bench import figures as faults_figures
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,7 @@ def test_a_connection_the_server_closed_while_idle_is_opened_again_not_counted_f
     sent again on a fresh one (a request at 50 req/s over 64 connections found one closed: BrokenPipeError)."""
     from runtime.engine.backends.onnxruntime import OrtEngine
     from runtime.engine.tokenizer import DeviceTokenizer
-    from runtime.release.package import load_trusted_keys
+    from runtime.release.verify import load_trusted_keys
     from runtime.serve.http_app import ServeSettings
     from runtime.serve.http_server import BackgroundServer
     from runtime.serve.server import AdapterServer
@@ -89,6 +91,7 @@ def test_sigterm_under_8_clients_loses_no_request_and_exits_0(w, tmp_path):
     assert r["complete"] > r["in_flight_at_sigterm"] and r["refused_connection"] == 8  # each client ends refused
     assert r["sent"] == r["complete"] + r["refused"] + r["lost"]
     assert r["server_log_requests"] >= r["complete"]
+    assert faults_figures({"sigterm": r})[0].name == "SIGTERM under 8 clients: requests lost"
 
 
 def test_clients_are_served_while_64_slow_connections_stay_open(w, tmp_path):
@@ -100,7 +103,7 @@ def test_clients_are_served_while_64_slow_connections_stay_open(w, tmp_path):
 def run_serve_bench(w, tmp_path, names):
     gguf = binary = None
     if "llama" in names:
-        binary = serve_bench.llama_server_binary(None)
+        binary = llama_server_binary(None)
         gguf = serve_bench.convert_for_llama(w, tmp_path, None)
     # max_tokens 24: a server may join the tokens that queued up while a client read into one event, and
     # 8 tokens of the tiny engine could all come as one (no inter-token gap to measure)
@@ -121,15 +124,18 @@ def test_serve_bench_measures_fork_and_batched_decode(w, tmp_path):
     by = result["by_clients"]["2"]
     assert by["fork"]["texts"] == by["batched"]["texts"]  # greedy: the same answers either way
     assert serve_bench.judge(result)["batch1_sequential_tokens_per_s"] > 0
+    stated = serve_bench.figures(result | {"acceptance": serve_bench.judge(result)})
+    assert [f.name for f in stated[1:]] == [f"{n} clients, {name}: generated tokens/s (time to first token p50 / p99)"
+                                            for n in ("1", "2") for name in ("fork", "batched")]
 
 
 @pytest.fixture
 def llama_server():
     """Skips (before the world is built) where llama-server or the converters' sdist is absent."""
-    from bench.llama_cpp_bench import converter_dir
+    from bench.lib.llama_cpp_peer import converter_dir
 
     try:
-        serve_bench.llama_server_binary(None)
+        llama_server_binary(None)
         converter_dir()
     except SystemExit as err:
         pytest.skip(f"llama-server or the peer sdist is absent (`make bench-peer-server`; never in CI): {err}")

@@ -1,6 +1,6 @@
 """The weight-quantization quality study's own parts (nothing heavy runs)."""
 
-from bench.weight_quant_quality import render_comparison
+from bench.quality.weight_quant_quality import render_comparison
 
 
 def test_the_scheme_comparison_renders_a_month_without_changed_labels():

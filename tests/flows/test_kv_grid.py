@@ -15,8 +15,8 @@ import random
 
 import pytest
 import torch
-
 from engine_testkit import make_adapter
+
 from kernels.kv_spec import PRE_ROPE_SCHEME
 
 pytest.importorskip("prefect_dask")
@@ -48,13 +48,17 @@ def sequential(release: dict, both_ropes: bool) -> dict:
     """What tasks/kv_quality.release_kv_quality computes for its grid, in this process, one config after another."""
     from pathlib import Path
 
-    from kernels.kv_spec import bytes_per_token
-    from tasks.models import load_tokenizer
-    from tasks.kv_stats import (
-        DEFAULT_CLIP_PERCENTILE, collect_kv_stats, jsonl_batches, load_release_backbone, scales_from_stats,
-    )
-    from tasks.checks.kv_quality import heldout_sequences, suffix_perplexity
     from flows.kv_grid import grid_configs
+    from kernels.kv_spec import bytes_per_token
+    from tasks.checks.kv_quality import heldout_sequences, suffix_perplexity
+    from tasks.kv_stats import (
+        DEFAULT_CLIP_PERCENTILE,
+        collect_kv_stats,
+        jsonl_batches,
+        load_release_backbone,
+        scales_from_stats,
+    )
+    from tasks.models import load_tokenizer
 
     torch.set_num_threads(1)
     backbone, _, _ = load_release_backbone(Path(release["base_dir"]), Path(release["adapter_dir"]))

@@ -20,11 +20,11 @@ import urllib.error
 import urllib.request
 
 import pytest
+from project_testkit import ENV, REPO
+from service_testkit import free_port, kill_pids, live
 
 from flows import startup_timeout
 from flows.local_server import descendants, wait_http
-from project_testkit import ENV, REPO
-from service_testkit import free_port, kill_pids, live
 
 pytestmark = pytest.mark.slow  # a real Prefect server and the served deployment: about 25 s on 2 busy cores
 

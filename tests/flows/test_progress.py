@@ -13,8 +13,8 @@ import time
 
 import pytest
 import yaml
-
 from project_testkit import REPO
+
 from tasks.progress import PROGRESS_ENV
 
 STAGE = (

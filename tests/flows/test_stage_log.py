@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import yaml
-
 from project_testkit import ENV, TIMESTAMPS, repeated_lines
 
 FLOW = '''

@@ -12,9 +12,10 @@ from kernels.kv_quant import (
     quantize,
     quantize_per_channel,
     quantize_per_token,
+    scale_zero_from_range,
     unpack_bits,
+    unpack_bits_f32,
 )
-from kernels.kv_quant import scale_zero_from_range
 from kernels.kv_spec import PRE_ROPE_SCHEME, KVQuantSpec, bytes_per_token, packed_size
 from kernels.rope import rope_rotate
 
@@ -30,6 +31,14 @@ def test_pack_round_trip_every_width(bits, n):
     assert packed.dtype == torch.uint8
     assert packed.shape == (2, 2, 5, packed_size(n, bits))
     assert torch.equal(unpack_bits(packed, bits, n), u)
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+@pytest.mark.parametrize("n", [64, 13, 8])
+def test_the_float_unpack_the_graph_reads_gives_the_same_integers_at_every_width(bits, n):
+    # 3 bits go through one 24-bit word per 8 codes, 2 and 4 through byte parts, 5-7 through bit planes
+    u = torch.randint(0, 2**bits, (2, 3, 0 if n == 8 else 5, n), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    assert torch.equal(unpack_bits_f32(pack_bits(u, bits), bits, n), u.float())
 
 
 def test_stored_bytes_match_the_width():

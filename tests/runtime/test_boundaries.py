@@ -132,7 +132,7 @@ def test_the_scan_resolves_relative_and_lazy_imports(tmp_path):
 SERVING_PATH = (
     "runtime.__main__",
     *(f"runtime.engine.{m}" for m in ("adapter", "adapter_config", "atomic_files", "backbone_config", "engine", "errors",
-                                      "generate", "hashing", "interface", "kv_blocks", "kv_scales", "latency", "sampling",
+                                      "generate", "hashing", "interface", "kv_blocks", "kv_pages", "kv_scales", "latency", "sampling",
                                       "tokenizer", "backends.onnxruntime")),
     *(f"runtime.release.{m}" for m in ("contract", "device_state", "pull", "signing", "tuf_pull", "verify")),
     *(f"runtime.serve.{m}" for m in ("active_release", "batcher", "channel_watch", "generation", "health", "http_app",

@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from engine_testkit import TARGETS, calibrate, engine_run
 
 from kernels.kv_quant import QuantizedKVCache
 from kernels.kv_spec import PRE_ROPE_SCHEME, KVQuantSpec
@@ -19,7 +20,6 @@ from runtime.engine.interface import LOGIT_POSITIONS_INTERFACE_VERSION, read_int
 from runtime.engine.kv_scales import KVScales
 from runtime.engine.model import load_backbone
 from tasks.kv_stats import cache_kwargs
-from engine_testkit import TARGETS, calibrate, engine_run
 
 # The other corner: 8-bit symmetric post-RoPE keys (ORT GroupQueryAttention's layout), asymmetric
 # 3-bit per-token values (a zero point input, a non-byte-aligned width), no sink.
@@ -229,9 +229,9 @@ def test_a_scheme_group_query_attention_cannot_run_is_refused_at_compile_naming_
 def test_a_version_4_engine_takes_unrotated_scales_and_refuses_a_rotation(tiny_qwen):
     """An engine compiled before the rotation input (interface version 4) still binds a release
     without one; a rotated release needs a recompiled engine, said in words."""
-    from runtime.engine.kv_scales import kv_scale_inputs
     from runtime.engine.hashing import backbone_hash
     from runtime.engine.interface import KV_ROTATION_INPUT, build_interface
+    from runtime.engine.kv_scales import kv_scale_inputs
     from runtime.engine.model import read_config
 
     current = build_interface(read_config(tiny_qwen), backbone_hash(tiny_qwen), 8, TARGETS, GQA.to_dict())

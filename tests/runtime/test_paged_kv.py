@@ -1,5 +1,6 @@
 """The paged KV cache (interface version 6): the padded engine's tokens and integers, blocks taken and given
-back, the KV budget's waits and 503s through the real server and the openai SDK.
+back, the KV budget's waits and 503s through the real server and the openai SDK; and the batcher serving rows of an
+engine with quantized pages (version 9; its own tests: ``test_quantized_pages.py``).
 
 Engines are compiled from the tiny test backbone (``engine_testkit``) and the tiny release world
 (``release_testkit``) with blocks of 4 tokens, so rows cross block boundaries every few steps.
@@ -20,7 +21,7 @@ from engine_testkit import TARGETS, calibrate, engine_run
 from release_testkit import world
 from server_testkit import PROMPT, running_server
 
-from kernels.kv_spec import PRE_ROPE_SCHEME, KVQuantSpec
+from kernels.kv_spec import PRE_ROPE_SCHEME, KVQuantSpec, PageQuantSpec
 from runtime.__main__ import main as runtime_main
 from runtime.engine.adapter import load_adapter
 from runtime.engine.backends.onnxruntime import OrtEngine
@@ -219,6 +220,16 @@ def paged_world_engine(w, tmp_path_factory):
     return engine_dir
 
 
+@pytest.fixture(scope="module")
+def pages_world_engine(w, tmp_path_factory):
+    """The tiny world's engine with quantized pages (K4/V4, values in groups of 8 channels) in blocks of 4 tokens, so
+    rows seal a page every 4 steps: the world's releases bind unchanged (no release scales)."""
+    engine_dir = tmp_path_factory.mktemp("pages-world") / "engine"
+    compile_engine(w["base"], engine_dir, max_rank=8, target_modules=TARGETS, ort_threads=1, kv_block_size=BLOCK,
+                   kv_pages=PageQuantSpec(v_group_size=8).to_dict())
+    return engine_dir
+
+
 def block_bytes(engine_dir) -> int:
     """Bytes of one block of every layer's K and V: layers x 2 x kv heads x block tokens x head dim x fp32."""
     iface = read_interface(engine_dir)
@@ -243,6 +254,23 @@ def test_the_openai_sdk_gets_the_padded_engines_answers_from_the_paged_engine(w,
             assert app.engine.pool is None or app.engine.pool.used_blocks == 0
     assert answers["paged"] == answers["padded"]
     assert answers["paged"][0][0] == answers["paged"][1] and answers["paged"][0][0] != answers["paged"][0][1]
+
+
+def test_the_batcher_serves_rows_of_quantized_pages_as_each_decodes_alone(w, pages_world_engine):
+    with running_server(w, engine=pages_world_engine) as (app, background):
+        app.load(w["b"])
+        client = sdk(background)
+        lengths = (24, 9)
+        alone = [client.completions.create(model="champion", prompt=p, max_tokens=n, temperature=0).choices[0].text
+                 for p, n in zip((PROMPT, OTHER_PROMPT), lengths)]
+        both = client.completions.create(model="champion", prompt=[PROMPT, OTHER_PROMPT], max_tokens=24, temperature=0)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two requests merged into one batch, one leaving early
+            merged = [pool.submit(client.completions.create, model="champion", prompt=p, max_tokens=n, temperature=0)
+                      for p, n in zip((PROMPT, OTHER_PROMPT), lengths)]
+            merged = [m.result().choices[0].text for m in merged]
+        assert app.engine.pool.used_bytes == 0  # every row's float and sealed pages went back
+    assert merged == alone and both.choices[0].text == alone[0] and both.choices[1].text.startswith(alone[1])
+    assert len(set(alone)) == 2
 
 
 def test_a_request_the_kv_budget_never_holds_gets_503_with_retry_after(w, paged_world_engine):

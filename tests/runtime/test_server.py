@@ -22,7 +22,18 @@ from pathlib import Path
 
 import pytest
 from release_testkit import copy_release, resign, world
-from server_testkit import PROMPT, as_generation, call, complete, manifest_id, refusals, running_server, sample, scrape, summed
+from server_testkit import (
+    PROMPT,
+    as_generation,
+    call,
+    complete,
+    manifest_id,
+    refusals,
+    running_server,
+    sample,
+    scrape,
+    summed,
+)
 
 from runtime.release.contract import parse_time
 from runtime.release.signing import generate_key

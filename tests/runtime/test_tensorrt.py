@@ -14,7 +14,7 @@ from runtime.engine.interface import read_interface
 HAS_TRT = importlib.util.find_spec("tensorrt") is not None
 needs_gpu = pytest.mark.skipif(
     not (HAS_TRT and torch.cuda.is_available()),
-    reason="TensorRT tests need an NVIDIA GPU and pip install '.[tensorrt]'; run bench/gpu_check.py there",
+    reason="TensorRT tests need an NVIDIA GPU and pip install '.[tensorrt]'; run bench/engine/gpu_check.py there",
 )
 
 

@@ -17,8 +17,15 @@ from pathlib import Path
 import pytest
 from release_testkit import world
 from tuf_testkit import (
-    endless_timestamp, expire_timestamp, mix_and_match, ngclient_then_tampered, same_length_change, serve, target_file,
-    wrong_key, zero_tarball,
+    endless_timestamp,
+    expire_timestamp,
+    mix_and_match,
+    ngclient_then_tampered,
+    same_length_change,
+    serve,
+    target_file,
+    wrong_key,
+    zero_tarball,
 )
 
 from runtime.engine.adapter_config import ADAPTER_WEIGHTS
@@ -27,8 +34,8 @@ from runtime.engine.interface import read_interface
 from runtime.release.contract import TUF_CHANNELS_TARGET, release_target_path
 from runtime.release.tuf_pull import EXIT_CODES, UpdateRefused, tuf_pull
 from runtime.release.verify import RollbackRefused, load_trusted_keys
-from tasks.release import registry
 from tasks.config import PublishConfig
+from tasks.release import registry
 from tasks.release.update_channel import Channel, publish_from_registry, publish_release
 
 REPO = Path(__file__).resolve().parents[2]

@@ -29,11 +29,18 @@ from release_testkit import copy_release, resign, world
 from securesystemslib.signer import CryptoSigner
 from server_testkit import PROMPT, call, manifest_id, running_server, sample, scrape, serve_process
 from tuf_testkit import (
-    endless_tarball, endless_timestamp, expire_timestamp, fast_forward, mirror, misnamed_release, mix_and_match,
-    resign_metadata, wrong_key, zero_tarball,
+    endless_tarball,
+    endless_timestamp,
+    expire_timestamp,
+    fast_forward,
+    mirror,
+    misnamed_release,
+    mix_and_match,
+    resign_metadata,
+    wrong_key,
+    zero_tarball,
 )
 
-from runtime.release.contract import TUF_METADATA_DIR
 from runtime.release.signing import load_private_key
 from runtime.serve.channel_watch import FRESH, REFUSED, STALE, ChannelWatcher, Outcome
 from tasks.release.update_channel import Channel, key_file, load_state, publish_release, revoke_key

@@ -23,9 +23,23 @@ from runtime.engine.tokenizer import DeviceTokenizer
 from runtime.release.contract import parse_time
 from runtime.release.signing import generate_key
 from runtime.release.verify import (
-    EXIT_CODES, BackboneMismatch, ChecksumMismatch, ExpiredRelease, InterfaceMismatch, KVScalesRefused, MonthMismatch,
-    RollbackRefused, SignatureRefused, SizeLimitExceeded, TokenizerMismatch, UnlistedFile, UnsafePath, bind_release,
-    load_trusted_keys, verify_path, verify_release,
+    EXIT_CODES,
+    BackboneMismatch,
+    ChecksumMismatch,
+    ExpiredRelease,
+    InterfaceMismatch,
+    KVScalesRefused,
+    MonthMismatch,
+    RollbackRefused,
+    SignatureRefused,
+    SizeLimitExceeded,
+    TokenizerMismatch,
+    UnlistedFile,
+    UnsafePath,
+    bind_release,
+    load_trusted_keys,
+    verify_path,
+    verify_release,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +47,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def w(tmp_path_factory):
-    from bench.hotswap_bench import make_tiny_base
+    from bench.lib.worlds import make_tiny_base
     from tasks.stages.compile import compile_engine
 
     w = world(tmp_path_factory)

@@ -6,9 +6,9 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from runtime.engine.hashing import backbone_hash
+from tasks.config import parse_config
 from tasks.models import BaseModelError, check_base_model_dir, load_base_model
 from tasks.stages.base_model import prepare_base_model
-from tasks.config import parse_config
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +91,7 @@ def test_loading_the_base_and_wrapping_it_in_peft_prints_no_bar_or_library_depre
 
     model, _ = load_base_model(tiny_llama_dir)
     get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
-    warnings.warn("a warning of our own", UserWarning)
+    warnings.warn("a warning of our own", UserWarning, stacklevel=1)
     assert "Loading weights" not in capfd.readouterr().err
     messages = [str(w.message) for w in recwarn]
     assert not any("is_gradient_checkpointing" in m for m in messages)

@@ -10,20 +10,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 import torch
+import yaml
+from engine_testkit import make_adapter
 from safetensors.torch import load_file, save_file
 
-from engine_testkit import make_adapter
 from kernels.kv_quant import QuantizedKVCache
 from kernels.kv_spec import PRE_ROPE_SCHEME, KVQuantSpec
 from runtime.engine.adapter_config import ADAPTER_WEIGHTS, AdapterError
 from runtime.engine.hashing import backbone_hash, sha256_file
 from runtime.engine.kv_scales import KV_SCALES_FILE, KV_SCALES_JSON, KVScales, KVScalesError, read_kv_scales
-from tasks.kv_stats import cache_kwargs
-from tasks.stages.calibrate import calibrate_kv_scales, main, save_kv_scales
 from tasks.inspection import rulebook, sample_examples
+from tasks.kv_stats import cache_kwargs
 from tasks.records import write_jsonl
+from tasks.stages.calibrate import calibrate_kv_scales, main, save_kv_scales
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +277,7 @@ def _random_batches(vocab: int = 96, rows: int = 4, length: int = 24) -> list:
 
 
 def test_calibration_turns_a_layer_when_the_turned_cache_quantizes_its_calibration_kv_closer(tiny_llama_dir):
-    from bench.kv_quality import inject_key_outliers
+    from bench.quality.kv_schemes import inject_key_outliers
     from kernels.kv_quant import hadamard_matrix
     from runtime.engine.model import load_backbone
     from tasks.kv_stats import ROTATION_MIN_GAIN, choose_rotation, collect_kv_stats

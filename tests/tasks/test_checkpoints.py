@@ -17,10 +17,10 @@ import torch
 from runtime.engine.generate import generate_text
 from runtime.engine.model import read_config
 from runtime.engine.tokenizer import ChatPrompt, DeviceTokenizer, encode_prompt
+from tasks.checks.kv_quality import greedy_through_cache
 from tasks.models import BaseModelError, check_base_model_dir, load_tokenizer
 from tasks.records import DataError, Example
 from tasks.scoring import greedy_completions
-from tasks.checks.kv_quality import greedy_through_cache
 from tasks.training import encode_example
 
 PROMPT = "inspect board=PCB-0007 void_pct=12 verdict:"

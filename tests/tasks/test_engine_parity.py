@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from engine_testkit import make_adapter, make_model
 
+from tasks.checks.engine_parity import engine_parity
+from tasks.records import Example, write_jsonl
 from tasks.stages.base_model import train_tokenizer
 from tasks.stages.compile import compile_engine
-from tasks.records import Example, write_jsonl
-from tasks.checks.engine_parity import engine_parity
 
 TEXTS = [f"board B{i} line L{i % 3} part P{i % 5} defect solder void {i * 7 % 100} -> " for i in range(40)]
 

@@ -5,8 +5,8 @@ from transformers import AutoModelForCausalLM
 
 from tasks.models import load_tokenizer
 from tasks.records import Example
-from tasks.stages.evaluate import perplexity
 from tasks.scoring import accuracy_report
+from tasks.stages.evaluate import perplexity
 
 
 def test_accuracy_splits_new_and_regression_rules_and_reports_each_rule():
@@ -56,9 +56,9 @@ def test_perplexity_on_the_engine_equals_perplexity_in_pytorch(tiny_llama_dir, t
 
 def test_decode_latency_rows_carry_the_past_length_each_step_attends_to(tiny_llama_dir, tmp_path):
     from runtime.engine.backends.onnxruntime import OrtEngine
+    from tasks.plots import latency_by_past_length, latency_figure, read_rows, save_figure
     from tasks.stages.compile import compile_engine
     from tasks.stages.evaluate import decode_latency
-    from tasks.plots import latency_by_past_length, latency_figure, read_rows, save_figure
 
     compile_engine(tiny_llama_dir, tmp_path / "engine", max_rank=4, ort_threads=1)
     tokenizer = load_tokenizer(tiny_llama_dir)

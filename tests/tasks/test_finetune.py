@@ -149,8 +149,8 @@ def test_two_processes_train_the_global_batch_to_the_val_loss_of_one(tmp_path, m
 
     import yaml
 
-    from tasks.stages.base_model import prepare_base_model
     from tasks.config import load_config
+    from tasks.stages.base_model import prepare_base_model
     from tasks.stages.data import run_stage as write_data
 
     repo = Path(__file__).resolve().parents[2]

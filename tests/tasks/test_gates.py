@@ -3,12 +3,17 @@ import json
 import pytest
 
 from tasks.config import GatesConfig, ReleaseConfig, parse_config
-from tasks.records import Example
-from tasks.scoring import accuracy_report
 from tasks.gate_rules import (
-    current_champion, evaluation_gates, failed_reason, gate_report, package_gates, render_gate_table,
+    current_champion,
+    evaluation_gates,
+    failed_reason,
+    gate_report,
+    package_gates,
+    render_gate_table,
     weights_accuracy_gate,
 )
+from tasks.records import Example
+from tasks.scoring import accuracy_report
 from tasks.stages.gates import run_stage
 
 

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from release_testkit import world
 
-from runtime.release.verify import load_trusted_keys, release_probes, verify_release
 from runtime.release.signing import generate_key, key_id, load_private_key
+from runtime.release.verify import load_trusted_keys, release_probes, verify_release
 from tasks.stages.package import build_release, main, select_probes
 
 GATES = {"passed": True, "gates": [

@@ -15,10 +15,10 @@ from runtime.engine.backends.onnxruntime import OrtEngine
 from runtime.engine.generate import generate_text
 from runtime.engine.interface import BLOCK_TABLE, LOGIT_POSITIONS_INTERFACE_VERSION, read_interface
 from runtime.engine.model import load_backbone
+from tasks.checks.engine_parity import MAX_KV_CODE_MISMATCH, quantized_prefill_parity
+from tasks.config import parse_config, with_settings
 from tasks.models import load_tokenizer
 from tasks.stages.compile import compile_profile_engines
-from tasks.config import parse_config, with_settings
-from tasks.checks.engine_parity import MAX_KV_CODE_MISMATCH, quantized_prefill_parity
 from tasks.stages.evaluate import decode_latency, engine_perplexity
 from tasks.weights.engines import quantize_engine_dir
 from tasks.weights.graph import calibrate_activations

@@ -7,11 +7,11 @@ import random
 import shutil
 
 import pytest
-
 from release_testkit import world
+
+from tasks.checks.peft_vs_device import compare, release_id, render, serving
 from tasks.inspection import rulebook, sample_examples
 from tasks.records import read_jsonl, write_jsonl
-from tasks.checks.peft_vs_device import compare, release_id, render, serving
 
 # A template the tiny world's tokenizer does not have: its tokenizer.json (and so the release's hash) is kept.
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

@@ -6,7 +6,13 @@ import sys
 import pytest
 
 from tasks.release.registry import (
-    PublishError, ensure_registry, publish_release, read_channels, read_index, release_notes_path, rollback,
+    PublishError,
+    ensure_registry,
+    publish_release,
+    read_channels,
+    read_index,
+    release_notes_path,
+    rollback,
 )
 
 

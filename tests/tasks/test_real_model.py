@@ -10,9 +10,9 @@ import torch
 
 from runtime.engine.model import load_backbone
 from runtime.engine.tokenizer import DeviceTokenizer
+from tasks.layout import RELEASE_DIR
 from tasks.models import check_base_model_dir, load_tokenizer
 from tasks.real_model.checkpoint import BUILD_RECORD, WHEEL_SHA256, build_real_model, is_built
-from tasks.layout import RELEASE_DIR
 from tasks.real_model.month import CLASSES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,12 +74,12 @@ def real_release(real_model_dir, tmp_path_factory):
 
     The engine keeps the profile's float KV cache (examples/smollm2.yaml says why: with the 4-bit cache
     12 of the profile's 36 greedy answers differ from PEFT's on this model)."""
-    from tasks.stages.compile import compile_engine
     from tasks.config import load_config
+    from tasks.real_model.month import write_month
     from tasks.records import read_jsonl
+    from tasks.stages.compile import compile_engine
     from tasks.stages.finetune import finetune
     from tasks.stages.package import build_release
-    from tasks.real_model.month import write_month
 
     root = tmp_path_factory.mktemp("real-release")
     cfg = load_config(REPO / "examples" / "smollm2.yaml")
@@ -121,9 +121,9 @@ def test_peft_on_the_base_answers_what_the_device_serves_through_the_openai_sdk(
 def test_the_profile_month_is_chat_rows_of_distinct_characters_balanced_by_class(tmp_path):
     import unicodedata
 
+    from tasks.real_model.month import PER_CLASS, write_month
     from tasks.records import is_chat, read_jsonl, read_text_corpus
     from tasks.stages.data import check_month
-    from tasks.real_model.month import PER_CLASS, write_month
 
     month = write_month(tmp_path / "month")
     assert (month / "train.jsonl").read_bytes() == (write_month(tmp_path / "again") / "train.jsonl").read_bytes()

@@ -1,5 +1,5 @@
-from tasks.records import read_text_corpus
 from tasks.real_model.text import real_documents, write_heldout_text
+from tasks.records import read_text_corpus
 
 
 def test_calib_and_eval_documents_are_disjoint_real_prose_and_code():

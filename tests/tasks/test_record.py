@@ -5,8 +5,8 @@ the fine-tune ran (device, precision, processes) as tags of its run, and as a li
 from tasks.artifacts import write_json
 from tasks.config import ReleaseConfig
 from tasks.gate_rules import Gate, gate_report
-from tasks.release.stage_runner import StageRun
 from tasks.plots import LOSS_CSV, VAL_LOSS_CSV
+from tasks.release.stage_runner import StageRun
 from tasks.release.steps import live_run, placement_line, record_in_mlflow
 
 

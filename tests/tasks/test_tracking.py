@@ -1,7 +1,15 @@
 from tasks.config import PublishConfig, ReleaseConfig
 from tasks.release.tracking import (
-    CANDIDATE, CHAMPION, alias_version, client_for, flatten_numbers, log_stage_run, move_champion, register_candidate,
-    restore_champion, start_release_run,
+    CANDIDATE,
+    CHAMPION,
+    alias_version,
+    client_for,
+    flatten_numbers,
+    log_stage_run,
+    move_champion,
+    register_candidate,
+    restore_champion,
+    start_release_run,
 )
 
 

@@ -24,12 +24,20 @@ from tuf.api.metadata import Metadata
 from tuf_testkit import resign_metadata, same_length_change, serve, updater
 
 from runtime.release.contract import TUF_CHANNELS_TARGET, product_path, release_target_path
-from runtime.release.verify import write_tarball
 from runtime.release.signing import load_private_key
+from runtime.release.verify import write_tarball
 from tasks.config import ConfigError, PublishConfig, parse_config
 from tasks.release.update_channel import (
-    ROOT_THRESHOLD, Channel, UpdateChannelError, ensure_repository, key_file, load_state, publish_release, refresh,
-    rotate_root, status,
+    ROOT_THRESHOLD,
+    Channel,
+    UpdateChannelError,
+    ensure_repository,
+    key_file,
+    load_state,
+    publish_release,
+    refresh,
+    rotate_root,
+    status,
 )
 
 REPO = Path(__file__).resolve().parents[2]

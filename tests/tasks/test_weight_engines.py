@@ -58,8 +58,8 @@ def test_compile_stage_builds_the_int8_serving_engine_once_inside_the_float_ones
     import yaml
 
     from runtime.engine.interface import read_interface
-    from tasks.stages import compile as compile_stage
     from tasks.config import load_config
+    from tasks.stages import compile as compile_stage
 
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({
@@ -94,8 +94,8 @@ def test_quantized_weights_are_refused_on_a_backend_that_cannot_run_them():
 def test_tensorrt_release_gets_the_qdq_serving_engine_from_the_compile_stage(tiny_llama_dir, tmp_path):
     import yaml
 
-    from tasks.stages import compile as compile_stage
     from tasks.config import load_config
+    from tasks.stages import compile as compile_stage
 
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({

@@ -9,13 +9,13 @@ import onnxruntime as ort
 import pytest
 import torch
 from engine_testkit import TARGETS, qwen_adapter, tiny_engine, tiny_qwen  # noqa: F401  (fixtures)
+from weight_reference import reference_backbone
 from weight_testkit import prefill_and_decode
 
 from kernels.weight_quant import dequantize_groups, quantize_groups
 from runtime.engine.adapter import load_adapter
 from runtime.engine.backends.onnxruntime import OrtEngine
 from tasks.weights.engines import open_on_cpu, quantize_engine_dir
-from weight_reference import reference_backbone
 
 
 def _reference_logits(model, ids, lora, names):
@@ -85,8 +85,9 @@ def _run_x_to_y(nodes, inits, x: np.ndarray, n_out: int) -> np.ndarray:
 
 @pytest.mark.parametrize("bits,K,block", [(4, 256, 128), (8, 256, 32), (4, 96, 64)], ids=["int4", "int8", "int4-partial-block"])
 def test_int8_rounded_linear_is_what_matmulnbits_computes_at_accuracy_level_4(bits, K, block):
-    from tasks.weights.graph import matmulnbits_nodes
     from weight_reference import int8_rounded_linear
+
+    from tasks.weights.graph import matmulnbits_nodes
 
     # Given one MatMulNBits node with int8 compute and the dequantized weight of its codes
     torch.manual_seed(0)

@@ -27,6 +27,11 @@ A stacked engine (interface version 7) binds several releases at once, each in a
 and keeps their KV statics; ``forward(..., slots=)`` says each row's slot, from which a step binds the
 one-hot ``adapter_mask`` and each row's release's statics (a gather of a few KB per row). ``set_adapter``
 is one slot.
+
+An engine with quantized pages (interface version 9) keeps its float pages and its sealed pages in a
+``runtime.engine.kv_pages.PagePool`` and its cache is a ``PagesCache``: a step binds both block tables and writes
+the new tokens' float K/V, sealing each page they fill (in numpy, here, after the forward). It refuses, when it
+opens, a scheme this runtime does not seal and a graph whose pools are not the ones its interface records.
 """
 
 from __future__ import annotations
@@ -47,8 +52,18 @@ from onnxruntime.capi import _pybind_state as _C
 
 from runtime.engine.adapter import check_lora_inputs, zero_lora_inputs
 from runtime.engine.errors import RefusedInput
-from runtime.engine.interface import ADAPTER_MASK, BLOCK_TABLE, ENGINE_ONNX, LOGIT_POSITIONS, read_interface
+from runtime.engine.interface import (
+    ADAPTER_MASK,
+    BLOCK_TABLE,
+    ENGINE_ONNX,
+    FLOAT_BLOCK_TABLE,
+    LOGIT_POSITIONS,
+    SEALED_BLOCKS_AXIS,
+    InterfaceError,
+    read_interface,
+)
 from runtime.engine.kv_blocks import BlockPool, PagedCache, PoolTensor
+from runtime.engine.kv_pages import PagePool, PagesCache, page_scheme
 from runtime.engine.kv_scales import kv_scale_inputs
 
 # Per ORT version: an optimized graph from another version may hold kernels this one lacks.
@@ -65,7 +80,7 @@ OPTIMIZED_ONNX_DATA = OPTIMIZED_ONNX + ".data"  # its initializers
 EXTERNAL_DATA_MIN_BYTES = 64 << 20
 EXTERNAL_TENSOR_MIN_BYTES = 1024  # smaller initializers (scalars, shapes) stay in the graph, as ORT's default
 ORT_LOG_FATAL = 4  # ORT's log severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal
-# How a session holds the memory of its intermediate tensors (``bench.device_memory_bench --ort-memory`` measures
+# How a session holds the memory of its intermediate tensors (``bench.serving.device_memory_bench --ort-memory`` measures
 # each in ``serve``): "arena" (ORT's default): a CPU arena that keeps every chunk it once allocated, so one long
 # prefill's activations stay resident for the life of the process; "shrink": the same arena, handed back to the
 # system after each run (the ``memory.enable_memory_arena_shrinkage`` run option); "no_arena": plain
@@ -117,7 +132,7 @@ def _one_heap_for_every_thread() -> None:
     for that thread: in ``serve`` the batcher thread runs every step, the tokenizer's worker threads encode
     prompts, and each kept its own high-water mark beside the main heap's. Set before the session starts its
     threads; arenas that already exist stay. Measured in ``serve`` at the 0.5B shape, 8 x 2,048 (one run each,
-    ``bench.device_memory_bench``): peak 0.593 GB with an arena per thread, 0.580 GB with one, 4.6 tokens/s both."""
+    ``bench.serving.device_memory_bench``): peak 0.593 GB with an arena per thread, 0.580 GB with one, 4.6 tokens/s both."""
     if (libc := _glibc()) is not None:
         libc.mallopt(M_ARENA_MAX, 1)
 
@@ -335,7 +350,20 @@ class OrtEngine:
         self._cpu = ort.OrtDevice.make("cpu", 0)._get_c_device()
         self._array_inputs = ("input_ids", "position_ids", "attention_mask", "past_positions")  # bound from numpy each step
         self.pool = None
-        if self.interface.paged:
+        if self.interface.quantized_pages:
+            self.page_spec = page_scheme(self.interface)
+            graph_shapes = {i.name: list(i.shape[1:]) for i in self.session.get_inputs()}
+            differing = [t.name for t in self.interface.inputs
+                         if t.name.startswith("pool_") and graph_shapes[t.name] != list(t.shape[1:])]
+            if differing:
+                raise InterfaceError(f"{source}: the graph's pools {differing} are not those of the quantized pages "
+                                     f"{self.page_spec.name} interface.json records; the engine directory is inconsistent")
+            self._array_inputs = ("input_ids", "position_ids", "attention_mask", BLOCK_TABLE, FLOAT_BLOCK_TABLE)
+            pools = {axis: [PoolTensor(t.name, tuple(t.shape[1:]), t.dtype) for t in self.interface.inputs
+                            if t.name.startswith("pool_") and t.shape[0] == axis] for axis in ("blocks", SEALED_BLOCKS_AXIS)}
+            self.pool = PagePool(pools["blocks"], pools[SEALED_BLOCKS_AXIS], self.interface.kv_block_size,
+                                 kv_budget_bytes, _ort)
+        elif self.interface.paged:
             self._array_inputs = ("input_ids", "position_ids", "attention_mask", BLOCK_TABLE)
             pools = [PoolTensor(t.name, tuple(t.shape[1:]), t.dtype) for t in self.interface.inputs if t.name.startswith("pool_")]
             self.pool = BlockPool.for_budget(pools, self.interface.kv_block_size, kv_budget_bytes, _ort)
@@ -437,6 +465,8 @@ class OrtEngine:
 
     def empty_cache(self, batch: int):
         i = self.interface
+        if isinstance(self.pool, PagePool):
+            return PagesCache.empty(self.pool, self.page_spec, batch)
         if self.pool is not None:
             return PagedCache(self.pool, [[] for _ in range(batch)], np.zeros(batch, dtype=np.int64))
         if self.kv_spec is None:
@@ -515,14 +545,14 @@ class OrtEngine:
             binding.bind_ortvalue_input(name, _C.OrtValue.ortvalue_from_numpy(array, cpu))
         return [a for _, a in arrays]
 
-    def _forward_paged(self, input_ids, position_ids, attention_mask, past: PagedCache, rows: list, logit_positions):
+    def _forward_paged(self, input_ids, position_ids, attention_mask, past: PagedCache | PagesCache, rows: list,
+                       logit_positions):
         binding, cpu = self._binding._iobinding, self._cpu
         T = input_ids.shape[1]
         real = np.asarray(attention_mask)[:, -T:] > 0  # (B, T): the new tokens a row stores
-        table = past.block_table()  # (B, M)
-        filled = np.arange(table.shape[1] * self.pool.block_size)[None, :] < past.lengths[:, None]  # (B, M bs)
+        tables = past.tables()  # (B, M) each
         arrays = [np.ascontiguousarray(input_ids, dtype=np.int64), np.ascontiguousarray(position_ids, dtype=np.int64),
-                  np.concatenate([filled, real], axis=1).astype(np.int64), table]
+                  np.concatenate([past.past_mask(tables), real], axis=1).astype(np.int64), *tables]
         for name, array in zip(self._array_inputs, arrays):
             binding.bind_ortvalue_input(name, _C.OrtValue.ortvalue_from_numpy(array, cpu))
         for name, value in self.pool.values.items():  # read by the next step after the writes below: never copied
@@ -566,7 +596,7 @@ class OrtEngine:
         left-pads prompts, so every row decodes as it would alone (up to float rounding). Paged caches are
         not padded: their rows move into the result (the caches given are consumed)."""
         if self.pool is not None:
-            return PagedCache.concat(caches)
+            return type(caches[0]).concat(caches)
         if not self.merges_caches:
             raise ValueError(f"a cache with {self.kv_spec['sink_tokens']} fp16 sink tokens cannot be merged")
         if self.kv_spec is None:  # [K.0, V.0, ...], each (B, nkv, P, d)
@@ -597,8 +627,8 @@ class OrtEngine:
         """Bytes ``cache`` holds: rows x past slots x ``kv_bytes_per_token`` (every slot, the padding of rows
         shorter than the longest included) plus the fp16 sink; a paged cache: the blocks its rows hold (a row's
         last block only partly filled). From the shapes: nothing is read."""
-        if isinstance(cache, PagedCache):
-            return sum(len(row) for row in cache.blocks) * self.pool.block_bytes
+        if isinstance(cache, (PagedCache, PagesCache)):
+            return cache.allocated_bytes()
         if self.kv_spec is None:
             rows, _, past, _ = cache[0].shape()
             return rows * past * self.kv_bytes_per_token
@@ -612,6 +642,8 @@ class OrtEngine:
         if isinstance(cache, PackedCache):
             arrays = {n: v.numpy().copy() for n, v in (cache.body | cache.sink).items()}
             return arrays | {"past_positions": cache.positions.copy()}
+        if isinstance(cache, PagesCache):  # {pool name: the rows' float pages, or their sealed ones}
+            return cache.to_numpy()
         if isinstance(cache, PagedCache):  # as the padded engine's cache of rows this long, right-padded with zeros
             arrays = {"past_" + n[len("pool_"):]: self._rows_of(cache, n) for n in self.pool.values}
             return list(arrays.values()) if self.kv_spec is None else arrays

@@ -162,7 +162,6 @@ def build_plan_torch_tensorrt(
 ) -> Path:
     """Second builder: torch.export of the same forward -> torch-tensorrt -> raw TensorRT plan."""
     require_tensorrt()
-    import torch
     import torch_tensorrt
 
     engine_dir = Path(engine_dir)

@@ -13,7 +13,6 @@ from runtime.engine.interface import EngineInterface, read_interface
 from runtime.engine.model import load_backbone
 
 
-
 class TorchEngine:
     def __init__(self, model_dir: str | Path, interface: EngineInterface, threads: int | None = 2):
         if threads:

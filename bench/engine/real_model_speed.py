@@ -1,0 +1,176 @@
+"""Decode speed on a real checkpoint: our served engines against llama.cpp, same model, one interleaved run (issue 25, item 6).
+
+    python -m bench.engine.real_model_speed --params PROFILE.yaml [--pasts 512,2048] [--iters 100]
+        [--out bench/results/real_model_speed.json] [--work bench/results/real_model]
+
+Not in CI nor in ``make bench``. One decoded token after a past of P, batch 1, ``--threads`` threads:
+* ours: the compile stage's quantized-KV engine (the shipped 4-bit cache, ``kv`` section) at fp32 weights
+  and its int8 / int4 copies (the serving recipe of ``tasks.weights.engines.ensure_quantized_engine``,
+  as ``engine.weights`` would build them), KV scales calibrated on real text
+  (``bench.lib.real_checkpoint.calibration_stats``), no adapter bound (the LoRA inputs are zeros: the
+  same compute as with an adapter);
+* llama.cpp (the ``peer`` extra): F16, Q8_0 and Q4_0 (``bench.lib.llama_cpp_peer.checkpoint_ggufs``), each
+  with a q4_0 and an f16 KV cache, flash attention on. One llama.cpp context is loaded at a time: each
+  case's context is loaded, takes its past and is closed within each of its rounds (``llama_case``), and
+  its extra buffer types are off (``load_llama``: its AMX matmul of Q8_0/Q4_0 weights dies of a general
+  protection fault in this VM; this also turns off its repacking of Q4_0 weights for AVX2).
+Every engine is timed in one ``bench.lib.timing.interleaved`` call per past (A B C ..., A B C ...), on the
+same token ids (``engine_steps`` / ``llama_steps``: the past is restored after every call). Median, p10
+and p95 per case; ours / llama.cpp's median at the same weight precision, against each of its KV caches.
+
+Target (issue 25): each of our precisions no slower than llama.cpp's counterpart; the decode gate's
+default for the profile (``gates.max_p95_decode_ms``) from the measured p95 of the served engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+from bench.lib.llama_cpp_peer import checkpoint_ggufs, converter_dir, llama_steps, load_llama, require_llama_cpp
+from bench.lib.real_checkpoint import calibration_stats, served_engine
+from bench.lib.report import RESULTS, Figure, write_report
+from bench.lib.tables import format_ms, table
+from bench.lib.timing import PerRound, engine_steps, interleaved
+
+OUR_WEIGHTS = ("fp32", "int8", "int4")
+PEERS = {"fp32": "f16", "int8": "q8_0", "int4": "q4_0"}  # our weight precision -> llama.cpp's counterpart
+LLAMA_KV = ("q4_0", "f16")
+
+
+def llama_case(llama_cpp, path: Path, kv: str, threads: int, vocab_size: int, P: int) -> PerRound:
+    """llama.cpp's decode step after a past of P with ``kv`` (a ``GGML_TYPE_*`` name) for K and V, its context
+    loaded for each round and closed after it, so one context at a time is held. The past is evaluated in
+    the first round only; later rounds restore its KV cells (a 2,048-token prefill each round took longer
+    than the decode calls it framed on the shared 2 cores)."""
+    saved_past: dict = {}
+
+    @contextmanager
+    def opened():
+        llm = load_llama(llama_cpp, path, P + 1, threads, True, kv_type=getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}"),
+                         extra_bufts=False)
+        try:
+            yield llama_steps(llm, vocab_size, P, saved_past=saved_past)
+        finally:
+            llm.close()
+
+    return PerRound(opened)
+
+
+def compare(rows: dict, pasts: list[int]) -> list[dict]:
+    """Ours over llama.cpp's median at the same weight precision, per llama.cpp KV cache; <= 1 passes."""
+    out = []
+    for weights, peer in PEERS.items():
+        for kv in LLAMA_KV:
+            for P in pasts:
+                key = f"decode_{P}"
+                a, b = rows.get(f"ours_{weights}_kv4", {}).get(key), rows.get(f"llama_{peer}_kv_{kv}", {}).get(key)
+                if a is None or b is None:
+                    continue
+                out.append({"ours": f"ours_{weights}_kv4", "peer": f"llama_{peer}_kv_{kv}", "past": P,
+                            "ours_ms": a["median"], "peer_ms": b["median"], "ratio": a["median"] / b["median"],
+                            "pass": a["median"] <= b["median"]})
+    return out
+
+
+def print_results(rows: dict, comparisons: list[dict], pasts: list[int]) -> None:
+    print()
+    print(table(["engine", *(f"past {P} median [p10, p95] ms" for P in pasts)],
+                ([name, *(f"{s['median']:.2f} [{s['p10']:.2f}, {s['p95']:.2f}]" for s in (row[f"decode_{P}"] for P in pasts))]
+                 for name, row in rows.items())))
+    print("\nours / llama.cpp at the same weight precision (median; <= 1.00: ours no slower):")
+    print(table(["ours", "llama.cpp", "past", "ours ms", "llama.cpp ms", "ratio", ""],
+                ([c["ours"], c["peer"], c["past"], f"{c['ours_ms']:.2f}", f"{c['peer_ms']:.2f}", f"{c['ratio']:.2f}x",
+                  "PASS" if c["pass"] else "FAIL"] for c in comparisons), align="<<>>>><"))
+
+
+def figures(p: dict) -> list[Figure]:
+    """Decode ms per token of every case, then ours over llama.cpp's counterpart."""
+    rows = []
+    for name, row in p["rows"].items():
+        for P in p["pasts"]:
+            s = row[f"decode_{P}"]
+            rows.append(Figure(f"real model: {name} decode ms/token, past {P}, batch 1", s["median"],
+                               f"{format_ms(s['median'])} (p10 {format_ms(s['p10'])}, p95 {format_ms(s['p95'])})"))
+    for c in p["comparisons"]:
+        rows.append(Figure(f"real model: {c['ours']} / {c['peer']} decode median, past {c['past']}", c["ratio"],
+                           f"{c['ratio']:.2f}x ({'no slower' if c['pass'] else 'slower'})"))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Decode ms per token on a real checkpoint: our served engines vs llama.cpp.")
+    ap.add_argument("--params", type=Path, required=True, help="the real-model profile (base_model.path: the checkpoint)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "real_model_speed.json")
+    ap.add_argument("--work", type=Path, default=RESULTS / "real_model", help="as bench.quality.real_model_quality's")
+    ap.add_argument("--pasts", default="512,2048")
+    ap.add_argument("--iters", type=int, default=100, help="timed decode calls per engine and past, in --rounds rounds")
+    ap.add_argument("--rounds", type=int, default=10,
+                    help="rounds per past (A B C ..., A B C ...); each llama.cpp case loads its context and fills its past in each")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-cpp-src", default=None, help="llama-cpp-python sdist or llama.cpp directory (the converter)")
+    args = ap.parse_args(argv)
+    import torch
+
+    from runtime.engine.model import load_backbone, read_config
+    from tasks.config import load_config
+    from tasks.models import load_tokenizer
+    from tasks.stages.compile import compile_profile_engines
+    from tasks.weights.engines import ensure_quantized_engine
+
+    cfg = load_config(args.params)
+    if cfg.engine.kv_cache != "quantized":
+        raise SystemExit(f"error: {args.params}: engine.kv_cache is float; the bench times the served quantized cache")
+    llama_cpp = require_llama_cpp()
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
+    pasts = [int(p) for p in args.pasts.split(",")]
+    model_dir, work = Path(cfg.base_model.path), Path(args.work)
+    spec = cfg.kv.spec()
+    compile_profile_engines(cfg)
+    dirs = {"fp32": cfg.layout.kv_engine_dir}
+    for weights in OUR_WEIGHTS[1:]:
+        dirs[weights] = work / f"kv-{weights}-b{cfg.engine.weight_block_size}"
+        ensure_quantized_engine(cfg.layout.kv_engine_dir, dirs[weights], weights, cfg.engine.weight_block_size)
+    stats = calibration_stats(load_backbone(model_dir), load_tokenizer(model_dir), cfg)
+    ours = {f"ours_{w}_kv4": served_engine(d, stats, spec, args.threads) for w, d in dirs.items()}
+    ggufs = checkpoint_ggufs(llama_cpp, converter_dir(args.llama_cpp_src), model_dir, work / "gguf", args.threads)
+    peers = {f"llama_{t}_kv_{kv}": (ggufs[t], kv) for t in PEERS.values() for kv in LLAMA_KV}
+    vocab = SimpleNamespace(vocab_size=read_config(model_dir).vocab_size)
+    rows: dict[str, dict] = {name: {} for name in [*ours, *peers]}
+    for P in pasts:
+        t0 = time.perf_counter()
+        steps = {name: engine_steps(e, vocab, P) for name, e in ours.items()}
+        steps |= {name: llama_case(llama_cpp, path, kv, args.threads, vocab.vocab_size, P) for name, (path, kv) in peers.items()}
+        for name, s in interleaved(steps, args.iters, rounds=args.rounds).items():
+            rows[name][f"decode_{P}"] = s
+        print(f"past {P} done in {time.perf_counter() - t0:.0f} s (1-min load average {os.getloadavg()[0]:.2f})", flush=True)
+    comparisons = compare(rows, pasts)
+    print_results(rows, comparisons, pasts)
+    served = f"ours_{cfg.engine.weights}_kv4"
+    p95 = {P: rows[served][f"decode_{P}"]["p95"] for P in pasts}
+    print(f"\nserved engine ({served}) p95: " + ", ".join(f"past {P}: {v:.1f} ms" for P, v in p95.items())
+          + f"; the profile's gate gates.max_p95_decode_ms is {cfg.gates.max_p95_decode_ms}")
+    import onnxruntime
+
+    write_report(args.out, {
+        "model": cfg.base_model.path, "batch": 1, "threads": args.threads, "iters": args.iters, "rounds": args.rounds, "pasts": pasts,
+        "kv_spec": spec.to_dict(), "weight_block_size": cfg.engine.weight_block_size, "flash_attn": True,
+        "rows": rows, "comparisons": comparisons, "served_engine": served, "served_p95_ms": p95,
+        "gguf_files": {t: str(p) for t, p in ggufs.items()},
+        "versions": {"llama_cpp_python": llama_cpp.__version__, "torch": torch.__version__,
+                     "onnxruntime": onnxruntime.__version__},
+        "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+        "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0],
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,507 @@
+"""Quantization quality on a real checkpoint: our engines and llama.cpp on the same model and token ids (issue 25, item 3).
+
+    python -m bench.quality.real_model_quality --params PROFILE.yaml [--docs 4] [--context 1024] [--score 128]
+        [--out bench/results/real_model_quality.json] [--work bench/results/real_model] [--no-llama-cpp]
+
+Not in CI nor in ``make bench``. ``PROFILE.yaml`` names the real checkpoint (``base_model.path``, e.g.
+``real-models/SmolLM2-135M-Instruct`` from ``make real-model``); the engines are the compile stage's
+(the float engine and the served quantized-KV engine, ``tasks.stages.compile.compile_profile_engines``, reused when built)
+and weight-quantized copies of them (``tasks.weights.engines``) in ``--work``.
+
+Text: real prose and code this machine has offline, never task rows: the topics of Python's reference
+manual (``pydoc_data.topics``) and the standard library's ``*.py`` sources, split by a hash of the
+document name into ``calib`` (KV scales are set there) and ``eval`` (every number is read there).
+Each eval document gives one row of ``context + score`` token ids; the cache is filled the way decoding
+fills it: the first ``context`` tokens in one prefill, then one token per call, and each of the
+``score`` next tokens is predicted with at least ``context`` tokens behind it (prose and code alternate).
+
+Every row is compared with one reference on the same positions: our fp32 engine with the float cache.
+``ppl`` is the perplexity of the scored tokens, ``ppl_increase_pct`` its increase over the reference's,
+``kl_mean`` the mean KL(reference || row) of the next-token distributions, in nats.
+
+Rows:
+* ours, weights fp32 / int8 / int4 (the serving recipe: MatMulNBits RTN at ``engine.weight_block_size``,
+  LM head int8) with the float cache, int4 with a 4-bit LM head, and int4 at other block sizes (below);
+* ours, the served quantized KV cache: the compile stage's KV engine (``engine.kv_cache: quantized``,
+  the ``kv`` section's scheme) with static scales calibrated on the calib documents, run by ONNX
+  Runtime (``kv_read: engine``);
+* the same scheme at 8, 3 and 2 bits (``tasks.checks.kv_quality.grid_specs``) through the reference cache of
+  ``kernels.kv_quant`` decoding token by token in PyTorch (``kv_read: reference``: the engine serves
+  only the shipped width; the reference reads the new token's own K/V in float, the engine quantized),
+  and the shipped width the same way beside it. ``kv_bits`` counts every stored byte per value
+  (``kernels.kv_spec.bytes_per_token`` at the row's context: scales, fp16 sink and window tokens);
+* llama.cpp (the ``peer`` extra) at F16 and Q8_0 (its converter, ``convert_hf_to_gguf.py``, from the
+  bf16 checkpoint), Q4_0 and Q4_K_M (``llama_model_quantize`` from the F16 file, its defaults: it keeps
+  some tensors at other types; ``gguf_tensor_types`` lists them), each with an f16, q8_0 and q4_0 KV
+  cache (flash attention on, which a quantized V cache needs), fed the same token ids.
+
+The checkpoint's weights sit on a Q4_1 grid (blocks of 32: ``make real-model`` dequantizes a Q4_1 GGUF), so
+a 4-bit quantizer whose blocks align with those can land back on the grid and look better than it would on
+a float checkpoint; 8-bit weights are lossless on it for the same reason. MatMulNBits takes power-of-two
+blocks (>= 16) only, so every block it takes either holds whole Q4_1 blocks or splits one: the int4 rows
+at block 32 (aligned: one scale per Q4_1 block), 128 (served: four Q4_1 blocks share a scale and offset)
+and 256 show how much the alignment is worth. KV-cache numbers are unaffected (activations are continuous).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property, partial
+from pathlib import Path
+
+import numpy as np
+
+from bench.lib.divergence import log_softmax
+from bench.lib.llama_cpp_peer import checkpoint_ggufs, converter_dir, gguf_tensor_types, load_llama, require_llama_cpp
+from bench.lib.real_checkpoint import CALIB_WINDOW, CALIB_WINDOWS, calibration_stats, real_documents, served_engine
+from bench.lib.report import RESULTS, Figure, write_report
+from bench.lib.tables import table
+from runtime.engine.interface import CACHE_KEY_FILE
+
+ROW_KEYS = ("engine", "weights", "kv", "ppl", "ppl_increase_pct", "kl_mean")  # every row has these (issue 25)
+LLAMA_KV_TYPES = ("f16", "q8_0", "q4_0")
+INT4_BLOCKS = (32, 256)  # besides the served block size: aligned with the Q4_1 grid, and coarser
+WEIGHT_GRID_NOTE = ("the checkpoint's weights sit on a Q4_1 grid (blocks of 32; make real-model dequantizes a Q4_1 "
+                    "GGUF): 8-bit weights are near lossless on it, and a 4-bit quantizer with blocks aligned to it "
+                    "looks better than on a float checkpoint; MatMulNBits takes power-of-two blocks only, so int4 is "
+                    "also measured at block 32 (one scale per Q4_1 block) and 256 (eight Q4_1 blocks per scale)")
+# The table's columns; their widths line the rows printed one at a time (as measured) up under the header.
+COLUMNS = ("engine", "weights", "kv", "read", "kv bits", "ppl", "+ppl %", "KL mean")
+COLUMN_WIDTHS = (9, 13, 33, 10, 7, 9, 8, 10)
+
+
+# ---------------------------------------------------------------- pure parts (tested on tiny arrays)
+
+def score_logits(ref_logp: np.ndarray, logits: np.ndarray, targets: np.ndarray) -> tuple[float, float, int]:
+    """(sum of the negative log-likelihoods of ``targets``, sum of KL(ref || these), positions) of
+    logits (n, V) whose row t predicts ``targets[t]``; ``ref_logp`` (n, V) the reference's log-probabilities."""
+    logp = log_softmax(logits)
+    n = len(targets)
+    nll = -float(logp[np.arange(n), targets].sum())
+    kl = float((np.exp(ref_logp) * (ref_logp - logp)).sum())
+    return nll, kl, n
+
+
+def quality_row(engine: str, weights: str, kv: str, nll: float, kl: float, n: int, ref_ppl: float | None,
+                **extra) -> dict:
+    """One row of the table; ``ref_ppl`` None: this row is the reference."""
+    ppl = math.exp(nll / n)
+    base = ppl if ref_ppl is None else ref_ppl
+    return {"engine": engine, "weights": weights, "kv": kv, "ppl": ppl, "ppl_increase_pct": 100.0 * (ppl / base - 1.0),
+            "kl_mean": kl / n, "tokens": n, **extra}
+
+
+def format_table(rows: list[dict]) -> str:
+    return table(COLUMNS, ([r["engine"], r["weights"], r["kv"], r.get("kv_read", "-"),
+                            f"{r['kv_bits']:.2f}" if r.get("kv_bits") is not None else "-", f"{r['ppl']:.4f}",
+                            f"{r['ppl_increase_pct']:+.2f}", f"{r['kl_mean']:.2e}"] for r in rows),
+                 align="<<<<>>>>", widths=COLUMN_WIDTHS)
+
+
+# ---------------------------------------------------------------- real text, offline
+
+def eval_rows(tokenizer, n: int, length: int) -> list[tuple[str, list[int]]]:
+    """``n`` rows [(document name, its first ``length`` token ids)], prose and code alternating."""
+    prose, code = real_documents("eval")
+    rows, sources = [], [iter(prose), iter(code)]
+    while len(rows) < n:
+        for source in sources:
+            for name, text in source:
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+                if len(ids) >= length:
+                    rows.append((name, ids[:length]))
+                    break
+            else:
+                raise SystemExit(f"error: fewer than {n} eval documents have {length} tokens; lower --docs or --context")
+            if len(rows) == n:
+                break
+    return rows
+
+
+# ---------------------------------------------------------------- decoding the way a device does
+
+def engine_decode_logits(engine, ids: list[int], prefix: int) -> np.ndarray:
+    """(len(ids) - prefix, V) logits of an ``runtime.engine.engine.Engine``: ``ids[:prefix]`` prefilled, then one
+    token per call through the cache the engine returns; row t predicts ``ids[prefix + t]``."""
+    x = np.asarray(ids, dtype=np.int64)[None]  # (1, T)
+    logits, cache = engine.forward(x[:, :prefix], np.arange(prefix)[None], np.ones((1, prefix), np.int64), None)
+    out = [logits[0, -1].copy()]
+    for t in range(prefix, len(ids) - 1):
+        logits, cache = engine.forward(x[:, t : t + 1], np.array([[t]]), np.ones((1, t + 1), np.int64), cache)
+        out.append(logits[0, -1].copy())
+    return np.stack(out)
+
+
+def reference_decode_logits(backbone, ids: list[int], prefix: int, spec, scales: dict) -> np.ndarray:
+    """``engine_decode_logits`` through ``kernels.kv_quant.QuantizedKVCache`` with the PyTorch backbone:
+    every token's K/V appended quantized, each step reading the past from the cache."""
+    import torch
+
+    from tasks.checks.kv_quality import fill_cache
+
+    x = torch.tensor([ids])
+    L = backbone.cfg.num_layers
+    with torch.no_grad():
+        pos = torch.arange(prefix)[None]
+        logits, present = backbone(x[:, :prefix], pos, torch.ones(1, prefix, dtype=torch.long), backbone.empty_past(1))
+        cache = fill_cache(backbone, present, pos, spec, scales)
+        out = [logits[0, -1]]
+        for t in range(prefix, len(ids) - 1):
+            pos = torch.tensor([[t]])
+            logits, present = backbone(x[:, t : t + 1], pos, torch.ones(1, t + 1, dtype=torch.long), cache.past())
+            for i in range(L):
+                cache.append(i, present[2 * i][:, :, -1:], present[2 * i + 1][:, :, -1:], pos)
+            out.append(logits[0, -1])
+    return torch.stack(out).numpy()
+
+
+def llama_decode_logits(llm, ids: list[int], prefix: int) -> np.ndarray:
+    """``engine_decode_logits`` for llama.cpp (``logits_all``: ``scores`` holds every evaluated position)."""
+    llm.reset()
+    llm.eval(ids[:prefix])
+    for t in range(prefix, len(ids) - 1):
+        llm.eval(ids[t : t + 1])
+    return np.array(llm.scores[prefix - 1 : len(ids) - 1], dtype=np.float32)
+
+
+# ---------------------------------------------------------------- engines and GGUF files
+
+def kv_label(spec) -> str:
+    """The scheme, with what counts toward its bits spelled out."""
+    return "float (fp32)" if spec is None else spec.name
+
+
+def kv_bits(spec, cfg, context_len: int) -> float:
+    """Stored bits per K or V value at ``context_len`` (``kernels.kv_spec.bytes_per_token``, all overheads)."""
+    from kernels.kv_spec import bytes_per_token
+
+    per_token = bytes_per_token(spec, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, context_len)
+    return 8.0 * per_token / (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim)
+
+
+def weight_engines(float_dir: Path, work: Path, block_size: int) -> dict[str, Path]:
+    """The float engine and its int8 / int4 copies, the serving recipe (LM head and embedding int8), int4 also at
+    ``INT4_BLOCKS`` and with a 4-bit LM head."""
+    from tasks.artifacts import atomic_output_dir
+    from tasks.weights.engines import (
+        SERVING_EMBED_BITS,
+        SERVING_HEAD_BITS,
+        SERVING_KEEP,
+        ensure_quantized_engine,
+        quantize_engine_dir,
+    )
+
+    dirs = {"fp32": float_dir}
+    for weights in ("int8", "int4"):
+        out = work / f"{weights}-b{block_size}"
+        ensure_quantized_engine(float_dir, out, weights, block_size)
+        dirs[weights] = out
+    variants = {f"int4/b{block}": (block, SERVING_HEAD_BITS) for block in INT4_BLOCKS}
+    variants["int4/head4"] = (block_size, 4)  # the served int4 engine with its LM head at 4 bits too
+    for name, (block, head_bits) in variants.items():
+        out = work / name.replace("/", "-")
+        if not (out / "weights.json").is_file():
+            with atomic_output_dir(out) as tmp:
+                quantize_engine_dir(float_dir, tmp, "int4", block, keep=SERVING_KEEP, head_bits=head_bits,
+                                    embed_bits=SERVING_EMBED_BITS)
+        dirs[name] = out
+    return dirs
+
+
+def release_task_accuracy(cfg) -> dict:
+    """Base and adapter accuracy on the engine, from the evaluate stage of the profile's release, if one exists."""
+    metrics = cfg.layout.eval_dir / "metrics.json"
+    if not metrics.is_file():
+        return {"measured": False, "reason": f"no release of this profile yet ({metrics} is absent): run the monthly "
+                                             "flow on it, then this bench again"}
+    data = json.loads(metrics.read_text())
+    return {"measured": True, "source": str(metrics), **{k: v for k, v in data.items() if "accuracy" in k}}
+
+
+# ---------------------------------------------------------------- one row of the table
+
+@dataclass
+class QualityRun:
+    """What every row of one run is scored on and against: the eval rows' token ids, the reference's
+    log-probabilities (the first row measured is the reference), the rows so far, where measured rows are kept,
+    and the time budget."""
+
+    rows_ids: list[tuple[str, list[int]]]  # (document name, its context + score token ids)
+    context: int
+    cache: Path  # measured rows, keyed by what each one's numbers depend on, and the reference's logits
+    deadline: float  # time.monotonic() after which rows not measured yet are listed instead
+    backbone_cfg: object  # the checkpoint's shape: a KV scheme's stored bits per value
+    rows: list[dict] = field(default_factory=list)
+    ref_logp: list[np.ndarray] = field(default_factory=list)
+    ref_source: str | None = None  # what the reference's numbers depend on: part of every row's key
+    not_measured: list[str] = field(default_factory=list)  # rows left out once the budget was spent
+
+    @property
+    def length(self) -> int:
+        return len(self.rows_ids[0][1])
+
+    @property
+    def ref_files(self) -> list[Path]:
+        return [self.cache / f"reference-{d}.npy" for d in range(len(self.rows_ids))]
+
+
+def measure_row(run: QualityRun, engine: str, weights: str, spec, source: str, open_logits: Callable, **extra) -> None:
+    """One row; ``open_logits()`` gives the function from token ids to logits, called only if the row was not
+    measured before on the same token ids from the same ``source`` (then its kept numbers are the row)."""
+    reference = not run.rows
+    run.ref_source = run.ref_source or source
+    ident = json.dumps([engine, weights, spec and spec.to_dict(), source, run.ref_source, extra], sort_keys=True)
+    cached = run.cache / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
+    if cached.is_file() and (not reference or all(f.is_file() for f in run.ref_files)):
+        run.rows.append(json.loads(cached.read_text()))
+        run.ref_logp.extend(log_softmax(np.load(f)) for f in (run.ref_files if reference else []))
+        print(format_table([run.rows[-1]]).splitlines()[1] + "  (measured before)", flush=True)
+        return
+    if time.monotonic() > run.deadline and not reference:  # the reference is always measured
+        run.not_measured.append(f"{engine} {weights} {kv_label(spec) if engine == 'ours' else extra['kv']} "
+                                f"({extra.get('kv_read')})")
+        return
+    logits_of = open_logits()
+    nll = kl = 0.0
+    n = 0
+    t = time.perf_counter()
+    for d, (_, ids) in enumerate(run.rows_ids):
+        logits = logits_of(ids)
+        if reference:
+            np.save(run.ref_files[d], logits)
+            run.ref_logp.append(log_softmax(logits))
+        a, b, c = score_logits(run.ref_logp[d], logits, np.asarray(ids[run.context :]))
+        nll, kl, n = nll + a, kl + b, n + c
+    ref = None if reference else run.rows[0]["ppl"]
+    bits = kv_bits(spec, run.backbone_cfg, run.length) if engine == "ours" and spec is not None \
+        else extra.pop("kv_bits", None)
+    row = quality_row(engine, weights, kv_label(spec) if engine == "ours" else extra.pop("kv"), nll, kl, n, ref,
+                      kv_bits=bits, seconds=round(time.perf_counter() - t, 1), **extra)
+    cached.write_text(json.dumps(row, sort_keys=True))
+    run.rows.append(row)
+    print(format_table([row]).splitlines()[1], flush=True)
+
+
+def build_key(engine_dir: Path) -> str:
+    """What an engine's numbers depend on: the key it was built under."""
+    return (engine_dir / CACHE_KEY_FILE).read_text()
+
+
+def calibration_key(cfg) -> str:
+    """What the KV scales depend on besides the checkpoint: the calib windows and the clip percentile."""
+    return f"{CALIB_WINDOWS}x{CALIB_WINDOW} clip {cfg.kv.clip_percentile}"
+
+
+@dataclass
+class BaseModel:
+    """The checkpoint in PyTorch and its KV statistics on the calib documents, loaded by the first row that needs
+    them (a run whose rows were all measured before loads neither)."""
+
+    model_dir: Path
+    tokenizer: object
+    cfg: object  # the profile
+
+    @cached_property
+    def backbone(self):
+        from runtime.engine.model import load_backbone
+
+        return load_backbone(self.model_dir)
+
+    @cached_property
+    def stats(self) -> dict:
+        return calibration_stats(self.backbone, self.tokenizer, self.cfg)
+
+
+# ---------------------------------------------------------------- how a row's logits are made
+
+def engine_logits(engine, context: int) -> Callable[[list[int]], np.ndarray]:
+    return lambda ids: engine_decode_logits(engine, ids, context)
+
+
+def weight_logits(engine_dir: Path, context: int, threads: int) -> Callable[[list[int]], np.ndarray]:
+    """Ours at the engine's weights with the float cache, on the CPU."""
+    from tasks.weights.engines import open_on_cpu
+
+    return engine_logits(open_on_cpu(engine_dir, threads), context)
+
+
+def served_logits(engine_dir: Path, base: BaseModel, spec, context: int, threads: int) -> Callable:
+    """Ours with the served quantized cache, its scales calibrated on the calib documents."""
+    return engine_logits(served_engine(engine_dir, base.stats, spec, threads), context)
+
+
+def reference_logits(base: BaseModel, spec, context: int) -> Callable:
+    """``spec`` through the reference cache of ``kernels.kv_quant``, decoding in PyTorch."""
+    from tasks.kv_stats import scales_from_stats
+
+    scales = scales_from_stats(base.stats, spec)
+    return lambda ids: reference_decode_logits(base.backbone, ids, context, spec, scales)
+
+
+def llama_logits(llama_cpp, path: Path, kv: str, run: QualityRun, threads: int) -> Callable:
+    """llama.cpp on the GGUF file ``path`` with a ``kv`` cache (flash attention on, extra buffer types off)."""
+    llm = load_llama(llama_cpp, path, run.length + 1, threads, True,
+                     kv_type=getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}"), extra_bufts=False)
+    return lambda ids: llama_decode_logits(llm, ids, run.context)
+
+
+# ---------------------------------------------------------------- the rows, in the order of what they tell
+
+def weight_row(run: QualityRun, engines: dict[str, Path], weights: str, threads: int) -> None:
+    measure_row(run, "ours", weights, None, build_key(engines[weights]),
+                partial(weight_logits, engines[weights], run.context, threads), kv_read="engine")
+
+
+def measure_served(run: QualityRun, cfg, engines: dict[str, Path], base: BaseModel, threads: int) -> None:
+    """The reference (ours, fp32 weights, float cache), the served cache, the served weight precisions, and int4 with
+    a 4-bit LM head and with blocks aligned to the checkpoint's grid."""
+    spec = cfg.kv.spec()
+    weight_row(run, engines, "fp32", threads)
+    measure_row(run, "ours", "fp32", spec, build_key(cfg.layout.kv_engine_dir) + calibration_key(cfg),
+                partial(served_logits, cfg.layout.kv_engine_dir, base, spec, run.context, threads),
+                kv_read="engine", note="the served cache: the compile stage's KV engine")
+    weight_row(run, engines, "int8", threads)
+    weight_row(run, engines, "int4", threads)
+    weight_row(run, engines, "int4/head4", threads)  # what 4 bits in the LM head add (0.5B shape: 147 -> 80 MB resident)
+    # aligned with the checkpoint's Q4_1 grid: how much of int4's cost is the grid
+    weight_row(run, engines, f"int4/b{INT4_BLOCKS[0]}", threads)
+
+
+def measure_llama_cpp(run: QualityRun, model_dir: Path, work: Path, llama_cpp_src: str | None,
+                      threads: int) -> tuple[dict[str, Path], dict[str, dict[str, int]]]:
+    """llama.cpp at each GGUF weight type with each of its KV cache types; (the GGUF files, their tensor types)."""
+    llama_cpp = require_llama_cpp()
+    llama_dir = converter_dir(llama_cpp_src)
+    ggufs = checkpoint_ggufs(llama_cpp, llama_dir, model_dir, work / "gguf", threads)
+    types = {t: gguf_tensor_types(p, llama_dir) for t, p in ggufs.items()}
+    # llama.cpp's float row and the counterparts of ours first (its 4-bit KV, its Q4_0 weights, which the int4
+    # target is judged against, then Q8_0)
+    first = [("f16", "f16"), ("f16", "q4_0"), ("q4_0", "f16"), ("q8_0", "f16"), ("q4_0", "q4_0")]
+    for weights, kv in first + [(w, kv) for w in ggufs for kv in LLAMA_KV_TYPES if (w, kv) not in first]:
+        path = ggufs[weights]
+        measure_row(run, "llama.cpp", weights.upper(), None, f"{path.name} {path.stat().st_size} {llama_cpp.__version__}",
+                    partial(llama_logits, llama_cpp, path, kv, run, threads), kv=kv,
+                    kv_bits={"f16": 16.0, "q8_0": 8.5, "q4_0": 4.5}[kv], kv_read="engine")
+    return ggufs, types
+
+
+def measure_other_widths(run: QualityRun, cfg, engines: dict[str, Path], base: BaseModel, threads: int) -> None:
+    """int4 at the coarser block sizes, and the served scheme at other widths (and the shipped one beside them)
+    through the reference cache."""
+    from tasks.checks.kv_quality import grid_specs
+    from tasks.stages.compile import graph_source_hash
+
+    for block in INT4_BLOCKS[1:]:
+        weight_row(run, engines, f"int4/b{block}", threads)
+    for spec in grid_specs(cfg.kv.spec()).values():
+        measure_row(run, "ours", "fp32", spec, graph_source_hash() + build_key(cfg.layout.engine_dir) + calibration_key(cfg),
+                    partial(reference_logits, base, spec, run.context), kv_read="reference")
+
+
+def measure(args, cfg) -> dict:
+    import torch
+
+    from runtime.engine.model import read_config
+    from tasks.models import load_tokenizer
+    from tasks.stages.compile import compile_profile_engines
+
+    model_dir = Path(cfg.base_model.path)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer(model_dir)
+    rows_ids = eval_rows(tokenizer, args.docs, args.context + args.score)
+    print(f"{len(rows_ids)} eval documents ({', '.join(n for n, _ in rows_ids)}), {args.context} tokens of context, "
+          f"{args.score} scored each", flush=True)
+
+    if cfg.engine.kv_cache != "quantized":
+        raise SystemExit(f"error: {args.params}: engine.kv_cache is float; the bench measures the served quantized cache")
+    t0 = time.perf_counter()
+    built = compile_profile_engines(cfg)  # the compile stage's engines, reused when the flow built them
+    engines = weight_engines(cfg.layout.engine_dir, work, cfg.engine.weight_block_size)
+    print(f"engines ready in {time.perf_counter() - t0:.0f} s (compile stage builds: {built['engine_builds']})", flush=True)
+
+    # Measured rows are kept in --work, keyed by the token ids and by what each row's numbers depend on (the
+    # engine's build key, the graph sources, the GGUF file), so a second run measures only what changed.
+    cache = work / "rows" / hashlib.sha256(json.dumps([[ids for _, ids in rows_ids], args.context]).encode()).hexdigest()[:16]
+    cache.mkdir(parents=True, exist_ok=True)
+    run = QualityRun(rows_ids, args.context, cache, time.monotonic() + 60.0 * args.time_budget, read_config(model_dir))
+    base = BaseModel(model_dir, tokenizer, cfg)
+    # A slow machine may be stopped part way (measured rows are kept): the reference, the served cache, the served
+    # weight precisions, llama.cpp, then the other block sizes and KV widths.
+    print(format_table([]), flush=True)
+    measure_served(run, cfg, engines, base, args.threads)
+    ggufs, types = {}, {}
+    if not args.no_llama_cpp:
+        ggufs, types = measure_llama_cpp(run, model_dir, work, args.llama_cpp_src, args.threads)
+    measure_other_widths(run, cfg, engines, base, args.threads)
+    return {"rows": run.rows, "not_measured": run.not_measured, "documents": [n for n, _ in rows_ids],
+            "gguf_files": {t: str(p) for t, p in ggufs.items()}, "gguf_tensor_types": types,
+            "engines": {k: str(v) for k, v in engines.items()},
+            "kv_calibration": {"windows": CALIB_WINDOWS, "tokens_per_window": CALIB_WINDOW,
+                               "clip_percentile": cfg.kv.clip_percentile, "spec": cfg.kv.spec().to_dict()}}
+
+
+def figures(p: dict) -> list[Figure]:
+    """Each row of the table against its reference (ours, fp32, float cache), and the rows the budget left out."""
+    text = f"{len(p['documents'])} docs x {p['scored_per_document']} tokens at context {p['context']}"
+    rows = [Figure(f"real model ({text}): {r['engine']} {r['weights']} weights, {r['kv']} KV ({r.get('kv_read', '-')}): "
+                   "Δ perplexity vs ours fp32 float cache", r["ppl_increase_pct"],
+                   f"{r['ppl_increase_pct']:+.2f} % (ppl {r['ppl']:.3f}, KL {r['kl_mean']:.2e})") for r in p["rows"]]
+    if p.get("not_measured"):
+        rows.append(Figure("real model: rows not measured (time budget spent)", len(p["not_measured"]),
+                           "; ".join(p["not_measured"])))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Perplexity and KL of our engines and llama.cpp on a real checkpoint.")
+    ap.add_argument("--params", type=Path, required=True, help="the real-model profile (base_model.path: the checkpoint)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "real_model_quality.json")
+    ap.add_argument("--work", type=Path, default=RESULTS / "real_model",
+                    help="weight-quantized engine copies and GGUF files (kept: a second run reuses them)")
+    ap.add_argument("--docs", type=int, default=4, help="eval documents (prose and code alternating)")
+    ap.add_argument("--context", type=int, default=1024, help="tokens in the cache before the first scored one")
+    ap.add_argument("--score", type=int, default=128, help="tokens scored per document, decoded one at a time")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--time-budget", type=float, default=float("inf"),
+                    help="minutes: rows not measured yet are left out (listed as not_measured) once this is spent")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="our rows only (without the peer extra)")
+    ap.add_argument("--llama-cpp-src", default=None, help="llama-cpp-python sdist or llama.cpp directory (the converter)")
+    args = ap.parse_args(argv)
+    from tasks.config import load_config
+
+    cfg = load_config(args.params)
+    load_before = os.getloadavg()[0]
+    result = measure(args, cfg)
+    import onnxruntime
+    import torch
+
+    payload = {
+        "model": cfg.base_model.path, "context": args.context, "scored_per_document": args.score,
+        "reference": "ours, fp32 weights, float cache (every ppl_increase_pct and kl_mean is against it)",
+        "weight_grid_note": WEIGHT_GRID_NOTE, "weight_block_size": cfg.engine.weight_block_size,
+        "task_accuracy": release_task_accuracy(cfg), **result,
+        "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
+        "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": args.threads,
+        "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0],
+    }
+    write_report(args.out, payload)
+    print("\n" + format_table(result["rows"]))
+    if result["not_measured"]:
+        print("\nnot measured (--time-budget spent): " + "; ".join(result["not_measured"]))
+    print(f"\n{WEIGHT_GRID_NOTE}\ntask accuracy: {payload['task_accuracy']}\nwritten: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

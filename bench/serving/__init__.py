@@ -1,0 +1,1 @@
+"""Serving benchmarks: the device server under load (throughput, hot swaps, faults, memory, mixed adapters)."""
