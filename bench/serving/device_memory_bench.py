@@ -359,6 +359,7 @@ def measure_load(server_name: str, load: str, contexts: tuple[int, ...], texts: 
     try:
         drive(server.port, bodies, runs, model, args.max_tokens, args.arrival == "staggered", extra, decoding)
         wall = time.perf_counter() - t0
+        watch.stop()  # before the peak is read: a sample taken after it could exceed the VmHWM read here
         end = proc_status(server.proc.pid) if server.proc.poll() is None else {}
     finally:
         watch.stop()
