@@ -354,6 +354,8 @@ class ReleaseConfig(_Section):
     def _quantized_cache_needs_scales(self) -> "ReleaseConfig":
         if self.engine.kv_cache == "quantized" and not self.kv.enabled:
             raise ValueError("engine.kv_cache quantized needs kv.enabled: the engine reads the release's calibrated scales")
+        if self.engine.kv_cache == "quantized_pages" and not self.kv.enabled:
+            raise ValueError("engine.kv_cache quantized_pages needs kv.enabled: the KV gates measure what the pages cost")
         if self.engine.kv_cache == "quantized" and self.kv.window_tokens:
             raise ValueError(f"engine.kv_cache quantized: kv.window_tokens ({self.kv.window_tokens}) must be 0, "
                              "the engine's cache has no fp16 window")
@@ -412,6 +414,12 @@ class ReleaseConfig(_Section):
                 f"data.month ({self.data.month}): the base learns an earlier rule book"
             )
         return self
+
+    @property
+    def ships_kv_scales(self) -> bool:
+        """Whether a release calibrates and ships static KV scales (``kv.enabled``): quantized pages compute each
+        page's scales on the device when it fills, so their releases ship none."""
+        return self.kv.enabled and self.engine.kv_cache != "quantized_pages"
 
     @property
     def layout(self) -> ArtifactLayout:

@@ -149,10 +149,16 @@ def evaluation_gates(metrics: dict, gates: GatesConfig, champion: dict | None, p
         weights_gate = metrics.get("weights_gate", {})
         out.append(Gate("engine_parity", str(weights_gate.get("passed")), "True", "==", bool(weights_gate.get("passed")),
                         f"{parity['weights']} weights: accuracy gate against float PyTorch"))
-    elif parity.get("kv_cache") == "quantized":
+    elif parity.get("kv_cache") in ("quantized", "quantized_pages"):
         out.append(_compare("engine_parity", parity["max_abs_logit_diff"], "<=", parity_tolerance,
                             "max abs logit difference, quantized-KV engine vs its PyTorch module, prompts whose "
-                            "stored KV bytes agree"))
+                            "stored KV bytes agree" if parity["kv_cache"] == "quantized" else
+                            "max abs logit difference of a prefill (it reads its own K/V in float), quantized-pages "
+                            "engine vs PyTorch + merged PEFT"))
+        if parity["kv_cache"] == "quantized_pages":
+            out.append(_compare("pages_sealer_parity", parity.get("pages_sealer_bytes_differing"), "<=", 0,
+                                f"bytes of {parity.get('pages_sealed')} sealed pages the device's sealer stores "
+                                "otherwise than the PyTorch reference, sealing the same K/V"))
         out.append(_compare("kv_code_mismatch", parity.get("kv_code_mismatch"), "<=", parity.get("kv_code_mismatch_limit"),
                             f"stored KV bytes coded differently from the PyTorch module ({parity.get('kv_bytes_differing')} "
                             f"of {parity.get('kv_bytes_compared')}: float rounding at a code boundary)"))

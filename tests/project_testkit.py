@@ -37,7 +37,7 @@ RELEASE_OUTPUTS = ("dvc.lock", ".dvc", "data", "models", "engine", "artifacts", 
 # Set by .ci/run: a folder with what its `make release` printed (output.log) and the state of the
 # checkout's tracked files it released from (tree, ``tree_state``).
 RELEASE_RECORD = "CI_RELEASE_RECORD"
-FLOW_TIMEOUT_S = 3000  # a release from scratch: 12 min on a quiet 2-core machine, 25 beside the other test worker
+FLOW_TIMEOUT_S = 3000  # a release from scratch: 8-12 min on a quiet 2-core machine, 18-28 min beside other work
 
 # What differs between two printings of one message: Prefect's console time ("12:03:04.567 | ") and the
 # glog-style prefix torch's own logging writes ("W1202 02:46:02.278000 22791 ").

@@ -1,7 +1,7 @@
 """Quantization quality on a real checkpoint: our engines and llama.cpp on the same model and token ids (issue 25, item 3).
 
-    python -m bench.quality.real_model_quality --params PROFILE.yaml [--docs 4] [--context 1024] [--score 128]
-        [--out bench/results/real_model_quality.json] [--work bench/results/real_model] [--no-llama-cpp]
+    python -m bench.quality.real_model_quality --params PROFILE.yaml [--docs 8] [--context 1024] [--score 512]
+        [--out bench/results/real_model_quality.json] [--work bench/results/real_model] [--no-llama-cpp] [--kv-only]
 
 Not in CI nor in ``make bench``. ``PROFILE.yaml`` names the real checkpoint (``base_model.path``, e.g.
 ``real-models/SmolLM2-135M-Instruct`` from ``make real-model``); the engines are the compile stage's
@@ -12,28 +12,38 @@ Text: real prose and code this machine has offline, never task rows: the topics 
 manual (``pydoc_data.topics``) and the standard library's ``*.py`` sources, split by a hash of the
 document name into ``calib`` (KV scales are set there) and ``eval`` (every number is read there).
 Each eval document gives one row of ``context + score`` token ids; the cache is filled the way decoding
-fills it: the first ``context`` tokens in one prefill, then one token per call, and each of the
-``score`` next tokens is predicted with at least ``context`` tokens behind it (prose and code alternate).
+fills it: the first ``context`` tokens in one prefill, then the scored tokens, each predicted with at least
+``context`` tokens behind it (prose and code alternate). Our engines take the scored tokens in chunks of one KV
+page (``engine.kv_block_size``, 16), aligned to page boundaries: what a token reads is then exactly what it reads
+when decoded alone (a float cache reads the same K/V however it is chunked; quantized pages read their own page in
+float and every earlier full page sealed, in a chunk as in decoding), at a sixteenth of the calls. llama.cpp is fed
+the scored tokens in one call (it reads every token, its own included, from its cache: chunking changes nothing).
 
 Every row is compared with one reference on the same positions: our fp32 engine with the float cache.
-``ppl`` is the perplexity of the scored tokens, ``ppl_increase_pct`` its increase over the reference's,
-``kl_mean`` the mean KL(reference || row) of the next-token distributions, in nats.
+``ppl`` is the perplexity of the scored tokens, ``ppl_increase_pct`` its increase over the reference's, with
+``ppl_increase_ci95``, a bootstrap 95% interval over documents (the same resampled documents for the row and the
+reference); ``kl_mean`` the mean KL(reference || row) of the next-token distributions, in nats. llama.cpp's rows also
+carry ``own_float_cache_ppl_increase_pct``: the increase over llama.cpp's own f16 cache on the same weights (what its
+cache type alone costs), with its interval. Rows with a KV cache carry ``k_bits``, ``v_bits``, ``kv_bits`` (average
+stored bits per value at the row's length, everything counted) and ``served`` (the scheme the profile's engine serves).
 
 Rows:
 * ours, weights fp32 / int8 / int4 (the serving recipe: MatMulNBits RTN at ``engine.weight_block_size``,
   LM head int8) with the float cache, int4 with a 4-bit LM head, and int4 at other block sizes (below);
-* ours, the served quantized KV cache: the compile stage's KV engine (``engine.kv_cache: quantized``,
-  the ``kv`` section's scheme) with static scales calibrated on the calib documents, run by ONNX
-  Runtime (``kv_read: engine``);
-* the same scheme at 8, 3 and 2 bits (``tasks.checks.kv_quality.grid_specs``) through the reference cache of
-  ``kernels.kv_quant`` decoding token by token in PyTorch (``kv_read: reference``: the engine serves
-  only the shipped width; the reference reads the new token's own K/V in float, the engine quantized),
-  and the shipped width the same way beside it. ``kv_bits`` counts every stored byte per value
-  (``kernels.kv_spec.bytes_per_token`` at the row's context: scales, fp16 sink and window tokens);
+* ours, the served KV cache, run by ONNX Runtime (``kv_read: engine``): with ``engine.kv_cache: quantized_pages``
+  the serving engine's quantized pages (``kernels.kv_spec.PageQuantSpec``, sealed by the runtime as the pages fill);
+  with ``engine.kv_cache: quantized`` the compile stage's KV engine with static scales calibrated on the calib
+  documents;
+* the same scheme at the other widths in PyTorch (``kv_read: reference``): quantized pages at 8, 3 and 2 bits through
+  ``tasks.checks.page_quality.page_read_logits`` (the decode above in one forward), the static scheme through the
+  reference cache of ``kernels.kv_quant`` (``tasks.checks.kv_quality.grid_specs``, decoding token by token; it reads
+  the new token's own K/V in float, the engine quantized), the shipped width beside them. ``kv_bits`` counts every
+  stored byte per value at the row's length (``PageQuantSpec.stored_bits_per_value``, ``kernels.kv_spec.bytes_per_token``);
 * llama.cpp (the ``peer`` extra) at F16 and Q8_0 (its converter, ``convert_hf_to_gguf.py``, from the
   bf16 checkpoint), Q4_0 and Q4_K_M (``llama_model_quantize`` from the F16 file, its defaults: it keeps
   some tensors at other types; ``gguf_tensor_types`` lists them), each with an f16, q8_0 and q4_0 KV
-  cache (flash attention on, which a quantized V cache needs), fed the same token ids.
+  cache (flash attention on, which a quantized V cache needs), fed the same token ids. ``--kv-only``: the
+  reference, the KV rows and llama.cpp's F16 weights with each cache type (the KV comparison; no weight rows).
 
 The checkpoint's weights sit on a Q4_1 grid (blocks of 32: ``make real-model`` dequantizes a Q4_1 GGUF), so
 a 4-bit quantizer whose blocks align with those can land back on the grid and look better than it would on
@@ -54,7 +64,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from pathlib import Path
 
@@ -69,14 +79,16 @@ from runtime.engine.interface import CACHE_KEY_FILE
 
 ROW_KEYS = ("engine", "weights", "kv", "ppl", "ppl_increase_pct", "kl_mean")  # every row has these (issue 25)
 LLAMA_KV_TYPES = ("f16", "q8_0", "q4_0")
+LLAMA_KV_BITS = {"f16": 16.0, "q8_0": 8.5, "q4_0": 4.5}  # stored bits per value: blocks of 32 with one fp16 scale
+LLAMA_KV_WIDTH = {"f16": 16, "q8_0": 8, "q4_0": 4}
 INT4_BLOCKS = (32, 256)  # besides the served block size: aligned with the Q4_1 grid, and coarser
 WEIGHT_GRID_NOTE = ("the checkpoint's weights sit on a Q4_1 grid (blocks of 32; make real-model dequantizes a Q4_1 "
                     "GGUF): 8-bit weights are near lossless on it, and a 4-bit quantizer with blocks aligned to it "
                     "looks better than on a float checkpoint; MatMulNBits takes power-of-two blocks only, so int4 is "
                     "also measured at block 32 (one scale per Q4_1 block) and 256 (eight Q4_1 blocks per scale)")
 # The table's columns; their widths line the rows printed one at a time (as measured) up under the header.
-COLUMNS = ("engine", "weights", "kv", "read", "kv bits", "ppl", "+ppl %", "KL mean")
-COLUMN_WIDTHS = (9, 13, 33, 10, 7, 9, 8, 10)
+COLUMNS = ("engine", "weights", "kv", "read", "kv bits", "KL mean", "+ppl %", "95% interval", "ppl", "+ppl % own f16 kv")
+COLUMN_WIDTHS = (9, 13, 33, 10, 7, 10, 8, 16, 9, 17)
 
 
 # ---------------------------------------------------------------- pure parts (tested on tiny arrays)
@@ -91,6 +103,16 @@ def score_logits(ref_logp: np.ndarray, logits: np.ndarray, targets: np.ndarray) 
     return nll, kl, n
 
 
+def bootstrap_ppl_increase(doc_nll: list[float], ref_doc_nll: list[float], doc_tokens: list[int],
+                           draws: int = 2000, seed: int = 0) -> list[float]:
+    """[2.5th, 97.5th] percentile of the perplexity increase in % over the reference when documents are resampled
+    with replacement (the same documents for both), from per-document NLL sums and scored tokens."""
+    nll, ref, tokens = (np.asarray(a, dtype=np.float64) for a in (doc_nll, ref_doc_nll, doc_tokens))
+    picks = np.random.default_rng(seed).integers(0, len(nll), (draws, len(nll)))  # (draws, docs)
+    increase = 100.0 * np.expm1((nll[picks].sum(1) - ref[picks].sum(1)) / tokens[picks].sum(1))
+    return [float(x) for x in np.percentile(increase, [2.5, 97.5])]
+
+
 def quality_row(engine: str, weights: str, kv: str, nll: float, kl: float, n: int, ref_ppl: float | None,
                 **extra) -> dict:
     """One row of the table; ``ref_ppl`` None: this row is the reference."""
@@ -102,9 +124,11 @@ def quality_row(engine: str, weights: str, kv: str, nll: float, kl: float, n: in
 
 def format_table(rows: list[dict]) -> str:
     return table(COLUMNS, ([r["engine"], r["weights"], r["kv"], r.get("kv_read", "-"),
-                            f"{r['kv_bits']:.2f}" if r.get("kv_bits") is not None else "-", f"{r['ppl']:.4f}",
-                            f"{r['ppl_increase_pct']:+.2f}", f"{r['kl_mean']:.2e}"] for r in rows),
-                 align="<<<<>>>>", widths=COLUMN_WIDTHS)
+                            f"{r['kv_bits']:.2f}" if r.get("kv_bits") is not None else "-", f"{r['kl_mean']:.2e}",
+                            f"{r['ppl_increase_pct']:+.2f}", ci_text(r).strip() or "-", f"{r['ppl']:.4f}",
+                            f"{r['own_float_cache_ppl_increase_pct']:+.2f}" if "own_float_cache_ppl_increase_pct" in r
+                            else "-"] for r in rows),
+                 align="<<<<>>>>>>", widths=COLUMN_WIDTHS)
 
 
 # ---------------------------------------------------------------- real text, offline
@@ -129,16 +153,20 @@ def eval_rows(tokenizer, n: int, length: int) -> list[tuple[str, list[int]]]:
 
 # ---------------------------------------------------------------- decoding the way a device does
 
-def engine_decode_logits(engine, ids: list[int], prefix: int) -> np.ndarray:
-    """(len(ids) - prefix, V) logits of an ``runtime.engine.engine.Engine``: ``ids[:prefix]`` prefilled, then one
-    token per call through the cache the engine returns; row t predicts ``ids[prefix + t]``."""
+def engine_decode_logits(engine, ids: list[int], prefix: int, chunk: int = 1) -> np.ndarray:
+    """(len(ids) - prefix, V) logits of an ``runtime.engine.engine.Engine``: ``ids[:prefix]`` prefilled, then the
+    rest through the cache the engine returns, in calls that end on multiples of ``chunk`` (1: one token per call;
+    a KV page: page by page, as the module's docstring says why); row t predicts ``ids[prefix + t]``."""
     x = np.asarray(ids, dtype=np.int64)[None]  # (1, T)
     logits, cache = engine.forward(x[:, :prefix], np.arange(prefix)[None], np.ones((1, prefix), np.int64), None)
-    out = [logits[0, -1].copy()]
-    for t in range(prefix, len(ids) - 1):
-        logits, cache = engine.forward(x[:, t : t + 1], np.array([[t]]), np.ones((1, t + 1), np.int64), cache)
-        out.append(logits[0, -1].copy())
-    return np.stack(out)
+    out = [logits[0, -1:].copy()]
+    t = prefix
+    while t < len(ids) - 1:
+        end = min(len(ids) - 1, (t // chunk + 1) * chunk)
+        logits, cache = engine.forward(x[:, t:end], np.arange(t, end)[None], np.ones((1, end), np.int64), cache)
+        out.append(logits[0].copy())
+        t = end
+    return np.concatenate(out)
 
 
 def reference_decode_logits(backbone, ids: list[int], prefix: int, spec, scales: dict) -> np.ndarray:
@@ -168,8 +196,7 @@ def llama_decode_logits(llm, ids: list[int], prefix: int) -> np.ndarray:
     """``engine_decode_logits`` for llama.cpp (``logits_all``: ``scores`` holds every evaluated position)."""
     llm.reset()
     llm.eval(ids[:prefix])
-    for t in range(prefix, len(ids) - 1):
-        llm.eval(ids[t : t + 1])
+    llm.eval(ids[prefix:-1])
     return np.array(llm.scores[prefix - 1 : len(ids) - 1], dtype=np.float32)
 
 
@@ -180,10 +207,13 @@ def kv_label(spec) -> str:
     return "float (fp32)" if spec is None else spec.name
 
 
-def kv_bits(spec, cfg, context_len: int) -> float:
-    """Stored bits per K or V value at ``context_len`` (``kernels.kv_spec.bytes_per_token``, all overheads)."""
-    from kernels.kv_spec import bytes_per_token
+def kv_bits(spec, cfg, context_len: int, block_size: int) -> float:
+    """Stored bits per K or V value at ``context_len``, all overheads (quantized pages of ``block_size`` tokens:
+    ``PageQuantSpec.stored_bits_per_value``; the static scheme: ``kernels.kv_spec.bytes_per_token``)."""
+    from kernels.kv_spec import PageQuantSpec, bytes_per_token
 
+    if isinstance(spec, PageQuantSpec):
+        return spec.stored_bits_per_value(cfg.head_dim, block_size, context_len)
     per_token = bytes_per_token(spec, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, context_len)
     return 8.0 * per_token / (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim)
 
@@ -240,6 +270,8 @@ class QualityRun:
     cache: Path  # measured rows, keyed by what each one's numbers depend on, and the reference's logits
     deadline: float  # time.monotonic() after which rows not measured yet are listed instead
     backbone_cfg: object  # the checkpoint's shape: a KV scheme's stored bits per value
+    block_size: int  # tokens per KV page: our engines' chunks, and the quantized pages' stored bits
+    served: object = None  # the KV scheme the profile's engine serves (its rows say ``served: true``)
     rows: list[dict] = field(default_factory=list)
     ref_logp: list[np.ndarray] = field(default_factory=list)
     ref_source: str | None = None  # what the reference's numbers depend on: part of every row's key
@@ -259,7 +291,8 @@ def measure_row(run: QualityRun, engine: str, weights: str, spec, source: str, o
     measured before on the same token ids from the same ``source`` (then its kept numbers are the row)."""
     reference = not run.rows
     run.ref_source = run.ref_source or source
-    ident = json.dumps([engine, weights, spec and spec.to_dict(), source, run.ref_source, extra], sort_keys=True)
+    ident = json.dumps([engine, weights, spec and spec.to_dict(), type(spec).__name__, source, run.ref_source, extra,
+                        "per-document scores"], sort_keys=True)
     cached = run.cache / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
     if cached.is_file() and (not reference or all(f.is_file() for f in run.ref_files)):
         run.rows.append(json.loads(cached.read_text()))
@@ -271,21 +304,25 @@ def measure_row(run: QualityRun, engine: str, weights: str, spec, source: str, o
                                 f"({extra.get('kv_read')})")
         return
     logits_of = open_logits()
-    nll = kl = 0.0
-    n = 0
+    per_doc = []  # (nll, kl, tokens) of each document
     t = time.perf_counter()
     for d, (_, ids) in enumerate(run.rows_ids):
         logits = logits_of(ids)
         if reference:
             np.save(run.ref_files[d], logits)
             run.ref_logp.append(log_softmax(logits))
-        a, b, c = score_logits(run.ref_logp[d], logits, np.asarray(ids[run.context :]))
-        nll, kl, n = nll + a, kl + b, n + c
+        per_doc.append(score_logits(run.ref_logp[d], logits, np.asarray(ids[run.context :])))
+    nll, kl, n = (sum(x) for x in zip(*per_doc))
     ref = None if reference else run.rows[0]["ppl"]
-    bits = kv_bits(spec, run.backbone_cfg, run.length) if engine == "ours" and spec is not None \
-        else extra.pop("kv_bits", None)
+    if engine == "ours" and spec is not None:
+        extra |= {"k_bits": spec.k_bits, "v_bits": spec.v_bits, "served": spec == run.served,
+                  "kv_bits": kv_bits(spec, run.backbone_cfg, run.length, run.block_size)}
+    doc_nll, doc_kl, doc_tokens = ([x[i] for x in per_doc] for i in range(3))
+    if not reference:
+        extra["ppl_increase_ci95"] = bootstrap_ppl_increase(doc_nll, run.rows[0]["doc_nll"], doc_tokens)
     row = quality_row(engine, weights, kv_label(spec) if engine == "ours" else extra.pop("kv"), nll, kl, n, ref,
-                      kv_bits=bits, seconds=round(time.perf_counter() - t, 1), **extra)
+                      seconds=round(time.perf_counter() - t, 1), doc_nll=doc_nll, doc_kl=doc_kl, doc_tokens=doc_tokens,
+                      **extra)
     cached.write_text(json.dumps(row, sort_keys=True))
     run.rows.append(row)
     print(format_table([row]).splitlines()[1], flush=True)
@@ -323,20 +360,38 @@ class BaseModel:
 
 # ---------------------------------------------------------------- how a row's logits are made
 
-def engine_logits(engine, context: int) -> Callable[[list[int]], np.ndarray]:
-    return lambda ids: engine_decode_logits(engine, ids, context)
+def engine_logits(engine, context: int, chunk: int) -> Callable[[list[int]], np.ndarray]:
+    return lambda ids: engine_decode_logits(engine, ids, context, chunk)
 
 
-def weight_logits(engine_dir: Path, context: int, threads: int) -> Callable[[list[int]], np.ndarray]:
+def weight_logits(engine_dir: Path, context: int, chunk: int, threads: int) -> Callable[[list[int]], np.ndarray]:
     """Ours at the engine's weights with the float cache, on the CPU."""
     from tasks.weights.engines import open_on_cpu
 
-    return engine_logits(open_on_cpu(engine_dir, threads), context)
+    return engine_logits(open_on_cpu(engine_dir, threads), context, chunk)
 
 
-def served_logits(engine_dir: Path, base: BaseModel, spec, context: int, threads: int) -> Callable:
-    """Ours with the served quantized cache, its scales calibrated on the calib documents."""
-    return engine_logits(served_engine(engine_dir, base.stats, spec, threads), context)
+def served_logits(engine_dir: Path, base: BaseModel, spec, context: int, chunk: int, threads: int) -> Callable:
+    """Ours with the served static quantized cache, its scales calibrated on the calib documents."""
+    return engine_logits(served_engine(engine_dir, base.stats, spec, threads), context, chunk)
+
+
+def pages_engine_logits(engine_dir: Path, context: int, chunk: int, threads: int) -> Callable:
+    """Ours on the serving engine with quantized pages (no scales to bind: each page has its own)."""
+    from runtime.engine.backends.onnxruntime import OrtEngine
+
+    engine = OrtEngine(engine_dir, threads=threads)
+    engine.set_adapter(None)
+    return engine_logits(engine, context, chunk)
+
+
+def page_reference_logits(base: BaseModel, spec, context: int, block_size: int) -> Callable:
+    """``spec``'s pages in PyTorch: ``tasks.checks.page_quality.page_read_logits`` (prefill, then decode)."""
+    import torch
+
+    from tasks.checks.page_quality import page_read_logits
+
+    return lambda ids: page_read_logits(base.backbone, torch.tensor([ids]), spec, block_size, context)[0, context - 1 : -1].numpy()
 
 
 def reference_logits(base: BaseModel, spec, context: int) -> Callable:
@@ -358,17 +413,29 @@ def llama_logits(llama_cpp, path: Path, kv: str, run: QualityRun, threads: int) 
 
 def weight_row(run: QualityRun, engines: dict[str, Path], weights: str, threads: int) -> None:
     measure_row(run, "ours", weights, None, build_key(engines[weights]),
-                partial(weight_logits, engines[weights], run.context, threads), kv_read="engine")
+                partial(weight_logits, engines[weights], run.context, run.block_size, threads), kv_read="engine")
 
 
-def measure_served(run: QualityRun, cfg, engines: dict[str, Path], base: BaseModel, threads: int) -> None:
-    """The reference (ours, fp32 weights, float cache), the served cache, the served weight precisions, and int4 with
-    a 4-bit LM head and with blocks aligned to the checkpoint's grid."""
-    spec = cfg.kv.spec()
+def served_kv_row(run: QualityRun, cfg, base: BaseModel, threads: int) -> None:
+    """The served KV cache on its engine: quantized pages (the serving engine) or the static scheme (the KV engine)."""
+    if cfg.engine.kv_cache == "quantized_pages":
+        engine_dir = cfg.layout.cache_engine_dir  # fp32 weights, the pages: the cache alone against the reference
+        measure_row(run, "ours", "fp32", run.served, build_key(engine_dir),
+                    partial(pages_engine_logits, engine_dir, run.context, run.block_size, threads),
+                    kv_read="engine", note="the served cache: the serving engine's quantized pages")
+    else:
+        measure_row(run, "ours", "fp32", run.served, build_key(cfg.layout.kv_engine_dir) + calibration_key(cfg),
+                    partial(served_logits, cfg.layout.kv_engine_dir, base, run.served, run.context, run.block_size, threads),
+                    kv_read="engine", note="the served cache: the compile stage's KV engine")
+
+
+def measure_served(run: QualityRun, cfg, engines: dict[str, Path], base: BaseModel, threads: int, kv_only: bool) -> None:
+    """The reference (ours, fp32 weights, float cache), the served cache, and unless ``kv_only`` the served weight
+    precisions, and int4 with a 4-bit LM head and with blocks aligned to the checkpoint's grid."""
     weight_row(run, engines, "fp32", threads)
-    measure_row(run, "ours", "fp32", spec, build_key(cfg.layout.kv_engine_dir) + calibration_key(cfg),
-                partial(served_logits, cfg.layout.kv_engine_dir, base, spec, run.context, threads),
-                kv_read="engine", note="the served cache: the compile stage's KV engine")
+    served_kv_row(run, cfg, base, threads)
+    if kv_only:
+        return
     weight_row(run, engines, "int8", threads)
     weight_row(run, engines, "int4", threads)
     weight_row(run, engines, "int4/head4", threads)  # what 4 bits in the LM head add (0.5B shape: 147 -> 80 MB resident)
@@ -377,31 +444,55 @@ def measure_served(run: QualityRun, cfg, engines: dict[str, Path], base: BaseMod
 
 
 def measure_llama_cpp(run: QualityRun, model_dir: Path, work: Path, llama_cpp_src: str | None,
-                      threads: int) -> tuple[dict[str, Path], dict[str, dict[str, int]]]:
-    """llama.cpp at each GGUF weight type with each of its KV cache types; (the GGUF files, their tensor types)."""
+                      threads: int, kv_only: bool) -> tuple[dict[str, Path], dict[str, dict[str, int]]]:
+    """llama.cpp at each GGUF weight type (``kv_only``: F16 alone) with each of its KV cache types; (the GGUF files,
+    their tensor types)."""
     llama_cpp = require_llama_cpp()
     llama_dir = converter_dir(llama_cpp_src)
     ggufs = checkpoint_ggufs(llama_cpp, llama_dir, model_dir, work / "gguf", threads)
+    if kv_only:
+        ggufs = {t: p for t, p in ggufs.items() if t == "f16"}
     types = {t: gguf_tensor_types(p, llama_dir) for t, p in ggufs.items()}
     # llama.cpp's float row and the counterparts of ours first (its 4-bit KV, its Q4_0 weights, which the int4
     # target is judged against, then Q8_0)
     first = [("f16", "f16"), ("f16", "q4_0"), ("q4_0", "f16"), ("q8_0", "f16"), ("q4_0", "q4_0")]
-    for weights, kv in first + [(w, kv) for w in ggufs for kv in LLAMA_KV_TYPES if (w, kv) not in first]:
+    for weights, kv in [r for r in first if r[0] in ggufs] + [(w, kv) for w in ggufs for kv in LLAMA_KV_TYPES
+                                                              if (w, kv) not in first]:
         path = ggufs[weights]
         measure_row(run, "llama.cpp", weights.upper(), None, f"{path.name} {path.stat().st_size} {llama_cpp.__version__}",
                     partial(llama_logits, llama_cpp, path, kv, run, threads), kv=kv,
-                    kv_bits={"f16": 16.0, "q8_0": 8.5, "q4_0": 4.5}[kv], kv_read="engine")
+                    kv_bits=LLAMA_KV_BITS[kv], k_bits=LLAMA_KV_WIDTH[kv], v_bits=LLAMA_KV_WIDTH[kv], kv_read="engine")
+    own_float_cache_increase(run.rows)
     return ggufs, types
 
 
-def measure_other_widths(run: QualityRun, cfg, engines: dict[str, Path], base: BaseModel, threads: int) -> None:
-    """int4 at the coarser block sizes, and the served scheme at other widths (and the shipped one beside them)
-    through the reference cache."""
+def own_float_cache_increase(rows: list[dict]) -> None:
+    """Give each llama.cpp row with a quantized cache its perplexity increase over llama.cpp's f16 cache on the same
+    weights, and its bootstrap interval: what the cache type alone costs it."""
+    own = {r["weights"]: r for r in rows if r["engine"] == "llama.cpp" and r["kv"] == "f16"}
+    for r in rows:
+        base = own.get(r["weights"]) if r["engine"] == "llama.cpp" and r["kv"] != "f16" else None
+        if base is not None:
+            r["own_float_cache_ppl_increase_pct"] = 100.0 * (r["ppl"] / base["ppl"] - 1.0)
+            r["own_float_cache_ppl_increase_ci95"] = bootstrap_ppl_increase(r["doc_nll"], base["doc_nll"], r["doc_tokens"])
+
+
+def measure_other_widths(run: QualityRun, cfg, engines: dict[str, Path], base: BaseModel, threads: int,
+                         kv_only: bool) -> None:
+    """Unless ``kv_only``, int4 at the coarser block sizes; the served scheme at other widths (and the shipped one
+    beside them) in PyTorch."""
     from tasks.checks.kv_quality import grid_specs
+    from tasks.checks.page_quality import GRID_BITS
     from tasks.stages.compile import graph_source_hash
 
-    for block in INT4_BLOCKS[1:]:
+    for block in () if kv_only else INT4_BLOCKS[1:]:
         weight_row(run, engines, f"int4/b{block}", threads)
+    if cfg.engine.kv_cache == "quantized_pages":
+        for bits in GRID_BITS:
+            spec = replace(run.served, k_bits=bits, v_bits=bits)
+            measure_row(run, "ours", "fp32", spec, graph_source_hash() + build_key(cfg.layout.engine_dir),
+                        partial(page_reference_logits, base, spec, run.context, run.block_size), kv_read="reference")
+        return
     for spec in grid_specs(cfg.kv.spec()).values():
         measure_row(run, "ours", "fp32", spec, graph_source_hash() + build_key(cfg.layout.engine_dir) + calibration_key(cfg),
                     partial(reference_logits, base, spec, run.context), kv_read="reference")
@@ -423,32 +514,41 @@ def measure(args, cfg) -> dict:
     print(f"{len(rows_ids)} eval documents ({', '.join(n for n, _ in rows_ids)}), {args.context} tokens of context, "
           f"{args.score} scored each", flush=True)
 
-    if cfg.engine.kv_cache != "quantized":
+    if cfg.engine.kv_cache == "float":
         raise SystemExit(f"error: {args.params}: engine.kv_cache is float; the bench measures the served quantized cache")
     t0 = time.perf_counter()
     built = compile_profile_engines(cfg)  # the compile stage's engines, reused when the flow built them
-    engines = weight_engines(cfg.layout.engine_dir, work, cfg.engine.weight_block_size)
+    engines = ({"fp32": cfg.layout.engine_dir} if args.kv_only
+               else weight_engines(cfg.layout.engine_dir, work, cfg.engine.weight_block_size))
     print(f"engines ready in {time.perf_counter() - t0:.0f} s (compile stage builds: {built['engine_builds']})", flush=True)
 
     # Measured rows are kept in --work, keyed by the token ids and by what each row's numbers depend on (the
     # engine's build key, the graph sources, the GGUF file), so a second run measures only what changed.
     cache = work / "rows" / hashlib.sha256(json.dumps([[ids for _, ids in rows_ids], args.context]).encode()).hexdigest()[:16]
     cache.mkdir(parents=True, exist_ok=True)
-    run = QualityRun(rows_ids, args.context, cache, time.monotonic() + 60.0 * args.time_budget, read_config(model_dir))
+    served = cfg.kv.page_spec() if cfg.engine.kv_cache == "quantized_pages" else cfg.kv.spec()
+    run = QualityRun(rows_ids, args.context, cache, time.monotonic() + 60.0 * args.time_budget, read_config(model_dir),
+                     cfg.engine.kv_block_size or 16, served)
     base = BaseModel(model_dir, tokenizer, cfg)
     # A slow machine may be stopped part way (measured rows are kept): the reference, the served cache, the served
     # weight precisions, llama.cpp, then the other block sizes and KV widths.
     print(format_table([]), flush=True)
-    measure_served(run, cfg, engines, base, args.threads)
+    measure_served(run, cfg, engines, base, args.threads, args.kv_only)
     ggufs, types = {}, {}
     if not args.no_llama_cpp:
-        ggufs, types = measure_llama_cpp(run, model_dir, work, args.llama_cpp_src, args.threads)
-    measure_other_widths(run, cfg, engines, base, args.threads)
+        ggufs, types = measure_llama_cpp(run, model_dir, work, args.llama_cpp_src, args.threads, args.kv_only)
+    measure_other_widths(run, cfg, engines, base, args.threads, args.kv_only)
     return {"rows": run.rows, "not_measured": run.not_measured, "documents": [n for n, _ in rows_ids],
             "gguf_files": {t: str(p) for t, p in ggufs.items()}, "gguf_tensor_types": types,
             "engines": {k: str(v) for k, v in engines.items()},
             "kv_calibration": {"windows": CALIB_WINDOWS, "tokens_per_window": CALIB_WINDOW,
-                               "clip_percentile": cfg.kv.clip_percentile, "spec": cfg.kv.spec().to_dict()}}
+                               "clip_percentile": cfg.kv.clip_percentile, "spec": cfg.kv.spec().to_dict()},
+            "served_kv": {"kv_cache": cfg.engine.kv_cache, "spec": served.to_dict(), "block_size": run.block_size}}
+
+
+def ci_text(row: dict) -> str:
+    ci = row.get("ppl_increase_ci95")
+    return f"[{ci[0]:+.2f}, {ci[1]:+.2f}] " if ci else ""
 
 
 def figures(p: dict) -> list[Figure]:
@@ -456,7 +556,7 @@ def figures(p: dict) -> list[Figure]:
     text = f"{len(p['documents'])} docs x {p['scored_per_document']} tokens at context {p['context']}"
     rows = [Figure(f"real model ({text}): {r['engine']} {r['weights']} weights, {r['kv']} KV ({r.get('kv_read', '-')}): "
                    "Δ perplexity vs ours fp32 float cache", r["ppl_increase_pct"],
-                   f"{r['ppl_increase_pct']:+.2f} % (ppl {r['ppl']:.3f}, KL {r['kl_mean']:.2e})") for r in p["rows"]]
+                   f"{r['ppl_increase_pct']:+.2f} % {ci_text(r)}(ppl {r['ppl']:.3f}, KL {r['kl_mean']:.2e})") for r in p["rows"]]
     if p.get("not_measured"):
         rows.append(Figure("real model: rows not measured (time budget spent)", len(p["not_measured"]),
                            "; ".join(p["not_measured"])))
@@ -469,13 +569,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "real_model_quality.json")
     ap.add_argument("--work", type=Path, default=RESULTS / "real_model",
                     help="weight-quantized engine copies and GGUF files (kept: a second run reuses them)")
-    ap.add_argument("--docs", type=int, default=4, help="eval documents (prose and code alternating)")
+    ap.add_argument("--docs", type=int, default=8, help="eval documents (prose and code alternating)")
     ap.add_argument("--context", type=int, default=1024, help="tokens in the cache before the first scored one")
-    ap.add_argument("--score", type=int, default=128, help="tokens scored per document, decoded one at a time")
+    ap.add_argument("--score", type=int, default=512, help="tokens scored per document, after the context")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--time-budget", type=float, default=float("inf"),
                     help="minutes: rows not measured yet are left out (listed as not_measured) once this is spent")
     ap.add_argument("--no-llama-cpp", action="store_true", help="our rows only (without the peer extra)")
+    ap.add_argument("--kv-only", action="store_true",
+                    help="the KV comparison alone: no weight-quantized rows; llama.cpp's F16 weights only")
     ap.add_argument("--llama-cpp-src", default=None, help="llama-cpp-python sdist or llama.cpp directory (the converter)")
     args = ap.parse_args(argv)
     from tasks.config import load_config

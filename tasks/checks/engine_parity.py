@@ -113,6 +113,62 @@ def quantized_prefill_parity(engine, backbone, kv_scales, attention: str, tokeni
     }
 
 
+def pages_parity(engine, backbone, tokenizer, prompts: list[str | ChatPrompt]) -> dict:
+    """The pages a quantized-pages engine (interface version 9) stores for each prompt's prefill against the PyTorch
+    reference's (``kernels.page_quant.seal_packed``), byte for byte: codes, fp16 scales and minima of every sealed page.
+
+    Two comparisons. The device's sealer (``runtime.engine.kv_pages.seal_pages``, numpy) and the reference seal the
+    same K/V (``backbone``'s, the adapter merged): they must agree on every byte (``pages_sealer_bytes_differing``).
+    The engine's pool, sealed from the engine's own K/V, against the reference sealing PyTorch's: the two compute K/V
+    in float32 with different kernels (~1e-7 apart), so a value that close to a rounding boundary lands on the
+    neighbouring code (``kv_code_mismatch``, limited as the static scheme's is). A prefill reads its own K/V in
+    float, so its logits are the float engine's (``prefill_logit_diff`` compares them)."""
+    import torch
+
+    from kernels.page_quant import seal_packed
+    from runtime.engine.kv_pages import page_scheme, seal_pages
+
+    iface = engine.interface
+    spec, bs = page_scheme(iface), iface.kv_block_size
+    counts = {"compared": 0, "differing": 0, "sealer_differing": 0, "prompts": 0, "pages": 0}
+    for prompt in prompts:
+        ids = np.asarray([encode_prompt(tokenizer, prompt)], dtype=np.int64)  # (1, T)
+        T = ids.shape[1]
+        sealed = T // bs - 1  # pages 1 .. T // bs - 1: full and not the sink
+        if sealed < 1:
+            continue
+        _, cache = engine.forward(ids, np.arange(T)[None], np.ones((1, T), np.int64), None)
+        stored = cache.to_numpy()  # {pool name: (1, nkv, pages x slots, w)}
+        with torch.no_grad():
+            _, present = backbone(torch.from_numpy(ids), torch.arange(T)[None], torch.ones(1, T, dtype=torch.long),
+                                  backbone.empty_past(1))
+        differing = 0
+        for layer in range(iface.num_layers):
+            k, v = (present[2 * layer + j][0, :, bs : bs * (1 + sealed)] for j in (0, 1))  # (nkv, S bs, d)
+            k, v = (x.reshape(x.shape[0], sealed, bs, x.shape[-1]).transpose(0, 1).contiguous() for x in (k, v))
+            reference = {role: x.numpy() for role, x in seal_packed(k, v, spec).items()}  # (S, nkv, slots, w)
+            device = seal_pages(k.numpy(), v.numpy(), spec)
+            for role, want in reference.items():
+                counts["sealer_differing"] += int((device[role].view(np.uint8) != want.view(np.uint8)).sum())
+                got = stored[f"pool_{role}.{layer}"][0]  # (nkv, S slots, w)
+                want = want.transpose(1, 0, 2, 3).reshape(got.shape)
+                differing += int((got.view(np.uint8) != want.view(np.uint8)).sum())
+                counts["compared"] += want.view(np.uint8).size
+        del cache  # its pages go back to the engine's pool
+        counts["differing"] += differing
+        counts["prompts"] += bool(differing)
+        counts["pages"] += sealed
+    return {
+        "pages_sealed": counts["pages"],
+        "pages_sealer_bytes_differing": counts["sealer_differing"],
+        "kv_bytes_compared": counts["compared"],
+        "kv_bytes_differing": counts["differing"],
+        "kv_code_mismatch": counts["differing"] / max(counts["compared"], 1),
+        "kv_code_mismatch_limit": MAX_KV_CODE_MISMATCH,
+        "prompts_with_differing_kv_bytes": counts["prompts"],
+    }
+
+
 def parity_report(max_diff: float, reference: list[str], on_engine: list[str], tolerance: float) -> dict:
     mismatches = [i for i, (a, b) in enumerate(zip(reference, on_engine, strict=True)) if a != b]
     return {

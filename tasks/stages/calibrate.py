@@ -99,22 +99,31 @@ def calibrate_kv_scales(
 
 # ---------------------------------------------------------------- CLI
 
-# What the stage writes instead of scales when the profile keeps the float cache (``kv.enabled: false``):
+# What the stage writes instead of scales when a release ships none: the profile keeps the float cache
+# (``kv.enabled: false``), or its engine serves quantized pages, whose scales the device computes as each page fills.
 # DVC's stage graph is fixed, so the stage runs and its output exists, but nothing is calibrated.
 KV_DISABLED_FILE = "kv_disabled.json"
+KV_PAGES_FILE = "kv_pages.json"
+
+
+def _note(cfg: ReleaseConfig, name: str, note: dict) -> Path:
+    with atomic_output_dir(cfg.layout.kv_dir) as tmp:
+        (tmp / name).write_text(json.dumps(note, indent=2) + "\n")
+    return cfg.layout.kv_dir / name
 
 
 def run_stage(cfg: ReleaseConfig) -> Path:
-    """The calibrate stage: scales for this release's base + adapter, bound to the engine interface;
-    with ``kv.enabled: false`` only a note saying so (no model is loaded: nothing reads scales)."""
+    """The calibrate stage: scales for this release's base + adapter, bound to the engine interface; when the
+    release ships none (``ReleaseConfig.ships_kv_scales``), only a note saying why (no model is loaded)."""
     from runtime.engine.interface import INTERFACE_FILE
 
     kv = cfg.kv
     if not kv.enabled:
-        with atomic_output_dir(cfg.layout.kv_dir) as tmp:
-            (tmp / KV_DISABLED_FILE).write_text(json.dumps({"kv_enabled": False, "why": "kv.enabled is false: the "
-                                                            "release ships no KV scales"}, indent=2) + "\n")
-        return cfg.layout.kv_dir / KV_DISABLED_FILE
+        return _note(cfg, KV_DISABLED_FILE, {"kv_enabled": False, "why": "kv.enabled is false: the release ships no KV scales"})
+    if not cfg.ships_kv_scales:
+        return _note(cfg, KV_PAGES_FILE, {"kv_cache": cfg.engine.kv_cache, "pages": kv.page_spec().to_dict(),
+                                          "why": "quantized pages take each page's scales from its own K/V on the "
+                                                 "device: the release ships no KV scales"})
     spec = kv.spec()
     layout = cfg.layout
     engine_dir = layout.engine_dir
@@ -140,8 +149,8 @@ def run_stage(cfg: ReleaseConfig) -> Path:
 def main(argv: list[str] | None = None) -> int:
     return stage_main(
         "Calibrate this release's KV-cache scales (base + adapter on the calib split).",
-        lambda cfg: (f"KV scales written to {path}" if (path := run_stage(cfg)).name != KV_DISABLED_FILE
-                     else f"KV quantization disabled (kv.enabled: false): no scales, {path} says so"),
+        lambda cfg: (f"KV scales written to {path}" if (path := run_stage(cfg)).name not in (KV_DISABLED_FILE, KV_PAGES_FILE)
+                     else f"no KV scales to calibrate: {json.loads(path.read_text())['why']} ({path})"),
         argv,
     )
 

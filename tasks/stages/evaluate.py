@@ -141,6 +141,10 @@ def _score_on_engine(
     if engine.interface.kv_spec is None:
         engine.set_adapter(lora)
         diff = prefill_logit_diff(engine, merged_model, tokenizer, prompts)
+        if engine.interface.kv_pages:
+            from tasks.checks.engine_parity import pages_parity
+
+            kv_parity = pages_parity(engine, release_backbone, tokenizer, prompts)
     else:
         from kernels.kv_spec import KVQuantSpec
         from tasks.kv_stats import read_release_kv_scales
@@ -166,6 +170,11 @@ def _score_on_engine(
     parity["interface_hash"] = engine.interface.interface_hash
     report = accuracy_report(test, on_engine)
     report["perplexity"] = engine_perplexity(engine, tokenizer, texts)
+    if engine.interface.kv_pages:  # a prefill reads float: what the pages cost shows only in decoding
+        from tasks.checks.kv_quality import heldout_sequences
+        from tasks.checks.page_quality import engine_page_quality
+
+        report["pages_heldout"] = engine_page_quality(engine, heldout_sequences(tokenizer, texts))
     report["decode_latency"], latency_samples = decode_latency(engine, tokenizer, prompts[: cfg.latency_prompts], cfg.latency_steps)
     return report, parity, on_engine, latency_samples
 
@@ -241,11 +250,13 @@ def evaluate(
     engine: EngineConfig | None = None,
     kv_dir: Path | None = None,
     *,
+    pages: "PageQuantSpec | None" = None,  # noqa: F821  (kernels.kv_spec; imported where measured)
     max_weight_accuracy_drop: WeightAccuracyDrop,
     device: Literal["auto", "cpu", "cuda"] = "cpu",
 ) -> Path:
     """Score the base model and base + adapter (PyTorch, and on the compiled engine when given,
-    with its decode latency; and through this release's quantized KV cache when ``kv_dir`` is given).
+    with its decode latency; and through this release's quantized KV cache when ``kv_dir`` is given, or through the
+    engine's quantized pages, ``pages``: in PyTorch on held-out text and test rows, and on the engine itself).
     The PyTorch scores run in fp32 on the device ``device`` picks (``tasks.device``); the engine's parity
     reference runs on the CPU, beside the engine it is compared with.
 
@@ -266,7 +277,7 @@ def evaluate(
         texts = [ex.text for ex in read_jsonl(Path(data_dir) / "val.jsonl")]
 
     # Phases, reported as they finish: base, base + adapter, [the engine], [the quantized KV cache].
-    progress = Progress("evaluate", 2 + (engine is not None) + (kv_dir is not None), unit="phase")
+    progress = Progress("evaluate", 2 + (engine is not None) + (kv_dir is not None or pages is not None), unit="phase")
     model, tokenizer = load_base_model(base_dir)
     model.to(placement.device)
     base_report, base_predictions = _score(model, tokenizer, test, texts, cfg, "base")
@@ -286,7 +297,7 @@ def evaluate(
     }
     engine_predictions, latency_samples = None, []
     release_backbone = None
-    if kv_dir is not None:
+    if kv_dir is not None or pages is not None:
         from tasks.kv_stats import load_release_backbone
 
         # One load serves the quantized-KV engine's parity module and the KV quality grid.
@@ -321,6 +332,18 @@ def evaluate(
                 "ppl_increase_pct": 100.0 * (on_engine["perplexity"] / adapter_report["perplexity"] - 1.0),
             }
         progress.advance(kv_ppl_increase_pct=metrics["kv_cache"]["ppl_increase_pct"])
+    if pages is not None:
+        from tasks.checks.kv_quality import heldout_sequences
+        from tasks.checks.page_quality import release_page_quality
+
+        on_engine = metrics["adapter_on_engine"]
+        metrics["kv_cache"] = release_page_quality(release_backbone, tokenizer, test, heldout_sequences(tokenizer, texts),
+                                                   pages, engine.kv_block_size, cfg.max_new_tokens)
+        # What the device's pages cost, measured on the device's engine: its greedy answers against float PyTorch +
+        # PEFT's, and the held-out perplexity it decodes through the pages its runtime sealed.
+        metrics["kv_cache"]["on_engine"] = {"accuracy_drop": adapter_report["accuracy"] - on_engine["accuracy"],
+                                            **on_engine.pop("pages_heldout")}
+        progress.advance(kv_ppl_increase_pct=metrics["kv_cache"]["ppl_increase_pct"])
     progress.close()
     with atomic_output_dir(Path(out_dir)) as tmp:
         write_json(tmp / METRICS_FILE, metrics)
@@ -328,7 +351,7 @@ def evaluate(
             _write_csv(tmp / LATENCY_CSV, ["prompt", "past_length", "decode_ms"], latency_samples)
             save_figure(latency_figure(read_rows(tmp / LATENCY_CSV), f"Decode step on the engine, {month}"),
                         tmp / LATENCY_PNG)
-        if kv_dir is not None:
+        if "kv_cache" in metrics:
             grid = metrics["kv_cache"]["grid"]
             _write_csv(tmp / KV_GRID_CSV, list(grid[0]), [row.values() for row in grid])
             save_figure(kv_bits_figure(read_rows(tmp / KV_GRID_CSV), f"Quantized KV cache, {month}"), tmp / KV_BITS_PNG)
@@ -354,7 +377,8 @@ def run_stage(cfg: ReleaseConfig) -> Path:
         cfg=cfg.eval,
         month=cfg.data.month,
         engine=cfg.engine,
-        kv_dir=cfg.layout.kv_dir if cfg.kv.enabled else None,
+        kv_dir=cfg.layout.kv_dir if cfg.ships_kv_scales else None,
+        pages=cfg.kv.page_spec() if cfg.kv.enabled and cfg.engine.kv_cache == "quantized_pages" else None,
         max_weight_accuracy_drop=cfg.gates.max_weight_accuracy_drop,
         device=cfg.train.device,
     )

@@ -326,7 +326,7 @@ def run_stage(cfg: ReleaseConfig) -> Path:
     layout = cfg.layout
     return build_release(
         adapter_dir=layout.adapter_dir,
-        kv_dir=layout.kv_dir if cfg.kv.enabled else None,
+        kv_dir=layout.kv_dir if cfg.ships_kv_scales else None,
         metrics_path=layout.metrics_file,
         gates_path=layout.gates_file,
         engine_dir=layout.serving_engine_dir,

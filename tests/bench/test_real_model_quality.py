@@ -68,8 +68,20 @@ def test_decoding_token_by_token_gives_the_full_forward_logits(tiny_llama_dir):
     got = rq.engine_decode_logits(TorchEngine(tiny_llama_dir, iface), ids, prefix=8)
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, atol=1e-4)
+    # in calls ending on multiples of 3 (8 -> 9, 9 -> 11): the same rows
+    np.testing.assert_allclose(rq.engine_decode_logits(TorchEngine(tiny_llama_dir, iface), ids, prefix=8, chunk=3), want,
+                               atol=1e-4)
 
     spec = KVQuantSpec(k_bits=8, v_bits=8)
     stats = collect_kv_stats(backbone, [(torch.tensor([ids]), torch.ones(1, 12, dtype=torch.long))], False, progress=False)
     quant = rq.reference_decode_logits(backbone, ids, 8, spec, scales_from_stats(stats, spec))
     assert quant.shape == want.shape and 0 < np.abs(quant - want).max() < 0.05
+
+
+def test_the_bootstrap_interval_resamples_documents_and_holds_the_increase():
+    ref, tokens = [200.0, 300.0, 250.0, 220.0], [100, 100, 100, 100]
+    assert rq.bootstrap_ppl_increase(ref, ref, tokens) == [0.0, 0.0]
+    uniform = [x + 1.0 for x in ref]  # every document 0.01 nats per token worse: the same +1.005% in every draw
+    assert rq.bootstrap_ppl_increase(uniform, ref, tokens) == pytest.approx([100 * math.expm1(0.01)] * 2)
+    lo, hi = rq.bootstrap_ppl_increase([ref[0] + 8.0] + ref[1:], ref, tokens)  # one document carries it all
+    assert lo == pytest.approx(0.0) and hi > 100 * math.expm1(8.0 / 400)  # draws holding it twice or more exceed the mean

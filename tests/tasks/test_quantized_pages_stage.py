@@ -1,18 +1,23 @@
 """``engine.kv_cache: quantized_pages``: the config that selects the paged cache with quantized pages, what it refuses
-before a month's training, and the compile stage's own function building the serving engine with it."""
+before a month's training, the compile stage's own function building the serving engine with it, and the evaluate
+stage measuring what the pages cost a release, in PyTorch and on that engine, for the KV gates."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from engine_testkit import make_adapter
 
 from runtime.engine.backends.onnxruntime import OrtEngine
 from runtime.engine.generate import greedy_generate
 from runtime.engine.interface import QUANTIZED_PAGES_INTERFACE_VERSION, read_interface
-from tasks.config import ConfigError, parse_config
+from tasks.config import ConfigError, WeightAccuracyDrop, parse_config
+from tasks.gate_rules import evaluation_gates
 from tasks.models import load_tokenizer
 from tasks.stages.compile import compile_profile_engines, serving_form
+from tasks.stages.evaluate import evaluate
 
 PAGES = {"engine": {"kv_cache": "quantized_pages"}}
 
@@ -37,11 +42,23 @@ def test_quantized_pages_a_page_cannot_hold_are_refused_naming_every_key():
                                  "mixed_adapters": False}})
 
 
-def test_the_compile_stage_builds_the_serving_engine_with_quantized_pages(tiny_llama_dir, tmp_path):
+@pytest.fixture(scope="module")
+def pages_profile(tiny_llama_dir, tmp_path_factory):
+    """(the profile, what its first compile reported): a local Llama serving 4-bit pages of 16 tokens."""
+    root = tmp_path_factory.mktemp("pages-profile")
     cfg = parse_config({"base_model": {"source": "local", "path": str(tiny_llama_dir)}, "kv": {"v_group_size": 8},
-                        "engine": {"dir": str(tmp_path / "engine"), "threads": 1, "kv_cache": "quantized_pages"}})
+                        "engine": {"dir": str(root / "engine"), "threads": 1, "kv_cache": "quantized_pages"}})
+    return cfg, compile_profile_engines(cfg)
 
-    metrics = compile_profile_engines(cfg)
+
+def test_quantized_pages_need_the_kv_gates():
+    with pytest.raises(ConfigError, match="engine.kv_cache quantized_pages needs kv.enabled: the KV gates measure"):
+        parse_config(PAGES | {"kv": {"enabled": False}})
+    assert not parse_config(PAGES).ships_kv_scales and parse_config({}).ships_kv_scales  # pages need no release scales
+
+
+def test_the_compile_stage_builds_the_serving_engine_with_quantized_pages(pages_profile, tiny_llama_dir):
+    cfg, metrics = pages_profile
 
     serving = cfg.layout.serving_engine_dir
     iface = read_interface(serving)
@@ -58,3 +75,41 @@ def test_the_compile_stage_builds_the_serving_engine_with_quantized_pages(tiny_l
     assert len(ids) > 32  # page 1 is sealed by the prefill and read quantized by every decode step
     assert len(greedy_generate(engine, [ids], max_new_tokens=8)[0]) == 8
     assert engine.pool.used_bytes == 0
+
+
+def test_the_evaluate_stage_measures_what_the_pages_cost_in_pytorch_and_on_the_engine(pages_profile, tiny_llama_dir,
+                                                                                      tmp_path):
+    cfg, _ = pages_profile
+    data = tmp_path / "data"
+    data.mkdir()
+    tail = "and a longer tail of words to fill the pages " * 4  # prompts of 3+ pages: the prefill seals pages 1, 2
+    rows = [{"prompt": f"inspect board=PCB-00{i} line=L{i} part=P{i} defect=void size={i} {tail}verdict:",
+             "completion": " ok"} for i in range(10, 16)]
+    (data / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    words = "the inspection of each board on the line records its part its defect and the size of that defect"
+    (data / "heldout.txt").write_text("".join(f"{words} {i} {words} {words}\n" for i in range(4)))  # ~70 tokens each
+    adapter = make_adapter(tiny_llama_dir, tmp_path / "adapter")
+
+    out = evaluate(tiny_llama_dir, adapter, data, tmp_path / "eval", cfg.eval.model_copy(update={"max_new_tokens": 3}),
+                   "2026-11", cfg.engine, pages=cfg.kv.page_spec(), max_weight_accuracy_drop=WeightAccuracyDrop())
+
+    metrics = json.loads(out.read_text())
+    kv = metrics["kv_cache"]
+    assert kv["scheme"] == "quantized_pages" and kv["spec"] == {"k_bits": 4, "v_bits": 4, "v_group_size": 8}
+    assert kv["heldout_documents"] == 4 and kv["tokens"] > 100 and kv["kl_mean"] > 0.0
+    assert [row["bits"] for row in kv["grid"]] == [8, 4, 3, 2] and kv["grid"][1]["config"].startswith("release")
+    # the engine decoded the same documents through the pages its runtime sealed: the same perplexities as the
+    # one-forward measure in PyTorch, up to float32 (an isolated code on a rounding boundary moves them by less)
+    on_engine = kv["on_engine"]
+    assert on_engine["tokens"] == kv["tokens"]
+    assert on_engine["perplexity_float_cache"] == pytest.approx(kv["perplexity_float_cache"], rel=1e-4)
+    assert on_engine["ppl_increase_pct"] == pytest.approx(kv["ppl_increase_pct"], abs=0.05)
+    parity = metrics["engine_parity"]
+    assert parity["kv_cache"] == "quantized_pages" and parity["pages_sealed"] >= 12
+    assert parity["pages_sealer_bytes_differing"] == 0 and parity["kv_bytes_compared"] > 0
+    assert parity["kv_code_mismatch"] <= parity["kv_code_mismatch_limit"]
+    gates = {g.name: g for g in evaluation_gates(metrics, cfg.gates, None, cfg.engine.parity_tolerance, True)}
+    assert gates["pages_sealer_parity"].passed and gates["kv_code_mismatch"].passed and gates["engine_parity"].passed
+    assert gates["kv_ppl_increase_pct"].value == on_engine["ppl_increase_pct"]
+    assert gates["kv_accuracy_drop"].value == on_engine["accuracy_drop"]
+    assert (tmp_path / "eval" / "kv_bits.png").is_file()
