@@ -221,7 +221,7 @@ def test_with_kv_disabled_the_stage_calibrates_nothing_and_says_so(tmp_path, cap
     assert sorted(p.name for p in kv_dir.iterdir()) == [KV_DISABLED_FILE]
     assert json.loads((kv_dir / KV_DISABLED_FILE).read_text())["kv_enabled"] is False
     assert not (kv_dir / KV_SCALES_FILE).exists()
-    assert "KV quantization disabled (kv.enabled: false)" in capsys.readouterr().out
+    assert "no KV scales to calibrate: kv.enabled is false" in capsys.readouterr().out
 
 
 def test_cli_refuses_bad_kv_settings_naming_the_key(tmp_path, capsys):
