@@ -419,7 +419,7 @@ def weight_row(run: QualityRun, engines: dict[str, Path], weights: str, threads:
 def served_kv_row(run: QualityRun, cfg, base: BaseModel, threads: int) -> None:
     """The served KV cache on its engine: quantized pages (the serving engine) or the static scheme (the KV engine)."""
     if cfg.engine.kv_cache == "quantized_pages":
-        engine_dir = cfg.layout.cache_engine_dir  # fp32 weights, the pages: the cache alone against the reference
+        engine_dir = cfg.engine.cache_engine_dir  # fp32 weights, the pages: the cache alone against the reference
         measure_row(run, "ours", "fp32", run.served, build_key(engine_dir),
                     partial(pages_engine_logits, engine_dir, run.context, run.block_size, threads),
                     kv_read="engine", note="the served cache: the serving engine's quantized pages")

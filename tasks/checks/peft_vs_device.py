@@ -8,6 +8,12 @@ the release served by the runtime, asked through the openai SDK: ``/v1/completio
 The prompts are the month's test rows. Every pair of answers is printed; any difference, or a device
 serving another release than the one PEFT loaded, exits 1.
 
+A device serving quantized pages (``engine.kv_cache: quantized_pages``) reads sealed pages at 4 bits where PEFT reads
+a float cache, so an answer may differ because of the cache alone. Its answers are then also compared with its own
+PyTorch module reading the same pages (the release merged into the base, ``tasks.checks.page_quality``): that pair must
+agree on every row (a difference is a defect of the device); a PEFT difference the module shares is the cache's cost,
+counted and printed, and exits 1 only beyond ``--max-cache-differences``.
+
     python -m tasks.checks.peft_vs_device --params examples/smollm2.yaml            # serves the release in this process
     python -m tasks.checks.peft_vs_device --params examples/smollm2.yaml --url http://127.0.0.1:8080/v1
                                    # asks a running `python -m runtime serve` with that release instead
@@ -38,10 +44,15 @@ class Answer:
     prompt: Prompt
     peft: str
     device: str
+    module: str | None = None  # the device's PyTorch module through the same quantized pages (None: a float cache)
 
     @property
     def equal(self) -> bool:
         return self.peft == self.device
+
+    @property
+    def module_equal(self) -> bool:
+        return self.module is None or self.module == self.device
 
 
 def asked_prompts(test_jsonl: Path, limit: int | None = None) -> list[tuple[int, str, Prompt]]:
@@ -117,15 +128,38 @@ def serving(engine_dir: Path, tokenizer_dir: Path, release_dir: Path, trusted_ke
         yield f"{background.url}/v1"
 
 
+def pages_greedy(base_dir: Path, release_dir: Path, engine_dir: Path, prompts: list[Prompt],
+                 max_new_tokens: int) -> list[str]:
+    """Greedy answers of the release merged into the base, in PyTorch, reading the engine's quantized pages as the
+    device does (``tasks.checks.page_quality.greedy_through_pages``), prompts encoded as the device encodes them."""
+    from kernels.kv_spec import PageQuantSpec
+    from runtime.engine.interface import read_interface
+    from tasks.checks.page_quality import greedy_through_pages
+    from tasks.kv_stats import load_release_backbone
+    from tasks.models import load_tokenizer
+
+    iface = read_interface(engine_dir)
+    backbone, _, _ = load_release_backbone(base_dir, release_dir, engine_dir)
+    asked = [p if isinstance(p, str) else ChatPrompt(tuple(p)) for p in prompts]
+    return greedy_through_pages(backbone, load_tokenizer(base_dir), asked, PageQuantSpec.from_dict(iface.kv_pages),
+                                iface.kv_block_size, max_new_tokens)
+
+
 def compare(base_dir: Path, release_dir: Path, url: str, test_jsonl: Path, max_new_tokens: int,
-            limit: int | None = None) -> tuple[str, list[Answer]]:
-    """(the served model's id, one ``Answer`` per test prompt and endpoint)."""
+            limit: int | None = None, engine_dir: Path | None = None) -> tuple[str, list[Answer]]:
+    """(the served model's id, one ``Answer`` per test prompt and endpoint); with ``engine_dir`` of a quantized-pages
+    engine, each with the module's answer through the same pages."""
+    from runtime.engine.interface import read_interface
+
     asked = asked_prompts(test_jsonl, limit)
     prompts = [p for _, _, p in asked]
     model, device = device_greedy(url, prompts, max_new_tokens)
     peft = peft_greedy(base_dir, release_dir, prompts, max_new_tokens)
-    return model, [Answer(row, endpoint, prompt, p, d)
-                   for (row, endpoint, prompt), p, d in zip(asked, peft, device)]
+    module = [None] * len(prompts)
+    if engine_dir is not None and read_interface(engine_dir).kv_pages:
+        module = pages_greedy(base_dir, release_dir, engine_dir, prompts, max_new_tokens)
+    return model, [Answer(row, endpoint, prompt, p, d, m)
+                   for (row, endpoint, prompt), p, d, m in zip(asked, peft, device, module)]
 
 
 def release_id(release_dir: Path) -> str:
@@ -137,14 +171,26 @@ def render(model: str, release: str, answers: list[Answer]) -> str:
         text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
         return text if len(text) <= 48 else text[:45] + "..."
 
+    pages = any(a.module is not None for a in answers)
     lines = [f"PEFT loaded release {release}; the device serves {model}"
-             + ("" if model == release else " (ANOTHER RELEASE)"), "| row | endpoint | prompt | PEFT | device | equal |", "|---|---|---|---|---|---|"]
+             + ("" if model == release else " (ANOTHER RELEASE)"),
+             "| row | endpoint | prompt | PEFT | device | equal |" + (" module through the pages | equal |" if pages else ""),
+             "|---|---|---|---|---|---|" + ("---|---|" if pages else "")]
     lines += [f"| {a.row} | {a.endpoint} | {shown(a.prompt)} | {a.peft!r} | {a.device!r} | {'yes' if a.equal else 'NO'} |"
-              for a in answers]
+              + (f" {a.module!r} | {'yes' if a.module_equal else 'NO'} |" if pages else "") for a in answers]
     for endpoint in sorted({a.endpoint for a in answers}):
         mine = [a for a in answers if a.endpoint == endpoint]
-        lines.append(f"{endpoint}: {sum(a.equal for a in mine)} of {len(mine)} answers equal")
+        lines.append(f"{endpoint}: {sum(a.equal for a in mine)} of {len(mine)} answers equal to PEFT's"
+                     + (f", {sum(a.module_equal for a in mine)} of {len(mine)} to the module's through the same pages"
+                        if pages else ""))
     return "\n".join(lines)
+
+
+def verdict(model: str, release: str, answers: list[Answer], max_cache_differences: int) -> bool:
+    """Whether the device passes: the release PEFT loaded, every answer its module's through the same cache, and
+    at most ``max_cache_differences`` answers other than PEFT's (each then the quantized pages', as the module shows)."""
+    return (model == release and all(a.module_equal for a in answers)
+            and sum(not a.equal for a in answers) <= max_cache_differences)
 
 
 def release_paths(cfg: ReleaseConfig) -> dict:
@@ -164,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", help="a running device's .../v1 URL serving that release "
                                       "(default: serve it in this process on the profile's serving engine)")
     parser.add_argument("--rows", type=int, default=None, help="the first N test rows (default: all)")
+    parser.add_argument("--max-cache-differences", type=int, default=0,
+                        help="answers a quantized-pages device may give otherwise than PEFT's float cache, each the "
+                             "same as its module's through the same pages (default 0)")
     args = parser.parse_args(argv)
     cfg = load_config(args.params)
     paths = release_paths(cfg)
@@ -175,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         url = args.url or stack.enter_context(serving(paths["engine_dir"], paths["base_dir"], paths["release_dir"],
                                                       paths["trusted_key"], cfg.engine.backend, cfg.engine.threads))
         model, answers = compare(paths["base_dir"], paths["release_dir"], url, paths["test_jsonl"],
-                                 cfg.eval.max_new_tokens, args.rows)
+                                 cfg.eval.max_new_tokens, args.rows, paths["engine_dir"])
     release = release_id(paths["release_dir"])
     print(render(model, release, answers))
-    return 0 if model == release and all(a.equal for a in answers) else 1
+    return 0 if verdict(model, release, answers, args.max_cache_differences) else 1
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import shutil
 import pytest
 from release_testkit import world
 
-from tasks.checks.peft_vs_device import compare, release_id, render, serving
+from tasks.checks.peft_vs_device import Answer, compare, release_id, render, serving, verdict
 from tasks.inspection import rulebook, sample_examples
 from tasks.records import read_jsonl, write_jsonl
 
@@ -76,3 +76,19 @@ def test_peft_answers_a_model_that_ends_on_several_eos_ids_and_has_no_pad_token(
             expected.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     assert peft_greedy(tiny_llama_bos_dir, tmp_path / "adapter", prompts, 6) == expected
     assert any(expected)
+
+
+def test_a_quantized_pages_device_must_answer_as_its_module_through_the_same_pages_and_may_differ_from_peft_within_a_limit():
+    same = Answer(1, "chat", "p", peft="digit", device="digit", module="digit")
+    cache = Answer(2, "chat", "q", peft="symbol", device="mark", module="mark")  # the 4-bit pages' answer: the module's
+    defect = Answer(3, "chat", "r", peft="digit", device="mark", module="digit")  # the module reads the same pages
+
+    assert verdict("m", "m", [same, cache], max_cache_differences=1)
+    assert not verdict("m", "m", [same, cache], max_cache_differences=0)
+    assert not verdict("m", "m", [same, defect], max_cache_differences=5)
+    assert not verdict("m", "other", [same], max_cache_differences=5)
+    table = render("m", "m", [same, cache, defect])
+    assert "| 3 | chat | r | 'digit' | 'mark' | NO | 'digit' | NO |" in table
+    assert "chat: 1 of 3 answers equal to PEFT's, 2 of 3 to the module's through the same pages" in table
+    float_cache = Answer(1, "chat", "p", peft="digit", device="digit")
+    assert verdict("m", "m", [float_cache], 0) and "module" not in render("m", "m", [float_cache])
