@@ -173,17 +173,25 @@ def unpack_bits_f32(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 
 def _unpack_words_f32(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """A width that straddles bytes, 3 bits: each 8 values fill ``bits`` bytes, read as one little-endian integer
-    below 2^24 (exact in float32), then peeled ``bits`` at a time as ``unpack_parts_f32`` peels a byte: the
-    integers of ``unpack_bits``'s int64 bit planes, in the float ops the aligned widths use (see below)."""
-    words = packed.to(torch.float32).unflatten(-1, (packed.shape[-1] // bits, bits))  # (..., n8, bits)
-    word = (words * torch.tensor([256.0**j for j in range(bits)])).sum(-1)  # (..., n8): below 2^(8 bits) = 2^24
+    """A width that straddles bytes, 3 bits: the values of ``_word_parts_f32`` back in order, (..., n8 * 8)."""
+    return torch.stack(_word_parts_f32(packed, bits), dim=-1).flatten(-2)  # low bits first
+
+
+def _word_parts_f32(packed: torch.Tensor, bits: int, dim: int = -1) -> list[torch.Tensor]:
+    """A width that straddles bytes, 3 bits: each 8 values fill ``bits`` bytes (along ``dim``), read as one
+    little-endian integer below 2^24 (exact in float32), then peeled ``bits`` at a time as ``unpack_parts_f32`` peels
+    a byte: the integers of ``unpack_bits``'s int64 bit planes, in the float ops the aligned widths use (see below).
+    8 float32 tensors, ``dim`` of n8 = nbytes / bits: part j holds value j of every 8."""
+    dim = dim % packed.dim()
+    words = packed.to(torch.float32).unflatten(dim, (-1, bits))  # (..., n8, bits, ...)
+    weights = torch.tensor([256.0**j for j in range(bits)]).reshape(bits, *[1] * (packed.dim() - dim - 1))
+    word = (words * weights).sum(dim + 1)  # (..., n8, ...): below 2^(8 bits) = 2^24
     parts = []
     for _ in range(7):
         high = torch.floor(word * 2.0**-bits)
         parts.append(word - high * 2.0**bits)  # value j of each 8: the lowest bits left
         word = high
-    return torch.stack(parts + [word], dim=-1).flatten(-2)  # (..., n8 * 8): low bits first
+    return parts + [word]
 
 
 def unpack_parts_f32(packed: torch.Tensor, bits: int) -> list[torch.Tensor]:
@@ -200,6 +208,28 @@ def unpack_parts_f32(packed: torch.Tensor, bits: int) -> list[torch.Tensor]:
         parts.append(rest - high * 2.0**bits)  # the lowest b bits
         rest = high
     return parts + [rest]
+
+
+def unpack_parts_u8(packed: torch.Tensor, bits: int, dim: int = -1) -> list[tuple[torch.Tensor, float]]:
+    """Packed values, their bytes along ``dim``, at any width -> the values as uint8 parts, for a dequantization
+    that reads bytes (ONNX's DequantizeLinear, ``kernels.page_quant``): per part, (codes, weight), the codes holding
+    the part's values times ``weight``. At a width dividing 8, per = 8 // bits parts of the packed shape, part j the
+    values j, j + per, ... of the row (value j of every byte) with their bits left in place: weight 2^(b j), exact
+    under any scale (a power of two). At 3 bits 8 parts of weight 1, ``dim`` of nbytes / 3, part j holding value j
+    of every 8 (``_word_parts_f32``). Never interleaved back.
+
+    The aligned widths mask each byte: a BitwiseAnd, and a Sub for the rest of the byte (a shift would need a
+    BitShift, which the exporter writes as a signed-shift emulation of seven ops, or a float round trip)."""
+    if bits == 8:
+        return [(packed, 1.0)]
+    if 8 % bits:
+        return [(part.to(torch.uint8), 1.0) for part in _word_parts_f32(packed, bits, dim)]
+    rest, parts = packed, []  # byte by byte: ``dim`` is any
+    for j in range(8 // bits - 1):
+        part = rest & ((2**bits - 1) << (bits * j))  # value j, times 2^(b j)
+        parts.append((part, 2.0 ** (bits * j)))
+        rest = rest - part
+    return parts + [(rest, 2.0 ** (8 - bits))]
 
 
 # ---------------------------------------------------------------- reference cache

@@ -19,8 +19,9 @@ gathers through a block table: unpack (``kernels.kv_quant.unpack_bits_f32``), mu
 from __future__ import annotations
 
 import torch
+import torch.ao.quantization.fx._decomposed  # noqa: F401  registers torch.ops.quantized_decomposed (DequantizeLinear)
 
-from kernels.kv_quant import pack_bits, unpack_bits_f32
+from kernels.kv_quant import pack_bits, unpack_parts_u8
 from kernels.kv_spec import MIN_PAGE_SCALE, PageQuantSpec
 
 
@@ -60,24 +61,102 @@ def seal_packed(k: torch.Tensor, v: torch.Tensor, spec: PageQuantSpec) -> dict[s
             "value_codes": pack_bits(v_codes, spec.v_bits), "value_scale": v_scale, "value_min": v_min}
 
 
+# ---------------------------------------------------------------- the read
+# The graph reads a row's sealed pages as it gathers them, page by page (``runtime.engine.paged_model.gathered_blocks``):
+# key codes (B, nkv, M, bs, packed d) uint8 with scale and minimum (B, nkv, M, 1, d) fp16; value codes (B, nkv, M, bs,
+# packed d) with scale and minimum (B, nkv, M, bs, d / G). It never materializes them as float K/V plus minimum: the
+# codes become floats already scaled (``_dequantized``), and the minima fold into the small side, q and the weights.
+
+def _dequantized(u: torch.Tensor, scale: torch.Tensor, run: int) -> torch.Tensor:
+    """Codes u uint8 whose runs of ``run`` consecutive codes share a scale, scale float32 (one per run, in u's
+    order) -> u scale as rows (u.numel() / run, run) float32: one per-axis DequantizeLinear
+    (``quantized_decomposed.dequantize_per_channel`` exports as one), which reads the bytes and writes the floats
+    in one pass. A Cast and a broadcast Mul take two, the Mul alone ~5x the DequantizeLinear's time (measured in
+    ONNX Runtime, 2 threads, 1 M codes in rows of 16: 1.1-1.3 ms against 0.25 ms, the same floats)."""
+    return torch.ops.quantized_decomposed.dequantize_per_channel(u.reshape(-1, run), scale.reshape(-1), None, 0, 0, 255,
+                                                                 torch.uint8)
+
+
+def sealed_keys_t(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """Key pages, codes (B, nkv, M, bs, packed d) uint8 and scale (B, nkv, M, 1, d) fp16 -> the keys less their page's
+    minimum, u s, transposed: (B, nkv, d, M bs) float32.
+
+    Transposed while they are bytes (before the parts are peeled), so that each page's channel is a row of ``bs``
+    codes under one scale, one DequantizeLinear for them all, and q multiplies the result as it is. The parts of
+    ``kernels.kv_quant.unpack_parts_u8`` (part j: channels j::per) are stacked behind their byte: channel order,
+    each part copied in runs of a whole (page, token) plane, not a byte at a time."""
+    B, nkv, M, bs, _ = codes.shape
+    d = scale.shape[-1]
+    parts = unpack_parts_u8(codes.permute(0, 1, 4, 2, 3), bits, dim=2)  # per x (B, nkv, d / per, M, bs)
+    u_t = torch.cat([u for u, _ in parts], dim=3)  # (B, nkv, d / per, per M, bs): rows in channel order, per k + j
+    weights = torch.tensor([1.0 / weight for _, weight in parts]).repeat(d // len(parts))  # (d,): channel c's part
+    s_t = (scale.to(torch.float32) * weights).permute(0, 1, 4, 2, 3)  # (B, nkv, d, M, 1)
+    return _dequantized(u_t, s_t, bs).reshape(B, nkv, d, M * bs)
+
+
+def value_parts(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """Value pages, codes (B, nkv, M, bs, packed d) uint8 and scale (B, nkv, M, bs, d / G) fp16 -> per part j of the
+    codes (channels j::per) the values less their group's minimum, u s: (B, nkv, M bs, d / per) float32.
+
+    A part's codes of one group lie side by side (group / per of them: one DequantizeLinear row each) when per
+    divides the group; a group narrower than the parts' stride (a scheme of tiny groups) gets its scale per code.
+    Not stacked into one tensor as the keys are: a group's parts would be copied in runs of group / per bytes
+    (16 at K4/V4 g32), measured slower than a second DequantizeLinear and MatMul."""
+    B, nkv, M, bs, _ = codes.shape
+    groups = scale.shape[-1]
+    parts = unpack_parts_u8(codes, bits)
+    per = len(parts)
+    d = per * parts[0][0].shape[-1]
+    s = scale.to(torch.float32)
+    if (d // groups) % per == 0:
+        return [_dequantized(u, s if weight == 1 else s * (1 / weight), d // groups // per).reshape(B, nkv, M * bs, d // per)
+                for u, weight in parts]
+    per_channel = s.repeat_interleave(d // groups, dim=-1)  # (B, nkv, M, bs, d)
+    return [_dequantized(u, per_channel[..., j::per] * (1 / weight), 1).reshape(B, nkv, M * bs, d // per)
+            for j, (u, weight) in enumerate(parts)]
+
+
+def sealed_key_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                      bits: int) -> torch.Tensor:
+    """q (B, nkv, R, d) against the key pages (``sealed_keys_t``'s; minimum (B, nkv, M, 1, d) fp16) -> q . k
+    (B, nkv, R, M bs), k = u s + m: q . (u s), plus q . m per page, one (R, d) x (d, M) product instead of an add
+    over every key. The same sums as q . k, reassociated."""
+    B, nkv, M, bs, _ = codes.shape
+    scores = q @ sealed_keys_t(codes, scale, bits)  # (B, nkv, R, M bs)
+    q_min = q @ minimum.to(torch.float32).squeeze(3).transpose(-1, -2)  # (B, nkv, R, M)
+    return (scores.unflatten(-1, (M, bs)) + q_min[..., None]).flatten(-2)
+
+
+def sealed_value_mix(a: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                     bits: int) -> torch.Tensor:
+    """Weights a (B, nkv, R, M bs) over the value pages (``value_parts``'s; minimum (B, nkv, M, bs, d / G) fp16) ->
+    sum_t a_t v_t (B, nkv, R, d), v = u s + m: per part a . (u_j s_j), interleaved back on the small side, plus
+    a . m per group, one (R, M bs) x (M bs, d / G) product instead of an add over every value."""
+    B, nkv, M, bs, groups = scale.shape
+    y = torch.stack([a @ v for v in value_parts(codes, scale, bits)], dim=-1).flatten(-2)  # (B, nkv, R, d)
+    a_min = a @ minimum.to(torch.float32).reshape(B, nkv, M * bs, groups)  # (B, nkv, R, d / G)
+    return (y.unflatten(-1, (groups, -1)) + a_min[..., None]).flatten(-2)
+
+
 def dequantize_key_pages(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
                          block_size: int) -> torch.Tensor:
-    """Sealed keys as the graph gathers them: codes (B, nkv, M bs, packed d) uint8, scale and minimum (B, nkv, M, d)
-    fp16 -> keys (B, nkv, M bs, d) float32, each page's tokens read with its channels' scales."""
+    """A row's sealed keys end to end, codes (B, nkv, M bs, packed d) uint8, scale and minimum (B, nkv, M, d) fp16 ->
+    keys (B, nkv, M bs, d) float32, each page's tokens read with its channels' scales: the keys
+    ``sealed_key_scores`` multiplies, materialized (the reference the tests hold it to)."""
     B, nkv, M, d = scale.shape
-    u = unpack_bits_f32(codes, bits, d).reshape(B, nkv, M, block_size, d)
-    k = u * scale.to(torch.float32)[:, :, :, None] + minimum.to(torch.float32)[:, :, :, None]
+    u_s = sealed_keys_t(codes.unflatten(2, (M, block_size)), scale[:, :, :, None], bits).transpose(-1, -2)
+    k = u_s.reshape(B, nkv, M, block_size, d) + minimum.to(torch.float32)[:, :, :, None]
     return k.reshape(B, nkv, M * block_size, d)
 
 
 def dequantize_value_pages(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
                            head_dim: int) -> torch.Tensor:
-    """Sealed values as the graph gathers them: codes (B, nkv, S, packed d) uint8, scale and minimum (B, nkv, S, d / G)
-    fp16 -> values (B, nkv, S, d) float32."""
+    """A row's sealed values end to end, codes (B, nkv, S, packed d) uint8, scale and minimum (B, nkv, S, d / G) fp16
+    -> values (B, nkv, S, d) float32: the values ``sealed_value_mix`` weighs, materialized."""
     B, nkv, S, groups = scale.shape
-    u = unpack_bits_f32(codes, bits, head_dim).reshape(B, nkv, S, groups, head_dim // groups)  # (B, nkv, S, d / G, G)
-    v = u * scale.to(torch.float32)[..., None] + minimum.to(torch.float32)[..., None]
-    return v.reshape(B, nkv, S, head_dim)
+    parts = value_parts(codes[:, :, None], scale[:, :, None], bits)  # (B, nkv, S, d / per) each
+    u_s = torch.stack(parts, dim=-1).reshape(B, nkv, S, groups, head_dim // groups)  # channel per k + j
+    return (u_s + minimum.to(torch.float32)[..., None]).reshape(B, nkv, S, head_dim)
 
 
 def read_back(k: torch.Tensor, v: torch.Tensor, spec: PageQuantSpec, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

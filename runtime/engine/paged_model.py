@@ -15,7 +15,9 @@ and what goes out:
 
 ``QuantizedPagesBackbone`` (version 9) reads two kinds of blocks: each row's float pages (its first page, the sink,
 and its open page) and its sealed pages (codes, fp16 scales and minima, ``kernels.kv_spec.PageQuantSpec``), which it
-dequantizes per layer (``kernels.page_quant``) and attends together with the float pages and the new tokens.
+attends together with the float pages and the new tokens without materializing them as float K/V: the scales are
+applied as the codes become floats and the minima fold into the query and weight side
+(``kernels.page_quant.sealed_key_scores``, ``sealed_value_mix``).
 
 Why a gather and not a contrib op: ORT's ``PagedAttention`` runs on CUDA only, and its ``GroupQueryAttention``
 takes a padded past; the gather keeps the one quantized attention the padded engine runs (same
@@ -26,26 +28,32 @@ per row in the table, bs block size, N blocks in the pool, w the stored width (d
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
 
 from kernels.kv_spec import PageQuantSpec
-from kernels.page_quant import dequantize_key_pages, dequantize_value_pages
+from kernels.page_quant import sealed_key_scores, sealed_value_mix
+
+
+def gathered_blocks(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """pool (N, nkv, bs, w) read through block_table (B, M) -> the rows' blocks (B, nkv, M, bs, w).
+
+    One Gather of (block, head) slabs straight into the past's order, (B, nkv, M) slab indices: gathering whole
+    blocks (B, M, nkv, bs, w) needs a Transpose after it, a second copy of the past per layer and step (measured:
+    paged decode 0.82x the padded engine's tokens/s with it, tiny engine, 8 rows of 128-1024 tokens)."""
+    N, nkv, bs, w = pool.shape
+    slabs = block_table[:, None, :] * nkv + torch.arange(nkv, device=pool.device)[None, :, None]  # (B, nkv, M)
+    return pool.reshape(N * nkv, bs, w)[slabs]
 
 
 def gathered(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """pool (N, nkv, bs, w) read through block_table (B, M) -> the rows' pasts (B, nkv, M bs, w).
-
-    One Gather of (block, head) slabs straight into the past's order, (B, nkv, M) slab indices, so the
-    result is the past by a free reshape: gathering whole blocks (B, M, nkv, bs, w) needs a Transpose after
-    it, a second copy of the past per layer and step (measured: paged decode 0.82x the padded engine's
-    tokens/s with it, tiny engine, 8 rows of 128-1024 tokens)."""
+    """pool (N, nkv, bs, w) read through block_table (B, M) -> the rows' pasts (B, nkv, M bs, w), by a free reshape
+    of ``gathered_blocks``."""
     B, M = block_table.shape
-    N, nkv, bs, w = pool.shape
-    slabs = block_table[:, None, :] * nkv + torch.arange(nkv, device=pool.device)[None, :, None]  # (B, nkv, M)
-    return pool.reshape(N * nkv, bs, w)[slabs].reshape(B, nkv, M * bs, w)  # (B, nkv, M, bs, w) -> (B, nkv, M bs, w)
+    _, nkv, bs, w = pool.shape
+    return gathered_blocks(pool, block_table).reshape(B, nkv, M * bs, w)
 
 
 class PagedKVBackbone(nn.Module):
@@ -74,7 +82,7 @@ class PagedKVBackbone(nn.Module):
         P = past[0].shape[2]
         if not self.quantized:  # the float backbone's layers over the gathered past, one segment per layer
             return attend_past(self.backbone, input_ids, position_ids, attention_mask, P,
-                               lambda i: [(past[2 * i], past[2 * i + 1])], lora, logit_positions)
+                               lambda i: [float_segment(past[2 * i], past[2 * i + 1])], lora, logit_positions)
         cache, per_layer = [], len(pools) // self.cfg.num_layers
         empty_sink = past[0].new_zeros((past[0].shape[0], self.cfg.num_kv_heads, 0, self.cfg.head_dim), dtype=torch.float16)
         for i in range(self.cfg.num_layers):  # the padded engine's order: the layer's past_*, then its two sinks
@@ -85,14 +93,29 @@ class PagedKVBackbone(nn.Module):
                           for i in range(self.cfg.num_layers) for j in range(per_layer)))
 
 
-def attend_past(bb, input_ids, position_ids, attention_mask, P, segments: Callable[[int], list], lora: list,
+class PastSegment(NamedTuple):
+    """A stretch of a layer's past as attention reads it: its ``length`` slots, ``scores(qg)`` (B, nkv, g T, d) ->
+    (B, nkv, g T, length) unscaled q . k, and ``mix(a)`` weights (B, nkv, g T, length) -> sum of a v (B, nkv, g T, d).
+    Float K/V multiply as they are (``float_segment``); sealed pages read their codes (``QuantizedPagesBackbone``)."""
+
+    length: int
+    scores: Callable[[torch.Tensor], torch.Tensor]
+    mix: Callable[[torch.Tensor], torch.Tensor]
+
+
+def float_segment(k: torch.Tensor, v: torch.Tensor) -> PastSegment:
+    """Float K and V (B, nkv, P_j, d)."""
+    return PastSegment(k.shape[2], lambda qg: qg @ k.transpose(-1, -2), lambda a: a @ v)
+
+
+def attend_past(bb, input_ids, position_ids, attention_mask, P, segments: Callable[[int], list[PastSegment]], lora: list,
                 logit_positions=None):
     """The float backbone ``bb``'s layers (``Block.project_qkv``, ``Block.finish``) with attention over a past of
     ``P`` slots in segments and the new tokens side by side, never concatenated: ``Block.forward`` builds
     present = past ++ new, a copy of the past that the gather has already made once (measured with it: paged decode
     0.77x the padded engine's tokens/s, float cache, 8 rows of 128-1024 tokens). ``segments(i)``: layer i's past as
-    [(k, v), ...], each (B, nkv, P_j, d), in the mask's order, sum of P_j = P; called inside the layer, so a segment
-    made from the pools (a gather, a dequantization) is a transient of that layer alone. Returns (logits, *new K/V)."""
+    ``PastSegment``s in the mask's order, their lengths summing to P; called inside the layer, so what a segment
+    makes from the pools (a gather, codes read as floats) is a transient of that layer alone. Returns (logits, *new K/V)."""
     cfg = bb.cfg
     B, T = input_ids.shape
     nkv, d = cfg.num_kv_heads, cfg.head_dim
@@ -105,12 +128,12 @@ def attend_past(bb, input_ids, position_ids, attention_mask, P, segments: Callab
         q, k, v = block.project_qkv(x, B, T, cos, sin, lora_i)  # (B, nh, T, d), (B, nkv, T, d) x 2
         qg = q.reshape(B, nkv, g * T, d)  # (B, nkv, g T, d): Block.forward's GQA fold
         past = segments(i)
-        scores = torch.cat([qg @ pk.transpose(-1, -2) for pk, _ in past] + [qg @ k.transpose(-1, -2)], dim=-1)  # (B, nkv, g T, P + T)
+        scores = torch.cat([seg.scores(qg) for seg in past] + [qg @ k.transpose(-1, -2)], dim=-1)  # (B, nkv, g T, P + T)
         att = torch.softmax(scores * (1.0 / math.sqrt(d)) + mask, dim=-1)
         y, start = None, 0
-        for pk, pv in past:
-            part = att[..., start : start + pk.shape[2]] @ pv  # (B, nkv, g T, d)
-            y, start = part if y is None else y + part, start + pk.shape[2]
+        for seg in past:
+            part = seg.mix(att[..., start : start + seg.length])  # (B, nkv, g T, d)
+            y, start = part if y is None else y + part, start + seg.length
         y = y + att[..., P:] @ v
         x = block.finish(x, y, B, T, lora_i)
         new += [k, v]
@@ -141,15 +164,16 @@ class QuantizedPagesBackbone(nn.Module):
 
     def forward(self, input_ids, position_ids, attention_mask, block_table, float_block_table, float_pools: list,
                 sealed_pools: list, lora: list, logit_positions=None):
-        spec, bs, d = self.spec, self.block_size, self.cfg.head_dim
+        spec, bs = self.spec, self.block_size
         F, M = float_block_table.shape[1], block_table.shape[1]
 
-        def segments(i: int) -> list:
-            k_codes, k_scale, k_min, v_codes, v_scale, v_min = (gathered(p, block_table) for p in sealed_pools[6 * i : 6 * i + 6])
-            sealed_k = dequantize_key_pages(k_codes, k_scale, k_min, spec.k_bits, bs)  # (B, nkv, M bs, d)
-            sealed_v = dequantize_value_pages(v_codes, v_scale, v_min, spec.v_bits, d)
+        def segments(i: int) -> list[PastSegment]:  # sealed pages read page by page (kernels.page_quant's read)
+            k_codes, k_scale, k_min, v_codes, v_scale, v_min = (gathered_blocks(p, block_table)
+                                                                for p in sealed_pools[6 * i : 6 * i + 6])
+            sealed = PastSegment(M * bs, lambda qg: sealed_key_scores(qg, k_codes, k_scale, k_min, spec.k_bits),
+                                 lambda a: sealed_value_mix(a, v_codes, v_scale, v_min, spec.v_bits))
             float_k, float_v = (gathered(p, float_block_table) for p in float_pools[2 * i : 2 * i + 2])  # (B, nkv, F bs, d)
-            return [(float_k, float_v), (sealed_k, sealed_v)]
+            return [float_segment(float_k, float_v), sealed]
 
         return attend_past(self.backbone, input_ids, position_ids, attention_mask, (F + M) * bs, segments, lora,
                            logit_positions)
