@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import random
 import time
 from pathlib import Path
 
 from bench.lib.backbones import TARGETS, build_qwen2_05b_shape
 from bench.lib.report import progress
+from kernels.kv_spec import PageQuantSpec
 from runtime.release.contract import MANIFEST
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -86,7 +88,7 @@ def make_tiny_adapter(base: Path, out: Path, engine_dir: Path | None = None, r: 
 def make_tiny_release(root: Path, base: Path, engine_dir: Path, adapter: Path, month: str, signing_key: Path,
                       now: dt.datetime | None = None, gates_passed: bool = True, expiry_days: int = 120) -> Path:
     """Calibrate KV scales for ``adapter`` (for the scheme of a quantized-KV engine, which refuses any
-    other), write eval metrics and a gate report, and package it with ``tasks.stages.package.build_release``
+    other; none for a quantized-pages engine), write eval metrics and a gate report, and package it with ``tasks.stages.package.build_release``
     into ``root/package``; return the release directory."""
     from kernels.kv_spec import PRE_ROPE_SCHEME, KVQuantSpec
     from runtime.engine.interface import read_interface
@@ -100,15 +102,18 @@ def make_tiny_release(root: Path, base: Path, engine_dir: Path, adapter: Path, m
     root.mkdir(parents=True, exist_ok=True)
     calib = root / "calib.jsonl"
     write_jsonl(calib, sample_examples(rulebook(month, 1234, 2), 16, random.Random(0)))
-    engine_spec = read_interface(engine_dir).kv_spec
-    spec = KVQuantSpec.from_dict(engine_spec) if engine_spec else PRE_ROPE_SCHEME
-    calibrate_kv_scales(base, adapter, calib, root / "kv", spec, batch_size=8, engine_dir=engine_dir)
+    iface = read_interface(engine_dir)
+    kv_dir = None  # quantized pages: the device seals each page with its own scales, the release ships none
+    if not iface.kv_pages:
+        spec = KVQuantSpec.from_dict(iface.kv_spec) if iface.kv_spec else PRE_ROPE_SCHEME
+        kv_dir = root / "kv"
+        calibrate_kv_scales(base, adapter, calib, kv_dir, spec, batch_size=8, engine_dir=engine_dir)
     (root / "metrics.json").write_text(json.dumps({
         "month": month, "base": {"accuracy": 0.5, "accuracy_new": 0.1, "per_rule": {"lifted": 0.5}},
         "adapter": {"accuracy": 0.97, "accuracy_new": 0.96, "accuracy_regression": 0.98, "perplexity": 3.2}}))
     (root / "gates.json").write_text(json.dumps({"passed": gates_passed, "gates": [
         {"name": "accuracy_new", "value": 0.96, "threshold": 0.95, "op": ">=", "passed": gates_passed, "detail": ""}]}))
-    out = build_release(adapter, root / "kv", root / "metrics.json", root / "gates.json", engine_dir, base,
+    out = build_release(adapter, kv_dir, root / "metrics.json", root / "gates.json", engine_dir, base,
                         root / "package", signing_key, month, expiry_days=expiry_days, threads=1,
                         prompt=INSPECTION_PROMPTS[0], max_new_tokens=4, now=now)
     return out / RELEASE_DIR
@@ -176,24 +181,26 @@ def serving_world(root: Path, tiny: bool) -> dict:
 
 # ---------------------------------------------------------------- the int4 world: the default serving form, int4 weights
 
-def int4_serving_engine(base: Path, export: Path, out: Path, threads: int, **form) -> Path:
+def int4_serving_engine(base: Path, export: Path, out: Path, threads: int, kv_cache: str = "quantized", **form) -> Path:
     """``base`` compiled into ``export`` in the default serving form (``tasks.stages.compile.serving_form``: the ``kv``
-    section's 4-bit cache, paged, adapters stacked; ``form`` overrides its keywords), then copied into ``out`` with
-    int4 weights as the compile stage does (``engine.weights: int4``); each reused when built."""
+    section's 4-bit cache as ``engine.kv_cache`` serves it, paged, adapters stacked; ``form`` overrides its keywords),
+    then copied into ``out`` with int4 weights as the compile stage does (``engine.weights: int4``); each reused when
+    built."""
     from tasks.config import EngineConfig, KVConfig
     from tasks.stages.compile import compile_engine, serving_form
     from tasks.weights.engines import ensure_quantized_engine
 
-    engine_cfg = EngineConfig(weights="int4")
+    engine_cfg = EngineConfig(weights="int4", kv_cache=kv_cache)
     compile_engine(base, export, INT4_WORLD_RANK, engine_cfg.target_modules, ort_threads=threads,
                    **serving_form(engine_cfg, KVConfig()) | form)
     ensure_quantized_engine(export, out, engine_cfg.weights, engine_cfg.weight_block_size, engine_cfg.weights_format())
     return out
 
 
-def build_int4_world(shape: str, root: Path, threads: int) -> dict:
-    """The backbone, our int4 / 4-bit-KV serving engine, a rank-8 adapter and its signed release, in ``root``;
-    an earlier build there (``world.json``, written last) is reused."""
+def build_int4_world(shape: str, root: Path, threads: int, kv_cache: str = "quantized") -> dict:
+    """The backbone, our int4 / 4-bit-KV serving engine (``kv_cache``: ``engine.kv_cache``'s static scheme or
+    quantized pages), a rank-8 adapter and its signed release, in ``root``; an earlier build there (``world.json``,
+    written last) is reused."""
     record = root / "world.json"
     if record.is_file():
         return {k: Path(v) for k, v in json.loads(record.read_text()).items()}
@@ -202,7 +209,12 @@ def build_int4_world(shape: str, root: Path, threads: int) -> dict:
     progress(f"[world {shape}] the backbone ...")
     base = make_tiny_base(root / "base") if shape == "tiny" else build_qwen2_05b_shape(root / "base", root)
     progress(f"[world {shape}] the serving engine, then its int4 weights ... ({time.perf_counter() - t0:.0f} s)")
-    engine = int4_serving_engine(base, root / "engine-kv", root / "engine", threads)
+    form = {}
+    if kv_cache == "quantized_pages":  # value groups of 32 channels (the default) where the head has them: tiny's has 16
+        config = json.loads((base / "config.json").read_text())
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        form["kv_pages"] = PageQuantSpec(v_group_size=math.gcd(PageQuantSpec().v_group_size, head_dim)).to_dict()
+    engine = int4_serving_engine(base, root / "engine-kv", root / "engine", threads, kv_cache, **form)
     progress(f"[world {shape}] an adapter and its release ... ({time.perf_counter() - t0:.0f} s)")
     adapter = make_tiny_adapter(base, root / "adapter", engine, r=INT4_WORLD_RANK, seed=11)
     key = root / "keys" / "release_signing.key"

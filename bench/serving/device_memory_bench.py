@@ -2,7 +2,7 @@
 
     python -m bench.serving.device_memory_bench [--shape 0.5b|tiny] [--loads 8x2048,1x8192,mixed] [--servers ours,llama]
         [--max-tokens 64] [--threads 2] [--arrival staggered|together] [--rss-limit-gb 12] [--workdir DIR]
-        [--ort-memory arena|shrink|no_arena] [--prefill-chunk N]
+        [--ort-memory arena|shrink|no_arena] [--prefill-chunk N] [--kv-cache quantized|quantized_pages]
         [--llama-server PATH] [--llama-cpp-src SDIST_OR_DIR] [--out bench/results/device_memory_bench.json]
 
 Not in CI nor in ``make bench`` (the 0.5B world takes minutes to build and GBs of memory). The model, built
@@ -407,6 +407,7 @@ def measure(world: dict, loads: dict, servers: list[str], args, work: Path, chec
     result = {"shape": args.shape, "dims": dims, "threads": args.threads, "max_tokens": args.max_tokens,
               "arrival": args.arrival, "rss_limit_gb": args.rss_limit_gb,
               "ours": {"engine": str(world["engine"]), "weights": iface.weights, "kv_spec": iface.kv_spec,
+                       "kv_pages": iface.kv_pages,
                        "kv_bytes_per_token": iface.kv_bytes_per_token, "logit_positions": iface.logit_positions,
                        "ort_memory": DEFAULT_ORT_MEMORY, "prefill_chunk": DEFAULT_PREFILL_CHUNK, "stored_weights": stored_weights(world["engine"])}
                       | our_options(args),
@@ -544,6 +545,9 @@ def main(argv: list[str] | None = None) -> int:
                     "default: the server's)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="ours: the device config's prefill_chunk "
                     f"(tokens per prefill forward; default: the server's, {DEFAULT_PREFILL_CHUNK})")
+    ap.add_argument("--kv-cache", choices=("quantized", "quantized_pages"), default="quantized",
+                    help="ours: engine.kv_cache of the serving engine (the static 4-bit scheme, or 4-bit quantized "
+                         "pages; each world built in its own folder under --workdir)")
     ap.add_argument("--out", type=Path, default=RESULTS / "device_memory_bench.json")
     args = ap.parse_args(argv)
     servers = args.servers.split(",")
@@ -559,8 +563,9 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="device-memory-") as tmp:
         work = args.workdir or Path(tmp)
-        world = build_int4_world(args.shape, work / args.shape, args.threads)
-        result = report(measure(world, loads, servers, args, work / args.shape,
+        root = work / (args.shape if args.kv_cache == "quantized" else f"{args.shape}-{args.kv_cache}")
+        world = build_int4_world(args.shape, root, args.threads, args.kv_cache)
+        result = report(measure(world, loads, servers, args, root,
                                 lambda partial: write_report(args.out, report(partial))))
     print_results(result)
     write_report(args.out, result)

@@ -82,3 +82,24 @@ def test_a_mixed_length_load_reads_the_servers_resident_set_and_kv_bytes(world, 
     # the server ran with the device config's prefill chunk (prompts of 16-112 tokens: 2-14 forwards each)
     assert (result["ours"]["prefill_chunk"], result["ours"]["ort_memory"]) == (8, "arena")
     assert '"prefill_chunk": 8' in (tmp_path / "device.json").read_text()
+
+
+def test_a_quantized_pages_world_serves_a_load_with_no_release_scales(tmp_path):
+    from kernels.kv_spec import PageQuantSpec
+    from runtime.engine.kv_scales import KV_SCALES_FILE
+
+    pages_world = worlds.build_int4_world("tiny", tmp_path / "tiny-pages", threads=1, kv_cache="quantized_pages")
+    iface = read_interface(pages_world["engine"])
+    assert iface.weight_precision == "int4" and iface.kv_spec is None
+    assert iface.kv_pages == PageQuantSpec(v_group_size=16).to_dict()  # the tiny head has 16 channels
+    assert not list(pages_world["release"].rglob(KV_SCALES_FILE))  # the device seals each page with its own scales
+    args = argparse.Namespace(shape="tiny", max_tokens=8, threads=1, arrival="staggered", rss_limit_gb=8.0,
+                              sample_s=0.01, report_s=0.05, llama_server=None, llama_cpp_src=None, ort_memory=None,
+                              prefill_chunk=16)
+
+    result = bench.measure(pages_world, {"two": (48, 80)}, ["ours"], args, tmp_path)
+
+    r = result["loads"]["two"]["ours"]
+    assert (r["errors"], r["exit_code"]) == (0, 0), r["error_examples"]
+    assert r["prompt_tokens"] == [40, 72] and result["ours"]["kv_pages"] == iface.kv_pages
+    assert 0 < r["kv_needed_bytes"] <= r["kv_allocated_bytes"] and 0 < r["peak_rss_bytes"]
