@@ -107,9 +107,40 @@ def test_the_evaluate_stage_measures_what_the_pages_cost_in_pytorch_and_on_the_e
     parity = metrics["engine_parity"]
     assert parity["kv_cache"] == "quantized_pages" and parity["pages_sealed"] >= 12
     assert parity["pages_sealer_bytes_differing"] == 0 and parity["kv_bytes_compared"] > 0
-    assert parity["kv_code_mismatch"] <= parity["kv_code_mismatch_limit"]
+    assert parity["kv_code_mismatch"] < 1e-3  # sealing PyTorch's own K/V: float rounding only, reported
     gates = {g.name: g for g in evaluation_gates(metrics, cfg.gates, None, cfg.engine.parity_tolerance, True)}
-    assert gates["pages_sealer_parity"].passed and gates["kv_code_mismatch"].passed and gates["engine_parity"].passed
+    assert gates["pages_sealer_parity"].passed and gates["engine_parity"].passed
+    assert "kv_code_mismatch" not in gates  # the static scheme's gate: pages are held to the exact one above
     assert gates["kv_ppl_increase_pct"].value == on_engine["ppl_increase_pct"]
     assert gates["kv_accuracy_drop"].value == on_engine["accuracy_drop"]
     assert (tmp_path / "eval" / "kv_bits.png").is_file()
+
+
+def test_a_device_that_seals_one_code_otherwise_than_the_reference_is_refused(pages_profile, tiny_llama_dir,
+                                                                               tmp_path, monkeypatch):
+    """The parity gate seals again the K/V the engine handed its cache: one code byte off in one page of one layer
+    is a difference (a planted defect: the runtime's sealer, wrapped to change it, clearly named)."""
+    from runtime.engine import kv_pages
+    from runtime.engine.adapter import load_adapter
+    from tasks.checks.engine_parity import pages_parity
+    from tasks.kv_stats import load_release_backbone
+
+    cfg, _ = pages_profile
+    adapter = make_adapter(tiny_llama_dir, tmp_path / "adapter")
+    engine = OrtEngine(cfg.layout.serving_engine_dir, threads=1)
+    engine.set_adapter(load_adapter(adapter, engine.interface))
+    backbone, _, _ = load_release_backbone(tiny_llama_dir, adapter, cfg.layout.serving_engine_dir)
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    prompt = "inspect board=PCB-0042 line=L3 part=P7 defect=void size=12 " + "and a longer tail of words " * 4
+    assert pages_parity(engine, backbone, tokenizer, [prompt])["pages_sealer_bytes_differing"] == 0
+
+    right_sealer = kv_pages.seal_pages
+
+    def sealer_one_code_off(k, v, spec):
+        pages = right_sealer(k, v, spec)
+        pages["key_codes"][0, 0, 0, 0] ^= 1  # the first page's first key code, low bit flipped
+        return pages
+
+    monkeypatch.setattr(kv_pages, "seal_pages", sealer_one_code_off)
+    report = pages_parity(engine, backbone, tokenizer, [prompt])
+    assert report["pages_sealer_bytes_differing"] >= 1 and report["pages_sealed"] >= 2
