@@ -72,8 +72,9 @@ def real_release(real_model_dir, tmp_path_factory):
     (examples/smollm2.yaml), with a fine-tune CI affords: 6 steps of 4 chat rows. Its gate report is
     written as passed: what is under test is that the device answers what PyTorch + PEFT answer.
 
-    The engine keeps the profile's float KV cache (examples/smollm2.yaml says why: with the 4-bit cache
-    12 of the profile's 36 greedy answers differ from PEFT's on this model)."""
+    The engine here is the float-cache one: what is under test is that the device serves what PEFT computes. What
+    the profile's 4-bit quantized pages cost is the evaluate stage's KV gates' measure (tasks/checks/page_quality.py),
+    on the serving engine itself."""
     from tasks.config import load_config
     from tasks.real_model.month import write_month
     from tasks.records import read_jsonl
