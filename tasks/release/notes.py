@@ -156,8 +156,11 @@ def render_release_notes(cfg: ReleaseConfig, root: Path, report: dict, outcome: 
     if latency:
         lines += ["", "## Decode latency", "",
                   f"One decode step on the {cfg.engine.backend} engine, batch 1, adapter bound: p50 {latency['p50_ms']:.2f} ms, "
-                  f"p95 {latency['p95_ms']:.2f} ms over {latency['steps']} steps (threshold p95 <= "
-                  f"{cfg.gates.max_p95_decode_ms} ms)."]
+                  f"p95 {latency['p95_ms']:.2f} ms over {latency['steps']} steps (1-minute load average "
+                  f"{latency['loadavg_1m'][0]:.1f} -> {latency['loadavg_1m'][1]:.1f}); "
+                  f"10th percentiles {latency['p10_ms']:.2f} ms against {latency['reference_p10_ms']:.2f} ms for the float "
+                  f"engine's step timed beside it, {latency['step_ratio']:.2f}x "
+                  f"(gate: <= {cfg.gates.max_decode_step_ratio}x)."]
     check = _read(layout.package_check_file)
     if check:
         lines += ["", "## Package", "",

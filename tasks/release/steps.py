@@ -141,6 +141,7 @@ def headline_metrics(cfg: ReleaseConfig, runs: list[StageRun], report: dict) -> 
         "kv_compression_vs_fp16": kv.get("compression_vs_fp16"),
         "decode_p50_ms": latency.get("p50_ms"),
         "decode_p95_ms": latency.get("p95_ms"),
+        "decode_step_ratio": latency.get("step_ratio"),
         "engine_max_abs_logit_diff": metrics.get("engine_parity", {}).get("max_abs_logit_diff"),
         "package_bytes": check.get("package_bytes"),
         "package_pct_of_base": check.get("pct_of_base"),

@@ -35,7 +35,7 @@ def test_params_run_the_local_backbone_on_a_short_schedule_with_open_quality_gat
     cfg = load_config(tmp_path / "params.yaml")
     assert (cfg.base_model.source, cfg.base_model.path) == ("local", str(model))
     assert (cfg.data.train_size, cfg.data.test_size, cfg.train.steps, cfg.engine.weights) == (64, 32, 4, "int4")
-    assert cfg.gates.min_accuracy_new == 0.0 and cfg.gates.max_p95_decode_ms == OPEN_GATES["max_p95_decode_ms"]
+    assert cfg.gates.min_accuracy_new == 0.0 and cfg.gates.max_decode_step_ratio == OPEN_GATES["max_decode_step_ratio"]
     assert cfg.gates.max_package_pct_of_base == load_config(REPO / "params.yaml").gates.max_package_pct_of_base
 
 

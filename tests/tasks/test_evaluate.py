@@ -63,7 +63,8 @@ def test_decode_latency_rows_carry_the_past_length_each_step_attends_to(tiny_lla
     compile_engine(tiny_llama_dir, tmp_path / "engine", max_rank=4, ort_threads=1)
     tokenizer = load_tokenizer(tiny_llama_dir)
     prompts = ["inspect board=PCB-0001", "a longer prompt of the held-out kind, 12345"]
-    summary, samples = decode_latency(OrtEngine(tmp_path / "engine", threads=1), tokenizer, prompts, steps=3)
+    engine = OrtEngine(tmp_path / "engine", threads=1)
+    summary, samples = decode_latency(engine, engine, tokenizer, prompts, steps=3)
     lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]
     assert [(i, past) for i, past, _ in samples] == [(i, lengths[i] + s) for i in range(2) for s in range(3)]
     assert summary["steps"] == 6 and all(ms > 0 for _, _, ms in samples)

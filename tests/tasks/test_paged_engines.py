@@ -112,7 +112,7 @@ def test_the_evaluate_checks_run_on_the_paged_engine_as_on_the_padded_one(paged_
 
     assert engine_perplexity(paged, tokenizer, PROMPTS) == pytest.approx(engine_perplexity(padded, tokenizer, PROMPTS),
                                                                          rel=1e-5)
-    summary, samples = decode_latency(paged, tokenizer, PROMPTS[:2], steps=18)
+    summary, samples = decode_latency(paged, padded, tokenizer, PROMPTS[:2], steps=18)
     lengths = [len(tokenizer(p)["input_ids"]) for p in PROMPTS[:2]]
     assert [(i, past) for i, past, _ in samples] == [(i, lengths[i] + s) for i in range(2) for s in range(18)]
     assert summary["steps"] == 36 and summary["p95_ms"] > 0
