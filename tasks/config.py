@@ -307,6 +307,7 @@ class GatesConfig(_Section):
     max_kv_accuracy_drop: float = Field(0.01, ge=0.0, le=1.0)
     max_kv_ppl_increase_pct: float = Field(1.0, ge=0.0)
     max_weight_accuracy_drop: WeightAccuracyDrop = WeightAccuracyDrop()
+    max_forgetting_pct: float = Field(10.0, ge=0.0)  # held-out perplexity, base + adapter over the base, % increase
     max_decode_step_ratio: float = Field(2.5, gt=0.0)  # release decode step / the float engine's, timed beside it
     max_package_pct_of_base: float = Field(2.0, gt=0.0)
 

@@ -118,12 +118,22 @@ def weights_accuracy_gate(float_report: dict, quant_report: dict, weights: str, 
     }
 
 
+def forgetting_pct(metrics: dict) -> float | None:
+    """How much the adapter costs the base on held-out text: perplexity of base + adapter over the base's, % increase
+    (negative: it helps); None when either was not measured."""
+    base, adapted = (metrics.get(side, {}).get("perplexity") for side in ("base", "adapter"))
+    return None if base is None or adapted is None else 100.0 * (adapted / base - 1.0)
+
+
 def evaluation_gates(metrics: dict, gates: GatesConfig, champion: dict | None, parity_tolerance: float,
                      kv_enabled: bool) -> list[Gate]:
     """Gates on the evaluate stage's metrics. Accuracy is read on the engine when it was measured there."""
     scored = scored_metrics(metrics)
     where = "on the engine" if "adapter_on_engine" in metrics else "in PyTorch"
     out = _accuracy_gates(scored, where, gates, champion)
+    out.append(_compare("forgetting_pct", forgetting_pct(metrics), "<=", gates.max_forgetting_pct,
+                        "held-out perplexity of base + adapter over the base's, % increase (PyTorch): what the adapter "
+                        "costs the base on text it was not trained for"))
     kv = metrics.get("kv_cache")
     if not kv_enabled:
         out += [_not_applicable(n, "KV quantization disabled (kv.enabled: false)")

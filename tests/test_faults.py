@@ -29,7 +29,7 @@ SMALL = {
     "train": {"steps": 40},
     "eval": {"latency_prompts": 2, "latency_steps": 4},
     "gates": {"min_accuracy_new": 0.0, "champion_tolerance": 1.0, "min_accuracy_regression": 0.0, "max_kv_accuracy_drop": 1.0,
-              "max_kv_ppl_increase_pct": 1000.0, "max_decode_step_ratio": 1e6, "max_package_pct_of_base": 100.0},
+              "max_kv_ppl_increase_pct": 1000.0, "max_decode_step_ratio": 1e6, "max_forgetting_pct": 1e6, "max_package_pct_of_base": 100.0},
 }
 
 

@@ -39,7 +39,7 @@ SMALL = {
     "eval": {"latency_prompts": 2, "latency_steps": 4, "max_new_tokens": MAX_NEW_TOKENS},
     # A random tiny model: the flow, not its quality, is under test; the gate run raises min_accuracy.
     "gates": {"min_accuracy": 0.0, "champion_tolerance": 1.0, "max_kv_accuracy_drop": 1.0,
-              "max_kv_ppl_increase_pct": 1000.0, "max_decode_step_ratio": 1e6, "max_package_pct_of_base": 100.0},
+              "max_kv_ppl_increase_pct": 1000.0, "max_decode_step_ratio": 1e6, "max_forgetting_pct": 1e6, "max_package_pct_of_base": 100.0},
 }
 SPLIT_ROWS = {"train": 96, "val": 16, "calib": 16, "test": 24}
 

@@ -45,7 +45,7 @@ FAST = {
     "engine": {"threads": 1},
     "eval": {"latency_prompts": 2, "latency_steps": 4},
     "gates": {"min_accuracy_new": 0.0, "min_accuracy_regression": 0.0, "max_kv_accuracy_drop": 1.0,
-              "max_kv_ppl_increase_pct": 1000.0, "max_decode_step_ratio": 1e6, "max_package_pct_of_base": 100.0},
+              "max_kv_ppl_increase_pct": 1000.0, "max_decode_step_ratio": 1e6, "max_forgetting_pct": 1e6, "max_package_pct_of_base": 100.0},
 }
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 # The run takes about 80 s on 2 cores at load 3-4, over 7 min at load 15 (other jobs running): it may take as long

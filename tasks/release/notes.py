@@ -14,7 +14,7 @@ import yaml
 
 from runtime.release.contract import MANIFEST
 from tasks.config import ReleaseConfig
-from tasks.gate_rules import failed_reason, scored_metrics
+from tasks.gate_rules import failed_reason, forgetting_pct, scored_metrics
 from tasks.inspection import RULEBOOK
 
 COMPARED = (("accuracy_new", "accuracy, changed rules"), ("accuracy_regression", "accuracy, unchanged rules"),
@@ -130,6 +130,12 @@ def render_release_notes(cfg: ReleaseConfig, root: Path, report: dict, outcome: 
                  + (f"; `{layout.data_dir}` md5 {data_hash} (dvc.lock)." if data_hash else "."))
 
     lines += ["", "## Against the champion", ""] + champion_table(scored, champion)
+    forgetting = forgetting_pct(metrics)
+    if forgetting is not None:
+        lines += ["", "## What the adapter costs the base", "",
+                  f"Held-out perplexity {metrics['base']['perplexity']:.3f} for the base, "
+                  f"{metrics['adapter']['perplexity']:.3f} with the adapter: {forgetting:+.2f}% "
+                  f"(gate: <= {cfg.gates.max_forgetting_pct:+.1f}%)."]
 
     lines += ["", "## Quantization", ""]
     kv = metrics.get("kv_cache")

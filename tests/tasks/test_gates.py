@@ -22,7 +22,8 @@ def good_metrics(**engine_overrides) -> dict:
               "decode_latency": {"p10_ms": 1.4, "p50_ms": 1.5, "p95_ms": 2.5, "reference_p10_ms": 1.1,
                                  "reference_p50_ms": 1.2, "step_ratio": 1.27, "loadavg_1m": [0.5, 0.6]}} | engine_overrides
     return {
-        "adapter": {"accuracy_new": 1.0, "accuracy_regression": 0.99},
+        "base": {"perplexity": 2.0},
+        "adapter": {"accuracy_new": 1.0, "accuracy_regression": 0.99, "perplexity": 2.1},
         "adapter_on_engine": engine,
         "engine_parity": {"max_abs_logit_diff": 3e-5, "weights": "fp32"},
         "kv_cache": {"accuracy_drop": 0.0, "ppl_increase_pct": 0.4},
@@ -37,7 +38,9 @@ def test_a_good_candidate_passes_every_evaluation_gate():
     gates = evaluation_gates(good_metrics(), GatesConfig(), None, 1e-4, kv_enabled=True)
     assert all(g.passed for g in gates), [g for g in gates if not g.passed]
     assert sorted(by_name(gates)) == ["accuracy_new", "accuracy_new_vs_champion", "accuracy_regression",
-                                      "decode_step_ratio", "engine_parity", "kv_accuracy_drop", "kv_ppl_increase_pct"]
+                                      "decode_step_ratio", "engine_parity", "forgetting_pct", "kv_accuracy_drop",
+                                      "kv_ppl_increase_pct"]
+    assert by_name(gates)["forgetting_pct"].value == pytest.approx(5.0)  # 2.0 -> 2.1
     assert by_name(gates)["accuracy_new_vs_champion"].op == "n/a"
 
 
@@ -48,6 +51,19 @@ def test_an_impossible_threshold_fails_and_the_reason_names_gate_value_and_thres
     assert [g["name"] for g in report["gates"] if not g["passed"]] == ["accuracy_new"]
     assert failed_reason(report).startswith("accuracy_new = 1 (needs >= 1.01")
     assert "| accuracy_new | 1 | >= 1.01 | **FAIL** |" in render_gate_table(report)
+
+
+def test_an_adapter_that_makes_the_base_worse_on_held_out_text_is_refused_naming_the_measure():
+    metrics = good_metrics()
+    metrics["base"]["perplexity"], metrics["adapter"]["perplexity"] = 22.8, 31.7  # issue 40's user task: +39%
+    gates = by_name(evaluation_gates(metrics, GatesConfig(), None, 1e-4, kv_enabled=True))
+    assert not gates["forgetting_pct"].passed and gates["forgetting_pct"].value == pytest.approx(39.04, abs=0.01)
+    assert gates["forgetting_pct"].threshold == 10.0 and "held-out perplexity of base + adapter" in gates["forgetting_pct"].detail
+    metrics["adapter"]["perplexity"] = 21.0  # an adapter that helps on the held-out text passes
+    assert by_name(evaluation_gates(metrics, GatesConfig(), None, 1e-4, kv_enabled=True))["forgetting_pct"].passed
+    del metrics["base"]["perplexity"]  # not measured: refused, not waved through
+    gate = by_name(evaluation_gates(metrics, GatesConfig(), None, 1e-4, kv_enabled=True))["forgetting_pct"]
+    assert not gate.passed and "not measured" in gate.detail
 
 
 def test_a_candidate_below_the_champion_minus_tolerance_fails():
@@ -133,7 +149,7 @@ def test_the_kv_gates_read_the_serving_engines_own_cost_when_it_quantizes_its_ca
 
 def unlabelled_metrics(accuracy: float = 0.97) -> dict:
     metrics = good_metrics(accuracy=accuracy, accuracy_new=None, accuracy_regression=None)
-    metrics["adapter"] = {"accuracy": accuracy, "accuracy_new": None, "accuracy_regression": None}
+    metrics["adapter"] = {"accuracy": accuracy, "accuracy_new": None, "accuracy_regression": None, "perplexity": 2.1}
     return metrics
 
 

@@ -26,7 +26,8 @@ def cfg(tmp_path):
               "decode_latency": {"p10_ms": 1.1, "p50_ms": 1.25, "p95_ms": 2.5, "steps": 256, "reference_p10_ms": 0.8,
                                  "step_ratio": 1.375, "loadavg_1m": [0.4, 0.6]}}
     write(cfg.layout.metrics_file, {
-        "month": "2026-12", "changed_rules": ["bridge", "shift"], "adapter": {"count": 600}, "adapter_on_engine": scored,
+        "month": "2026-12", "changed_rules": ["bridge", "shift"], "adapter": {"count": 600, "perplexity": 5.25},
+        "base": {"perplexity": 5.0}, "adapter_on_engine": scored,
         "kv_cache": {"accuracy_drop": 0.005, "ppl_increase_pct": 0.25, "bytes_per_token": 617.03, "compression_vs_fp16": 4.0,
                      "grid": [{"config": "release (K4cs/V4ts)"}], "on_engine": {"accuracy_drop": 0.0, "ppl_increase_pct": -0.5},
                      "key_outlier_ratio": [3.25, 41.0, 12.5], "rotation": ["none", "hadamard", "hadamard"]},
@@ -57,6 +58,7 @@ def test_published_notes_compare_with_the_champion_and_name_the_run(cfg, tmp_pat
             "Hadamard-rotated K/V in 2 of 3 layers (1, 2).") in notes
     assert ("p50 1.25 ms, p95 2.50 ms over 256 steps (1-minute load average 0.4 -> 0.6); 10th percentiles 1.10 ms "
             "against 0.80 ms for the float engine's step timed beside it, 1.38x (gate: <= 2.5x).") in notes
+    assert "Held-out perplexity 5.000 for the base, 5.250 with the adapter: +5.00% (gate: <= +10.0%)." in notes
     assert "123,456 bytes, 1.5% of the base model's 8,230,400 bytes." in notes
     assert f"Triggered by the deployment's schedule; flow run brave-otter (1234): {TRIGGER['url']}." in notes
     assert "MLflow run `run-abc`" in notes and "git revision `deadbeef`" in notes
