@@ -147,13 +147,12 @@ def pages_parity(engine, backbone, tokenizer, prompts: list[str | ChatPrompt]) -
         differing = 0
         for layer in range(iface.num_layers):
             handed = [torch.from_numpy(cache.handed[f"pool_{kv}.{layer}"]) for kv in ("key", "value")]
-            for role, want in sealed_reference(handed, spec, bs, sealed).items():
-                got = stored[f"pool_{role}.{layer}"][0]  # (nkv, S slots, w)
-                counts["sealer_differing"] += bytes_differing(got, want)
-            for role, want in sealed_reference(present[2 * layer : 2 * layer + 2], spec, bs, sealed).items():
-                got = stored[f"pool_{role}.{layer}"][0]
-                differing += bytes_differing(got, want)
-                counts["compared"] += got.view(np.uint8).size
+            ours = sealed_reference(handed, spec, bs, sealed)
+            theirs = sealed_reference(present[2 * layer : 2 * layer + 2], spec, bs, sealed)
+            got = {role: stored[f"pool_{role}.{layer}"][0] for role in ours}  # (nkv, S slots, w) each
+            counts["sealer_differing"] += sum(bytes_differing(got[role], want) for role, want in ours.items())
+            differing += sum(bytes_differing(got[role], want) for role, want in theirs.items())
+            counts["compared"] += sum(g.view(np.uint8).size for g in got.values())
         counts["differing"] += differing
         del cache  # its pages go back to the engine's pool
         counts["prompts"] += bool(differing)
