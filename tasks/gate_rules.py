@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from runtime.release.contract import DEFAULT_PRODUCT, REGISTRY_CHANNELS, REGISTRY_INDEX, parse_channels, product_path
-from tasks.config import GatesConfig, StageError, WeightAccuracyDrop
+from tasks.config import EngineConfig, GatesConfig, StageError, WeightAccuracyDrop
 
 
 class GateFailed(StageError):
@@ -125,7 +125,7 @@ def forgetting_pct(metrics: dict) -> float | None:
     return None if base is None or adapted is None else 100.0 * (adapted / base - 1.0)
 
 
-def evaluation_gates(metrics: dict, gates: GatesConfig, champion: dict | None, parity_tolerance: float,
+def evaluation_gates(metrics: dict, gates: GatesConfig, champion: dict | None, engine: EngineConfig,
                      kv_enabled: bool) -> list[Gate]:
     """Gates on the evaluate stage's metrics. Accuracy is read on the engine when it was measured there."""
     scored = scored_metrics(metrics)
@@ -156,32 +156,44 @@ def evaluation_gates(metrics: dict, gates: GatesConfig, champion: dict | None, p
                                                        f"load {latency['loadavg_1m'][0]:.1f})" if latency else "")))
     parity = metrics.get("engine_parity")
     if parity is None:
-        out.append(Gate("engine_parity", None, parity_tolerance, "<=", False, "the engine was not evaluated"))
+        out.append(Gate("engine_parity", None, engine.parity_max_logit_error, "<=", False, "the engine was not evaluated"))
     elif parity.get("weights", "fp32") != "fp32":
         weights_gate = metrics.get("weights_gate", {})
         out.append(Gate("engine_parity", str(weights_gate.get("passed")), "True", "==", bool(weights_gate.get("passed")),
                         f"{parity['weights']} weights: accuracy gate against float PyTorch"))
-    elif parity.get("kv_cache") in ("quantized", "quantized_pages"):
-        out.append(_compare("engine_parity", parity["max_abs_logit_diff"], "<=", parity_tolerance,
-                            "max abs logit difference, quantized-KV engine vs its PyTorch module, prompts whose "
-                            "stored KV bytes agree" if parity["kv_cache"] == "quantized" else
-                            "max abs logit difference of a prefill (it reads its own K/V in float), quantized-pages "
-                            "engine vs PyTorch + merged PEFT"))
-        if parity["kv_cache"] == "quantized_pages":
-            out.append(_compare("pages_sealer_parity", parity.get("pages_sealer_bytes_differing"), "<=", 0,
-                                f"bytes of {parity.get('pages_sealed')} sealed pages the device stores otherwise than "
-                                "the PyTorch reference sealing the K/V the engine computed (besides, sealing PyTorch's "
-                                f"own K/V: {parity.get('kv_bytes_differing')} of {parity.get('kv_bytes_compared')} "
-                                "bytes, float rounding of a scale or code, not gated)"))
-        else:
-            out.append(_compare("kv_code_mismatch", parity.get("kv_code_mismatch"), "<=",
-                                parity.get("kv_code_mismatch_limit"),
-                                f"stored KV bytes coded differently from the PyTorch module "
-                                f"({parity.get('kv_bytes_differing')} of {parity.get('kv_bytes_compared')}: float "
-                                "rounding at a code boundary)"))
     else:
-        out.append(_compare("engine_parity", parity["max_abs_logit_diff"], "<=", parity_tolerance,
-                            "max abs logit difference, engine vs PyTorch + merged PEFT"))
+        out += _parity_gates(parity, engine)
+    return out
+
+
+def _parity_gates(parity: dict, engine: EngineConfig) -> list[Gate]:
+    """An fp32 engine computes the same function as its PyTorch reference (tasks/checks/engine_parity.py)."""
+    against = {"quantized": "its PyTorch module attending over the engine's KV codes (prompts whose stored bytes agree)",
+               "quantized_pages": "PyTorch + merged PEFT (a prefill reads its own K/V in float)"}.get(
+        parity.get("kv_cache"), "PyTorch + merged PEFT")
+    where = f"{parity['positions_compared']} prefill positions of {parity['prompts']} test prompts, engine vs {against}"
+    out = [
+        _compare("engine_parity", parity["max_logit_error"], "<=", engine.parity_max_logit_error,
+                 f"largest logit difference at a position, in float32 rounding budgets (eps32 x layers x the "
+                 f"position's largest |logit|; max abs {parity['max_abs_logit_diff']:.2e}), {where}"),
+        _compare("engine_parity_kl", parity["max_kl"], "<=", engine.parity_max_kl,
+                 f"largest KL of the next-token distributions, nats (mean {parity['mean_kl']:.1e}), {where}"),
+        _compare("greedy_parity", float(len(parity["greedy_mismatches_beyond_ties"])), "<=", 0.0,
+                 f"test rows whose greedy answer differs from the reference's where it saw no near-tie "
+                 f"({len(parity['greedy_mismatches'])} of {parity['prompts']} differ: rows {parity['greedy_mismatches']})"),
+    ]
+    if parity.get("kv_cache") == "quantized_pages":
+        out.append(_compare("pages_sealer_parity", parity.get("pages_sealer_bytes_differing"), "<=", 0,
+                            f"bytes of {parity.get('pages_sealed')} sealed pages the device stores otherwise than "
+                            "the PyTorch reference sealing the K/V the engine computed (besides, sealing PyTorch's "
+                            f"own K/V: {parity.get('kv_bytes_differing')} of {parity.get('kv_bytes_compared')} "
+                            "bytes, float rounding of a scale or code, not gated)"))
+    elif parity.get("kv_cache") == "quantized":
+        out.append(_compare("kv_code_mismatch", parity.get("kv_code_mismatch"), "<=",
+                            parity.get("kv_code_mismatch_limit"),
+                            f"stored KV bytes coded differently from the PyTorch module "
+                            f"({parity.get('kv_bytes_differing')} of {parity.get('kv_bytes_compared')}: float "
+                            "rounding at a code boundary)"))
     return out
 
 

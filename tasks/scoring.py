@@ -1,5 +1,5 @@
 """How the reference model's answers are made and scored: greedy completions through PyTorch and their
-exact-match accuracy.
+exact-match accuracy; log-probabilities of logits.
 
 The evaluate stage scores the release with them, and so do the checks it runs (``tasks.checks.engine_parity``,
 ``tasks.checks.kv_quality``), which is why they live below all three.
@@ -9,8 +9,17 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
+
 from runtime.engine.tokenizer import encode_prompt, until_stop
 from tasks.records import Example
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities along the last axis, in float64."""
+    z = np.asarray(logits, dtype=np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
 def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int,

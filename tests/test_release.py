@@ -102,7 +102,8 @@ def test_first_month_publishes_and_records_everything(project, published):
     assert on_engine["accuracy_new"] == metrics["adapter"]["accuracy_new"]
     # The device's engine keeps its KV cache in 4 bits: parity with its own PyTorch module, few codes apart.
     parity = metrics["engine_parity"]
-    assert parity["kv_cache"] == "quantized" and parity["max_abs_logit_diff"] <= 1e-4
+    assert parity["kv_cache"] == "quantized" and parity["max_abs_logit_diff"] <= 1e-4 and parity["passed"]
+    assert parity["max_logit_error"] <= parity["max_logit_error_limit"] and parity["max_kl"] <= parity["max_kl_limit"]
     assert parity["kv_code_mismatch"] <= 1e-4 and parity["kv_bytes_compared"] > 1_000_000
     assert metrics["kv_cache"]["accuracy_drop"] <= 0.01 and metrics["kv_cache"]["compression_vs_fp16"] > 2.5
     assert metrics["kv_cache"]["on_engine"]["accuracy_drop"] <= 0.01

@@ -6,13 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.engine.tokenizer import encode_prompt
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Log-probabilities along the last axis, in float64."""
-    z = np.asarray(logits, dtype=np.float64)
-    z = z - z.max(-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+from tasks.scoring import log_softmax
 
 
 def output_error(reference, candidate, tokenizer, prompts: list[str]) -> dict:

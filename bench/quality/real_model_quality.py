@@ -70,12 +70,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.lib.divergence import log_softmax
 from bench.lib.llama_cpp_peer import checkpoint_ggufs, converter_dir, gguf_tensor_types, load_llama, require_llama_cpp
 from bench.lib.real_checkpoint import CALIB_WINDOW, CALIB_WINDOWS, calibration_stats, real_documents, served_engine
 from bench.lib.report import RESULTS, Figure, write_report
 from bench.lib.tables import table
 from runtime.engine.interface import CACHE_KEY_FILE
+from tasks.scoring import log_softmax
 
 ROW_KEYS = ("engine", "weights", "kv", "ppl", "ppl_increase_pct", "kl_mean")  # every row has these (issue 25)
 LLAMA_KV_TYPES = ("f16", "q8_0", "q4_0")

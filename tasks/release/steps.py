@@ -143,6 +143,8 @@ def headline_metrics(cfg: ReleaseConfig, runs: list[StageRun], report: dict) -> 
         "decode_p95_ms": latency.get("p95_ms"),
         "decode_step_ratio": latency.get("step_ratio"),
         "engine_max_abs_logit_diff": metrics.get("engine_parity", {}).get("max_abs_logit_diff"),
+        "engine_max_logit_error": metrics.get("engine_parity", {}).get("max_logit_error"),
+        "engine_max_kl": metrics.get("engine_parity", {}).get("max_kl"),
         "package_bytes": check.get("package_bytes"),
         "package_pct_of_base": check.get("pct_of_base"),
         "engine_builds": engine_builds(cfg, runs),

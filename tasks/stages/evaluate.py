@@ -158,7 +158,12 @@ def _score_on_engine(
     from runtime.engine.adapter import load_adapter
     from runtime.engine.engine import open_engine
     from runtime.engine.generate import generate_text
-    from tasks.checks.engine_parity import parity_report, prefill_logit_diff, quantized_prefill_parity
+    from tasks.checks.engine_parity import (
+        DECODE_STEPS,
+        parity_verdict,
+        quantized_prefill_parity,
+        teacher_forced_agreement,
+    )
 
     engine = open_engine(engine_cfg.serving_engine_dir, backend=engine_cfg.backend, threads=engine_cfg.threads)
     lora = load_adapter(adapter_dir, engine.interface)
@@ -166,7 +171,10 @@ def _score_on_engine(
     kv_parity = {}
     if engine.interface.kv_spec is None:
         engine.set_adapter(lora)
-        diff = prefill_logit_diff(engine, merged_model, tokenizer, prompts)
+        # A quantized-pages engine decodes over quantized pages, which no float reference computes: its prompts are
+        # compared as prefills (float), its pages byte for byte (pages_parity), what they cost by the KV gates.
+        decode_steps = 0 if engine.interface.kv_pages else DECODE_STEPS
+        agreement = teacher_forced_agreement(engine, merged_model, tokenizer, prompts, decode_steps).report()
         if engine.interface.kv_pages:
             from tasks.checks.engine_parity import pages_parity
 
@@ -179,14 +187,13 @@ def _score_on_engine(
         engine.set_adapter(lora, kv_scales=scales)
         attention = engine_cfg.kv_attention(KVQuantSpec.from_dict(scales.spec))
         kv_parity = quantized_prefill_parity(engine, release_backbone, scales, attention, tokenizer, prompts)
-        diff = kv_parity["max_abs_logit_diff_codes_agree"]
+        agreement = kv_parity.pop("logits_codes_agree")
     on_engine = generate_text(engine, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size)
-    parity = parity_report(
-        diff,
+    parity = parity_verdict(
+        engine, merged_model, tokenizer, prompts, agreement,
         greedy_completions(merged_model, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size,
                            desc="greedy decode: merged adapter (parity)"),
-        on_engine,
-        engine_cfg.parity_tolerance,
+        on_engine, engine_cfg.parity_max_logit_error, engine_cfg.parity_max_kl, cfg.max_new_tokens,
     )
     parity["backend"] = engine_cfg.backend
     parity["weights"] = engine_cfg.weights
@@ -244,9 +251,11 @@ def render_table(metrics: dict) -> str:
         parity = metrics["engine_parity"]
         lines += [
             "",
-            f"Engine parity on {parity['prompts']} test prompts: max abs logit difference "
-            f"{parity['max_abs_logit_diff']:.2e} (tolerance {parity['logit_tolerance']:.0e}), "
-            f"greedy outputs {'identical' if parity['greedy_identical'] else 'DIFFERENT'}.",
+            f"Engine parity on {parity['prompts']} test prompts ({parity['positions_compared']} positions): logit "
+            f"error {parity['max_logit_error']:.2f} float32 rounding budgets (limit {parity['max_logit_error_limit']:g}; "
+            f"max abs difference {parity['max_abs_logit_diff']:.2e}), KL {parity['max_kl']:.1e} (limit "
+            f"{parity['max_kl_limit']:.0e}), greedy outputs "
+            f"{'identical' if parity['greedy_identical'] else 'DIFFERENT on rows ' + str(parity['greedy_mismatches'])}.",
         ]
         latency = on_engine.get("decode_latency")
         if latency:

@@ -32,7 +32,7 @@ def run_stage(cfg: ReleaseConfig) -> Path:
     champion = current_champion(Path(cfg.publish.registry_dir), cfg.data.product)
     if champion is not None and champion["month"] == cfg.data.month:
         champion = None  # a month is not compared with its own earlier release
-    gates = evaluation_gates(metrics, cfg.gates, champion, cfg.engine.parity_tolerance, cfg.kv.enabled)
+    gates = evaluation_gates(metrics, cfg.gates, champion, cfg.engine, cfg.kv.enabled)
     out = cfg.layout.gates_file
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, gate_report(gates) | {"champion": champion, "accuracy_measure": accuracy_measure(scored_metrics(metrics))})

@@ -23,5 +23,5 @@ def test_engine_matches_peft_merged_on_a_test_split(tmp_path):
                             max_new_tokens=6, batch_size=4, out_path=tmp_path / "parity.json")
 
     assert metrics["prompts"] == 6
-    assert metrics["max_abs_logit_diff"] <= 1e-4
+    assert metrics["max_abs_logit_diff"] <= 1e-4 and metrics["passed"]
     assert metrics["greedy_identical"] is True and metrics["greedy_mismatches"] == []

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from tasks.config import GatesConfig, ReleaseConfig, parse_config
+from tasks.config import EngineConfig, GatesConfig, ReleaseConfig, parse_config
 from tasks.gate_rules import (
     current_champion,
     evaluation_gates,
@@ -17,6 +17,13 @@ from tasks.scoring import accuracy_report
 from tasks.stages.gates import run_stage
 
 
+def fp32_parity(**overrides) -> dict:
+    """``tasks.checks.engine_parity.parity_report``'s figures of a correct fp32 engine on 40 prompts."""
+    return {"weights": "fp32", "prompts": 40, "positions_compared": 800, "max_abs_logit_diff": 3e-5,
+            "max_logit_error": 0.8, "max_kl": 2e-11, "mean_kl": 1e-12, "greedy_mismatches": [],
+            "greedy_mismatches_beyond_ties": []} | overrides
+
+
 def good_metrics(**engine_overrides) -> dict:
     engine = {"accuracy_new": 1.0, "accuracy_regression": 0.99, "perplexity": 2.1,
               "decode_latency": {"p10_ms": 1.4, "p50_ms": 1.5, "p95_ms": 2.5, "reference_p10_ms": 1.1,
@@ -25,7 +32,7 @@ def good_metrics(**engine_overrides) -> dict:
         "base": {"perplexity": 2.0},
         "adapter": {"accuracy_new": 1.0, "accuracy_regression": 0.99, "perplexity": 2.1},
         "adapter_on_engine": engine,
-        "engine_parity": {"max_abs_logit_diff": 3e-5, "weights": "fp32"},
+        "engine_parity": fp32_parity(),
         "kv_cache": {"accuracy_drop": 0.0, "ppl_increase_pct": 0.4},
     }
 
@@ -35,17 +42,17 @@ def by_name(gates):
 
 
 def test_a_good_candidate_passes_every_evaluation_gate():
-    gates = evaluation_gates(good_metrics(), GatesConfig(), None, 1e-4, kv_enabled=True)
+    gates = evaluation_gates(good_metrics(), GatesConfig(), None, EngineConfig(), kv_enabled=True)
     assert all(g.passed for g in gates), [g for g in gates if not g.passed]
     assert sorted(by_name(gates)) == ["accuracy_new", "accuracy_new_vs_champion", "accuracy_regression",
-                                      "decode_step_ratio", "engine_parity", "forgetting_pct", "kv_accuracy_drop",
-                                      "kv_ppl_increase_pct"]
+                                      "decode_step_ratio", "engine_parity", "engine_parity_kl", "forgetting_pct",
+                                      "greedy_parity", "kv_accuracy_drop", "kv_ppl_increase_pct"]
     assert by_name(gates)["forgetting_pct"].value == pytest.approx(5.0)  # 2.0 -> 2.1
     assert by_name(gates)["accuracy_new_vs_champion"].op == "n/a"
 
 
 def test_an_impossible_threshold_fails_and_the_reason_names_gate_value_and_threshold():
-    gates = evaluation_gates(good_metrics(), GatesConfig(min_accuracy_new=1.01), None, 1e-4, kv_enabled=True)
+    gates = evaluation_gates(good_metrics(), GatesConfig(min_accuracy_new=1.01), None, EngineConfig(), kv_enabled=True)
     report = gate_report(gates)
     assert report["passed"] is False
     assert [g["name"] for g in report["gates"] if not g["passed"]] == ["accuracy_new"]
@@ -56,20 +63,37 @@ def test_an_impossible_threshold_fails_and_the_reason_names_gate_value_and_thres
 def test_an_adapter_that_makes_the_base_worse_on_held_out_text_is_refused_naming_the_measure():
     metrics = good_metrics()
     metrics["base"]["perplexity"], metrics["adapter"]["perplexity"] = 22.8, 31.7  # issue 40's user task: +39%
-    gates = by_name(evaluation_gates(metrics, GatesConfig(), None, 1e-4, kv_enabled=True))
+    gates = by_name(evaluation_gates(metrics, GatesConfig(), None, EngineConfig(), kv_enabled=True))
     assert not gates["forgetting_pct"].passed and gates["forgetting_pct"].value == pytest.approx(39.04, abs=0.01)
     assert gates["forgetting_pct"].threshold == 10.0 and "held-out perplexity of base + adapter" in gates["forgetting_pct"].detail
     metrics["adapter"]["perplexity"] = 21.0  # an adapter that helps on the held-out text passes
-    assert by_name(evaluation_gates(metrics, GatesConfig(), None, 1e-4, kv_enabled=True))["forgetting_pct"].passed
+    assert by_name(evaluation_gates(metrics, GatesConfig(), None, EngineConfig(), kv_enabled=True))["forgetting_pct"].passed
     del metrics["base"]["perplexity"]  # not measured: refused, not waved through
-    gate = by_name(evaluation_gates(metrics, GatesConfig(), None, 1e-4, kv_enabled=True))["forgetting_pct"]
+    gate = by_name(evaluation_gates(metrics, GatesConfig(), None, EngineConfig(), kv_enabled=True))["forgetting_pct"]
     assert not gate.passed and "not measured" in gate.detail
+
+
+def test_the_parity_gates_refuse_each_measure_on_its_own_and_name_it():
+    metrics = good_metrics()
+    metrics["engine_parity"] = fp32_parity(max_logit_error=EngineConfig().parity_max_logit_error + 1, max_abs_logit_diff=2e-3)
+    gates = by_name(evaluation_gates(metrics, GatesConfig(), None, EngineConfig(), kv_enabled=True))
+    assert not gates["engine_parity"].passed and gates["engine_parity_kl"].passed and gates["greedy_parity"].passed
+    assert "float32 rounding budgets" in gates["engine_parity"].detail and "800 prefill positions" in gates["engine_parity"].detail
+    metrics["engine_parity"] = fp32_parity(max_kl=3e-4)
+    gates = by_name(evaluation_gates(metrics, GatesConfig(), None, EngineConfig(), kv_enabled=True))
+    assert not gates["engine_parity_kl"].passed and gates["engine_parity"].passed
+    # a greedy answer that differs on a near-tie of the reference passes; one that differs beyond it does not
+    metrics["engine_parity"] = fp32_parity(greedy_mismatches=[3, 7])
+    assert by_name(evaluation_gates(metrics, GatesConfig(), None, EngineConfig(), kv_enabled=True))["greedy_parity"].passed
+    metrics["engine_parity"] = fp32_parity(greedy_mismatches=[3, 7], greedy_mismatches_beyond_ties=[7])
+    gate = by_name(evaluation_gates(metrics, GatesConfig(), None, EngineConfig(), kv_enabled=True))["greedy_parity"]
+    assert not gate.passed and gate.value == 1.0 and "2 of 40 differ: rows [3, 7]" in gate.detail
 
 
 def test_a_candidate_below_the_champion_minus_tolerance_fails():
     champion = {"month": "2026-10", "accuracy_new": 1.0}
     gates = by_name(evaluation_gates(good_metrics(accuracy_new=0.97), GatesConfig(champion_tolerance=0.02), champion,
-                                     1e-4, kv_enabled=True))
+                                     EngineConfig(), kv_enabled=True))
     assert gates["accuracy_new"].passed  # above the absolute floor of 0.95 ...
     assert not gates["accuracy_new_vs_champion"].passed  # ... but below 1.0 - 0.02
     assert gates["accuracy_new_vs_champion"].threshold == pytest.approx(0.98)
@@ -78,7 +102,7 @@ def test_a_candidate_below_the_champion_minus_tolerance_fails():
 def test_kv_gates_do_not_apply_when_kv_quantization_is_off_but_unmeasured_latency_fails():
     metrics = good_metrics()
     del metrics["kv_cache"], metrics["adapter_on_engine"]["decode_latency"]
-    gates = by_name(evaluation_gates(metrics, GatesConfig(), None, 1e-4, kv_enabled=False))
+    gates = by_name(evaluation_gates(metrics, GatesConfig(), None, EngineConfig(), kv_enabled=False))
     assert gates["kv_ppl_increase_pct"].passed and gates["kv_ppl_increase_pct"].op == "n/a"
     assert not gates["decode_step_ratio"].passed and "not measured" in gates["decode_step_ratio"].detail
 
@@ -127,22 +151,21 @@ def test_the_gates_stage_writes_its_verdict_even_when_a_gate_fails(tmp_path):
 
 def test_a_quantized_kv_engine_is_gated_on_its_arithmetic_and_on_how_many_stored_bytes_differ():
     metrics = good_metrics()
-    metrics["engine_parity"] = {"max_abs_logit_diff": 2e-5, "weights": "fp32", "kv_cache": "quantized",
-                                "kv_code_mismatch": 3e-6, "kv_code_mismatch_limit": 1e-4,
-                                "kv_bytes_differing": 33, "kv_bytes_compared": 11_000_000}
-    gates = by_name(evaluation_gates(metrics, GatesConfig(), None, 1e-4, kv_enabled=True))
+    metrics["engine_parity"] = fp32_parity(kv_cache="quantized", kv_code_mismatch=3e-6, kv_code_mismatch_limit=1e-4,
+                                           kv_bytes_differing=33, kv_bytes_compared=11_000_000)
+    gates = by_name(evaluation_gates(metrics, GatesConfig(), None, EngineConfig(), kv_enabled=True))
     assert gates["engine_parity"].passed and gates["kv_code_mismatch"].passed
     assert "33 of 11000000" in gates["kv_code_mismatch"].detail
 
     metrics["engine_parity"] |= {"kv_code_mismatch": 2e-3, "kv_bytes_differing": 22_000}
-    gates = by_name(evaluation_gates(metrics, GatesConfig(), None, 1e-4, kv_enabled=True))
+    gates = by_name(evaluation_gates(metrics, GatesConfig(), None, EngineConfig(), kv_enabled=True))
     assert not gates["kv_code_mismatch"].passed and gates["engine_parity"].passed
 
 
 def test_the_kv_gates_read_the_serving_engines_own_cost_when_it_quantizes_its_cache():
     metrics = good_metrics()
     metrics["kv_cache"]["on_engine"] = {"accuracy_drop": 0.0, "ppl_increase_pct": 1.7}  # reference cache said 0.4
-    gates = by_name(evaluation_gates(metrics, GatesConfig(), None, 1e-4, kv_enabled=True))
+    gates = by_name(evaluation_gates(metrics, GatesConfig(), None, EngineConfig(), kv_enabled=True))
     assert gates["kv_ppl_increase_pct"].value == 1.7 and not gates["kv_ppl_increase_pct"].passed
     assert "on the quantized-KV engine" in gates["kv_ppl_increase_pct"].detail
 
@@ -154,24 +177,24 @@ def unlabelled_metrics(accuracy: float = 0.97) -> dict:
 
 
 def test_data_without_changed_labels_is_gated_on_overall_accuracy():
-    gates = by_name(evaluation_gates(unlabelled_metrics(0.97), GatesConfig(min_accuracy=0.9), None, 1e-4, kv_enabled=True))
+    gates = by_name(evaluation_gates(unlabelled_metrics(0.97), GatesConfig(min_accuracy=0.9), None, EngineConfig(), kv_enabled=True))
     assert "accuracy_new" not in gates and "accuracy_regression" not in gates
     assert gates["accuracy"].passed and gates["accuracy"].value == 0.97 and gates["accuracy"].threshold == 0.9
     assert "no 'changed' field" in gates["accuracy"].detail
     assert gates["accuracy_vs_champion"].op == "n/a"
     assert all(g.passed for g in gates.values())
-    failing = by_name(evaluation_gates(unlabelled_metrics(0.97), GatesConfig(min_accuracy=0.98), None, 1e-4, kv_enabled=True))
+    failing = by_name(evaluation_gates(unlabelled_metrics(0.97), GatesConfig(min_accuracy=0.98), None, EngineConfig(), kv_enabled=True))
     assert not failing["accuracy"].passed
 
 
 def test_unlabelled_data_is_compared_with_the_champion_on_overall_accuracy():
     champion = {"month": "2026-10", "accuracy": 1.0, "accuracy_new": None}
-    gates = by_name(evaluation_gates(unlabelled_metrics(0.97), GatesConfig(champion_tolerance=0.02), champion, 1e-4,
+    gates = by_name(evaluation_gates(unlabelled_metrics(0.97), GatesConfig(champion_tolerance=0.02), champion, EngineConfig(),
                                      kv_enabled=True))
     assert not gates["accuracy_vs_champion"].passed
     assert gates["accuracy_vs_champion"].threshold == pytest.approx(0.98)
     older = by_name(evaluation_gates(unlabelled_metrics(0.97), GatesConfig(), {"month": "2026-09", "accuracy_new": 1.0},
-                                     1e-4, kv_enabled=True))
+                                     EngineConfig(), kv_enabled=True))
     assert older["accuracy_vs_champion"].op == "n/a" and "recorded no accuracy" in older["accuracy_vs_champion"].detail
 
 

@@ -12,7 +12,7 @@ from contextlib import contextmanager, nullcontext
 import pytest
 from engine_testkit import make_adapter
 
-from tasks.config import GatesConfig, parse_config
+from tasks.config import EngineConfig, GatesConfig, parse_config
 from tasks.gate_rules import evaluation_gates
 from tasks.models import load_tokenizer
 from tasks.stages.evaluate import decode_latency
@@ -73,8 +73,8 @@ def two_cpu_bound_processes():
 
 
 def latency_gate(summary: dict):
-    metrics = {"adapter_on_engine": {"decode_latency": summary}, "engine_parity": {"max_abs_logit_diff": 0.0}}
-    return next(g for g in evaluation_gates(metrics, GatesConfig(), None, 1e-4, False) if g.name == "decode_step_ratio")
+    metrics = {"adapter_on_engine": {"decode_latency": summary}, "engine_parity": {"weights": "int8"}}
+    return next(g for g in evaluation_gates(metrics, GatesConfig(), None, EngineConfig(), False) if g.name == "decode_step_ratio")
 
 
 @pytest.mark.parametrize("beside", ["quiet", "two CPU-bound processes"])

@@ -108,7 +108,7 @@ def test_the_evaluate_stage_measures_what_the_pages_cost_in_pytorch_and_on_the_e
     assert parity["kv_cache"] == "quantized_pages" and parity["pages_sealed"] >= 12
     assert parity["pages_sealer_bytes_differing"] == 0 and parity["kv_bytes_compared"] > 0
     assert parity["kv_code_mismatch"] < 1e-3  # sealing PyTorch's own K/V: float rounding only, reported
-    gates = {g.name: g for g in evaluation_gates(metrics, cfg.gates, None, cfg.engine.parity_tolerance, True)}
+    gates = {g.name: g for g in evaluation_gates(metrics, cfg.gates, None, cfg.engine, True)}
     assert gates["pages_sealer_parity"].passed and gates["engine_parity"].passed
     assert "kv_code_mismatch" not in gates  # the static scheme's gate: pages are held to the exact one above
     assert gates["kv_ppl_increase_pct"].value == on_engine["ppl_increase_pct"]

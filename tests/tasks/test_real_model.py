@@ -97,7 +97,7 @@ def real_release(real_model_dir, tmp_path_factory):
     first_chat = read_jsonl(month / "test.jsonl")[0].prompt  # the package check answers it as a device would
     out = build_release(adapter, None, root / "metrics.json", root / "gates.json", engine, real_model_dir,
                         root / "package", key, cfg.data.month, prompt=first_chat, max_new_tokens=cfg.eval.max_new_tokens)
-    return {"release": out / RELEASE_DIR, "engine": engine, "key": key, "month": month, "cfg": cfg}
+    return {"release": out / RELEASE_DIR, "engine": engine, "key": key, "month": month, "cfg": cfg, "adapter": adapter}
 
 
 @pytest.mark.slow
@@ -117,6 +117,57 @@ def test_peft_on_the_base_answers_what_the_device_serves_through_the_openai_sdk(
     assert check["prompt"] == chats[0].prompt and check["output"] == chats[0].device
     # a trained adapter, not a blank one: its chat answers are the classes it was fine-tuned on
     assert sum(a.device.strip() in CLASSES for a in chats) >= len(chats) // 2, [a.device for a in chats]
+
+
+@pytest.mark.slow
+def test_engine_parity_passes_the_real_engine_on_chat_rows_and_long_prompts_and_refuses_four_planted_defects(
+        real_model_dir, real_release, tmp_path):
+    """tasks/checks/engine_parity.py on SmolLM2 (30 layers): the profile's compiled fp32 engine passes on its chat rows
+    and on two prompts of 512+ tokens of real text, where fp32 reordering moves logits most; each planted defect of
+    tests/parity_testkit.py is refused. The other checkpoint of the last: the base with the month's adapter merged."""
+    from parity_testkit import (
+        DecodePositionsOneOn,
+        adapter_with_scale,
+        adapter_without_module,
+        checkpoint_with_layer_from,
+    )
+    from peft import PeftModel
+
+    from runtime.engine.adapter import load_adapter
+    from runtime.engine.backends.onnxruntime import OrtEngine
+    from tasks.checks.engine_parity import check_parity
+    from tasks.models import load_base_model
+    from tasks.real_model.text import real_documents
+    from tasks.records import read_jsonl
+    from tasks.stages.compile import compile_engine
+
+    cfg, adapter = real_release["cfg"], real_release["adapter"]
+    model, tokenizer = load_base_model(real_model_dir)
+    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
+    chats = [ex.prompt for ex in read_jsonl(real_release["month"] / "test.jsonl")][:12]
+    long_texts = [text[:3000] for _, text in real_documents("eval")[:2]]
+    assert all(len(tokenizer(t)["input_ids"]) >= 512 for t in long_texts)
+
+    def parity(engine, adapter_dir, prompts=chats):
+        engine.set_adapter(load_adapter(adapter_dir, engine.interface, require_provenance=False))
+        return check_parity(engine, merged, tokenizer, prompts, cfg.eval.max_new_tokens, 12,
+                            cfg.engine.parity_max_logit_error, cfg.engine.parity_max_kl)
+
+    engine = OrtEngine(real_release["engine"])
+    good = parity(engine, adapter, chats + long_texts)
+    assert good["passed"] and good["positions_compared"] > 1024, good
+    spliced = checkpoint_with_layer_from(real_model_dir, merged.state_dict(), 14, tmp_path / "spliced")
+    compile_engine(spliced, tmp_path / "spliced-engine", cfg.engine.max_rank, cfg.engine.target_modules,
+                   cfg.engine.opset, cfg.engine.threads)
+    defects = {
+        "a LoRA module left out": parity(engine, adapter_without_module(adapter, tmp_path / "a1", 14, "v_proj")),
+        "the adapter's scale x2": parity(engine, adapter_with_scale(adapter, tmp_path / "a2", 2.0)),
+        "RoPE one position on": parity(DecodePositionsOneOn(engine), adapter),
+        "layer 14 from another checkpoint": parity(OrtEngine(tmp_path / "spliced-engine"), adapter),
+    }
+    measured = {name: {k: r[k] for k in ("max_logit_error", "max_kl", "passed")} for name, r in defects.items()}
+    print(json.dumps({"correct": {k: good[k] for k in ("max_logit_error", "max_kl", "max_abs_logit_diff")}} | measured))
+    assert not any(r["passed"] for r in defects.values()), measured
 
 
 def test_the_profile_month_is_chat_rows_of_distinct_characters_balanced_by_class(tmp_path):
