@@ -31,6 +31,9 @@ from tasks.layout import BASE_MODEL_STAGE_DIR, KV_ENGINE, KV_PAGES_ENGINE, PAGED
 MIN_KV_BLOCK_SIZE, MAX_KV_BLOCK_SIZE, DEFAULT_KV_BLOCK_SIZE = 8, 256, 16
 MONTH_PATTERN = re.compile(r"^\d{4}-(0[1-9]|1[0-2])$")
 DEFAULT_PARAMS = Path("params.yaml")
+# Engine parity's limits (tasks/checks/engine_parity.py: LogitAgreement), where params.yaml leaves them out.
+PARITY_MAX_LOGIT_ERROR = 64.0
+PARITY_MAX_KL = 1e-6
 
 
 class StageError(Exception):
@@ -64,6 +67,8 @@ class DataConfig(_Section):
     dir: str = "data"
     jsonl_dir: str | None = None
     heldout_text: str | None = None
+    # General text rehearsed with train.rehearsal_share (one document per line); never the held-out text.
+    rehearsal_text: str | None = None
     # chat | raw for prompt/completion rows; None: chat when the tokenizer has a chat template (tasks.stages.data).
     prompt_format: Literal["chat", "raw"] | None = None
     seed: int = Field(1234, ge=0)
@@ -137,6 +142,8 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(20, ge=0)
     prompt_loss_weight: float = Field(0.2, ge=0.0)
     max_seq_len: int = Field(96, ge=8)
+    # Rows of each batch that are general text (data.rehearsal_text), the loss on every token: rehearsal. 0: off.
+    rehearsal_share: float = Field(0.0, ge=0.0, lt=1.0)
     eval_every: int = Field(50, ge=0)  # validation loss every this many steps (and after the last); 0: never
     threads: int = Field(2, ge=1)  # torch CPU threads of each process
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when torch sees one (tasks/device.py)
@@ -151,6 +158,22 @@ class TrainConfig(_Section):
                              "each rank takes an equal slice of the global batch")
         return self
 
+    @property
+    def rehearsal_rows(self) -> int:
+        """Rows of each batch that are general text: ``rehearsal_share`` of ``batch_size``, rounded."""
+        return round(self.rehearsal_share * self.batch_size)
+
+    @model_validator(mode="after")
+    def _rehearsal_rows_fit_the_batch(self) -> "TrainConfig":
+        rows = self.rehearsal_rows
+        if self.rehearsal_share and not 1 <= rows < self.batch_size:
+            raise ValueError(f"rehearsal_share {self.rehearsal_share} of batch_size {self.batch_size} is {rows} text "
+                             "row(s): a batch needs at least one text row and one task row")
+        if rows % self.processes:
+            raise ValueError(f"rehearsal_share {self.rehearsal_share} gives {rows} text row(s) per batch, not a multiple "
+                             f"of processes ({self.processes}): each rank takes an equal slice of them")
+        return self
+
 
 class EngineConfig(_Section):
     dir: str = "engine"
@@ -159,7 +182,9 @@ class EngineConfig(_Section):
     opset: int = Field(18, ge=17)
     threads: int = Field(2, ge=1)
     backend: Literal["onnxruntime", "torch", "tensorrt"] = "onnxruntime"
-    parity_tolerance: float = Field(1e-4, gt=0)
+    # Engine vs PyTorch + merged PEFT at every prefill position of the test prompts (tasks/checks/engine_parity.py).
+    parity_max_logit_error: float = Field(PARITY_MAX_LOGIT_ERROR, gt=0)
+    parity_max_kl: float = Field(PARITY_MAX_KL, gt=0)
     weights: Literal["fp32", "int8", "int4"] = "fp32"
     weight_block_size: int = Field(128, ge=16, le=4096)
     # float; quantized = the static scheme of the ``kv`` section, the release's calibrated scales as inputs;
@@ -395,6 +420,7 @@ class ReleaseConfig(_Section):
                    "train.output_dir": self.train.output_dir, "engine.dir": self.engine.dir,
                    "publish.registry_dir": self.publish.registry_dir}
         inputs = {"data.jsonl_dir": self.data.jsonl_dir, "data.heldout_text": self.data.heldout_text,
+                  "data.rehearsal_text": self.data.rehearsal_text,
                   "base_model.path": self.base_model.path if self.base_model.source == "local" else None}
         for key, value in inputs.items():
             if value is None:
@@ -405,6 +431,20 @@ class ReleaseConfig(_Section):
                 if path == out_path or out_path in path.parents or path in out_path.parents:
                     raise ValueError(f"{key}: {value!r} overlaps {name} ({out}), which the pipeline rewrites; "
                                      "keep your files in a folder of their own")
+        return self
+
+    @model_validator(mode="after")
+    def _rehearsal_has_general_text(self) -> "ReleaseConfig":
+        if not self.train.rehearsal_share:
+            return self
+        if self.base_model.source == "embedded":
+            raise ValueError("train.rehearsal_share: the embedded default has no general text to rehearse: its base is "
+                             "pre-trained only on inspection rows of the previous rule book (whose verdicts the month's "
+                             "changed rules contradict) and its held-out text is rows of the month's rule book; "
+                             "rehearsal is for a pretrained model (base_model.source: local) and its data.rehearsal_text")
+        if self.data.rehearsal_text is None:
+            raise ValueError(f"train.rehearsal_share {self.train.rehearsal_share} needs data.rehearsal_text: a plain-text "
+                             "file of general text, one document per line, holding none of the held-out text")
         return self
 
     @model_validator(mode="after")

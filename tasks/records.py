@@ -21,6 +21,7 @@ SPLITS = ("train", "val", "calib", "test")
 
 
 HELDOUT_TEXT = "heldout.txt"
+REHEARSAL_TEXT = "rehearsal.txt"  # the data stage's copy of data.rehearsal_text
 
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -145,12 +146,35 @@ def read_jsonl(path: Path) -> list[Example]:
     return [ex for _, ex in read_numbered_rows(path)]
 
 
-def read_text_corpus(path: Path) -> list[str]:
-    """Plain text for perplexity: one document per non-empty line."""
+def read_numbered_text(path: Path) -> list[tuple[int, str]]:
+    """A plain-text corpus: (line number, document) for each non-empty line, stripped."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: text corpus not found")
-    lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+    lines = [(n, ln.strip()) for n, ln in enumerate(path.read_text().splitlines(), start=1) if ln.strip()]
     if not lines:
         raise DataError(f"{path}: text corpus is empty")
     return lines
+
+
+def read_text_corpus(path: Path) -> list[str]:
+    """Plain text for perplexity: one document per non-empty line."""
+    return [text for _, text in read_numbered_text(path)]
+
+
+def heldout_corpus(data_dir: Path) -> tuple[Path, list[str]]:
+    """The file held-out perplexity is scored on (the evaluate stage's, the forgetting gate's) and its documents:
+    the month's ``heldout.txt``, or without one the val rows as text."""
+    heldout = Path(data_dir) / HELDOUT_TEXT
+    if heldout.exists():
+        return heldout, read_text_corpus(heldout)
+    val = Path(data_dir) / "val.jsonl"
+    return val, [ex.text for ex in read_jsonl(val)]
+
+
+def heldout_overlaps(documents: list[str], heldout: list[str]) -> list[tuple[int, str]]:
+    """(index of a document, held-out text) for each held-out text found whole inside a document, runs of
+    whitespace read as one space: what must never be trained on."""
+    held = [" ".join(text.split()) for text in heldout]
+    flat = (" ".join(doc.split()) for doc in documents)
+    return [(i, text) for i, doc in enumerate(flat) for text in held if text in doc]

@@ -5,6 +5,10 @@ times that of the prompt tokens. Fine-tuning uses weight 0 (the prompt is contex
 verdict is what must change); pre-training uses a small weight so the base is a language
 model of the records (its held-out perplexity means something) while the verdict signal
 is not drowned by the many unpredictable identifier digits of the prompt.
+
+Rehearsal (``TrainSettings.rehearsal_rows``): that many rows of each batch are pieces of general text, every token
+learned, and the loss is the task rows' loss and the text rows' (the mean over their tokens) weighed by their share of
+the batch's rows, so the text's many tokens do not drown the task's few answer tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class TrainSettings:
     max_seq_len: int
     seed: int
     prompt_loss_weight: float = 0.0
+    rehearsal_rows: int = 0  # rows of each batch that are general text (rehearsal); the rest are task rows
 
 
 def encode_example(tokenizer, ex: Example, max_seq_len: int) -> tuple[list[int], list[bool]]:
@@ -55,6 +60,14 @@ def encode_example(tokenizer, ex: Example, max_seq_len: int) -> tuple[list[int],
                 learned[start:end] = [True] * (end - start)
     completion_ids = _answer_ids(tokenizer, ex.completion)
     return (prompt_ids + completion_ids)[:max_seq_len], (learned + [True] * len(completion_ids))[:max_seq_len]
+
+
+def encode_text(tokenizer, text: str, max_seq_len: int) -> list[tuple[list[int], list[bool]]]:
+    """A plain-text document as rows of at most ``max_seq_len`` tokens whose every token the loss learns (language
+    modelling: rehearsal), encoded as held-out perplexity encodes a text: special tokens (a BOS) first, eos last."""
+    ids = encode_prompt(tokenizer, text) + [tokenizer.eos_token_id]
+    pieces = [ids[start : start + max_seq_len] for start in range(0, len(ids), max_seq_len)]
+    return [(piece, [True] * len(piece)) for piece in pieces if len(piece) > 1]  # one token predicts nothing
 
 
 def _answer_ids(tokenizer, text: str) -> list[int]:
@@ -75,17 +88,21 @@ def _assistant_span(tokenizer, messages: tuple[dict, ...], turn: int, chat_ids: 
     return len(prefix), end
 
 
-def collate(batch: list[tuple[list[int], list[bool]]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded ids and attention mask, plus the mask of the positions the loss learns."""
+def collate(batch: list[tuple[list[int], list[bool]]], pad_id: int, text_rows: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded ids and attention mask, plus the mask of the positions the loss learns; the last ``text_rows``
+    rows are general text (``text_row``: rehearsal)."""
     width = max(len(ids) for ids, _ in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
     completion_mask = torch.zeros((len(batch), width), dtype=torch.bool)
+    text_row = torch.zeros(len(batch), dtype=torch.bool)
+    text_row[len(batch) - text_rows :] = True  # none when text_rows is 0
     for row, (ids, learned) in enumerate(batch):
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention_mask[row, : len(ids)] = 1
         completion_mask[row, : len(ids)] = torch.tensor(learned)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": completion_mask}
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": completion_mask,
+            "text_row": text_row}
 
 
 def completion_loss(model, batch: dict[str, torch.Tensor], prompt_loss_weight: float) -> torch.Tensor:
@@ -93,10 +110,15 @@ def completion_loss(model, batch: dict[str, torch.Tensor], prompt_loss_weight: f
     targets = batch["input_ids"][:, 1:]  # (B, T-1)
     token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
     real = batch["attention_mask"][:, 1:].bool()
-    completion = real & batch["completion_mask"][:, 1:]
+    text = batch["text_row"][:, None]  # (B, 1)
+    task = real & ~text
+    completion = task & batch["completion_mask"][:, 1:]
     loss = token_loss[completion].mean()
     if prompt_loss_weight > 0:
-        loss = loss + prompt_loss_weight * token_loss[real & ~completion].mean()
+        loss = loss + prompt_loss_weight * token_loss[task & ~completion].mean()
+    share = batch["text_row"].float().mean()  # of the rows; 0 without rehearsal, and the loss is the task's alone
+    if share > 0:
+        loss = (1 - share) * loss + share * token_loss[real & text].mean()
     return loss
 
 
@@ -154,9 +176,13 @@ def train_completions(
     eval_every: int = 0,
     placement: Placement = ON_CPU,
     accelerator=None,
+    rehearsal_texts: list[str] = (),
 ) -> TrainHistory:
     """Train ``model`` in place with AdamW and a warmup-cosine schedule; return the loss per step, and
     the loss on ``val_examples`` every ``eval_every`` steps and after the last (given both).
+
+    With ``settings.rehearsal_rows``, each batch is that many pieces of ``rehearsal_texts`` (``encode_text``, drawn in
+    their own seeded order) and ``batch_size`` less that many rows of ``examples``; without, the texts are not read.
 
     It trains on ``placement``'s device, under its autocast. In a rank of a data-parallel launch
     (``accelerator``: ``tasks.device.rank_accelerator``) every rank draws the same seeded order, takes
@@ -164,10 +190,14 @@ def train_completions(
     ranks (DDP). The loss checked for NaN and returned is the mean over ranks, so every rank stops at the
     same step; only the main rank shows and reports progress."""
     rank, world = _rank_and_world(accelerator)
-    per_rank = settings.batch_size // world
     torch.manual_seed(settings.seed)
     rng = random.Random(settings.seed)
+    text_rng = random.Random(f"{settings.seed}:rehearsal")  # its own: the task rows' order is the same with or without
     encoded = [encode_example(tokenizer, ex, settings.max_seq_len) for ex in examples]
+    text_encoded = [piece for text in rehearsal_texts
+                    for piece in encode_text(tokenizer, text, settings.max_seq_len)] if settings.rehearsal_rows else []
+    if settings.rehearsal_rows and not text_encoded:
+        raise DataError(f"{desc}: {settings.rehearsal_rows} rehearsal row(s) per batch, but no rehearsal text to draw from")
     val_encoded = [encode_example(tokenizer, ex, settings.max_seq_len) for ex in val_examples or []]
     params = [p for p in model.parameters() if p.requires_grad]
     device = accelerator.device if accelerator is not None else torch.device(placement.device)
@@ -179,15 +209,14 @@ def train_completions(
     losses: list[float] = []
     val: list[tuple[int, float]] = []
     order: list[int] = []
+    text_order: list[int] = []
     with Progress(desc, settings.steps, enabled=rank == 0) as progress:
         for step in range(settings.steps):
-            if len(order) < settings.batch_size:
-                refill = list(range(len(encoded)))
-                rng.shuffle(refill)
-                order.extend(refill)
-            rows = order[: settings.batch_size][rank * per_rank : (rank + 1) * per_rank]  # this rank's slice
-            batch = _on(collate([encoded[i] for i in rows], tokenizer.pad_token_id), device)
-            del order[: settings.batch_size]
+            rows = _draw(order, len(encoded), settings.batch_size - settings.rehearsal_rows, rng, rank, world)
+            texts = _draw(text_order, len(text_encoded), settings.rehearsal_rows, text_rng, rank, world)
+            batch = collate([encoded[i] for i in rows] + [text_encoded[i] for i in texts], tokenizer.pad_token_id,
+                            text_rows=len(texts))
+            batch = _on(batch, device)
             with placement.autocast():
                 loss = completion_loss(trained, batch, settings.prompt_loss_weight)
             global_loss = accelerator.reduce(loss.detach(), "mean") if world > 1 else loss.detach()
@@ -210,6 +239,19 @@ def train_completions(
             progress.advance(**shown)
     model.eval()
     return TrainHistory(losses, val)
+
+
+def _draw(order: list[int], pool: int, count: int, rng: random.Random, rank: int, world: int) -> list[int]:
+    """The next ``count`` indices of a pool of ``pool`` rows (``order`` refilled with shuffled passes while short,
+    the same on every rank), this rank's equal slice of them; ``order`` loses all ``count``."""
+    while pool and len(order) < count:
+        refill = list(range(pool))
+        rng.shuffle(refill)
+        order.extend(refill)
+    per_rank = count // world
+    rows = order[:count][rank * per_rank : (rank + 1) * per_rank]
+    del order[:count]
+    return rows
 
 
 def write_loss_curve(history: TrainHistory, out_dir: Path, title: str, prefix: str = "") -> None:

@@ -3,7 +3,7 @@ base's (the forgetting gate's measure, ``tasks.gate_rules.forgetting_pct``) besi
 own settings and for one change at a time.
 
     python -m bench.quality.forgetting_knobs --params examples/smollm2.yaml
-        [--knobs "profile;train.lr=0.001;train.steps=8;lora.dropout=0.1"] [--work DIR]
+        [--knobs "profile;train.lr=0.001;train.steps=8;lora.dropout=0.1;train.rehearsal_share=0.25"] [--work DIR]
         [--out bench/results/forgetting_knobs.json]
 
 A knob is the profile as it is (``profile``) or dotted settings of it joined by ``,`` (``train.lr=0.001,train.steps=8``;
@@ -11,7 +11,9 @@ values read as YAML), checked like ``params.yaml``. Each is trained with the fin
 profile's month as its data stage wrote it (``layout.data_dir``: run the flow, or its data stage, first) into
 ``--work``/<knob>, then scored in PyTorch in fp32 as the evaluate stage scores it (``tasks.stages.evaluate.perplexity``
 on the held-out text, greedy exact-match accuracy on the test rows). The base is scored once. Not in CI nor in
-``make bench``: each knob is a fine-tune (about 1.5 min on 2 cores for the real-model profile).
+``make bench``: each knob is a fine-tune (about 1.5 min on 2 cores for the real-model profile). Rehearsal
+(``train.rehearsal_share``) draws on the month's copy of the profile's ``data.rehearsal_text``: the data stage must
+have run with it set.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def run(cfg: ReleaseConfig, knobs: list[str], work: Path) -> dict:
     for knob in knobs:
         knob_cfg = with_settings(cfg, parse_knob(knob), f"--knobs {knob}")
         progress(f"[{knob}] fine-tune: {knob_cfg.train.steps} steps, lr {knob_cfg.train.lr}, "
-                 f"dropout {knob_cfg.lora.dropout} ...")
+                 f"dropout {knob_cfg.lora.dropout}, rehearsal {knob_cfg.train.rehearsal_rows} of "
+                 f"{knob_cfg.train.batch_size} rows ...")
         out = work / knob.replace("/", "_").replace(",", "+")
         adapter = finetune(base_dir, data_dir, out, knob_cfg.lora, knob_cfg.train, "forgetting-knobs")
         adapted = PeftModel.from_pretrained(model, adapter)
@@ -102,7 +105,7 @@ def figures(payload: dict) -> list[Figure]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="held-out perplexity and accuracy of the profile's fine-tune, knob by knob")
     ap.add_argument("--params", type=Path, required=True, help="the profile (its month already written by its flow)")
-    ap.add_argument("--knobs", default=f"{PROFILE};train.lr=0.001;train.steps=8;lora.dropout=0.1",
+    ap.add_argument("--knobs", default=f"{PROFILE};train.lr=0.001;train.steps=8;lora.dropout=0.1;train.rehearsal_share=0.25",
                     help="';'-separated knobs: 'profile', or KEY=VALUE[,KEY=VALUE...] overrides of the profile")
     ap.add_argument("--work", type=Path, default=Path("forgetting-knobs"), help="where each knob's adapter is written")
     ap.add_argument("--out", type=Path, default=RESULTS / "forgetting_knobs.json")

@@ -23,6 +23,7 @@ from tasks.config import DataConfig, ReleaseConfig
 from tasks.inspection import RULEBOOK, changed_rules, rulebook, sample_examples
 from tasks.records import (
     HELDOUT_TEXT,
+    REHEARSAL_TEXT,
     SPLITS,
     DataError,
     is_chat,
@@ -37,9 +38,10 @@ def split_sizes(cfg: DataConfig) -> dict[str, int]:
     return {"train": cfg.train_size, "val": cfg.val_size, "calib": cfg.calib_size, "test": cfg.test_size}
 
 
-def generate_month(cfg: DataConfig, base_month: str, out_dir: Path, chat: bool = False) -> Path:
+def generate_month(cfg: DataConfig, base_month: str, out_dir: Path, chat: bool = False,
+                   rehearsal_text: Path | None = None) -> Path:
     """Write the four splits, a held-out text and the rule book of ``cfg.month``; with ``chat`` the
-    rows are chats of one user turn.
+    rows are chats of one user turn. A ``rehearsal_text`` is copied beside them.
 
     ``changed`` on each row is relative to ``base_month``, the last month the base model
     was trained on: those rows are what the adapter must learn.
@@ -63,7 +65,16 @@ def generate_month(cfg: DataConfig, base_month: str, out_dir: Path, chat: bool =
                 "rules": {d: vars(r) for d, r in book.items()},
             },
         )
+        copy_texts(tmp, {REHEARSAL_TEXT: rehearsal_text})
     return out_dir
+
+
+def copy_texts(out_dir: Path, texts: dict[str, Path | None]) -> None:
+    """Copy each given text corpus (checked first: it exists and holds a document) as ``out_dir``/its name."""
+    for name, path in texts.items():
+        if path is not None:
+            read_text_corpus(path)
+            shutil.copyfile(path, Path(out_dir) / name)
 
 
 def check_month(src_dir: Path, chat_template: bool = True) -> None:
@@ -91,14 +102,12 @@ def check_month(src_dir: Path, chat_template: bool = True) -> None:
 
 
 def import_month(src_dir: Path, out_dir: Path, heldout_text: Path | None = None, chat: bool = False,
-                 chat_template: bool = True) -> Path:
+                 chat_template: bool = True, rehearsal_text: Path | None = None) -> Path:
     """Validate a user's month folder and copy it into place; nothing is copied on error. With
-    ``chat``, prompt/completion rows are written as chats of one user turn; other files are copied
-    byte for byte."""
+    ``chat``, prompt/completion rows are written as chats of one user turn; other files (the held-out
+    and the rehearsal text) are copied byte for byte."""
     src_dir = Path(src_dir)
     check_month(src_dir, chat_template)
-    if heldout_text is not None:
-        read_text_corpus(heldout_text)
     with atomic_output_dir(out_dir) as tmp:
         for split in SPLITS:
             rows = read_jsonl(src_dir / f"{split}.jsonl")
@@ -106,8 +115,7 @@ def import_month(src_dir: Path, out_dir: Path, heldout_text: Path | None = None,
                 write_jsonl(tmp / f"{split}.jsonl", [ex.as_chat() for ex in rows])
             else:
                 shutil.copyfile(src_dir / f"{split}.jsonl", tmp / f"{split}.jsonl")
-        if heldout_text is not None:
-            shutil.copyfile(heldout_text, tmp / HELDOUT_TEXT)
+        copy_texts(tmp, {HELDOUT_TEXT: heldout_text, REHEARSAL_TEXT: rehearsal_text})
     return out_dir
 
 
@@ -130,10 +138,11 @@ def prepare_data(cfg: DataConfig, base_month: str, out_dir: Path, chat_template:
         raise DataError("data.prompt_format: chat needs a base model whose tokenizer has a chat template; "
                         "this one has none (set raw, or leave it unset)")
     chat = chat_template if cfg.prompt_format is None else cfg.prompt_format == "chat"
+    rehearsal = Path(cfg.rehearsal_text) if cfg.rehearsal_text else None
     if cfg.jsonl_dir is None:
-        return generate_month(cfg, base_month, out_dir, chat)
+        return generate_month(cfg, base_month, out_dir, chat, rehearsal)
     heldout = Path(cfg.heldout_text) if cfg.heldout_text else None
-    return import_month(Path(cfg.jsonl_dir), out_dir, heldout, chat, chat_template)
+    return import_month(Path(cfg.jsonl_dir), out_dir, heldout, chat, chat_template, rehearsal)
 
 
 def run_stage(cfg: ReleaseConfig) -> str:

@@ -5,6 +5,8 @@ Only the LoRA matrices are saved, in PEFT's own format (``adapter_config.json`` 
 ``provenance.json`` beside them binds the adapter to the exact backbone and settings, and says
 where it was trained (device, precision, processes: ``tasks/device.py``). With ``train.processes``
 > 1 the entry point launches itself on that many ranks with ``accelerate launch``; rank 0 writes.
+With ``train.rehearsal_share`` a share of each batch is general text (``data.rehearsal_text``), refused if it
+holds any of the held-out text the forgetting gate scores.
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ from tasks.config import ConfigError, LoraSection, ReleaseConfig, StageError, Tr
 from tasks.device import choose_placement, is_launched_rank, launch_command, rank_accelerator
 from tasks.layout import ADAPTER_DIR
 from tasks.models import load_base_model
-from tasks.records import is_chat, read_jsonl
+from tasks.records import (
+    REHEARSAL_TEXT,
+    DataError,
+    heldout_corpus,
+    heldout_overlaps,
+    is_chat,
+    read_jsonl,
+    read_numbered_text,
+)
 
 
 def library_versions() -> dict[str, str]:
@@ -48,6 +58,25 @@ def _prompt_loss_weight(examples: list, configured: float) -> float:
               "assistant turns", file=sys.stderr)
         return 0.0
     return configured
+
+
+def rehearsal_texts(data_dir: Path) -> list[str]:
+    """The documents of the month's rehearsal text (the data stage's copy of ``data.rehearsal_text``); refused, naming
+    the line and the text, if any held-out text (``heldout_corpus``: what the forgetting gate scores) lies inside one:
+    training on it would hide the very forgetting the gate measures."""
+    path = Path(data_dir) / REHEARSAL_TEXT
+    if not path.exists():
+        raise DataError(f"{path}: not found: train.rehearsal_share needs data.rehearsal_text, which the data stage "
+                        "copies here; set it and run the data stage")
+    numbered = read_numbered_text(path)
+    heldout_path, heldout = heldout_corpus(data_dir)
+    overlaps = heldout_overlaps([text for _, text in numbered], heldout)
+    if overlaps:
+        found = "; ".join(f"line {numbered[i][0]} holds {text[:60]!r}..." for i, text in overlaps[:3])
+        raise DataError(f"{path} (data.rehearsal_text): {len(overlaps)} held-out text(s) of {heldout_path} inside "
+                        f"rehearsal documents: {found}; remove those documents: the forgetting gate scores the base "
+                        "on that text")
+    return [text for _, text in numbered]
 
 
 def finetune(
@@ -91,6 +120,10 @@ def finetune(
     if main_process:
         print(f"fine-tune: {placement.describe()}, {processes} process(es)", file=sys.stderr)
     examples = read_jsonl(Path(data_dir) / "train.jsonl")
+    rehearsal = rehearsal_texts(data_dir) if train.rehearsal_rows else []
+    if rehearsal and main_process:
+        print(f"fine-tune: rehearsal, {train.rehearsal_rows} of {train.batch_size} rows per batch from "
+              f"{len(rehearsal)} documents of {Path(data_dir) / REHEARSAL_TEXT}", file=sys.stderr)
     model, tokenizer = load_base_model(base_dir)
     missing = [m for m in lora.target_modules if not any(n.endswith(m) for n, _ in model.named_modules())]
     if missing:
@@ -115,10 +148,11 @@ def finetune(
         max_seq_len=train.max_seq_len,
         seed=train.seed,
         prompt_loss_weight=_prompt_loss_weight(examples, train.prompt_loss_weight),
+        rehearsal_rows=train.rehearsal_rows,
     )
     history = train_completions(peft_model, tokenizer, examples, settings, desc="fine-tune LoRA",
                                 val_examples=read_jsonl(Path(data_dir) / "val.jsonl"), eval_every=train.eval_every,
-                                placement=placement, accelerator=accelerator)
+                                placement=placement, accelerator=accelerator, rehearsal_texts=rehearsal)
     if accelerator is not None:
         accelerator.wait_for_everyone()
         accelerator.end_training()  # leaves the process group; the ranks agree on every step, so all are done
@@ -158,6 +192,8 @@ def finetune(
                 "device": placement.device,
                 "precision": placement.precision,
                 "processes": processes,
+                **({"rehearsal_rows_per_batch": train.rehearsal_rows, "rehearsal_documents": len(rehearsal)}
+                   if rehearsal else {}),
             },
         )
     return Path(out_dir) / ADAPTER_DIR
