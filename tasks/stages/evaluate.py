@@ -190,10 +190,11 @@ def _score_on_engine(
         agreement = kv_parity.pop("logits_codes_agree")
     on_engine = generate_text(engine, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size)
     parity = parity_verdict(
-        engine, merged_model, tokenizer, prompts, agreement,
+        merged_model, tokenizer, prompts, agreement,
         greedy_completions(merged_model, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size,
                            desc="greedy decode: merged adapter (parity)"),
         on_engine, engine_cfg.parity_max_logit_error, engine_cfg.parity_max_kl, cfg.max_new_tokens,
+        float_cache=engine.interface.kv_spec is None and not engine.interface.kv_pages,
     )
     parity["backend"] = engine_cfg.backend
     parity["weights"] = engine_cfg.weights

@@ -88,6 +88,11 @@ def test_the_parity_gates_refuse_each_measure_on_its_own_and_name_it():
     metrics["engine_parity"] = fp32_parity(greedy_mismatches=[3, 7], greedy_mismatches_beyond_ties=[7])
     gate = by_name(evaluation_gates(metrics, GatesConfig(), None, EngineConfig(), kv_enabled=True))["greedy_parity"]
     assert not gate.passed and gate.value == 1.0 and "2 of 40 differ: rows [3, 7]" in gate.detail
+    # an engine decoding over a quantized KV cache answers what its cache lets it: the KV gates judge that
+    metrics["engine_parity"] = fp32_parity(kv_cache="quantized_pages", greedy_mismatches=[3], greedy_judged=False,
+                                           pages_sealed=10, pages_sealer_bytes_differing=0)
+    gate = by_name(evaluation_gates(metrics, GatesConfig(), None, EngineConfig(), kv_enabled=True))["greedy_parity"]
+    assert gate.passed and gate.op == "n/a" and "kv_accuracy_drop" in gate.detail and "1 of 40" in gate.detail
 
 
 def test_a_candidate_below_the_champion_minus_tolerance_fails():
