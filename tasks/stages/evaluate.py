@@ -33,7 +33,7 @@ from tasks.plots import (
     save_figure,
 )
 from tasks.progress import Progress
-from tasks.records import HELDOUT_TEXT, Example, read_jsonl, read_text_corpus
+from tasks.records import Example, heldout_corpus, read_jsonl
 from tasks.scoring import accuracy_report, greedy_completions
 
 
@@ -310,11 +310,7 @@ def evaluate(
     placement = choose_placement(device)
     print(f"evaluate: PyTorch scores on {placement.device} in fp32 ({placement.reason})", file=sys.stderr)
     test = read_jsonl(Path(data_dir) / "test.jsonl")
-    heldout = Path(data_dir) / HELDOUT_TEXT
-    if heldout.exists():
-        texts = read_text_corpus(heldout)
-    else:
-        texts = [ex.text for ex in read_jsonl(Path(data_dir) / "val.jsonl")]
+    _, texts = heldout_corpus(Path(data_dir))
 
     # Phases, reported as they finish: base, base + adapter, [the engine], [the quantized KV cache].
     progress = Progress("evaluate", 2 + (engine is not None) + (kv_dir is not None or pages is not None), unit="phase")
