@@ -260,8 +260,8 @@ def greedy_mismatches_beyond_ties(model, tokenizer, prompts: list[str | ChatProm
     The reference (a PyTorch model) reads the prompt and the engine's answer (teacher-forced, the answer's text
     encoded again). At the first token where its own choice differs from the engine's, the two logits must lie within
     twice the rounding budget ``LogitAgreement`` allows one logit (each may move by that much): a float reordering
-    can flip a near-tie, a defect flips clear choices. A row whose answer does not encode back to the engine's
-    tokens counts as a mismatch, not a tie."""
+    can flip a near-tie, a defect flips clear choices. A row where the reference, reading one row unpadded, chooses
+    the engine's every token is a tie too: its own answer came from a padded batch, whose float noise flipped it."""
     import torch
 
     stop_ids = list(tokenizer.stop_ids)
@@ -273,10 +273,8 @@ def greedy_mismatches_beyond_ties(model, tokenizer, prompts: list[str | ChatProm
         ids = torch.tensor([prompt_ids + answer])
         with torch.no_grad():
             logits = model(ids).logits[0, len(prompt_ids) - 1 :].double().numpy()  # (len(answer) + 1, vocab)
-        tie = True  # the reference chooses the engine's every token: the texts differ only in how they encode
-        for step, want in enumerate(logits[: max_new_tokens + 1]):
-            if step == max_new_tokens:
-                break
+        tie = True
+        for step, want in enumerate(logits[:max_new_tokens]):
             engine_next = answer[step] if step < len(answer) else max(stop_ids, key=lambda t: want[t])
             choice = int(want.argmax())
             if choice != engine_next and not (step == len(answer) and choice in stop_ids):

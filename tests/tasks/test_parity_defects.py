@@ -67,6 +67,8 @@ def test_parity_refuses_a_planted_adapter_or_position_defect(release, float_engi
     assert not report["passed"], report
     limits = release["cfg"].engine
     assert report["max_logit_error"] > limits.parity_max_logit_error and report["max_kl"] > limits.parity_max_kl
+    if defect == "scale_x2":  # it changes answers, each a clear choice of the reference, no near-tie
+        assert report["greedy_mismatches"] and report["greedy_mismatches_beyond_ties"] == report["greedy_mismatches"]
 
 
 def test_parity_refuses_an_engine_with_one_layer_from_another_checkpoint(release, tmp_path):
