@@ -171,7 +171,7 @@ def _parity_gates(parity: dict, engine: EngineConfig) -> list[Gate]:
     against = {"quantized": "its PyTorch module attending over the engine's KV codes (prompts whose stored bytes agree)",
                "quantized_pages": "PyTorch + merged PEFT (a prefill reads its own K/V in float)"}.get(
         parity.get("kv_cache"), "PyTorch + merged PEFT")
-    where = f"{parity['positions_compared']} prefill positions of {parity['prompts']} test prompts, engine vs {against}"
+    where = f"{parity['positions_compared']} positions of {parity['prompts']} test prompts, engine vs {against}"
     out = [
         _compare("engine_parity", parity["max_logit_error"], "<=", engine.parity_max_logit_error,
                  f"largest logit difference at a position, in float32 rounding budgets (eps32 x layers x the "

@@ -285,11 +285,17 @@ def greedy_mismatches_beyond_ties(model, tokenizer, prompts: list[str | ChatProm
     return beyond
 
 
-def parity_report(agreement: dict, reference: list[str], on_engine: list[str], beyond_ties: list[int] | None,
-                  max_logit_error: float, max_kl: float) -> dict:
-    """The parity verdict: logits within the rounding budget and the KL limit at every position, and every greedy
-    mismatch a near-tie (``greedy_mismatches_beyond_ties``; None: greedy answers not judged, see ``parity_verdict``)."""
+def parity_verdict(model, tokenizer, prompts: list[str | ChatPrompt], agreement: dict, reference: list[str],
+                   on_engine: list[str], max_logit_error: float, max_kl: float, max_new_tokens: int,
+                   float_cache: bool = True) -> dict:
+    """The parity verdict of an engine's logit ``agreement`` and its greedy answers against ``model``'s: logits within
+    the rounding budget and the KL limit at every position, and every greedy mismatch a near-tie
+    (``greedy_mismatches_beyond_ties``). An engine that decodes over a quantized KV cache (``float_cache`` False)
+    answers what its cache lets it, not what a float reference does: its greedy answers are reported, not judged
+    (what the cache costs them is the KV gates' measure, ``kv_accuracy_drop``)."""
     mismatches = [i for i, (a, b) in enumerate(zip(reference, on_engine, strict=True)) if a != b]
+    beyond = greedy_mismatches_beyond_ties(model, tokenizer, prompts, on_engine, mismatches, max_logit_error,
+                                           max_new_tokens) if float_cache else []
     return {
         "prompts": len(reference),
         **agreement,
@@ -297,30 +303,16 @@ def parity_report(agreement: dict, reference: list[str], on_engine: list[str], b
         "max_kl_limit": max_kl,
         "greedy_identical": not mismatches,
         "greedy_mismatches": mismatches[:20],
-        "greedy_judged": beyond_ties is not None,
-        "greedy_mismatches_beyond_ties": (beyond_ties or [])[:20],
-        "passed": agreement["max_logit_error"] <= max_logit_error and agreement["max_kl"] <= max_kl
-        and not beyond_ties,
+        "greedy_judged": float_cache,
+        "greedy_mismatches_beyond_ties": beyond[:20],
+        "passed": agreement["max_logit_error"] <= max_logit_error and agreement["max_kl"] <= max_kl and not beyond,
     }
-
-
-def parity_verdict(model, tokenizer, prompts: list[str | ChatPrompt], agreement: dict, reference: list[str],
-                   on_engine: list[str], max_logit_error: float, max_kl: float, max_new_tokens: int,
-                   float_cache: bool = True) -> dict:
-    """``parity_report`` of an engine's logit ``agreement`` and its greedy answers against ``model``'s. An engine
-    that decodes over a quantized KV cache (``float_cache`` False) answers what its cache lets it, not what a float
-    reference does: its greedy answers are reported, not judged (what the cache costs them is the KV gates' measure,
-    ``kv_accuracy_drop``)."""
-    mismatches = [i for i, (a, b) in enumerate(zip(reference, on_engine, strict=True)) if a != b]
-    beyond = greedy_mismatches_beyond_ties(model, tokenizer, prompts, on_engine, mismatches, max_logit_error,
-                                           max_new_tokens) if float_cache else None
-    return parity_report(agreement, reference, on_engine, beyond, max_logit_error, max_kl)
 
 
 def check_parity(engine, model, tokenizer, prompts: list[str | ChatPrompt], max_new_tokens: int, batch_size: int,
                  max_logit_error: float = PARITY_MAX_LOGIT_ERROR, max_kl: float = PARITY_MAX_KL) -> dict:
-    """``parity_report`` of an engine (its adapter bound) against a PyTorch model (the base with the adapter merged):
-    every prefill position's logits, then greedy answers (``max_new_tokens``, ``batch_size`` rows at a time)."""
+    """``parity_verdict`` of an engine (its adapter bound) against a PyTorch model (the base with the adapter merged):
+    every position's logits (``teacher_forced_agreement``), then greedy answers (``max_new_tokens``, ``batch_size`` rows at a time)."""
     from runtime.engine.generate import generate_text
     from tasks.scoring import greedy_completions
 

@@ -18,7 +18,7 @@ from tasks.stages.gates import run_stage
 
 
 def fp32_parity(**overrides) -> dict:
-    """``tasks.checks.engine_parity.parity_report``'s figures of a correct fp32 engine on 40 prompts."""
+    """``tasks.checks.engine_parity.parity_verdict``'s figures of a correct fp32 engine on 40 prompts."""
     return {"weights": "fp32", "prompts": 40, "positions_compared": 800, "max_abs_logit_diff": 3e-5,
             "max_logit_error": 0.8, "max_kl": 2e-11, "mean_kl": 1e-12, "greedy_mismatches": [],
             "greedy_mismatches_beyond_ties": []} | overrides
@@ -78,7 +78,7 @@ def test_the_parity_gates_refuse_each_measure_on_its_own_and_name_it():
     metrics["engine_parity"] = fp32_parity(max_logit_error=EngineConfig().parity_max_logit_error + 1, max_abs_logit_diff=2e-3)
     gates = by_name(evaluation_gates(metrics, GatesConfig(), None, EngineConfig(), kv_enabled=True))
     assert not gates["engine_parity"].passed and gates["engine_parity_kl"].passed and gates["greedy_parity"].passed
-    assert "float32 rounding budgets" in gates["engine_parity"].detail and "800 prefill positions" in gates["engine_parity"].detail
+    assert "float32 rounding budgets" in gates["engine_parity"].detail and "800 positions" in gates["engine_parity"].detail
     metrics["engine_parity"] = fp32_parity(max_kl=3e-4)
     gates = by_name(evaluation_gates(metrics, GatesConfig(), None, EngineConfig(), kv_enabled=True))
     assert not gates["engine_parity_kl"].passed and gates["engine_parity"].passed
