@@ -1,16 +1,25 @@
 """Quantized pages (``kernels.kv_spec.PageQuantSpec``) in PyTorch: the reference sealer, and the read the graph runs.
 
-Sealing a page of ``bs`` tokens (one block of the paged cache):
-  keys    (bs, d): per channel c, over the page's tokens: lo_c = min_t k[t, c], hi_c = max_t k[t, c];
+Sealing a page of ``bs`` tokens (one block of the paged cache), every range asymmetric, nothing clipped:
   values  (bs, d): per token t and group of G channels: lo, hi over the group's channels;
-  then, per (lo, hi): scale = fp16((hi - lo) / (2^b - 1)) (at least ``kernels.kv_spec.MIN_PAGE_SCALE``), minimum = fp16(lo),
-  u = clamp(round((x - minimum) / scale), 0, 2^b - 1), read back as x' = u scale + minimum (KIVI's form).
+          scale = fp16((hi - lo) / (2^b - 1)) (at least ``kernels.kv_spec.MIN_PAGE_SCALE``), minimum = fp16(lo);
+  keys    (bs, d): per channel c, over the page's tokens: lo_c = min_t k[t, c], hi_c = max_t k[t, c]; the d minima
+          and d scales of a (page, head) are themselves stored in 8 bits (double quantization, QLoRA's term), on
+          grids of the page's own ``key_base`` (fp16: scale unit, minimum origin, minimum unit):
+            origin = fp16(min_c lo_c), min_unit = fp16((max_c lo_c - origin) / 255),
+            minimum_c = origin + floor((lo_c - origin) / min_unit) min_unit  (at or below lo_c: the range still holds),
+            s_c = (hi_c - minimum_c) / (2^b - 1), scale_unit = fp16(max_c s_c / 254) (fp16 rounds by at most
+            2^-11, so the widest channel needs at most 255 units), scale_c = ceil(s_c / scale_unit) scale_unit (at or
+            above s_c: the top code still reaches hi_c);
+          fp16 pairs per channel would cost 32 bits per 16 tokens, 2 bits per key; these cost 1 bit, and measured on
+          SmolLM2 (bench/quality/real_model_quality.py's text, K4/V4 g64) KL 4.72e-3 against fp16 pairs' 4.78e-3;
+  then u = clamp(round((x - minimum) / scale), 0, 2^b - 1), read back as x' = u scale + minimum (KIVI's form).
 
-Every step is one IEEE operation on float32 (subtract, divide, round half to even) or a cast to fp16 (round to
-nearest even), so numpy computes the same integers and the same fp16 scales bit for bit: the device seals in
-numpy (``runtime.engine.kv_pages``, no torch on the serving path) and ``tests/kernels/test_page_quant.py`` compares
-the two code for code. The minimum is kept as a float (fp16), not rounded to an integer zero point: an integer
-zero point moves every value of the group by up to half a step on top of its rounding.
+Every step is one IEEE operation on float32 (subtract, multiply, divide, floor, ceil, round half to even) or a cast to
+fp16 (round to nearest even), so numpy computes the same integers and the same fp16 scales bit for bit: the device
+seals in numpy (``runtime.engine.kv_pages``, no torch on the serving path) and ``tests/kernels/test_page_quant.py``
+compares the two code for code. Minima are kept as floats (fp16, or on their 8-bit grid), not rounded to an integer
+zero point: an integer zero point moves every value of the group by up to half a step on top of its rounding.
 
 The read (``dequantize_key_pages``, ``dequantize_value_pages``) is what the exported graph runs on the codes it
 gathers through a block table: unpack (``kernels.kv_quant.unpack_bits_f32``), multiply, add, in standard ONNX ops.
@@ -22,7 +31,7 @@ import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  registers torch.ops.quantized_decomposed (DequantizeLinear)
 
 from kernels.kv_quant import pack_bits, unpack_parts_u8
-from kernels.kv_spec import MIN_PAGE_SCALE, PageQuantSpec
+from kernels.kv_spec import KEY_GRID_STEPS, MIN_PAGE_SCALE, PageQuantSpec
 
 
 def _scale_minimum(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,16 +41,41 @@ def _scale_minimum(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch
 
 
 def _codes(x: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int) -> torch.Tensor:
-    """u = clamp(round((x - minimum) / scale), 0, 2^b - 1) as uint8; scale and minimum fp16, broadcast against x."""
+    """u = clamp(round((x - minimum) / scale), 0, 2^b - 1) as uint8; scale and minimum fp16 or float32, broadcast
+    against x."""
     u = torch.round((x - minimum.to(torch.float32)) / scale.to(torch.float32))
     return u.clamp(0, 2**bits - 1).to(torch.uint8)
 
 
-def seal_keys(k: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Full pages of keys k (..., bs, d) float32 -> (codes (..., bs, d) uint8, scale (..., 1, d) fp16,
-    minimum (..., 1, d) fp16): one (scale, minimum) per channel over the page's tokens."""
-    scale, minimum = _scale_minimum(k.amin(dim=-2, keepdim=True), k.amax(dim=-2, keepdim=True), bits)
-    return _codes(k, scale, minimum, bits), scale, minimum
+def key_scale_minimum(scale_codes: torch.Tensor, min_codes: torch.Tensor,
+                      base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A page's stored key grid, codes (..., d) uint8 and ``key_base`` (..., 3) fp16 (scale unit, minimum origin,
+    minimum unit) -> the (scale, minimum) per channel (..., d) float32 its codes are read with."""
+    unit, origin, min_unit = (base[..., i : i + 1].to(torch.float32) for i in range(3))
+    return scale_codes.to(torch.float32) * unit, origin + min_codes.to(torch.float32) * min_unit
+
+
+def key_grid(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-channel key ranges [lo, hi] (..., d) float32 -> (scale codes (..., d) uint8, minimum codes (..., d) uint8,
+    ``key_base`` (..., 3) fp16): the double-quantized grid of the module's docstring."""
+    origin = lo.amin(-1, keepdim=True).to(torch.float16)
+    min_unit = ((lo.amax(-1, keepdim=True) - origin.to(torch.float32)) / KEY_GRID_STEPS).to(torch.float16)
+    min_unit = min_unit.clamp_min(MIN_PAGE_SCALE)
+    min_codes = torch.floor((lo - origin.to(torch.float32)) / min_unit.to(torch.float32)).clamp(0, KEY_GRID_STEPS)
+    minimum = origin.to(torch.float32) + min_codes * min_unit.to(torch.float32)
+    steps = (hi - minimum) / (2**bits - 1)
+    unit = (steps.amax(-1, keepdim=True) / (KEY_GRID_STEPS - 1)).to(torch.float16).clamp_min(MIN_PAGE_SCALE)
+    scale_codes = torch.ceil(steps / unit.to(torch.float32)).clamp(1, KEY_GRID_STEPS)
+    return scale_codes.to(torch.uint8), min_codes.to(torch.uint8), torch.cat([unit, origin, min_unit], dim=-1)
+
+
+def seal_keys(k: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full pages of keys k (..., bs, d) float32 -> (codes (..., bs, d) uint8, scale codes (..., 1, d) uint8, minimum
+    codes (..., 1, d) uint8, ``key_base`` (..., 1, 3) fp16): one (scale, minimum) per channel over the page's tokens,
+    on the page's 8-bit grid (``key_grid``)."""
+    scale_codes, min_codes, base = key_grid(k.amin(dim=-2, keepdim=True), k.amax(dim=-2, keepdim=True), bits)
+    scale, minimum = key_scale_minimum(scale_codes, min_codes, base)
+    return _codes(k, scale, minimum, bits), scale_codes, min_codes, base
 
 
 def seal_values(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -53,18 +87,19 @@ def seal_values(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, t
 
 
 def seal_packed(k: torch.Tensor, v: torch.Tensor, spec: PageQuantSpec) -> dict[str, torch.Tensor]:
-    """Full pages k, v (S, nkv, bs, d) float32 -> what the page pool stores, by role: ``key_codes`` and
-    ``value_codes`` bit-packed (``kernels.kv_quant.pack_bits``), the fp16 scales and minima as they are."""
-    k_codes, k_scale, k_min = seal_keys(k, spec.k_bits)
+    """Full pages k, v (S, nkv, bs, d) float32 -> what the page pool stores, by role (``runtime.engine.interface.SEALED_ROLES``):
+    ``key_codes`` and ``value_codes`` bit-packed (``kernels.kv_quant.pack_bits``), the keys' 8-bit grid and its
+    ``key_base``, the values' fp16 scales and minima, as they are."""
+    k_codes, k_scale, k_min, k_base = seal_keys(k, spec.k_bits)
     v_codes, v_scale, v_min = seal_values(v, spec.v_bits, spec.v_group_size)
-    return {"key_codes": pack_bits(k_codes, spec.k_bits), "key_scale": k_scale, "key_min": k_min,
+    return {"key_codes": pack_bits(k_codes, spec.k_bits), "key_scale": k_scale, "key_min": k_min, "key_base": k_base,
             "value_codes": pack_bits(v_codes, spec.v_bits), "value_scale": v_scale, "value_min": v_min}
 
 
 # ---------------------------------------------------------------- the read
 # The graph reads a row's sealed pages as it gathers them, page by page (``runtime.engine.paged_model.gathered_blocks``):
-# key codes (B, nkv, M, bs, packed d) uint8 with scale and minimum (B, nkv, M, 1, d) fp16; value codes (B, nkv, M, bs,
-# packed d) with scale and minimum (B, nkv, M, bs, d / G). It never materializes them as float K/V plus minimum: the
+# key codes (B, nkv, M, bs, packed d) uint8 with scale and minimum (B, nkv, M, 1, d) float32, read from their grid
+# (``key_scale_minimum``); value codes (B, nkv, M, bs, packed d) with scale and minimum (B, nkv, M, bs, d / G) fp16. It never materializes them as float K/V plus minimum: the
 # codes become floats already scaled (``_dequantized``), and the minima fold into the small side, q and the weights.
 
 def _dequantized(u: torch.Tensor, scale: torch.Tensor, run: int) -> torch.Tensor:
@@ -78,7 +113,7 @@ def _dequantized(u: torch.Tensor, scale: torch.Tensor, run: int) -> torch.Tensor
 
 
 def sealed_keys_t(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """Key pages, codes (B, nkv, M, bs, packed d) uint8 and scale (B, nkv, M, 1, d) fp16 -> the keys less their page's
+    """Key pages, codes (B, nkv, M, bs, packed d) uint8 and scale (B, nkv, M, 1, d) float32 -> the keys less their page's
     minimum, u s, transposed: (B, nkv, d, M bs) float32.
 
     Transposed while they are bytes (before the parts are peeled), so that each page's channel is a row of ``bs``
@@ -118,12 +153,12 @@ def value_parts(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> list[tor
 
 def sealed_key_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                       bits: int) -> torch.Tensor:
-    """q (B, nkv, R, d) against the key pages (``sealed_keys_t``'s; minimum (B, nkv, M, 1, d) fp16) -> q . k
+    """q (B, nkv, R, d) against the key pages (``sealed_keys_t``'s; minimum (B, nkv, M, 1, d) float32) -> q . k
     (B, nkv, R, M bs), k = u s + m: q . (u s), plus q . m per page, one (R, d) x (d, M) product instead of an add
     over every key. The same sums as q . k, reassociated."""
     B, nkv, M, bs, _ = codes.shape
     scores = q @ sealed_keys_t(codes, scale, bits)  # (B, nkv, R, M bs)
-    q_min = q @ minimum.to(torch.float32).squeeze(3).transpose(-1, -2)  # (B, nkv, R, M)
+    q_min = q @ minimum.squeeze(3).transpose(-1, -2)  # (B, nkv, R, M)
     return (scores.unflatten(-1, (M, bs)) + q_min[..., None]).flatten(-2)
 
 
@@ -140,12 +175,12 @@ def sealed_value_mix(a: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, 
 
 def dequantize_key_pages(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
                          block_size: int) -> torch.Tensor:
-    """A row's sealed keys end to end, codes (B, nkv, M bs, packed d) uint8, scale and minimum (B, nkv, M, d) fp16 ->
+    """A row's sealed keys end to end, codes (B, nkv, M bs, packed d) uint8, scale and minimum (B, nkv, M, d) float32 ->
     keys (B, nkv, M bs, d) float32, each page's tokens read with its channels' scales: the keys
     ``sealed_key_scores`` multiplies, materialized (the reference the tests hold it to)."""
     B, nkv, M, d = scale.shape
     u_s = sealed_keys_t(codes.unflatten(2, (M, block_size)), scale[:, :, :, None], bits).transpose(-1, -2)
-    k = u_s.reshape(B, nkv, M, block_size, d) + minimum.to(torch.float32)[:, :, :, None]
+    k = u_s.reshape(B, nkv, M, block_size, d) + minimum[:, :, :, None]
     return k.reshape(B, nkv, M * block_size, d)
 
 
@@ -170,10 +205,11 @@ def read_back(k: torch.Tensor, v: torch.Tensor, spec: PageQuantSpec, block_size:
     span = slice(bs, bs * (1 + sealed))
     nkv, d = k.shape[0], k.shape[2]
     k_pages = k[:, span].reshape(nkv, sealed, bs, d)
-    k_codes, k_scale, k_min = seal_keys(k_pages, spec.k_bits)
+    k_codes, *k_grid = seal_keys(k_pages, spec.k_bits)
+    k_scale, k_min = key_scale_minimum(*k_grid)
     v_codes, v_scale, v_min = seal_values(v[:, span], spec.v_bits, spec.v_group_size)
     groups = d // spec.v_group_size
-    k_read = (k_codes.float() * k_scale.float() + k_min.float()).reshape(nkv, sealed * bs, d)
+    k_read = (k_codes.float() * k_scale + k_min).reshape(nkv, sealed * bs, d)
     v_read = (v_codes.float().unflatten(-1, (groups, spec.v_group_size)) * v_scale.float()[..., None]
               + v_min.float()[..., None]).flatten(-2)
     return (torch.cat([k[:, :bs], k_read, k[:, span.stop:]], dim=1), torch.cat([v[:, :bs], v_read, v[:, span.stop:]], dim=1))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels.kv_spec import packed_size
+from kernels.kv_spec import KEY_BASE_WIDTH, packed_size
 from runtime.engine.backbone_config import BackboneConfig
 from runtime.engine.errors import RefusedInput
 
@@ -63,6 +63,8 @@ BLOCK_TABLE = "block_table"
 FLOAT_BLOCK_TABLE = "float_block_table"  # version 9: each row's float pages, the sink's block first
 FLOAT_PAGES = 2  # version 9: float pages a row holds at most, its first and its open one
 SEALED_BLOCKS_AXIS = "sealed_blocks"  # version 9: the sealed pools' first axis ("blocks": the float pools')
+# version 9: what a sealed page stores per layer, one pool each, in the graph's input order (quantized_pages_tensors)
+SEALED_ROLES = ("key_codes", "key_scale", "key_min", "key_base", "value_codes", "value_scale", "value_min")
 LOGIT_POSITIONS = "logit_positions"
 QUANT_KV_DTYPE = "packed-uint8"
 KV_ROTATION_INPUT = "kv_rotation"
@@ -307,20 +309,22 @@ def paged_kv_tensors(padded: EngineInterface, block_size: int) -> tuple[list, li
 def quantized_pages_tensors(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, spec: dict) -> list:
     """The sealed pools of a version-9 engine, as TensorSpecs (``kernels.kv_spec.PageQuantSpec`` says what a page holds).
 
-    Per layer i, each (sealed_blocks, nkv, ·, ·):
+    Per layer i, each (sealed_blocks, nkv, ·, ·), in the order of ``SEALED_ROLES``:
       pool_key_codes.i    uint8 (.., bs, packed d): keys' codes, bit-packed (kernels.kv_quant.pack_bits)
-      pool_key_scale.i    float16 (.., 1, d): per channel over the page
-      pool_key_min.i      float16 (.., 1, d)
+      pool_key_scale.i    uint8 (.., 1, d): per channel over the page, in units of the page's scale unit
+      pool_key_min.i      uint8 (.., 1, d): per channel, in minimum units above the page's minimum origin
+      pool_key_base.i     float16 (.., 1, 3): the page's scale unit, minimum origin, minimum unit (kernels.page_quant.key_grid)
       pool_value_codes.i  uint8 (.., bs, packed d)
       pool_value_scale.i  float16 (.., bs, d / group): per token and group of channels
       pool_value_min.i    float16 (.., bs, d / group)
     """
     nkv, d, bs, groups = num_kv_heads, head_dim, block_size, head_dim // spec["v_group_size"]
-    per_layer = [("key_codes", "uint8", bs, packed_size(d, spec["k_bits"])), ("key_scale", "float16", 1, d),
-                 ("key_min", "float16", 1, d), ("value_codes", "uint8", bs, packed_size(d, spec["v_bits"])),
-                 ("value_scale", "float16", bs, groups), ("value_min", "float16", bs, groups)]
-    return [TensorSpec(f"pool_{role}.{i}", dtype, (SEALED_BLOCKS_AXIS, nkv, slots, width))
-            for i in range(num_layers) for role, dtype, slots, width in per_layer]
+    per_layer = {"key_codes": ("uint8", bs, packed_size(d, spec["k_bits"])), "key_scale": ("uint8", 1, d),
+                 "key_min": ("uint8", 1, d), "key_base": ("float16", 1, KEY_BASE_WIDTH),
+                 "value_codes": ("uint8", bs, packed_size(d, spec["v_bits"])), "value_scale": ("float16", bs, groups),
+                 "value_min": ("float16", bs, groups)}
+    return [TensorSpec(f"pool_{role}.{i}", per_layer[role][0], (SEALED_BLOCKS_AXIS, nkv, *per_layer[role][1:]))
+            for i in range(num_layers) for role in SEALED_ROLES]
 
 
 def pages_interface(paged: EngineInterface, kv_pages: dict) -> EngineInterface:

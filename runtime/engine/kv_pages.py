@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kernels.kv_spec import MIN_PAGE_SCALE, PageQuantSpec
+from kernels.kv_spec import KEY_GRID_STEPS, MIN_PAGE_SCALE, PageQuantSpec
 from runtime.engine.interface import SEALED_BLOCKS_AXIS, EngineInterface, InterfaceError, quantized_pages_tensors
 from runtime.engine.kv_blocks import BlockPool, KVBudgetExceeded, PoolTensor
 
@@ -42,7 +42,8 @@ def page_scheme(iface: EngineInterface) -> PageQuantSpec:
     problems = spec.problems(iface.head_dim)
     want = quantized_pages_tensors(iface.num_layers, iface.num_kv_heads, iface.head_dim, iface.kv_block_size, iface.kv_pages)
     if not problems and [t for t in iface.inputs if SEALED_BLOCKS_AXIS in t.shape] != want:
-        problems.append("its sealed pools are not the ones this scheme stores")
+        problems.append("its sealed pools are not the ones this scheme stores (an engine compiled before the keys' "
+                        "8-bit grid: recompile it)")
     if problems:
         raise InterfaceError(f"the engine's quantized pages {spec.name}: " + "; ".join(problems))
     return spec
@@ -63,6 +64,22 @@ def _codes(x: np.ndarray, scale: np.ndarray, minimum: np.ndarray, bits: int) -> 
     return np.clip(u, 0, 2**bits - 1).astype(np.uint8)
 
 
+def _key_grid(lo: np.ndarray, hi: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per-channel key ranges [lo, hi] (..., d) float32 -> ``kernels.page_quant.key_grid``'s scale codes, minimum codes
+    and key_base, in numpy, and the float32 (scale, minimum) they read as."""
+    f32, f16 = np.float32, np.float16
+    origin = lo.min(axis=-1, keepdims=True).astype(f16)
+    min_unit = np.maximum(((lo.max(axis=-1, keepdims=True) - origin.astype(f32)) / f32(KEY_GRID_STEPS)).astype(f16),
+                          f16(MIN_PAGE_SCALE))
+    min_codes = np.clip(np.floor((lo - origin.astype(f32)) / min_unit.astype(f32)), 0, KEY_GRID_STEPS)
+    minimum = origin.astype(f32) + min_codes * min_unit.astype(f32)
+    steps = (hi - minimum) / f32(2**bits - 1)
+    unit = np.maximum((steps.max(axis=-1, keepdims=True) / f32(KEY_GRID_STEPS - 1)).astype(f16), f16(MIN_PAGE_SCALE))
+    scale_codes = np.clip(np.ceil(steps / unit.astype(f32)), 1, KEY_GRID_STEPS)
+    base = np.concatenate([unit, origin, min_unit], axis=-1)
+    return scale_codes.astype(np.uint8), min_codes.astype(np.uint8), base, scale_codes * unit.astype(f32), minimum
+
+
 def pack_codes(u: np.ndarray, bits: int) -> np.ndarray:
     """Codes u (..., n) uint8, n a multiple of 8 -> (..., n / 8 * bits) uint8: ``kernels.kv_quant.pack_bits``'s
     little-endian bit stream (code j in bits [j b, (j + 1) b)). Each 8 codes make one integer below 2^(8 b), whose
@@ -76,16 +93,18 @@ def pack_codes(u: np.ndarray, bits: int) -> np.ndarray:
 
 
 def seal_pages(k: np.ndarray, v: np.ndarray, spec: PageQuantSpec) -> dict[str, np.ndarray]:
-    """Full pages k, v (S, nkv, bs, d) float32 -> what the sealed pools store, by role (``key_codes``, ``key_scale``,
-    ``key_min``, ``value_codes``, ``value_scale``, ``value_min``): keys per (page, head, channel) over the page's
-    tokens, values per (token, head, group of ``spec.v_group_size`` channels)."""
-    k_scale, k_min = _scale_minimum(k.min(axis=-2, keepdims=True), k.max(axis=-2, keepdims=True), spec.k_bits)
+    """Full pages k, v (S, nkv, bs, d) float32 -> what the sealed pools store, by role (``runtime.engine.interface.SEALED_ROLES``):
+    keys per (page, head, channel) over the page's tokens, on the page's 8-bit grid; values per (token, head, group of
+    ``spec.v_group_size`` channels)."""
+    k_scale_codes, k_min_codes, k_base, k_scale, k_min = _key_grid(k.min(axis=-2, keepdims=True),
+                                                                    k.max(axis=-2, keepdims=True), spec.k_bits)
     *lead, d = v.shape
     grouped = v.reshape(*lead, d // spec.v_group_size, spec.v_group_size)  # (S, nkv, bs, d / G, G)
     v_scale, v_min = _scale_minimum(grouped.min(axis=-1), grouped.max(axis=-1), spec.v_bits)  # (S, nkv, bs, d / G)
     v_codes = _codes(grouped, v_scale[..., None], v_min[..., None], spec.v_bits).reshape(v.shape)
-    return {"key_codes": pack_codes(_codes(k, k_scale, k_min, spec.k_bits), spec.k_bits), "key_scale": k_scale,
-            "key_min": k_min, "value_codes": pack_codes(v_codes, spec.v_bits), "value_scale": v_scale, "value_min": v_min}
+    return {"key_codes": pack_codes(_codes(k, k_scale, k_min, spec.k_bits), spec.k_bits), "key_scale": k_scale_codes,
+            "key_min": k_min_codes, "key_base": k_base, "value_codes": pack_codes(v_codes, spec.v_bits),
+            "value_scale": v_scale, "value_min": v_min}
 
 
 # ---------------------------------------------------------------- memory

@@ -14,7 +14,7 @@ and what goes out:
      memory planner frees after its attention: what persists is the pool, sized by the device's budget.
 
 ``QuantizedPagesBackbone`` (version 9) reads two kinds of blocks: each row's float pages (its first page, the sink,
-and its open page) and its sealed pages (codes, fp16 scales and minima, ``kernels.kv_spec.PageQuantSpec``), which it
+and its open page) and its sealed pages (codes, their scales and minima, ``kernels.kv_spec.PageQuantSpec``), which it
 attends together with the float pages and the new tokens without materializing them as float K/V: the scales are
 applied as the codes become floats and the minima fold into the query and weight side
 (``kernels.page_quant.sealed_key_scores``, ``sealed_value_mix``).
@@ -34,7 +34,8 @@ import torch
 import torch.nn as nn
 
 from kernels.kv_spec import PageQuantSpec
-from kernels.page_quant import sealed_key_scores, sealed_value_mix
+from kernels.page_quant import key_scale_minimum, sealed_key_scores, sealed_value_mix
+from runtime.engine.interface import SEALED_ROLES
 
 
 def gathered_blocks(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -145,7 +146,7 @@ class QuantizedPagesBackbone(nn.Module):
     logit_positions) -> (logits, *new K/V): the version-9 engine (``runtime.engine.interface.pages_interface``).
 
     ``float_pools``: per layer ``pool_key.i``, ``pool_value.i`` (blocks, nkv, bs, d) float32, read through
-    ``float_block_table`` (B, F <= 2); ``sealed_pools``: per layer the six pools of
+    ``float_block_table`` (B, F <= 2); ``sealed_pools``: per layer the pools of
     ``runtime.engine.interface.quantized_pages_tensors``, read through ``block_table`` (B, M). attention_mask
     (B, F bs + M bs + T): float slots, sealed slots, new tokens. The new tokens attend each other in float; only
     pages the runtime sealed before this forward are read quantized. Outputs: the new tokens' float K/V per layer,
@@ -168,8 +169,10 @@ class QuantizedPagesBackbone(nn.Module):
         F, M = float_block_table.shape[1], block_table.shape[1]
 
         def segments(i: int) -> list[PastSegment]:  # sealed pages read page by page (kernels.page_quant's read)
-            k_codes, k_scale, k_min, v_codes, v_scale, v_min = (gathered_blocks(p, block_table)
-                                                                for p in sealed_pools[6 * i : 6 * i + 6])
+            roles = len(SEALED_ROLES)
+            k_codes, k_scale, k_min, k_base, v_codes, v_scale, v_min = (
+                gathered_blocks(p, block_table) for p in sealed_pools[roles * i : roles * (i + 1)])
+            k_scale, k_min = key_scale_minimum(k_scale, k_min, k_base)  # (B, nkv, M, 1, d) float32: small beside the codes
             sealed = PastSegment(M * bs, lambda qg: sealed_key_scores(qg, k_codes, k_scale, k_min, spec.k_bits),
                                  lambda a: sealed_value_mix(a, v_codes, v_scale, v_min, spec.v_bits))
             float_k, float_v = (gathered(p, float_block_table) for p in float_pools[2 * i : 2 * i + 2])  # (B, nkv, F bs, d)

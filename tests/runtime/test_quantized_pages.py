@@ -294,10 +294,11 @@ def test_the_interface_records_the_scheme_and_keeps_the_float_contract(engines, 
     assert stacked.kv_pages == spec_of(4, 4).to_dict() and iface.kv_pages == spec_of(3, 3).to_dict()
     specs = {t.name: t for t in iface.inputs}
     assert specs["pool_key_codes.1"].shape == (SEALED_BLOCKS_AXIS, 2, BLOCK, 6)  # 16 channels at 3 bits: 6 bytes
-    assert specs["pool_value_scale.0"].shape == (SEALED_BLOCKS_AXIS, 2, BLOCK, 2) and specs["pool_key_min.0"].dtype == "float16"
-    # a sealed page of K3/V3 per layer and head: 16 x 6 code bytes + 16 (scale, minimum) pairs of fp16, twice
-    # (values: 16 tokens x 2 groups); two layers, two heads; over its 16 tokens
-    assert iface.kv_bytes_per_token == 2 * 2 * ((96 + 64) + (96 + 128)) // BLOCK
+    assert specs["pool_value_scale.0"].shape == (SEALED_BLOCKS_AXIS, 2, BLOCK, 2) and specs["pool_key_min.0"].dtype == "uint8"
+    assert specs["pool_key_base.0"].shape == (SEALED_BLOCKS_AXIS, 2, 1, 3) and specs["pool_key_base.0"].dtype == "float16"
+    # a sealed page of K3/V3 per layer and head: keys 16 x 6 code bytes + 16 (scale, minimum) pairs of 8-bit codes + a
+    # key_base of 3 fp16, values 16 x 6 + 16 tokens x 2 groups x 2 fp16; two layers, two heads; over its 16 tokens
+    assert iface.kv_bytes_per_token == 2 * 2 * ((96 + 32 + 6) + (96 + 128)) // BLOCK
 
 
 def refused(engine_dir, tmp_path, **changes) -> str:
@@ -339,7 +340,8 @@ def test_a_runtime_that_does_not_speak_version_9_refuses_the_engine(engines, mon
 
 def test_pages_the_backbone_cannot_hold_or_without_blocks_are_refused_at_compile(tiny_qwen, tmp_path):
     with pytest.raises(CompileError, match=r"v_group_size=32 does not divide head_dim=16; no kv_block_size"):
-        compile_engine(tiny_qwen, tmp_path / "e", max_rank=8, target_modules=TARGETS, kv_pages=PageQuantSpec().to_dict())
+        compile_engine(tiny_qwen, tmp_path / "e", max_rank=8, target_modules=TARGETS,
+                       kv_pages=PageQuantSpec(v_group_size=32).to_dict())
     assert not (tmp_path / "e").exists()
 
 
@@ -349,7 +351,7 @@ def test_the_kv_budget_counts_float_and_sealed_pages_and_refuses_before_writing(
     sealed_tensors = [PoolTensor(t.name, tuple(t.shape[1:]), t.dtype)
                       for t in quantized_pages_tensors(1, nkv, d, BLOCK, spec.to_dict())]
     float_bytes = 2 * nkv * BLOCK * d * 4  # 4,096
-    sealed_bytes = nkv * ((BLOCK * 8 + 2 * d * 2) + (BLOCK * 8 + 2 * BLOCK * 2 * 2))  # 2 x (192 + 256) = 896
+    sealed_bytes = nkv * ((BLOCK * 8 + 2 * d + 3 * 2) + (BLOCK * 8 + 2 * BLOCK * 2 * 2))  # 2 x (166 + 256) = 844
     pool = PagePool(float_tensors, sealed_tensors, BLOCK, budget_bytes=2 * float_bytes + 3 * sealed_bytes)
     assert pool.row_bytes(16) == float_bytes and pool.row_bytes(17) == 2 * float_bytes
     assert pool.row_bytes(5 * BLOCK) == 2 * float_bytes + 3 * sealed_bytes  # sink, 3 sealed, open: the worst case
