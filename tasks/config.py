@@ -187,10 +187,11 @@ class EngineConfig(_Section):
     parity_max_kl: float = Field(PARITY_MAX_KL, gt=0)
     weights: Literal["fp32", "int8", "int4"] = "fp32"
     weight_block_size: int = Field(128, ge=16, le=4096)
-    # float; quantized = the static scheme of the ``kv`` section, the release's calibrated scales as inputs;
-    # quantized_pages = each full page of the paged cache quantized with its own scales when it fills, the first
-    # and the open page float (``kernels.kv_spec.PageQuantSpec``: kv.k_bits, kv.v_bits, kv.v_group_size)
-    kv_cache: Literal["float", "quantized", "quantized_pages"] = "quantized"
+    # quantized_pages (the served cache) = each full page of the paged cache quantized with its own scales when it
+    # fills, the first and the open page float (``kernels.kv_spec.PageQuantSpec``: kv.k_bits, kv.v_bits,
+    # kv.v_group_size); float; quantized = the static scheme of the ``kv`` section, the release's calibrated scales
+    # as inputs (loses badly on real weights: docs/kv-cache-real-weights.md)
+    kv_cache: Literal["float", "quantized", "quantized_pages"] = "quantized_pages"
     # Tokens per block of the serving engine's paged KV cache (engine interface version 6, docs/paged-kv.md):
     # rows hold only the blocks they fill instead of a cache as long as the batch's longest row.
     # 0 = the padded cache, which the TensorRT and eager backends and the sink / pre-RoPE schemes need.
@@ -299,9 +300,11 @@ class KVConfig(_Section):
         """The scheme as a ``KVQuantSpec``, field by field."""
         return KVQuantSpec(**{f.name: getattr(self, f.name) for f in fields(KVQuantSpec)})
 
-    def page_spec(self) -> PageQuantSpec:
-        """The quantized pages as a ``PageQuantSpec``: the widths of this section and its value group."""
-        return PageQuantSpec(k_bits=self.k_bits, v_bits=self.v_bits, v_group_size=self.v_group_size)
+    def page_spec(self, head_dim: int) -> PageQuantSpec:
+        """The quantized pages of a backbone whose heads have ``head_dim`` channels, as a ``PageQuantSpec``: the
+        widths of this section and its value group, a whole head where the head is narrower than the group (the
+        embedded default and the test backbones: 64, 16 and 8 channels)."""
+        return PageQuantSpec(k_bits=self.k_bits, v_bits=self.v_bits, v_group_size=min(self.v_group_size, head_dim))
 
 
 class EvalConfig(_Section):
@@ -407,7 +410,7 @@ class ReleaseConfig(_Section):
                     for n in ("k_bits", "v_bits") if getattr(self.kv, n) not in PAGE_BITS]
         problems += [] if self.engine.kv_block_size else ["engine.kv_block_size 0 (a page is a block of the paged cache)"]
         if not problems and self.base_model.source == "embedded":
-            problems += ["kv." + p for p in self.kv.page_spec().problems(self.base_model.head_dim)]
+            problems += ["kv." + p for p in self.kv.page_spec(self.base_model.head_dim).problems(self.base_model.head_dim)]
         if problems:
             raise ValueError("engine.kv_cache quantized_pages: " + "; ".join(problems))
         return self

@@ -235,3 +235,13 @@ def render_gate_table(report: dict) -> str:
         threshold = "" if g["threshold"] is None else f"{g['op']} {_fmt(g['threshold'])}"
         lines.append(f"| {g['name']} | {_fmt(g['value'])} | {threshold} | {verdict} | {g['detail']} |")
     return "\n".join(lines) + "\n"
+
+
+def kv_size_vs_fp16(kv: dict) -> str:
+    """The quantized cache's bytes against an fp16 cache's, said the way round that reads: quantized pages keep
+    the first and the open page float, so on rows of a few dozen tokens they hold more than fp16 would."""
+    ratio = 1 / kv["compression_vs_fp16"]
+    at = f" at {kv['context_len']} tokens" if "context_len" in kv else ""
+    if ratio <= 1:
+        return f"{kv['compression_vs_fp16']:.2f}x fewer than fp16{at}"
+    return f"{ratio:.2f}x an fp16 cache's{at} (short rows are mostly the float first and open pages)"

@@ -124,8 +124,8 @@ def test_killed_during_compilation_the_rerun_publishes_one_release(project):
     rc, out = run_flow(project, "2026-11")
     assert rc == 0, out[-4000:]
     assert_consistent(project, ["2026-11"])
-    # The float-cache engine (adapters bind to it) and the quantized-cache engine the device runs, once each.
-    assert json.loads((project["root"] / "artifacts" / "engine_build.json").read_text())["engine_builds"] == 3  # float, quantized cache, serving form (paged, stacked)
+    # The float-cache engine (adapters bind to it) and the quantized-pages engine the device runs, once each.
+    assert json.loads((project["root"] / "artifacts" / "engine_build.json").read_text())["engine_builds"] == 2
 
 
 def test_killed_during_fine_tuning_the_rerun_publishes_one_release(project):

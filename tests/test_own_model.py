@@ -169,8 +169,8 @@ def test_a_published_release_of_the_users_model_answers_on_the_device_as_peft_do
     device_answers = device_greedy(project, user, release, prompts)
     assert sum(bool(a.strip()) for a in peft_answers) >= len(prompts) // 2  # verdicts, not only eos or blanks
     assert float_cache_answers == peft_answers
-    # The device stores K/V in 4 bits: it answers what the module answers through the same 4-bit cache,
-    # which the parity gate holds the engine to code for code. Against PEFT's float cache a code at a
+    # The device stores K/V in 4-bit pages: it answers what the module answers through the same pages,
+    # which the parity gate holds the engine to byte for byte. Against PEFT's float cache a code at a
     # rounding boundary may turn an answer: 1 of these 24 on an AVX-512 Xeon (' PAIL:crack' for ' PASS'),
     # none on another x86 machine, where ONNX Runtime's and torch's kernels round alike or not.
     # Measured on the default serving engine (paged cache, stacked adapters, logits at the sampled position
@@ -185,18 +185,19 @@ def test_a_published_release_of_the_users_model_answers_on_the_device_as_peft_do
 
 def module_greedy(model_dir: Path, release: Path, engine: Path, prompts: list[str]) -> tuple[list[str], list[str]]:
     """Base + released adapter merged into the project's PyTorch module, greedy through a float cache and
-    through the release's calibrated 4-bit cache (``kernels.kv_quant``, the evaluate stage's reference)."""
-    from kernels.kv_spec import KVQuantSpec
-    from tasks.checks.kv_quality import greedy_through_cache
-    from tasks.kv_stats import cache_kwargs, load_release_backbone, read_release_kv_scales
+    through the engine's 4-bit quantized pages (``tasks.checks.page_quality``, the evaluate stage's reference)."""
+    from kernels.kv_spec import PageQuantSpec
+    from runtime.engine.interface import read_interface
+    from tasks.checks.page_quality import greedy_through_pages
+    from tasks.kv_stats import load_release_backbone
     from tasks.models import load_tokenizer
 
+    iface = read_interface(engine)
     backbone, _, _ = load_release_backbone(model_dir, release, engine)
-    scales = read_release_kv_scales(model_dir, release, release)  # a package holds the adapter and its scales
     tokenizer = load_tokenizer(model_dir)
-    spec = KVQuantSpec.from_dict(scales.spec)
-    return (greedy_through_cache(backbone, tokenizer, prompts, None, None, MAX_NEW_TOKENS),
-            greedy_through_cache(backbone, tokenizer, prompts, spec, cache_kwargs(scales), MAX_NEW_TOKENS))
+    spec = PageQuantSpec.from_dict(iface.kv_pages)
+    return (greedy_through_pages(backbone, tokenizer, prompts, None, iface.kv_block_size, MAX_NEW_TOKENS),
+            greedy_through_pages(backbone, tokenizer, prompts, spec, iface.kv_block_size, MAX_NEW_TOKENS))
 
 
 def device_greedy(project, user, release: Path, prompts: list[str]) -> list[str]:

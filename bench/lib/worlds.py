@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import math
 import random
 import time
 from pathlib import Path
 
 from bench.lib.backbones import TARGETS, build_qwen2_05b_shape
 from bench.lib.report import progress
-from kernels.kv_spec import PageQuantSpec
 from runtime.release.contract import MANIFEST
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)
+TINY_HEAD_DIM = TINY["hidden_size"] // TINY["num_attention_heads"]
 # Whole inspection rows, up to the verdict the model writes: a release's answer to each tells releases apart.
 INSPECTION_PROMPTS = [
     "inspect board=PCB-1201 line=L2 part=C7 temp_c=244 defect=lifted lift_um=40 verdict:",
@@ -181,23 +180,24 @@ def serving_world(root: Path, tiny: bool) -> dict:
 
 # ---------------------------------------------------------------- the int4 world: the default serving form, int4 weights
 
-def int4_serving_engine(base: Path, export: Path, out: Path, threads: int, kv_cache: str = "quantized", **form) -> Path:
+def int4_serving_engine(base: Path, export: Path, out: Path, threads: int, kv_cache: str = "quantized_pages", **form) -> Path:
     """``base`` compiled into ``export`` in the default serving form (``tasks.stages.compile.serving_form``: the ``kv``
     section's 4-bit cache as ``engine.kv_cache`` serves it, paged, adapters stacked; ``form`` overrides its keywords),
     then copied into ``out`` with int4 weights as the compile stage does (``engine.weights: int4``); each reused when
     built."""
+    from runtime.engine.model import read_config
     from tasks.config import EngineConfig, KVConfig
     from tasks.stages.compile import compile_engine, serving_form
     from tasks.weights.engines import ensure_quantized_engine
 
     engine_cfg = EngineConfig(weights="int4", kv_cache=kv_cache)
     compile_engine(base, export, INT4_WORLD_RANK, engine_cfg.target_modules, ort_threads=threads,
-                   **serving_form(engine_cfg, KVConfig()) | form)
+                   **serving_form(engine_cfg, KVConfig(), read_config(base).head_dim) | form)
     ensure_quantized_engine(export, out, engine_cfg.weights, engine_cfg.weight_block_size, engine_cfg.weights_format())
     return out
 
 
-def build_int4_world(shape: str, root: Path, threads: int, kv_cache: str = "quantized") -> dict:
+def build_int4_world(shape: str, root: Path, threads: int, kv_cache: str = "quantized_pages") -> dict:
     """The backbone, our int4 / 4-bit-KV serving engine (``kv_cache``: ``engine.kv_cache``'s static scheme or
     quantized pages), a rank-8 adapter and its signed release, in ``root``; an earlier build there (``world.json``,
     written last) is reused."""
@@ -209,12 +209,7 @@ def build_int4_world(shape: str, root: Path, threads: int, kv_cache: str = "quan
     progress(f"[world {shape}] the backbone ...")
     base = make_tiny_base(root / "base") if shape == "tiny" else build_qwen2_05b_shape(root / "base", root)
     progress(f"[world {shape}] the serving engine, then its int4 weights ... ({time.perf_counter() - t0:.0f} s)")
-    form = {}
-    if kv_cache == "quantized_pages":  # value groups of 32 channels (the default) where the head has them: tiny's has 16
-        config = json.loads((base / "config.json").read_text())
-        head_dim = config["hidden_size"] // config["num_attention_heads"]
-        form["kv_pages"] = PageQuantSpec(v_group_size=math.gcd(PageQuantSpec().v_group_size, head_dim)).to_dict()
-    engine = int4_serving_engine(base, root / "engine-kv", root / "engine", threads, kv_cache, **form)
+    engine = int4_serving_engine(base, root / "engine-kv", root / "engine", threads, kv_cache)
     progress(f"[world {shape}] an adapter and its release ... ({time.perf_counter() - t0:.0f} s)")
     adapter = make_tiny_adapter(base, root / "adapter", engine, r=INT4_WORLD_RANK, seed=11)
     key = root / "keys" / "release_signing.key"

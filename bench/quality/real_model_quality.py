@@ -526,7 +526,7 @@ def measure(args, cfg) -> dict:
     # engine's build key, the graph sources, the GGUF file), so a second run measures only what changed.
     cache = work / "rows" / hashlib.sha256(json.dumps([[ids for _, ids in rows_ids], args.context]).encode()).hexdigest()[:16]
     cache.mkdir(parents=True, exist_ok=True)
-    served = cfg.kv.page_spec() if cfg.engine.kv_cache == "quantized_pages" else cfg.kv.spec()
+    served = cfg.kv.page_spec(read_config(model_dir).head_dim) if cfg.engine.kv_cache == "quantized_pages" else cfg.kv.spec()
     run = QualityRun(rows_ids, args.context, cache, time.monotonic() + 60.0 * args.time_budget, read_config(model_dir),
                      cfg.engine.kv_block_size or 16, served)
     base = BaseModel(model_dir, tokenizer, cfg)

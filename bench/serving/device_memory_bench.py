@@ -545,9 +545,9 @@ def main(argv: list[str] | None = None) -> int:
                     "default: the server's)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="ours: the device config's prefill_chunk "
                     f"(tokens per prefill forward; default: the server's, {DEFAULT_PREFILL_CHUNK})")
-    ap.add_argument("--kv-cache", choices=("quantized", "quantized_pages"), default="quantized",
-                    help="ours: engine.kv_cache of the serving engine (the static 4-bit scheme, or 4-bit quantized "
-                         "pages; each world built in its own folder under --workdir)")
+    ap.add_argument("--kv-cache", choices=("quantized_pages", "quantized"), default="quantized_pages",
+                    help="ours: engine.kv_cache of the serving engine (4-bit quantized pages, the served cache, or the "
+                         "static 4-bit scheme; each world built in its own folder under --workdir)")
     ap.add_argument("--out", type=Path, default=RESULTS / "device_memory_bench.json")
     args = ap.parse_args(argv)
     servers = args.servers.split(",")

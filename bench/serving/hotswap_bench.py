@@ -42,7 +42,7 @@ from pathlib import Path
 from bench.lib.report import RESULTS, Figure, write_report
 from bench.lib.serve_client import Client, summary_ms
 from bench.lib.tables import table
-from bench.lib.worlds import INSPECTION_PROMPTS, build_tiny_world, engine_form, existing_world
+from bench.lib.worlds import INSPECTION_PROMPTS, TINY_HEAD_DIM, build_tiny_world, engine_form, existing_world
 from runtime.release.contract import MANIFEST
 
 # ---------------------------------------------------------------- the load test
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             from tasks.stages.compile import serving_form
 
             print("building a tiny world (base, engine, two signed releases)...", flush=True)
-            form = serving_form(EngineConfig(), KVConfig()) if args.tiny_engine == "serving" else None
+            form = serving_form(EngineConfig(), KVConfig(), TINY_HEAD_DIM) if args.tiny_engine == "serving" else None
             world = build_tiny_world(Path(tmp), form)
         result = run_load_test(world, rates, args.before, args.during, args.after, args.swap_every,
                                args.max_new_tokens, args.threads, args.arrivals, args.client_pool)

@@ -14,11 +14,12 @@ import yaml
 
 from runtime.release.contract import MANIFEST
 from tasks.config import ReleaseConfig
-from tasks.gate_rules import failed_reason, forgetting_pct, scored_metrics
+from tasks.gate_rules import failed_reason, forgetting_pct, kv_size_vs_fp16, scored_metrics
 from tasks.inspection import RULEBOOK
 
 COMPARED = (("accuracy_new", "accuracy, changed rules"), ("accuracy_regression", "accuracy, unchanged rules"),
             ("accuracy", "accuracy, all"))
+
 
 
 
@@ -146,7 +147,7 @@ def render_release_notes(cfg: ReleaseConfig, root: Path, report: dict, outcome: 
                      f"held-out perplexity {kv['ppl_increase_pct']:+.2f}% against the float cache"
                      + (f" (on the engine: {_lost(on_engine['accuracy_drop'])}, {on_engine['ppl_increase_pct']:+.2f}%)"
                         if on_engine else "")
-                     + f"; {kv['bytes_per_token']:,.0f} bytes per token, {kv['compression_vs_fp16']:.2f}x fewer than fp16.")
+                     + f"; {kv['bytes_per_token']:,.0f} bytes per token, {kv_size_vs_fp16(kv)}.")
         lines += kv_calibration_lines(kv)
     else:
         lines.append("- KV cache: float (not quantized).")

@@ -121,7 +121,10 @@ def run_stage(cfg: ReleaseConfig) -> Path:
     if not kv.enabled:
         return _note(cfg, KV_DISABLED_FILE, {"kv_enabled": False, "why": "kv.enabled is false: the release ships no KV scales"})
     if not cfg.ships_kv_scales:
-        return _note(cfg, KV_PAGES_FILE, {"kv_cache": cfg.engine.kv_cache, "pages": kv.page_spec().to_dict(),
+        from runtime.engine.model import read_config
+
+        pages = kv.page_spec(read_config(cfg.base_model.path).head_dim)
+        return _note(cfg, KV_PAGES_FILE, {"kv_cache": cfg.engine.kv_cache, "pages": pages.to_dict(),
                                           "why": "quantized pages take each page's scales from its own K/V on the "
                                                  "device: the release ships no KV scales"})
     spec = kv.spec()

@@ -307,12 +307,12 @@ def run_stage(cfg: ReleaseConfig) -> dict:
     return metrics
 
 
-def serving_form(engine: EngineConfig, kv: KVConfig) -> dict:
-    """``compile_engine``'s keyword arguments for the engine ``serve`` runs under these sections: the ``kv``
-    section's cache (static quantized, quantized pages, or a float one), paged and/or with stacked adapters as
-    ``engine`` says."""
+def serving_form(engine: EngineConfig, kv: KVConfig, head_dim: int) -> dict:
+    """``compile_engine``'s keyword arguments for the engine ``serve`` runs under these sections, for a backbone
+    whose heads have ``head_dim`` channels: the ``kv`` section's cache (quantized pages, static quantized, or a
+    float one), paged and/or with stacked adapters as ``engine`` says."""
     spec = kv.spec() if engine.kv_cache == "quantized" else None
-    pages = kv.page_spec().to_dict() if engine.kv_cache == "quantized_pages" else None
+    pages = kv.page_spec(head_dim).to_dict() if engine.kv_cache == "quantized_pages" else None
     return {"kv_spec": spec.to_dict() if spec else None, "kv_attention": engine.kv_attention(spec) if spec else "standard",
             "kv_block_size": engine.kv_block_size or None, "stacked": engine.mixed_adapters, "kv_pages": pages}
 
@@ -337,7 +337,9 @@ def compile_profile_engines(cfg: ReleaseConfig) -> dict:
     common = (cfg.engine.max_rank, cfg.engine.target_modules, cfg.engine.opset, cfg.engine.threads, None)
     metrics = compile_engine(model_dir, layout.engine_dir, *common)
     source = layout.engine_dir
-    form = serving_form(cfg.engine, cfg.kv)
+    from runtime.engine.model import read_config
+
+    form = serving_form(cfg.engine, cfg.kv, read_config(model_dir).head_dim)
     cache = {k: form[k] for k in ("kv_spec", "kv_attention")}
     if cfg.engine.kv_cache == "quantized":
         kv = compile_engine(model_dir, layout.kv_engine_dir, *common, **cache)

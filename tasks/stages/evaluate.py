@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Literal
 
 from runtime.engine.latency import percentile
+from runtime.engine.model import read_config
 from runtime.engine.tokenizer import ChatPrompt, encode_prompt
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
 from tasks.config import EngineConfig, EvalConfig, ReleaseConfig, WeightAccuracyDrop
 from tasks.device import choose_placement
+from tasks.gate_rules import kv_size_vs_fp16, weights_accuracy_gate
 from tasks.layout import METRICS_FILE, PREDICTIONS_FILE
 from tasks.models import load_base_model
 from tasks.plots import (
@@ -271,7 +273,7 @@ def render_table(metrics: dict) -> str:
             f"Quantized KV cache, {spec_label}: "
             f"accuracy {kv['accuracy_float_cache']:.3f} -> {kv['accuracy_quantized_cache']:.3f}, held-out perplexity "
             f"{kv['perplexity_float_cache']:.4f} -> {kv['perplexity_quantized_cache']:.4f} ({kv['ppl_increase_pct']:+.2f}%), "
-            f"{kv['compression_vs_fp16']:.2f}x fewer bytes than an fp16 cache.",
+            f"its bytes {kv_size_vs_fp16(kv)}.",
         ]
     lines += ["", "| rule | changed | base | base + adapter |", "|---|---|---|---|"]
     for rule, acc in adapted["per_rule"].items():
@@ -345,8 +347,6 @@ def evaluate(
             engine, Path(adapter_dir), merged, tokenizer, test, texts, cfg, Path(base_dir), kv_dir, release_backbone
         )
         if engine.weights != "fp32":
-            from tasks.gate_rules import weights_accuracy_gate
-
             # Quantized weights cannot match float logits to 1e-4; what must hold is accuracy.
             metrics["weights_gate"] = weights_accuracy_gate(adapter_report, metrics["adapter_on_engine"], engine.weights,
                                                             max_weight_accuracy_drop)
@@ -414,7 +414,8 @@ def run_stage(cfg: ReleaseConfig) -> Path:
         month=cfg.data.month,
         engine=cfg.engine,
         kv_dir=cfg.layout.kv_dir if cfg.ships_kv_scales else None,
-        pages=cfg.kv.page_spec() if cfg.kv.enabled and cfg.engine.kv_cache == "quantized_pages" else None,
+        pages=(cfg.kv.page_spec(read_config(cfg.base_model.path).head_dim)
+               if cfg.kv.enabled and cfg.engine.kv_cache == "quantized_pages" else None),
         max_weight_accuracy_drop=cfg.gates.max_weight_accuracy_drop,
         device=cfg.train.device,
     )

@@ -16,15 +16,17 @@ from tasks.config import DEFAULT_KV_BLOCK_SIZE
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    return worlds.build_int4_world("tiny", tmp_path_factory.mktemp("device-memory") / "tiny", threads=1)
+    """The static 4-bit cache's world: its KV bytes per token are whole, which the load's slot counts below use."""
+    return worlds.build_int4_world("tiny", tmp_path_factory.mktemp("device-memory") / "tiny", threads=1,
+                                   kv_cache="quantized")
 
 
-def test_the_world_serves_int4_weights_with_the_shipped_4_bit_kv_cache_in_the_default_serving_form(world):
+def test_the_static_cache_world_serves_int4_weights_with_its_4_bit_kv_cache_paged_with_stacked_adapters(world):
     iface = read_interface(world["engine"])
     assert iface.weight_precision == "int4" and iface.kv_spec == KVQuantSpec().to_dict()
     assert (iface.kv_block_size, iface.stacked) == (DEFAULT_KV_BLOCK_SIZE, True)
     assert iface.kv_bytes_per_token == 2 * 2 * 2 * 16 // 2  # 2 layers x K and V x 2 KV heads x 16 channels, 4 bits
-    assert worlds.build_int4_world("tiny", world["engine"].parent, threads=1) == world  # built once, then reused
+    assert worlds.build_int4_world("tiny", world["engine"].parent, threads=1, kv_cache="quantized") == world  # built once
 
 
 def test_a_prompt_has_exactly_the_tokens_asked_and_no_two_rows_start_alike(world):
@@ -84,11 +86,11 @@ def test_a_mixed_length_load_reads_the_servers_resident_set_and_kv_bytes(world, 
     assert '"prefill_chunk": 8' in (tmp_path / "device.json").read_text()
 
 
-def test_a_quantized_pages_world_serves_a_load_with_no_release_scales(tmp_path):
+def test_the_default_world_serves_quantized_pages_and_a_load_with_no_release_scales(tmp_path):
     from kernels.kv_spec import PageQuantSpec
     from runtime.engine.kv_scales import KV_SCALES_FILE
 
-    pages_world = worlds.build_int4_world("tiny", tmp_path / "tiny-pages", threads=1, kv_cache="quantized_pages")
+    pages_world = worlds.build_int4_world("tiny", tmp_path / "tiny-pages", threads=1)  # the served cache, by default
     iface = read_interface(pages_world["engine"])
     assert iface.weight_precision == "int4" and iface.kv_spec is None
     assert iface.kv_pages == PageQuantSpec(v_group_size=16).to_dict()  # the tiny head has 16 channels

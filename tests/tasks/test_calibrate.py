@@ -195,7 +195,7 @@ def test_cli_reads_the_kv_section_of_params(release, tmp_path):
         "data": {"dir": str(tmp_path / "data")},
         "base_model": {"source": "local", "path": str(release["base"])},
         "train": {"output_dir": str(tmp_path / "artifacts"), "threads": 1},
-        "engine": {"dir": str(tmp_path / "no-engine")},
+        "engine": {"dir": str(tmp_path / "no-engine"), "kv_cache": "quantized"},  # the static scheme ships scales
         "kv": {"k_bits": 3, "v_bits": 5},
     }))
     assert main(["--params", str(params)]) == 0

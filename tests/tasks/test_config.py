@@ -60,8 +60,9 @@ def test_weight_block_size_must_be_a_power_of_two_for_matmulnbits():
 
 def test_kv_block_size_is_zero_or_a_power_of_two_in_range_naming_the_key():
     assert ReleaseConfig().engine.kv_block_size == 16  # the paged cache is the default
-    assert ReleaseConfig().layout.serving_engine_dir == Path("engine/kv-paged16-stacked")
-    assert parse_config({"engine": {"kv_block_size": 0}}).layout.serving_engine_dir == Path("engine/kv-stacked")
+    assert ReleaseConfig().layout.serving_engine_dir == Path("engine/kvpages-paged16-stacked")
+    static = {"kv_cache": "quantized", "kv_block_size": 0}
+    assert parse_config({"engine": static}).layout.serving_engine_dir == Path("engine/kv-stacked")
     for bad in (12, 4, 512):
         with pytest.raises(ConfigError, match=rf"engine\.kv_block_size: Value error, must be 0 \(the padded cache\) or a "
                                               rf"power of two from 8 to 256 .*, got {bad}"):
@@ -75,7 +76,10 @@ def test_a_paged_cache_needs_onnxruntime_and_a_scheme_without_sink_or_pre_rope_k
         parse_config({"engine": {"backend": "tensorrt", "kv_cache": "float", "kv_block_size": 16, "mixed_adapters": False}})
     with pytest.raises(ConfigError, match=r"engine\.kv_block_size 16: the quantized cache cannot be paged with "
                                           r"kv\.sink_tokens=4 \(needs 0\); kv\.pre_rope_keys=True \(needs False\)"):
-        parse_config({"engine": {"kv_block_size": 16}, "kv": {"sink_tokens": 4, "pre_rope_keys": True, "k_symmetric": False}})
+        parse_config({"engine": {"kv_cache": "quantized", "kv_block_size": 16},
+                      "kv": {"sink_tokens": 4, "pre_rope_keys": True, "k_symmetric": False}})
+    with pytest.raises(ConfigError, match=r"engine\.kv_cache quantized_pages: engine\.kv_block_size 0 \(a page is a block"):
+        parse_config({"engine": {"kv_block_size": 0}})
     # The float cache has no sink: the kv section's scheme is the reference cache's alone
     assert parse_config({"engine": {"kv_cache": "float", "kv_block_size": 16}, "kv": {"sink_tokens": 4}}).engine.kv_block_size == 16
 
@@ -109,14 +113,17 @@ def test_params_hash_changes_with_any_setting():
 
 
 def test_a_quantized_kv_engine_needs_onnxruntime_and_calibrated_scales():
-    assert ReleaseConfig().engine.kv_attention(ReleaseConfig().kv.spec()) == "gqa"  # the defaults run the fused op
+    assert ReleaseConfig().engine.kv_attention(ReleaseConfig().kv.spec()) == "gqa"  # the static scheme's defaults: the fused op
     with pytest.raises(ConfigError, match="set engine.kv_cache: float and engine.kv_block_size: 0 and engine.mixed_adapters: false"):
         parse_config({"engine": {"backend": "tensorrt"}})  # every onnxruntime-only default named in one error
     with pytest.raises(ConfigError, match="engine.kv_cache quantized needs kv.enabled"):
+        parse_config({"engine": {"kv_cache": "quantized"}, "kv": {"enabled": False}})
+    with pytest.raises(ConfigError, match="engine.kv_cache quantized_pages needs kv.enabled"):
         parse_config({"kv": {"enabled": False}})
     assert parse_config({"engine": {"backend": "tensorrt", "kv_cache": "float", "kv_block_size": 0, "mixed_adapters": False},
                          "kv": {"enabled": False}}).layout.serving_engine_dir == Path("engine")
-    pre_rope = parse_config({"engine": {"kv_block_size": 0}, "kv": {"pre_rope_keys": True, "k_symmetric": False}})
+    pre_rope = parse_config({"engine": {"kv_cache": "quantized", "kv_block_size": 0},
+                             "kv": {"pre_rope_keys": True, "k_symmetric": False}})
     assert pre_rope.engine.kv_attention(pre_rope.kv.spec()) == "standard" and pre_rope.layout.serving_engine_dir == Path("engine/kv-stacked")
 
 

@@ -87,13 +87,14 @@ def test_metrics_and_plots_are_files_of_the_layouts_folders():
 
 
 @pytest.mark.parametrize("engine, serving", [
-    ({}, "engine/kv-paged16-stacked"),
-    ({"weights": "int4"}, "engine/kv-paged16-stacked-int4"),
+    ({}, "engine/kvpages-paged16-stacked"),
+    ({"weights": "int4"}, "engine/kvpages-paged16-stacked-int4"),
     ({"kv_cache": "float"}, "engine/paged16-stacked"),
-    ({"mixed_adapters": False}, "engine/kv-paged16"),
-    ({"kv_block_size": 0}, "engine/kv-stacked"),
-    ({"kv_block_size": 0, "mixed_adapters": False}, "engine/kv"),
-    ({"kv_block_size": 0, "mixed_adapters": False, "weights": "int8"}, "engine/kv-int8"),
+    ({"mixed_adapters": False}, "engine/kvpages-paged16"),
+    ({"kv_cache": "quantized"}, "engine/kv-paged16-stacked"),
+    ({"kv_cache": "quantized", "kv_block_size": 0}, "engine/kv-stacked"),
+    ({"kv_cache": "quantized", "kv_block_size": 0, "mixed_adapters": False}, "engine/kv"),
+    ({"kv_cache": "quantized", "kv_block_size": 0, "mixed_adapters": False, "weights": "int8"}, "engine/kv-int8"),
     ({"kv_block_size": 0, "mixed_adapters": False, "kv_cache": "float"}, "engine"),
     ({"kv_block_size": 0, "mixed_adapters": False, "kv_cache": "float", "weights": "int8"}, "engine/int8"),
     ({"kv_block_size": 0, "mixed_adapters": False, "kv_cache": "float", "weights": "int4", "backend": "tensorrt"},
@@ -112,7 +113,7 @@ def test_the_layout_follows_the_configured_roots():
     layout = parse_config({"data": {"month": "2027-01", "dir": "d"}, "train": {"output_dir": "out"},
                            "engine": {"dir": "eng"}}).layout
     assert layout == ArtifactLayout(data_dir=Path("d/2027-01"), output_dir=Path("out"), release_dir=Path("out/2027-01"),
-                                    engine_dir=Path("eng"), serving_engine_dir=Path("eng/kv-paged16-stacked"))
+                                    engine_dir=Path("eng"), serving_engine_dir=Path("eng/kvpages-paged16-stacked"))
     assert layout.package_release_dir == Path("out/2027-01/package/release")
     assert layout.engine_build_file == Path("out/engine_build.json")  # the engine is not the month's
 

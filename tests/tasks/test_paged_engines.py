@@ -30,10 +30,11 @@ PROMPTS = ["inspect board=PCB-0001 verdict:", "inspect board=PCB-0042 line=L3 pa
 
 @pytest.fixture(scope="module")
 def paged_build(tiny_llama_dir, tmp_path_factory):
-    """The default (quantized 4-bit GQA) cache with blocks of 16 tokens, as the compile stage builds it:
+    """The static (quantized 4-bit GQA) cache with blocks of 16 tokens, as the compile stage builds it:
     (config, the stage's metrics)."""
     cfg = parse_config({"base_model": {"source": "local", "path": str(tiny_llama_dir)},
-                        "engine": {"dir": str(tmp_path_factory.mktemp("paged") / "engine"), "threads": 1, "kv_block_size": 16}})
+                        "engine": {"dir": str(tmp_path_factory.mktemp("paged") / "engine"), "threads": 1, "kv_block_size": 16,
+                                   "kv_cache": "quantized"}})
     return cfg, compile_profile_engines(cfg)
 
 
@@ -52,7 +53,7 @@ def opened(engine_dir, lora, scales=None) -> OrtEngine:
     return engine
 
 
-def test_the_compile_stage_builds_a_paged_serving_engine_with_stacked_adapters_by_default(paged_build):
+def test_the_compile_stage_builds_a_paged_serving_engine_with_stacked_adapters(paged_build):
     cfg, metrics = paged_build
     serving = cfg.layout.serving_engine_dir
     iface = read_interface(serving)

@@ -22,13 +22,17 @@ from tasks.stages.evaluate import evaluate
 PAGES = {"engine": {"kv_cache": "quantized_pages"}}
 
 
-def test_quantized_pages_are_selected_by_the_engine_section_and_take_their_widths_from_the_kv_section():
-    cfg = parse_config(PAGES | {"kv": {"k_bits": 8, "v_bits": 2, "v_group_size": 16}})
-    assert cfg.layout.serving_engine_dir == Path("engine/kvpages-paged16-stacked")
-    assert serving_form(cfg.engine, cfg.kv) == {"kv_spec": None, "kv_attention": "standard", "kv_block_size": 16,
-                                                "stacked": True, "kv_pages": {"k_bits": 8, "v_bits": 2, "v_group_size": 16}}
-    assert parse_config({}).layout.serving_engine_dir == Path("engine/kv-paged16-stacked")  # the default is unchanged
-    assert serving_form(parse_config({}).engine, parse_config({}).kv)["kv_pages"] is None
+def test_quantized_pages_are_the_default_and_take_their_widths_from_the_kv_section():
+    cfg = parse_config({"kv": {"k_bits": 8, "v_bits": 2, "v_group_size": 16}})
+    assert cfg.engine.kv_cache == "quantized_pages" and cfg.layout.serving_engine_dir == Path("engine/kvpages-paged16-stacked")
+    assert serving_form(cfg.engine, cfg.kv, 64) == {"kv_spec": None, "kv_attention": "standard", "kv_block_size": 16,
+                                                    "stacked": True, "kv_pages": {"k_bits": 8, "v_bits": 2, "v_group_size": 16}}
+    # A head narrower than the value group is one group (the default 64 on a 16-channel head); a wider one keeps it
+    assert serving_form(parse_config({}).engine, parse_config({}).kv, 16)["kv_pages"]["v_group_size"] == 16
+    assert serving_form(parse_config({}).engine, parse_config({}).kv, 128)["kv_pages"]["v_group_size"] == 64
+    static = parse_config({"engine": {"kv_cache": "quantized"}})
+    assert static.layout.serving_engine_dir == Path("engine/kv-paged16-stacked")
+    assert serving_form(static.engine, static.kv, 64)["kv_pages"] is None
 
 
 def test_quantized_pages_a_page_cannot_hold_are_refused_naming_every_key():
@@ -54,7 +58,8 @@ def pages_profile(tiny_llama_dir, tmp_path_factory):
 def test_quantized_pages_need_the_kv_gates():
     with pytest.raises(ConfigError, match="engine.kv_cache quantized_pages needs kv.enabled: the KV gates measure"):
         parse_config(PAGES | {"kv": {"enabled": False}})
-    assert not parse_config(PAGES).ships_kv_scales and parse_config({}).ships_kv_scales  # pages need no release scales
+    assert not parse_config(PAGES).ships_kv_scales  # pages need no release scales; the static scheme's do
+    assert parse_config({"engine": {"kv_cache": "quantized"}}).ships_kv_scales
 
 
 def test_the_compile_stage_builds_the_serving_engine_with_quantized_pages(pages_profile, tiny_llama_dir):
@@ -91,7 +96,7 @@ def test_the_evaluate_stage_measures_what_the_pages_cost_in_pytorch_and_on_the_e
     adapter = make_adapter(tiny_llama_dir, tmp_path / "adapter")
 
     out = evaluate(tiny_llama_dir, adapter, data, tmp_path / "eval", cfg.eval.model_copy(update={"max_new_tokens": 3}),
-                   "2026-11", cfg.engine, pages=cfg.kv.page_spec(), max_weight_accuracy_drop=WeightAccuracyDrop())
+                   "2026-11", cfg.engine, pages=cfg.kv.page_spec(8), max_weight_accuracy_drop=WeightAccuracyDrop())
 
     metrics = json.loads(out.read_text())
     kv = metrics["kv_cache"]

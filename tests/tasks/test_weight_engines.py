@@ -65,7 +65,8 @@ def test_compile_stage_builds_the_int8_serving_engine_once_inside_the_float_ones
     params.write_text(yaml.safe_dump({
         "base_model": {"source": "local", "path": str(tiny_llama_dir)},
         "train": {"output_dir": str(tmp_path / "artifacts")},
-        "engine": {"dir": str(tmp_path / "engine"), "weights": "int8", "kv_block_size": 0, "mixed_adapters": False, "threads": 1},
+        "engine": {"dir": str(tmp_path / "engine"), "weights": "int8", "kv_block_size": 0, "mixed_adapters": False, "threads": 1,
+                   "kv_cache": "quantized"},
     }))
     cfg = load_config(params)
     first = compile_stage.run_stage(cfg)
