@@ -16,7 +16,7 @@ Engines: the shipped 4-bit GroupQueryAttention cache (``KVQuantSpec()``) and the
 
     python -m bench.engine.paged_kv_bench [--out bench/results/paged_kv_bench.json] [--iters 200] [--block 16]
 
-``--pages``: quantized pages (interface version 9, K4/V4, values in groups of 32, ``kernels.kv_spec.PageQuantSpec()``)
+``--pages``: quantized pages (interface version 9, K4/V4, values in groups of 64, ``kernels.kv_spec.PageQuantSpec()``)
 against the float paged cache (version 6), both in blocks of ``--block`` tokens (issue 39's target: a decode step
 <= 1.15x the float paged one's at the Qwen2-0.5B shape, past 2,048, batch 1 and 8). The ms of one decode step (every
 row one token) after a past of ``--past`` tokens, at each of ``--batches``, the two engines interleaved in
