@@ -312,6 +312,7 @@ class EvalConfig(_Section):
     batch_size: int = Field(64, ge=1)
     latency_prompts: int = Field(16, ge=1)
     latency_steps: int = Field(16, ge=1)
+    latency_threads: int = Field(1, ge=1)  # ONNX Runtime intra-op threads of both engines while the step is timed
 
 
 class WeightAccuracyDrop(_Section):

@@ -162,7 +162,8 @@ def render_release_notes(cfg: ReleaseConfig, root: Path, report: dict, outcome: 
     latency = scored.get("decode_latency")
     if latency:
         lines += ["", "## Decode latency", "",
-                  f"One decode step on the {cfg.engine.backend} engine, batch 1, adapter bound: p50 {latency['p50_ms']:.2f} ms, "
+                  f"One decode step on the {cfg.engine.backend} engine, batch 1, adapter bound, "
+                  f"{latency['threads']} thread(s): p50 {latency['p50_ms']:.2f} ms, "
                   f"p95 {latency['p95_ms']:.2f} ms over {latency['steps']} steps (1-minute load average "
                   f"{latency['loadavg_1m'][0]:.1f} -> {latency['loadavg_1m'][1]:.1f}); "
                   f"10th percentiles {latency['p10_ms']:.2f} ms against {latency['reference_p10_ms']:.2f} ms for the float "

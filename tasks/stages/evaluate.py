@@ -99,7 +99,10 @@ def decode_latency(engine, reference, tokenizer, prompts: list[str | ChatPrompt]
     percentile step over the reference's: the fastest tenth of each engine's steps, those the machine's load did not
     interrupt. The median of per-step ratios was not robust: under load a longer step is preempted more often than a
     short one (embedded default, load 6.5, 2 threads: 1.71, 3.47 and 1.94 in three runs; the 10th percentiles' ratio
-    1.59-1.74). The two steps alternate in order from step to step, so that a drift in load favours neither. Each
+    1.59-1.74). Both engines are opened at ``EvalConfig.latency_threads`` (1): at 2 intra-op threads on 2 cores
+    beside two busy processes each op waits for its slower thread, and an engine of more ops pays that more often
+    (embedded default's pages, 2 threads: 1.79 quiet, 3.18 beside two CPU-bound processes, 4.16 in CI; 1 thread:
+    1.70, 1.64 and 1.60 beside three). The two steps alternate in order from step to step, so that a drift in load favours neither. Each
     prompt is prefilled on both (not timed), then ``steps`` tokens are decoded one forward each, the reference fed
     the release's tokens.
 
@@ -172,6 +175,7 @@ def _score_on_engine(
     prompts = [ex.prompt for ex in test]
     kv_parity = {}
     if engine.interface.kv_spec is None:
+        binding = {}
         engine.set_adapter(lora)
         # A quantized-pages engine decodes over quantized pages, which no float reference computes: its prompts are
         # compared as prefills (float), its pages byte for byte (pages_parity), what they cost by the KV gates.
@@ -186,7 +190,8 @@ def _score_on_engine(
         from tasks.kv_stats import read_release_kv_scales
 
         scales = read_release_kv_scales(base_dir, adapter_dir, kv_dir, spec=engine.interface.kv_spec)
-        engine.set_adapter(lora, kv_scales=scales)
+        binding = {"kv_scales": scales}
+        engine.set_adapter(lora, **binding)
         attention = engine_cfg.kv_attention(KVQuantSpec.from_dict(scales.spec))
         kv_parity = quantized_prefill_parity(engine, release_backbone, scales, attention, tokenizer, prompts)
         agreement = kv_parity.pop("logits_codes_agree")
@@ -211,10 +216,15 @@ def _score_on_engine(
         from tasks.checks.page_quality import engine_page_quality
 
         report["pages_heldout"] = engine_page_quality(engine, heldout_sequences(tokenizer, texts))
-    reference = open_engine(engine_cfg.dir, backend=engine_cfg.backend, threads=engine_cfg.threads)
+    if cfg.latency_threads != engine_cfg.threads:  # timed at their own thread count (EvalConfig.latency_threads)
+        del engine
+        engine = open_engine(engine_cfg.serving_engine_dir, backend=engine_cfg.backend, threads=cfg.latency_threads)
+        engine.set_adapter(lora, **binding)
+    reference = open_engine(engine_cfg.dir, backend=engine_cfg.backend, threads=cfg.latency_threads)
     reference.set_adapter(None)
     report["decode_latency"], latency_samples = decode_latency(engine, reference, tokenizer, prompts[: cfg.latency_prompts],
                                                                cfg.latency_steps)
+    report["decode_latency"]["threads"] = cfg.latency_threads
     return report, parity, on_engine, latency_samples
 
 
@@ -262,7 +272,8 @@ def render_table(metrics: dict) -> str:
         ]
         latency = on_engine.get("decode_latency")
         if latency:
-            lines.append(f"Decode step on the engine, batch 1, adapter bound: p50 {latency['p50_ms']:.2f} ms, "
+            lines.append(f"Decode step on the engine, batch 1, adapter bound, {latency['threads']} "
+                         f"thread(s): p50 {latency['p50_ms']:.2f} ms, "
                          f"p95 {latency['p95_ms']:.2f} ms over {latency['steps']} steps, "
                          f"{latency['step_ratio']:.2f}x the float engine's step timed beside it (10th percentiles).")
     kv = metrics.get("kv_cache")

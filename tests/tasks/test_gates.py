@@ -27,7 +27,7 @@ def fp32_parity(**overrides) -> dict:
 def good_metrics(**engine_overrides) -> dict:
     engine = {"accuracy_new": 1.0, "accuracy_regression": 0.99, "perplexity": 2.1,
               "decode_latency": {"p10_ms": 1.4, "p50_ms": 1.5, "p95_ms": 2.5, "reference_p10_ms": 1.1,
-                                 "reference_p50_ms": 1.2, "step_ratio": 1.27, "loadavg_1m": [0.5, 0.6]}} | engine_overrides
+                                 "reference_p50_ms": 1.2, "step_ratio": 1.27, "loadavg_1m": [0.5, 0.6], "threads": 1}} | engine_overrides
     return {
         "base": {"perplexity": 2.0},
         "adapter": {"accuracy_new": 1.0, "accuracy_regression": 0.99, "perplexity": 2.1},

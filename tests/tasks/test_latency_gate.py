@@ -26,7 +26,9 @@ PROMPTS = ["inspect board=PCB-0042 line=L3 part=P7 defect=void size=12 verdict:"
 @pytest.fixture(scope="module")
 def engines(tiny_llama_dir, tmp_path_factory):
     """(the serving engine with an adapter bound, the float engine with nothing bound): the default profile's
-    serving form (paged, adapters stacked) with a float cache, so no release scales are needed."""
+    serving form (paged, adapters stacked) with a float cache, at one thread as the release times them
+    (eval.latency_threads). (This 2-layer, 32-wide backbone's quantized-pages step is 3.5x its float step: fixed
+    costs of the pages beside almost no arithmetic; the embedded default's is 1.6-1.8x.)"""
     from runtime.engine.adapter import load_adapter
     from runtime.engine.engine import open_engine
     from tasks.stages.compile import compile_profile_engines

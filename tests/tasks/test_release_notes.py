@@ -24,7 +24,7 @@ def cfg(tmp_path):
                                         "train": {"output_dir": str(tmp_path / "artifacts")}})
     scored = {"accuracy": 0.99, "accuracy_new": 0.98, "accuracy_regression": 1.0,
               "decode_latency": {"p10_ms": 1.1, "p50_ms": 1.25, "p95_ms": 2.5, "steps": 256, "reference_p10_ms": 0.8,
-                                 "step_ratio": 1.375, "loadavg_1m": [0.4, 0.6]}}
+                                 "step_ratio": 1.375, "loadavg_1m": [0.4, 0.6], "threads": 1}}
     write(cfg.layout.metrics_file, {
         "month": "2026-12", "changed_rules": ["bridge", "shift"], "adapter": {"count": 600, "perplexity": 5.25},
         "base": {"perplexity": 5.0}, "adapter_on_engine": scored,
