@@ -22,7 +22,7 @@ compares the two code for code. Minima are kept as floats (fp16, or on their 8-b
 zero point: an integer zero point moves every value of the group by up to half a step on top of its rounding.
 
 The read (``dequantize_key_pages``, ``dequantize_value_pages``) is what the exported graph runs on the codes it
-gathers through a block table: unpack (``kernels.kv_quant.unpack_bits_f32``), multiply, add, in standard ONNX ops.
+gathers through a block table: unpack (``kernels.bit_packing.unpack_parts_u8``), multiply, add, in standard ONNX ops.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  registers torch.ops.quantized_decomposed (DequantizeLinear)
 
-from kernels.kv_quant import pack_bits, unpack_parts_u8
+from kernels.bit_packing import pack_bits, unpack_parts_u8
 from kernels.kv_spec import KEY_GRID_STEPS, MIN_PAGE_SCALE, PageQuantSpec
 
 
@@ -88,7 +88,7 @@ def seal_values(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, t
 
 def seal_packed(k: torch.Tensor, v: torch.Tensor, spec: PageQuantSpec) -> dict[str, torch.Tensor]:
     """Full pages k, v (S, nkv, bs, d) float32 -> what the page pool stores, by role (``runtime.engine.interface.SEALED_ROLES``):
-    ``key_codes`` and ``value_codes`` bit-packed (``kernels.kv_quant.pack_bits``), the keys' 8-bit grid and its
+    ``key_codes`` and ``value_codes`` bit-packed (``kernels.bit_packing.pack_bits``), the keys' 8-bit grid and its
     ``key_base``, the values' fp16 scales and minima, as they are."""
     k_codes, k_scale, k_min, k_base = seal_keys(k, spec.k_bits)
     v_codes, v_scale, v_min = seal_values(v, spec.v_bits, spec.v_group_size)
@@ -118,7 +118,7 @@ def sealed_keys_t(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.
 
     Transposed while they are bytes (before the parts are peeled), so that each page's channel is a row of ``bs``
     codes under one scale, one DequantizeLinear for them all, and q multiplies the result as it is. The parts of
-    ``kernels.kv_quant.unpack_parts_u8`` (part j: channels j::per) are stacked behind their byte: channel order,
+    ``kernels.bit_packing.unpack_parts_u8`` (part j: channels j::per) are stacked behind their byte: channel order,
     each part copied in runs of a whole (page, token) plane, not a byte at a time."""
     B, nkv, M, bs, _ = codes.shape
     d = scale.shape[-1]

@@ -1,9 +1,6 @@
 """Rotary position embedding (RoPE, Su et al. 2021): the one implementation every path shares.
 
-The backbone (``runtime/engine/model.py``) rotates queries and keys with it; the quantized-KV engine
-(``runtime/engine/kv_model.py``) re-rotates the pre-RoPE keys it reads from its cache; the reference cache
-(``kernels/kv_quant.py``) and the calibration (``tasks/stages/calibrate.py``) undo it to quantize keys
-before RoPE. Channel i pairs with channel i + d/2 and both share an angle (Hugging Face's
+The backbone (``runtime/engine/model.py``) rotates queries and keys with it. Channel i pairs with channel i + d/2 and both share an angle (Hugging Face's
 ``rotate_half`` layout); the inverse frequencies come from ``runtime.engine.model.rope_inv_freq``.
 
 ``rotate_half``'s sign is carried by the sine table instead of a Neg on every rotated tensor:
@@ -29,9 +26,3 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     """x (..., d) rotated by the angles of ``rope_cos_sin`` (cos and sin_signed broadcast against x)."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin_signed
-
-
-def rope_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Apply (or undo: rotate by minus the angle) RoPE: x (B, n, T, d), positions (B, T)."""
-    cos, sin_signed = rope_cos_sin(positions, inv_freq)
-    return apply_rope(x, cos, -sin_signed if inverse else sin_signed)

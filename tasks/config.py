@@ -13,17 +13,15 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import fields
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kernels.kv_spec import PAGE_BITS, Granularity, KVQuantSpec, PageQuantSpec
-from runtime.engine.interface import paged_problems
+from kernels.kv_spec import PAGE_BITS, PageQuantSpec
 from runtime.release.contract import DEFAULT_PRODUCT, check_product
-from tasks.layout import BASE_MODEL_STAGE_DIR, KV_ENGINE, KV_PAGES_ENGINE, PAGED_ENGINE, STACKED_ENGINE, ArtifactLayout
+from tasks.layout import BASE_MODEL_STAGE_DIR, KV_PAGES_ENGINE, PAGED_ENGINE, STACKED_ENGINE, ArtifactLayout
 
 # engine.kv_block_size, when paged: vLLM's CUDA kernels take 8, 16 or 32 tokens (16 is what docs/paged-kv.md
 # measured). A row wastes less than one block, so past 256 a short row's block is mostly empty; below 8 the
@@ -189,12 +187,12 @@ class EngineConfig(_Section):
     weight_block_size: int = Field(128, ge=16, le=4096)
     # quantized_pages (the served cache) = each full page of the paged cache quantized with its own scales when it
     # fills, the first and the open page float (``kernels.kv_spec.PageQuantSpec``: kv.k_bits, kv.v_bits,
-    # kv.v_group_size); float; quantized = the static scheme of the ``kv`` section, the release's calibrated scales
-    # as inputs (loses badly on real weights: docs/kv-cache-real-weights.md)
-    kv_cache: Literal["float", "quantized", "quantized_pages"] = "quantized_pages"
+    # kv.v_group_size); or float. (The static per-channel scheme, "quantized", was removed: it cost +39.6%
+    # perplexity at 4 bits on SmolLM2, docs/kv-cache-real-weights.md.)
+    kv_cache: Literal["float", "quantized_pages"] = "quantized_pages"
     # Tokens per block of the serving engine's paged KV cache (engine interface version 6, docs/paged-kv.md):
     # rows hold only the blocks they fill instead of a cache as long as the batch's longest row.
-    # 0 = the padded cache, which the TensorRT and eager backends and the sink / pre-RoPE schemes need.
+    # 0 = the padded cache, which the TensorRT and eager backends need.
     kv_block_size: int = Field(DEFAULT_KV_BLOCK_SIZE, ge=0)
     # The serving engine takes the LoRA of every resident release stacked, with a slot per row (interface
     # version 7, docs/mixed-adapters.md): requests of several products, or of champion and candidate, decode in
@@ -203,19 +201,19 @@ class EngineConfig(_Section):
 
     @property
     def cache_engine_dir(self) -> Path:
-        """The engine with the configured KV cache and adapter slots and float weights: the float engine, its
-        quantized-KV variant (``kv``), the paged form of either (``paged16``, ``kv-paged16``: blocks of 16 tokens),
-        each with stacked adapters (``kv-paged16-stacked``, the default); quantized pages: ``kvpages-paged16-stacked``."""
+        """The engine with the configured KV cache and adapter slots and float weights: the float engine, its paged
+        form (``paged16``: blocks of 16 tokens), either with stacked adapters (``paged16-stacked``); quantized pages:
+        ``kvpages-paged16-stacked`` (the default)."""
         return self._engine_variant(with_weights=False)
 
     @property
     def serving_engine_dir(self) -> Path:
-        """The engine the device runs: ``cache_engine_dir``, or a weight-quantized copy of it (``kv-int8``,
-        ``int8``, ``kv-paged16-stacked-int8``; TensorRT's format appended: ``int8-qdq_fp16``)."""
+        """The engine the device runs: ``cache_engine_dir``, or a weight-quantized copy of it (``int8``,
+        ``kvpages-paged16-stacked-int4``; TensorRT's format appended: ``int8-qdq_fp16``)."""
         return self._engine_variant(with_weights=True)
 
     def _engine_variant(self, with_weights: bool) -> Path:
-        variant = {"quantized": [KV_ENGINE], "quantized_pages": [KV_PAGES_ENGINE]}.get(self.kv_cache, [])
+        variant = [KV_PAGES_ENGINE] if self.kv_cache == "quantized_pages" else []
         if self.kv_block_size:  # each block size its own folder: switching back and forth rebuilds nothing
             variant.append(f"{PAGED_ENGINE}{self.kv_block_size}")
         if self.mixed_adapters:
@@ -231,13 +229,14 @@ class EngineConfig(_Section):
         ONNX Runtime's MatMulNBits, or the Q/DQ form with fp16 GEMMs that TensorRT builds weight-only."""
         return "qdq_fp16" if self.backend == "tensorrt" else "matmulnbits"
 
-    def kv_attention(self, spec) -> str:
-        """How the quantized-KV engine reads its cache (``runtime.engine.kv_model.KV_ATTENTION``): ONNX Runtime's
-        fused GroupQueryAttention when the backend is ORT and the scheme is one that op implements,
-        else standard ONNX ops (the only ones TensorRT's parser takes)."""
-        from kernels.gqa_attention import gqa_problems
-
-        return "gqa" if self.backend == "onnxruntime" and not gqa_problems(spec) else "standard"
+    @field_validator("kv_cache", mode="before")
+    @classmethod
+    def _static_scheme_is_gone(cls, v):
+        if v == "quantized":
+            raise ValueError("the static quantized cache was removed (it cost +39.6% perplexity at 4 bits on real "
+                             "weights, docs/kv-cache-real-weights.md): set quantized_pages (the kv section's k_bits, "
+                             "v_bits and v_group_size) or float")
+        return v
 
     @field_validator("weight_block_size")
     @classmethod
@@ -271,34 +270,17 @@ class EngineConfig(_Section):
         return self
 
 
-_KV_SCHEME = KVQuantSpec()  # the KV scheme's defaults are defined once, there
+_PAGES = PageQuantSpec()  # the pages' defaults are defined once, there
 
 
 class KVConfig(_Section):
-    """The ``kv:`` section: a ``kernels.kv_spec.KVQuantSpec`` (whose defaults these are) and its calibration."""
+    """The ``kv:`` section: the quantized pages (``kernels.kv_spec.PageQuantSpec``, whose defaults these are) that
+    ``engine.kv_cache: quantized_pages`` serves, and whether the KV gates measure what they cost (``enabled``)."""
 
     enabled: bool = True
-    k_bits: int = Field(_KV_SCHEME.k_bits, ge=2, le=8)
-    v_bits: int = Field(_KV_SCHEME.v_bits, ge=2, le=8)
-    k_granularity: Granularity = _KV_SCHEME.k_granularity
-    v_granularity: Granularity = _KV_SCHEME.v_granularity
-    k_symmetric: bool = _KV_SCHEME.k_symmetric
-    v_symmetric: bool = _KV_SCHEME.v_symmetric
-    sink_tokens: int = Field(_KV_SCHEME.sink_tokens, ge=0)
-    window_tokens: int = Field(_KV_SCHEME.window_tokens, ge=0)
-    pre_rope_keys: bool = _KV_SCHEME.pre_rope_keys
-    clip_percentile: float = Field(99.0, gt=50.0, le=100.0)
-    calib_batch_size: int = Field(16, ge=1)
-    # Post-RoPE keys are calibrated at positions drawn uniformly below this (0: at their own positions).
-    # Calibration rows are short; a long context turns slow RoPE pairs into channels whose static
-    # range never saw them (tasks/kv_stats.py collect_kv_stats). Set it to the context you serve.
-    calib_key_positions: int = Field(0, ge=0)
-    # engine.kv_cache quantized_pages: channels per value scale of a sealed page (k_bits and v_bits are the pages' too)
-    v_group_size: int = Field(PageQuantSpec().v_group_size, ge=1)
-
-    def spec(self) -> KVQuantSpec:
-        """The scheme as a ``KVQuantSpec``, field by field."""
-        return KVQuantSpec(**{f.name: getattr(self, f.name) for f in fields(KVQuantSpec)})
+    k_bits: int = Field(_PAGES.k_bits, ge=2, le=8)
+    v_bits: int = Field(_PAGES.v_bits, ge=2, le=8)
+    v_group_size: int = Field(_PAGES.v_group_size, ge=1)  # channels per value scale of a sealed page
 
     def page_spec(self, head_dim: int) -> PageQuantSpec:
         """The quantized pages of a backbone whose heads have ``head_dim`` channels, as a ``PageQuantSpec``: the
@@ -381,39 +363,25 @@ class ReleaseConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _quantized_cache_needs_scales(self) -> "ReleaseConfig":
-        if self.engine.kv_cache == "quantized" and not self.kv.enabled:
-            raise ValueError("engine.kv_cache quantized needs kv.enabled: the engine reads the release's calibrated scales")
+    def _served_pages_are_gated(self) -> "ReleaseConfig":
         if self.engine.kv_cache == "quantized_pages" and not self.kv.enabled:
             raise ValueError("engine.kv_cache quantized_pages needs kv.enabled: the KV gates measure what the pages cost")
-        if self.engine.kv_cache == "quantized" and self.kv.window_tokens:
-            raise ValueError(f"engine.kv_cache quantized: kv.window_tokens ({self.kv.window_tokens}) must be 0, "
-                             "the engine's cache has no fp16 window")
-        return self
-
-    @model_validator(mode="after")
-    def _paged_cache_is_pageable(self) -> "ReleaseConfig":
-        # What the compile stage would refuse after the month's training, refused before it.
-        if self.engine.kv_block_size and self.engine.kv_cache == "quantized":
-            problems = paged_problems(self.kv.spec().to_dict(), self.engine.kv_block_size)
-            if problems:
-                raise ValueError(f"engine.kv_block_size {self.engine.kv_block_size}: the quantized cache cannot be "
-                                 "paged with " + "; ".join("kv." + p for p in problems) + " (or set engine.kv_block_size: 0)")
         return self
 
     @model_validator(mode="after")
     def _quantized_pages_fit(self) -> "ReleaseConfig":
         # What the compile stage would refuse after the month's training, refused before it (a local backbone's
-        # head_dim is read at compile).
-        if self.engine.kv_cache != "quantized_pages":
+        # head_dim is read at compile). kv.enabled with a float cache measures the same pages in PyTorch.
+        if not self.kv.enabled:
             return self
         problems = [f"kv.{n} {getattr(self.kv, n)} (pages store {', '.join(map(str, PAGE_BITS))} bits)"
                     for n in ("k_bits", "v_bits") if getattr(self.kv, n) not in PAGE_BITS]
-        problems += [] if self.engine.kv_block_size else ["engine.kv_block_size 0 (a page is a block of the paged cache)"]
+        if self.engine.kv_cache == "quantized_pages" and not self.engine.kv_block_size:
+            problems += ["engine.kv_block_size 0 (a page is a block of the paged cache)"]
         if not problems and self.base_model.source == "embedded":
             problems += ["kv." + p for p in self.kv.page_spec(self.base_model.head_dim).problems(self.base_model.head_dim)]
         if problems:
-            raise ValueError("engine.kv_cache quantized_pages: " + "; ".join(problems))
+            raise ValueError("kv (the quantized pages): " + "; ".join(problems))
         return self
 
     @model_validator(mode="after")
@@ -459,12 +427,6 @@ class ReleaseConfig(_Section):
                 f"data.month ({self.data.month}): the base learns an earlier rule book"
             )
         return self
-
-    @property
-    def ships_kv_scales(self) -> bool:
-        """Whether a release calibrates and ships static KV scales (``kv.enabled``): quantized pages compute each
-        page's scales on the device when it fills, so their releases ship none."""
-        return self.kv.enabled and self.engine.kv_cache != "quantized_pages"
 
     @property
     def layout(self) -> ArtifactLayout:

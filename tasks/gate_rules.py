@@ -140,8 +140,8 @@ def evaluation_gates(metrics: dict, gates: GatesConfig, champion: dict | None, e
                 for n in ("kv_accuracy_drop", "kv_ppl_increase_pct")]
     else:
         kv = kv or {}
-        # A quantized-KV serving engine is measured on itself (against float PyTorch), else the reference cache.
-        where = "on the quantized-KV engine vs float PyTorch" if "on_engine" in kv else "reference cache"
+        # An engine serving the pages is measured on itself (against float PyTorch), else the pages in PyTorch.
+        where = "on the quantized-pages engine vs float PyTorch" if "on_engine" in kv else "the pages in PyTorch"
         kv = kv.get("on_engine", kv)
         out += [
             _compare("kv_accuracy_drop", kv.get("accuracy_drop"), "<=", gates.max_kv_accuracy_drop,
@@ -168,9 +168,8 @@ def evaluation_gates(metrics: dict, gates: GatesConfig, champion: dict | None, e
 
 def _parity_gates(parity: dict, engine: EngineConfig) -> list[Gate]:
     """An fp32 engine computes the same function as its PyTorch reference (tasks/checks/engine_parity.py)."""
-    against = {"quantized": "its PyTorch module attending over the engine's KV codes (prompts whose stored bytes agree)",
-               "quantized_pages": "PyTorch + merged PEFT (a prefill reads its own K/V in float)"}.get(
-        parity.get("kv_cache"), "PyTorch + merged PEFT")
+    against = ("PyTorch + merged PEFT (a prefill reads its own K/V in float)" if parity.get("kv_cache") == "quantized_pages"
+               else "PyTorch + merged PEFT")
     where = f"{parity['positions_compared']} positions of {parity['prompts']} test prompts, engine vs {against}"
     out = [
         _compare("engine_parity", parity["max_logit_error"], "<=", engine.parity_max_logit_error,
@@ -192,12 +191,6 @@ def _parity_gates(parity: dict, engine: EngineConfig) -> list[Gate]:
                             "the PyTorch reference sealing the K/V the engine computed (besides, sealing PyTorch's "
                             f"own K/V: {parity.get('kv_bytes_differing')} of {parity.get('kv_bytes_compared')} "
                             "bytes, float rounding of a scale or code, not gated)"))
-    elif parity.get("kv_cache") == "quantized":
-        out.append(_compare("kv_code_mismatch", parity.get("kv_code_mismatch"), "<=",
-                            parity.get("kv_code_mismatch_limit"),
-                            f"stored KV bytes coded differently from the PyTorch module "
-                            f"({parity.get('kv_bytes_differing')} of {parity.get('kv_bytes_compared')}: float "
-                            "rounding at a code boundary)"))
     return out
 
 

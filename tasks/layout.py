@@ -7,15 +7,14 @@ holds the two together). Paths are relative to the project root, as DVC runs the
     models/base/                     the base_model stage (the embedded default; a card for a local model)
     <data.dir>/<month>/              the data stage: train/val/calib/test.jsonl, held-out text
     <engine.dir>/                    the compile stage: the float engine of the backbone, and inside it
-        kv/                          the engine with the quantized KV cache (engine.kv_cache: quantized)
-        kvpages-paged16-stacked/     the serving engine with quantized pages (engine.kv_cache: quantized_pages)
-        kv-paged16-stacked/          the serving engine: paged KV cache (engine.kv_block_size: 16), stacked
-                                     adapters (engine.mixed_adapters); kv-paged16/, paged16/, kv-stacked/... without
-        kv-paged16-stacked-int8/...  weight-quantized copies of the serving engine (engine.weights; int8-qdq_fp16/ for TensorRT)
+        kvpages-paged16-stacked/     the serving engine: quantized pages (engine.kv_cache: quantized_pages) of a paged
+                                     cache (engine.kv_block_size: 16), stacked adapters (engine.mixed_adapters);
+                                     paged16-stacked/, paged16/, stacked/ with a float cache
+        kvpages-paged16-stacked-int4/...  weight-quantized copies of the serving engine (engine.weights; int8-qdq_fp16/ for TensorRT)
     <train.output_dir>/engine_build.json   what the compile stage built (not per month: the engine is not)
     <train.output_dir>/<month>/
         finetune/adapter/            the LoRA adapter, PEFT's files
-        kv/                          its calibrated KV-cache scales
+        kv/                          the calibrate stage's note: the pages' scheme (their scales are the device's)
         eval/metrics.json            evaluation on PyTorch and on the serving engine
         gates/gates.json             the gate verdicts
         package/release/, check.json the signed release and its check
@@ -34,10 +33,9 @@ from pathlib import Path
 # only the card that records the user's checkpoint, which is never an output.
 BASE_MODEL_STAGE_DIR = "models/base"
 ENGINE_BUILD_FILE = "engine_build.json"
-KV_ENGINE = "kv"  # the quantized-KV engine's folder inside the float engine's
 KV_PAGES_ENGINE = "kvpages"  # the serving engine with quantized pages (``kvpages-paged16-stacked``)
-PAGED_ENGINE = "paged"  # + engine.kv_block_size: a paged-cache engine's folder (``paged16``, ``kv-paged16``)
-STACKED_ENGINE = "stacked"  # engine.mixed_adapters: the serving form with stacked adapters (``kv-paged16-stacked``)
+PAGED_ENGINE = "paged"  # + engine.kv_block_size: a paged-cache engine's folder (``paged16``, ``kvpages-paged16``)
+STACKED_ENGINE = "stacked"  # engine.mixed_adapters: the serving form with stacked adapters (``kvpages-paged16-stacked``)
 FINETUNE, KV, EVAL, GATES, PACKAGE = "finetune", "kv", "eval", "gates", "package"  # a month's stage folders
 ADAPTER_DIR = "adapter"  # in finetune/
 METRICS_FILE = "metrics.json"  # in eval/
@@ -54,11 +52,6 @@ class ArtifactLayout:
     engine_dir: Path  # <engine.dir>: the float engine
     serving_engine_dir: Path  # the engine the device runs (engine.kv_cache, engine.kv_block_size, engine.weights)
     base_model_dir: Path = Path(BASE_MODEL_STAGE_DIR)
-
-    @property
-    def kv_engine_dir(self) -> Path:
-        """The engine with the quantized KV cache; its scales are runtime inputs, so it is month-independent."""
-        return self.engine_dir / KV_ENGINE
 
     @property
     def engine_build_file(self) -> Path:

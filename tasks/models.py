@@ -98,3 +98,32 @@ def quiet_model_loading() -> None:
 
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
+
+def load_release_backbone(base_dir: Path, adapter_dir: Path, engine_dir: Path | None = None):
+    """The runtime's backbone (``runtime.engine.model``) with the adapter merged (exact to fp32): what the KV checks
+    and engine parity run in PyTorch.
+
+    The adapter is validated by ``runtime.engine.adapter.load_adapter`` (provenance included) against
+    the compiled engine's interface when ``engine_dir`` is given, else against an interface
+    shaped after the adapter itself; an adapter made for another backbone is refused either way.
+    Returns (backbone, base hash, interface hash of the engine or "").
+    """
+    import torch
+
+    from runtime.engine.adapter import load_adapter
+    from runtime.engine.adapter_config import read_adapter_config
+    from runtime.engine.hashing import backbone_hash
+    from runtime.engine.interface import build_interface, read_interface
+    from runtime.engine.model import load_backbone, read_config
+
+    if engine_dir is not None:
+        iface = read_interface(engine_dir)
+        interface_hash = iface.lora_contract_hash
+    else:
+        acfg = read_adapter_config(adapter_dir)
+        iface = build_interface(read_config(base_dir), backbone_hash(base_dir), max_rank=acfg.r,
+                                target_modules=acfg.target_modules)
+        interface_hash = ""
+    lora = {k: torch.from_numpy(v) for k, v in load_adapter(adapter_dir, iface).items()}
+    return load_backbone(base_dir, merged_lora=lora), iface.backbone_hash, interface_hash

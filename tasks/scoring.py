@@ -2,7 +2,7 @@
 exact-match accuracy; log-probabilities of logits.
 
 The evaluate stage scores the release with them, and so do the checks it runs (``tasks.checks.engine_parity``,
-``tasks.checks.kv_quality``), which is why they live below all three.
+``tasks.checks.page_quality``), which is why they live below all three.
 """
 
 from __future__ import annotations

@@ -59,24 +59,6 @@ def make_adapter(model_dir: Path, out_dir: Path, r: int = 4, alpha: float = 8.0,
     return Path(out_dir)
 
 
-def calibrate(model_dir: Path, spec, lora: dict | None = None, rotated: bool = False):
-    """KV scales (``runtime.engine.kv_scales.KVScales``) for ``spec`` from random text through the eager
-    backbone (the calibration stage's statistics), for a quantized-KV engine of ``model_dir``;
-    ``rotated``: K and V of every layer turned by the Walsh-Hadamard matrix."""
-    import numpy as np
-
-    from kernels.kv_quant import hadamard_matrix
-    from runtime.engine.model import load_backbone
-    from tasks.kv_stats import collect_kv_stats, kv_scales_from_stats
-
-    model = load_backbone(model_dir, merged_lora=None if lora is None else {k: torch.from_numpy(v) for k, v in lora.items()})
-    ids = torch.from_numpy(np.random.default_rng(11).integers(0, 96, (4, 24)))
-    L, d = model.cfg.num_layers, model.cfg.head_dim
-    rotation = hadamard_matrix(d).expand(L, d, d) if rotated else None
-    stats = collect_kv_stats(model, [(ids, torch.ones_like(ids))], spec.pre_rope_keys, 99.0, progress=False, rotation=rotation)
-    return kv_scales_from_stats(stats, spec, record={}, rotation=rotation)
-
-
 def engine_run(engine, ids, split: int, **slots):
     """Prefill ``split`` tokens of ``ids`` (B, T), then one token per step: (logits of every position, the cache).
     ``slots=`` (B,): a stacked engine's slot per row."""

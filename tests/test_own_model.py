@@ -189,8 +189,7 @@ def module_greedy(model_dir: Path, release: Path, engine: Path, prompts: list[st
     from kernels.kv_spec import PageQuantSpec
     from runtime.engine.interface import read_interface
     from tasks.checks.page_quality import greedy_through_pages
-    from tasks.kv_stats import load_release_backbone
-    from tasks.models import load_tokenizer
+    from tasks.models import load_release_backbone, load_tokenizer
 
     iface = read_interface(engine)
     backbone, _, _ = load_release_backbone(model_dir, release, engine)

@@ -86,33 +86,19 @@ def make_tiny_adapter(base: Path, out: Path, engine_dir: Path | None = None, r: 
 
 def make_tiny_release(root: Path, base: Path, engine_dir: Path, adapter: Path, month: str, signing_key: Path,
                       now: dt.datetime | None = None, gates_passed: bool = True, expiry_days: int = 120) -> Path:
-    """Calibrate KV scales for ``adapter`` (for the scheme of a quantized-KV engine, which refuses any
-    other; none for a quantized-pages engine), write eval metrics and a gate report, and package it with ``tasks.stages.package.build_release``
+    """Write eval metrics and a gate report for ``adapter`` and package it with ``tasks.stages.package.build_release``
     into ``root/package``; return the release directory."""
-    from kernels.kv_spec import PRE_ROPE_SCHEME, KVQuantSpec
-    from runtime.engine.interface import read_interface
-    from tasks.inspection import rulebook, sample_examples
     from tasks.layout import RELEASE_DIR
-    from tasks.records import write_jsonl
-    from tasks.stages.calibrate import calibrate_kv_scales
     from tasks.stages.package import build_release
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    calib = root / "calib.jsonl"
-    write_jsonl(calib, sample_examples(rulebook(month, 1234, 2), 16, random.Random(0)))
-    iface = read_interface(engine_dir)
-    kv_dir = None  # quantized pages: the device seals each page with its own scales, the release ships none
-    if not iface.kv_pages:
-        spec = KVQuantSpec.from_dict(iface.kv_spec) if iface.kv_spec else PRE_ROPE_SCHEME
-        kv_dir = root / "kv"
-        calibrate_kv_scales(base, adapter, calib, kv_dir, spec, batch_size=8, engine_dir=engine_dir)
     (root / "metrics.json").write_text(json.dumps({
         "month": month, "base": {"accuracy": 0.5, "accuracy_new": 0.1, "per_rule": {"lifted": 0.5}},
         "adapter": {"accuracy": 0.97, "accuracy_new": 0.96, "accuracy_regression": 0.98, "perplexity": 3.2}}))
     (root / "gates.json").write_text(json.dumps({"passed": gates_passed, "gates": [
         {"name": "accuracy_new", "value": 0.96, "threshold": 0.95, "op": ">=", "passed": gates_passed, "detail": ""}]}))
-    out = build_release(adapter, kv_dir, root / "metrics.json", root / "gates.json", engine_dir, base,
+    out = build_release(adapter, root / "metrics.json", root / "gates.json", engine_dir, base,
                         root / "package", signing_key, month, expiry_days=expiry_days, threads=1,
                         prompt=INSPECTION_PROMPTS[0], max_new_tokens=4, now=now)
     return out / RELEASE_DIR
@@ -120,11 +106,11 @@ def make_tiny_release(root: Path, base: Path, engine_dir: Path, adapter: Path, m
 
 def engine_form(engine_dir: Path) -> dict:
     """What a benchmark records of the engine it served: interface version, cache and adapter form."""
-    from kernels.kv_spec import KVQuantSpec
+    from kernels.kv_spec import PageQuantSpec
     from runtime.engine.interface import read_interface
 
     iface = read_interface(engine_dir)
-    kv_cache = KVQuantSpec.from_dict(iface.kv_spec).name if iface.kv_spec else "float"
+    kv_cache = PageQuantSpec.from_dict(iface.kv_pages).name if iface.kv_pages else "float"
     return {"dir": str(engine_dir), "interface_version": iface.version, "kv_cache": kv_cache,
             "kv_block_size": iface.kv_block_size, "stacked": iface.stacked, "weights": iface.weight_precision}
 

@@ -31,8 +31,7 @@ class Engine(Protocol):
     interface: EngineInterface
 
     def set_adapter(self, lora: Mapping[str, np.ndarray] | None) -> None:
-        """Bind LoRA inputs (``runtime.engine.adapter.load_adapter`` output); None = base model.
-        Engines with a quantized KV cache (``interface.kv_spec``) also take ``kv_scales=``."""
+        """Bind LoRA inputs (``runtime.engine.adapter.load_adapter`` output); None = base model."""
 
     def forward(
         self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray, past: Cache | None,

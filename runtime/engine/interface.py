@@ -19,26 +19,24 @@ from runtime.engine.backbone_config import BackboneConfig
 from runtime.engine.errors import RefusedInput
 
 # 1: ids/positions/mask + per-layer past K/V (B, nkv, P, d) + unmerged LoRA A/B/scale inputs per module.
-# 2: version 1 with the KV cache quantized and bit-packed as ``kv_spec`` (a kernels.kv_spec.KVQuantSpec
-#    dict) describes; see ``quantized_kv_tensors``.
-# 3 and 4: versions 1 and 2 with the LoRA inputs of each fused linear stacked into one A and one
-#    block-diagonal B, the scale folded into B (``lora_input_names``).
-# 5: version 4 with a static ``kv_rotation.i`` (d, d) per layer when keys are cached after RoPE: the
-#    release's orthogonal rotation of K and V (identity = none). Version-4 engines still load; they
-#    take releases without a rotation only.
-# 6: a paged cache (float, or quantized as version 5 without a sink): per layer a POOL of fixed-size blocks
-#    ``pool_*.i`` (blocks, nkv, kv_block_size, ·) and one ``block_table`` (B, max_blocks) int64 instead of the
-#    per-row past; the graph outputs only the new tokens' slots ``new_*.i`` (B, nkv, T, ·), which the
-#    runtime writes into each row's blocks (``paged_kv_tensors``). Versions 3-5 still load (padded path).
-# 7: stacked adapters (any cache of versions 3, 5 or 6): the LoRA of S resident slots at once and a per-row
-#    slot choice, so rows of different releases decode in one forward (``stacked_interface``). Versions 3-6
-#    still load and serve one release per batch.
+# 2, 4 and 5 (no longer read): the static quantized KV cache, per-channel scales calibrated per release and bound
+#    as inputs (``kv_spec``), removed for quantized pages (version 9; docs/kv-cache-real-weights.md). A runtime
+#    refuses those engines: recompile.
+# 3: version 1 with the LoRA inputs of each fused linear stacked into one A and one block-diagonal B, the scale
+#    folded into B (``lora_input_names``).
+# 6: a paged cache: per layer a POOL of fixed-size blocks ``pool_*.i`` (blocks, nkv, kv_block_size, d) and one
+#    ``block_table`` (B, max_blocks) int64 instead of the per-row past; the graph outputs only the new tokens'
+#    slots ``new_*.i`` (B, nkv, T, d), which the runtime writes into each row's blocks (``paged_kv_tensors``).
+#    Version 3 still loads (padded path).
+# 7: stacked adapters (a cache of version 3 or 6): the LoRA of S resident slots at once and a per-row slot choice,
+#    so rows of different releases decode in one forward (``stacked_interface``). Versions 3 and 6 still load and
+#    serve one release per batch.
 # 8: any of the above (stacked or not) with a last input ``logit_positions`` (batch, positions) int64: the
 #    positions of each row whose hidden states go through the final norm and LM head; ``logits`` is (batch,
 #    positions, vocab). A server samples from the last position only: a prefill's logits for every prompt token
 #    (2,048 x 151,936 floats = 1.2 GB at the 0.5B shape) are never computed. Recorded as ``logit_positions``
 #    (hashed); the LoRA contract is unchanged, so adapters of the engine without it bind
-#    (``float_interface_hash``). Versions 3-7 still load: their forward returns every position's logits.
+#    (``float_interface_hash``). Versions 3, 6 and 7 still load: their forward returns every position's logits.
 # 9: quantized pages (``kv_pages``, a kernels.kv_spec.PageQuantSpec dict, hashed): version 8's float paged cache
 #    (stacked or not) whose full pages the runtime seals into codes, scales and minima. Each row's float pages (its
 #    first page, the sink, and its open page) are read from the float pools ``pool_key.i`` / ``pool_value.i`` through
@@ -47,13 +45,12 @@ from runtime.engine.errors import RefusedInput
 #    The graph outputs the new tokens' float K/V (``new_*.i``), as version 6. No release statics: a release of the
 #    float engine binds unchanged (``float_interface_hash``).
 INTERFACE_VERSION = 3
-QUANT_KV_INTERFACE_VERSION = 5
 PAGED_INTERFACE_VERSION = 6
 STACKED_INTERFACE_VERSION = 7
 LOGIT_POSITIONS_INTERFACE_VERSION = 8
 QUANTIZED_PAGES_INTERFACE_VERSION = 9
-SUPPORTED_VERSIONS = (INTERFACE_VERSION, 4, QUANT_KV_INTERFACE_VERSION, PAGED_INTERFACE_VERSION, STACKED_INTERFACE_VERSION,
-                      LOGIT_POSITIONS_INTERFACE_VERSION, QUANTIZED_PAGES_INTERFACE_VERSION)
+SUPPORTED_VERSIONS = (INTERFACE_VERSION, PAGED_INTERFACE_VERSION, STACKED_INTERFACE_VERSION, LOGIT_POSITIONS_INTERFACE_VERSION,
+                      QUANTIZED_PAGES_INTERFACE_VERSION)
 INTERFACE_FILE = "interface.json"
 ENGINE_ONNX = "model.onnx"  # beside it in an engine folder (tasks/stages/compile.py)
 CACHE_KEY_FILE = "cache_key.json"  # what the engine was built from; its presence means the build completed
@@ -66,8 +63,6 @@ SEALED_BLOCKS_AXIS = "sealed_blocks"  # version 9: the sealed pools' first axis 
 # version 9: what a sealed page stores per layer, one pool each, in the graph's input order (quantized_pages_tensors)
 SEALED_ROLES = ("key_codes", "key_scale", "key_min", "key_base", "value_codes", "value_scale", "value_min")
 LOGIT_POSITIONS = "logit_positions"
-QUANT_KV_DTYPE = "packed-uint8"
-KV_ROTATION_INPUT = "kv_rotation"
 ADAPTER_MASK = "adapter_mask"  # version 7: (batch, slots) float32, one-hot: the slot each row decodes with
 SLOTS_AXIS = "slots"  # version 7: the bound adapters; a LoRA input's rank axis is "slots*<n r>" (slot after slot)
 
@@ -130,13 +125,12 @@ class EngineInterface:
     target_modules: tuple[str, ...]
     module_shapes: dict  # module -> [in_features, out_features], every member of a fused linear with a target
     kv_layout: str
-    kv_dtype: str  # "float32", or QUANT_KV_DTYPE with kv_spec set (version 2)
+    kv_dtype: str  # "float32": what a padded or float paged cache holds (quantized pages: ``kv_pages``)
     inputs: tuple[TensorSpec, ...] = field(default_factory=tuple)
     outputs: tuple[TensorSpec, ...] = field(default_factory=tuple)
-    kv_spec: dict | None = None  # KVQuantSpec.to_dict() of a quantized cache; None = float cache
     # Hash of the same engine with a float, padded cache and every position's logits (version 3): the LoRA
     # contract an adapter was made for is identical, so an adapter bound to the float engine also runs on
-    # the quantized, paged or logit-selecting one.
+    # the paged, stacked, logit-selecting one or the one with quantized pages.
     float_interface_hash: str | None = None
     kv_block_size: int | None = None  # tokens per block of a paged cache (version 6); None = padded
     # How the graph stores the backbone weights, e.g. {"precision": "int4", "format": "matmulnbits",
@@ -148,17 +142,13 @@ class EngineInterface:
 
     @property
     def lora_contract_hash(self) -> str:
-        """The hash an adapter, its KV scales and its release record: the float engine's, which every engine of
-        the same backbone and LoRA inputs accepts (quantized, paged, logit-selecting or not)."""
+        """The hash an adapter and its release record: the float engine's, which every engine of the same backbone
+        and LoRA inputs accepts (paged, logit-selecting, with quantized pages or not)."""
         return self.float_interface_hash or self.interface_hash
 
     @property
     def weight_precision(self) -> str:
         return self.weights["precision"] if self.weights else "fp32"
-
-    @property
-    def quantized_kv(self) -> bool:
-        return self.kv_spec is not None
 
     @property
     def paged(self) -> bool:
@@ -174,9 +164,9 @@ class EngineInterface:
         return ADAPTER_MASK in self.input_names
 
     def adapter_shape(self, spec: TensorSpec) -> tuple:
-        """The shape one adapter (or release) gives a LoRA or static KV input: ``spec.shape`` without the
-        stacked engine's slot and batch axes, so a release binds to every version alike."""
-        return tuple(per_slot(a) for a in spec.shape if a != "batch")
+        """The shape one adapter gives a LoRA input: ``spec.shape`` without the stacked engine's slot axis, so an
+        adapter binds to every version alike."""
+        return tuple(per_slot(a) for a in spec.shape)
 
     @property
     def accepted_hashes(self) -> set[str]:
@@ -198,8 +188,9 @@ class EngineInterface:
         return lora_input_names(self.num_layers, self.target_modules)
 
     def slot_bytes(self, axis: str = "past") -> int:
-        """Bytes one row of the cache inputs with the dynamic ``axis`` ("past" or "sink") holds per slot, every
-        layer: their fixed dimensions times their item size (packed K and V, any per-token scales, positions)."""
+        """Bytes one row of the cache inputs with the dynamic ``axis`` holds per slot, every layer: their fixed
+        dimensions times their item size ("past": a padded cache's K and V; "blocks": a paged cache's block;
+        ``SEALED_BLOCKS_AXIS``: a sealed page's codes, scales and minima)."""
         return sum(int(np.prod([a for a in t.shape if isinstance(a, int)])) * np.dtype(t.dtype).itemsize
                    for t in self.inputs if axis in t.shape)
 
@@ -214,7 +205,7 @@ class EngineInterface:
     def to_dict(self) -> dict:
         d = asdict(self)
         # absent, not null: each engine keeps the hash it had before the field existed
-        for key in ("kv_spec", "float_interface_hash", "kv_block_size", "kv_pages"):
+        for key in ("float_interface_hash", "kv_block_size", "kv_pages"):
             if d[key] is None:
                 del d[key]
         if self.weights is None:
@@ -250,53 +241,11 @@ class EngineInterface:
         return iface
 
 
-def quantized_kv_tensors(num_layers: int, num_kv_heads: int, head_dim: int, spec: dict) -> tuple[list, list, list]:
-    """(cache inputs, static-scale inputs, cache outputs) of a quantized-KV engine, as TensorSpecs.
-
-    Per layer i, for kind in (key, value):
-      past_{kind}.i        uint8 (batch, nkv, past, packed d): quantized tokens, bit-packed (kernels.kv_quant.pack_bits)
-      past_{kind}_scale.i  float16 (batch, nkv, past, 1): per-token scale (token granularity only)
-      past_{kind}_zero.i   float16 (batch, nkv, past, 1): per-token zero point (token granularity, asymmetric only)
-    then sink_key.i / sink_value.i float16 (batch, nkv, sink, d): the first ``sink_tokens`` tokens
-    kept unquantized (post-RoPE keys). Once: past_positions int64 (batch, past), the position of
-    every quantized slot, when keys are quantized before RoPE (RoPE is re-applied at read).
-    Static inputs (channel granularity): k_scale.i, k_zero.i (asymmetric), v_scale.i, v_zero.i, float32 (nkv, d);
-    then, keys cached after RoPE, kv_rotation.i float32 (d, d): the cache holds K R and V R (queries turn
-    with the keys, the attention output turns back by R^T), R from the release's scales.
-    Outputs per layer: present_* (present = past + seq) = past_* with the new tokens appended (all quantized;
-    the runtime moves the first ones into the sink while it fills), new_key.i / new_value.i
-    float16 (batch, nkv, seq, d): the new tokens unquantized, for the sink.
-    The attention mask covers sink + past + seq slots, in that order.
-    """
-    L, nkv, d = num_layers, num_kv_heads, head_dim
-    cache, static, outputs = [], [], []
-    if spec["pre_rope_keys"]:
-        cache.append(TensorSpec("past_positions", "int64", ("batch", "past")))
-    for i in range(L):
-        layer_out = []
-        for kind, short in (("key", "k"), ("value", "v")):
-            bits, gran, sym = spec[f"{short}_bits"], spec[f"{short}_granularity"], spec[f"{short}_symmetric"]
-            names = [(f"{kind}", "uint8", packed_size(d, bits))]
-            if gran == "token":
-                names += [(f"{kind}_scale", "float16", 1)] + ([] if sym else [(f"{kind}_zero", "float16", 1)])
-            else:
-                static += [TensorSpec(f"{short}_scale.{i}", "float32", (nkv, d))]
-                static += [] if sym else [TensorSpec(f"{short}_zero.{i}", "float32", (nkv, d))]
-            for name, dtype, last in names:
-                cache.append(TensorSpec(f"past_{name}.{i}", dtype, ("batch", nkv, "past", last)))
-                layer_out.append(TensorSpec(f"present_{name}.{i}", dtype, ("batch", nkv, "present", last)))
-        if not spec["pre_rope_keys"]:
-            static.append(TensorSpec(f"{KV_ROTATION_INPUT}.{i}", "float32", (d, d)))
-        cache += [TensorSpec(f"sink_{kind}.{i}", "float16", ("batch", nkv, "sink", d)) for kind in ("key", "value")]
-        outputs += layer_out + [TensorSpec(f"new_{kind}.{i}", "float16", ("batch", nkv, "seq", d)) for kind in ("key", "value")]
-    return cache, static, outputs
-
-
 def paged_kv_tensors(padded: EngineInterface, block_size: int) -> tuple[list, list]:
-    """(pool inputs, new-slot outputs) of the paged engine made from the ``padded`` interface (version 3
-    or 5): each per-row cache input ``past_X.i`` (batch, nkv, past, w) becomes ``pool_X.i`` (blocks, nkv,
-    block_size, w) of the same dtype, read through ``block_table``; its output is ``new_X.i`` (batch, nkv,
-    seq, w), the new tokens' slots as ``present_X.i`` would end. Sinks and slot positions have no paged form."""
+    """(pool inputs, new-slot outputs) of the paged engine made from the ``padded`` interface (version 3): each
+    per-row cache input ``past_X.i`` (batch, nkv, past, d) becomes ``pool_X.i`` (blocks, nkv, block_size, d) of
+    the same dtype, read through ``block_table``; its output is ``new_X.i`` (batch, nkv, seq, d), the new tokens'
+    slots as ``present_X.i`` would end."""
     pools, outputs = [], []
     for t in padded.inputs:
         if t.name.startswith("past_"):
@@ -310,7 +259,7 @@ def quantized_pages_tensors(num_layers: int, num_kv_heads: int, head_dim: int, b
     """The sealed pools of a version-9 engine, as TensorSpecs (``kernels.kv_spec.PageQuantSpec`` says what a page holds).
 
     Per layer i, each (sealed_blocks, nkv, ·, ·), in the order of ``SEALED_ROLES``:
-      pool_key_codes.i    uint8 (.., bs, packed d): keys' codes, bit-packed (kernels.kv_quant.pack_bits)
+      pool_key_codes.i    uint8 (.., bs, packed d): keys' codes, bit-packed (kernels.bit_packing.pack_bits)
       pool_key_scale.i    uint8 (.., 1, d): per channel over the page, in units of the page's scale unit
       pool_key_min.i      uint8 (.., 1, d): per channel, in minimum units above the page's minimum origin
       pool_key_base.i     float16 (.., 1, 3): the page's scale unit, minimum origin, minimum unit (kernels.page_quant.key_grid)
@@ -331,7 +280,7 @@ def pages_interface(paged: EngineInterface, kv_pages: dict) -> EngineInterface:
     """The version-9 form of a float paged interface with logit positions (version 8, stacked or not): the float pools
     hold each row's sink and open page (``FLOAT_BLOCK_TABLE``), its sealed pages come from the pools of
     ``quantized_pages_tensors`` (``BLOCK_TABLE``)."""
-    if not (paged.paged and paged.logit_positions and paged.kv_spec is None):
+    if not (paged.paged and paged.logit_positions):
         raise ValueError(f"interface version {paged.version} is not a float paged cache with logit positions")
     pools = [t for t in paged.inputs if t.name.startswith("pool_")]
     head = list(paged.inputs[: paged.input_names.index(pools[0].name)])  # ids, positions, mask, block table
@@ -342,33 +291,22 @@ def pages_interface(paged: EngineInterface, kv_pages: dict) -> EngineInterface:
                               "inputs": tuple(head + [float_table] + pools + sealed + rest)})
 
 
-def paged_problems(kv_spec: dict | None, block_size: int) -> list[str]:
-    """Why a cache of ``kv_spec`` cannot be paged in blocks of ``block_size`` (empty: it can): fp16 sink
-    tokens are each row's first tokens kept apart, and pre-RoPE keys need every slot's position; neither
-    is a block of slots."""
-    problems = [] if block_size >= 1 else [f"kv_block_size={block_size} (needs >= 1)"]
-    if kv_spec is not None:
-        problems += [f"sink_tokens={kv_spec['sink_tokens']} (needs 0)"] if kv_spec["sink_tokens"] else []
-        problems += ["pre_rope_keys=True (needs False)"] if kv_spec["pre_rope_keys"] else []
-    return problems
-
-
 def build_interface(
-    cfg: BackboneConfig, backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], kv_spec: dict | None = None,
+    cfg: BackboneConfig, backbone_hash: str, max_rank: int, target_modules: tuple[str, ...],
     kv_block_size: int | None = None, stacked: bool = False, logit_positions: bool = False, kv_pages: dict | None = None,
 ) -> EngineInterface:
-    """The interface of the float-KV engine, or with ``kv_spec`` of the quantized-KV engine; with
-    ``kv_block_size``, of its paged form (version 6); ``stacked``: either's stacked-adapter form (version 7);
-    with ``logit_positions``, any of them with the ``LOGIT_POSITIONS`` input last (version 8); with ``kv_pages``
-    (a ``PageQuantSpec`` dict), the float paged one of version 8 with quantized pages (version 9)."""
+    """The interface of the float-KV engine (version 3); with ``kv_block_size``, of its paged form (version 6);
+    ``stacked``: either's stacked-adapter form (version 7); with ``logit_positions``, any of them with the
+    ``LOGIT_POSITIONS`` input last (version 8); with ``kv_pages`` (a ``PageQuantSpec`` dict), the float paged one
+    of version 8 with quantized pages (version 9)."""
     if kv_pages is not None:
-        if kv_spec is not None or kv_block_size is None or not logit_positions:
+        if kv_block_size is None or not logit_positions:
             raise ValueError("quantized pages are a float paged cache with logit positions: kv_block_size and "
-                             "logit_positions, no kv_spec")
-        return pages_interface(build_interface(cfg, backbone_hash, max_rank, target_modules, None, kv_block_size, stacked,
+                             "logit_positions")
+        return pages_interface(build_interface(cfg, backbone_hash, max_rank, target_modules, kv_block_size, stacked,
                                                logit_positions=True), kv_pages)
     if logit_positions:
-        whole = build_interface(cfg, backbone_hash, max_rank, target_modules, kv_spec, kv_block_size, stacked)
+        whole = build_interface(cfg, backbone_hash, max_rank, target_modules, kv_block_size, stacked)
         logits = TensorSpec("logits", "float32", ("batch", "positions", cfg.vocab_size))
         return EngineInterface(
             **{**whole.__dict__, "version": LOGIT_POSITIONS_INTERFACE_VERSION, "logit_positions": True,
@@ -376,30 +314,26 @@ def build_interface(
                "outputs": (logits,) + whole.outputs[1:],
                "float_interface_hash": whole.float_interface_hash or whole.interface_hash})
     if stacked:
-        return stacked_interface(build_interface(cfg, backbone_hash, max_rank, target_modules, kv_spec, kv_block_size))
+        return stacked_interface(build_interface(cfg, backbone_hash, max_rank, target_modules, kv_block_size))
     if kv_block_size is not None:
-        problems = paged_problems(kv_spec, kv_block_size)
-        if problems:
-            raise ValueError("this cache cannot be paged: " + "; ".join(problems))
-        padded = build_interface(cfg, backbone_hash, max_rank, target_modules, kv_spec)
+        if kv_block_size < 1:
+            raise ValueError(f"kv_block_size={kv_block_size}: a paged cache needs blocks of at least one token")
+        padded = build_interface(cfg, backbone_hash, max_rank, target_modules)
         pools, new_slots = paged_kv_tensors(padded, kv_block_size)
         head = [t for t in padded.inputs if t.name in ("input_ids", "position_ids", "attention_mask")]
-        static = [t for t in padded.inputs[len(head):] if not t.name.startswith(("past_", "sink_"))]  # scales, LoRA
+        lora = [t for t in padded.inputs[len(head):] if not t.name.startswith("past_")]
         return EngineInterface(
             **{**padded.__dict__, "version": PAGED_INTERFACE_VERSION, "kv_layout": PAGED_KV_LAYOUT,
-               "inputs": tuple(head + [TensorSpec(BLOCK_TABLE, "int64", ("batch", "max_blocks"))] + pools + static),
+               "inputs": tuple(head + [TensorSpec(BLOCK_TABLE, "int64", ("batch", "max_blocks"))] + pools + lora),
                "outputs": padded.outputs[:1] + tuple(new_slots), "kv_block_size": kv_block_size,
-               "float_interface_hash": padded.float_interface_hash or padded.interface_hash})
+               "float_interface_hash": padded.interface_hash})
     L, nkv, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     inputs = [
         TensorSpec("input_ids", "int64", ("batch", "seq")),
         TensorSpec("position_ids", "int64", ("batch", "seq")),
         TensorSpec("attention_mask", "int64", ("batch", "total")),
     ]
-    if kv_spec is not None:
-        cache, static, kv_outputs = quantized_kv_tensors(L, nkv, d, kv_spec)
-        inputs += cache + static
-    for i in range(L if kv_spec is None else 0):
+    for i in range(L):
         inputs += [
             TensorSpec(f"past_key.{i}", "float32", ("batch", nkv, "past", d)),
             TensorSpec(f"past_value.{i}", "float32", ("batch", nkv, "past", d)),
@@ -412,13 +346,6 @@ def build_interface(
             inputs += [TensorSpec(f"lora_A.{i}.{name}", "float32", (rank, fan_in)),
                        TensorSpec(f"lora_B.{i}.{name}", "float32", (fan_out, rank))]
     outputs = [TensorSpec("logits", "float32", ("batch", "seq", cfg.vocab_size))]
-    if kv_spec is not None:
-        float_iface = build_interface(cfg, backbone_hash, max_rank, target_modules)
-        return EngineInterface(
-            **{**float_iface.__dict__, "version": QUANT_KV_INTERFACE_VERSION, "kv_dtype": QUANT_KV_DTYPE,
-               "inputs": tuple(inputs), "outputs": tuple(outputs + kv_outputs), "kv_spec": dict(kv_spec),
-               "float_interface_hash": float_iface.interface_hash}
-        )
     for i in range(L):
         outputs += [
             TensorSpec(f"present_key.{i}", "float32", ("batch", nkv, "total", d)),
@@ -442,18 +369,16 @@ def build_interface(
 
 
 def stacked_interface(single: EngineInterface) -> EngineInterface:
-    """The version-7 form of a version 3, 5 or 6 interface: rows of different adapters in one forward.
+    """The version-7 form of a version 3 or 6 interface: rows of different adapters in one forward.
 
     - per fused linear ``lora_A.i.g`` (slots n r, in) and ``lora_B.i.g`` (out, slots n r): the bound slots'
       A matrices one after the other and their B side by side (each exactly as one adapter gives it,
       ``adapter_shape``); the graph multiplies x A^T (N, slots n r) by each row's one-hot mask before B, so a
       row's product with another slot's columns is 0;
-    - ``k_scale.i`` / ``v_scale.i`` (and zeros) (batch, nkv, d), ``kv_rotation.i`` (batch, d, d): each row's
-      release's KV statics;
     - ``adapter_mask`` (batch, slots) float32, last: one 1 per row, at the slot it decodes with.
     The adapter contract is unchanged: ``float_interface_hash`` is the padded float engine's, as before.
     """
-    if single.stacked or single.version not in (INTERFACE_VERSION, QUANT_KV_INTERFACE_VERSION, PAGED_INTERFACE_VERSION):
+    if single.stacked or single.version not in (INTERFACE_VERSION, PAGED_INTERFACE_VERSION):
         raise ValueError(f"interface version {single.version} has no stacked form")
     inputs = []
     for t in single.inputs:
@@ -461,8 +386,6 @@ def stacked_interface(single: EngineInterface) -> EngineInterface:
             t = TensorSpec(t.name, t.dtype, (slots_axis(t.shape[0]), t.shape[1]))
         elif t.name.startswith("lora_B."):
             t = TensorSpec(t.name, t.dtype, (t.shape[0], slots_axis(t.shape[1])))
-        elif not any(isinstance(a, str) for a in t.shape):  # the only fixed-shape inputs besides LoRA: KV statics
-            t = TensorSpec(t.name, t.dtype, ("batch", *t.shape))
         inputs.append(t)
     inputs.append(TensorSpec(ADAPTER_MASK, "float32", ("batch", SLOTS_AXIS)))
     return EngineInterface(**{**single.__dict__, "version": STACKED_INTERFACE_VERSION, "inputs": tuple(inputs),
@@ -470,16 +393,13 @@ def stacked_interface(single: EngineInterface) -> EngineInterface:
 
 
 def single_interface(stacked: EngineInterface) -> EngineInterface:
-    """The interface ``stacked_interface`` made ``stacked`` from (version 3, 5 or 6; 8 with logit positions; 9 with
+    """The interface ``stacked_interface`` made ``stacked`` from (version 3 or 6; 8 with logit positions; 9 with
     quantized pages)."""
-    def static(t: TensorSpec) -> bool:  # a KV static: (batch, fixed axes...)
-        return t.shape[0] == "batch" and not any(isinstance(a, str) for a in t.shape[1:])
-
-    inputs = [TensorSpec(t.name, t.dtype, stacked.adapter_shape(t) if t.name.startswith("lora_") or static(t) else t.shape)
+    inputs = [TensorSpec(t.name, t.dtype, stacked.adapter_shape(t) if t.name.startswith("lora_") else t.shape)
               for t in stacked.inputs if t.name != ADAPTER_MASK]
     version = QUANTIZED_PAGES_INTERFACE_VERSION if stacked.quantized_pages \
         else LOGIT_POSITIONS_INTERFACE_VERSION if stacked.logit_positions else PAGED_INTERFACE_VERSION if stacked.paged \
-        else QUANT_KV_INTERFACE_VERSION if stacked.quantized_kv else INTERFACE_VERSION
+        else INTERFACE_VERSION
     return EngineInterface(**{**stacked.__dict__, "version": version, "inputs": tuple(inputs),
                               "float_interface_hash": None if version == INTERFACE_VERSION else stacked.float_interface_hash})
 

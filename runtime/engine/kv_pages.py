@@ -11,7 +11,7 @@ codes however the tokens came in (one prefill, chunks, one by one, in any batch)
 
 Sealing runs here, in numpy (no torch on the serving path), with the float32 and fp16 operations of the PyTorch
 reference ``kernels.page_quant`` one for one: the same integers and the same fp16 scales
-(``tests/kernels/test_page_quant.py``). Codes are packed as ``kernels.kv_quant.pack_bits`` packs them (3 bits densely,
+(``tests/kernels/test_page_quant.py``). Codes are packed as ``kernels.bit_packing.pack_bits`` packs them (3 bits densely,
 8 codes in 3 bytes).
 
 Memory: two ``BlockPool``s, one per block shape, under one byte budget. With a budget both are mapped for the whole
@@ -81,7 +81,7 @@ def _key_grid(lo: np.ndarray, hi: np.ndarray, bits: int) -> tuple[np.ndarray, np
 
 
 def pack_codes(u: np.ndarray, bits: int) -> np.ndarray:
-    """Codes u (..., n) uint8, n a multiple of 8 -> (..., n / 8 * bits) uint8: ``kernels.kv_quant.pack_bits``'s
+    """Codes u (..., n) uint8, n a multiple of 8 -> (..., n / 8 * bits) uint8: ``kernels.bit_packing.pack_bits``'s
     little-endian bit stream (code j in bits [j b, (j + 1) b)). Each 8 codes make one integer below 2^(8 b), whose
     low ``bits`` bytes are the stream's."""
     if bits == 8:

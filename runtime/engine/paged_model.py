@@ -1,14 +1,13 @@
 """A backbone whose cache is paged: what the version-6 engine exports (``runtime.engine.interface.paged_kv_tensors``).
 
-``PagedKVBackbone`` wraps the padded forward (``runtime.engine.model.Backbone``, float cache, or
-``runtime.engine.kv_model.QuantizedKVBackbone``, packed cache) and changes only where the past comes from
-and what goes out:
+``PagedKVBackbone`` runs the float backbone's layers (``runtime.engine.model.Backbone``) and changes only where the
+past comes from and what goes out:
 
-  1. read: every cache tensor of a layer is a pool of fixed-size blocks (N, nkv, bs, w); one Gather by the
-     block table (B, M) gives each row its M blocks, laid end to end as the padded past (B, nkv, M bs, w).
+  1. read: every cache tensor of a layer is a pool of fixed-size blocks (N, nkv, bs, d); one Gather by the
+     block table (B, M) gives each row its M blocks, laid end to end as the padded past (B, nkv, M bs, d).
      Slots a row has not filled (the tail of its last block, the blocks past its count) hold whatever the
      pool holds there; the attention mask (B, M bs + T) masks them, as it masks left padding today;
-  2. the wrapped forward runs as it does on a padded past (same attention, same quantizer);
+  2. attention reads that past and the new tokens side by side (``attend_past``), as on a padded past;
   3. write: only the new tokens' slots leave the graph (the last T of each ``present``), which the runtime
      copies into each row's blocks. The gathered past is a transient of one layer that ONNX Runtime's
      memory planner frees after its attention: what persists is the pool, sized by the device's budget.
@@ -20,9 +19,8 @@ applied as the codes become floats and the minima fold into the query and weight
 (``kernels.page_quant.sealed_key_scores``, ``sealed_value_mix``).
 
 Why a gather and not a contrib op: ORT's ``PagedAttention`` runs on CUDA only, and its ``GroupQueryAttention``
-takes a padded past; the gather keeps the one quantized attention the padded engine runs (same
-integers, same logits) and the standard-ops float engine alike. Shapes: B batch, T new tokens, M blocks
-per row in the table, bs block size, N blocks in the pool, w the stored width (d, or d / 2 packed).
+takes a padded past; the gather keeps standard ONNX ops. Shapes: B batch, T new tokens, M blocks per row in the
+table, bs block size, N blocks in the pool, w the stored width (d, or packed codes).
 """
 
 from __future__ import annotations
@@ -58,40 +56,26 @@ def gathered(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 
 class PagedKVBackbone(nn.Module):
-    """forward(input_ids, position_ids, attention_mask, block_table, pools, static, lora, logit_positions) -> (logits, *new slots).
+    """forward(input_ids, position_ids, attention_mask, block_table, pools, lora, logit_positions) -> (logits, *new K/V).
 
-    ``pools``: per layer the pool of every cache tensor the wrapped forward takes as its past, in the
-    wrapped interface's order; then the static KV inputs (none for the float backbone) and the LoRA inputs
-    (torch.export takes no ``*args``); ``logit_positions`` as ``Backbone.forward``'s. attention_mask
-    (B, M bs + T): 1 for a row's filled slots and its real new tokens.
+    ``pools``: per layer ``pool_key.i``, ``pool_value.i`` (N, nkv, bs, d); then the LoRA inputs (torch.export takes
+    no ``*args``); ``logit_positions`` as ``Backbone.forward``'s. attention_mask (B, M bs + T): 1 for a row's filled
+    slots and its real new tokens.
     """
 
-    def __init__(self, inner: nn.Module):
+    def __init__(self, backbone: nn.Module):
         super().__init__()
-        self.inner = inner
-        self.quantized = hasattr(inner, "spec")  # QuantizedKVBackbone; Backbone has none
-        self.backbone = inner.backbone if self.quantized else inner
+        self.backbone = backbone
 
     @property
     def cfg(self):
         return self.backbone.cfg
 
-    def forward(self, input_ids, position_ids, attention_mask, block_table, pools: list, static: list, lora: list,
+    def forward(self, input_ids, position_ids, attention_mask, block_table, pools: list, lora: list,
                 logit_positions=None):
-        T = input_ids.shape[1]
-        past = [gathered(p, block_table) for p in pools]  # each (B, nkv, M bs, w)
-        P = past[0].shape[2]
-        if not self.quantized:  # the float backbone's layers over the gathered past, one segment per layer
-            return attend_past(self.backbone, input_ids, position_ids, attention_mask, P,
-                               lambda i: [float_segment(past[2 * i], past[2 * i + 1])], lora, logit_positions)
-        cache, per_layer = [], len(pools) // self.cfg.num_layers
-        empty_sink = past[0].new_zeros((past[0].shape[0], self.cfg.num_kv_heads, 0, self.cfg.head_dim), dtype=torch.float16)
-        for i in range(self.cfg.num_layers):  # the padded engine's order: the layer's past_*, then its two sinks
-            cache += past[i * per_layer : (i + 1) * per_layer] + [empty_sink, empty_sink]
-        logits, *outputs = self.inner(input_ids, position_ids, attention_mask, cache, static, lora, logit_positions)
-        per_out = per_layer + 2  # present_* of the layer, then new_key / new_value in fp16 (for a sink: none here)
-        return (logits, *(outputs[i * per_out + j].narrow(2, P, T)
-                          for i in range(self.cfg.num_layers) for j in range(per_layer)))
+        past = [gathered(p, block_table) for p in pools]  # each (B, nkv, M bs, d)
+        return attend_past(self.backbone, input_ids, position_ids, attention_mask, past[0].shape[2],
+                           lambda i: [float_segment(past[2 * i], past[2 * i + 1])], lora, logit_positions)
 
 
 class PastSegment(NamedTuple):

@@ -8,19 +8,10 @@ imports nothing from here.
 
 from __future__ import annotations
 
-from runtime.engine.interface import (
-    ADAPTER_MASK,
-    FLOAT_PAGES,
-    KV_ROTATION_INPUT,
-    SEALED_BLOCKS_AXIS,
-    SLOTS_AXIS,
-    per_slot,
-    quantized_kv_tensors,
-)
-from runtime.engine.kv_scales import KV_SCALE_KINDS
+from runtime.engine.interface import ADAPTER_MASK, FLOAT_PAGES, SEALED_BLOCKS_AXIS, SLOTS_AXIS, per_slot
 
 # Sizes used to trace: deliberately not 0 or 1, which torch.export would specialize to constants.
-TRACE_BATCH, TRACE_SEQ, TRACE_PAST, TRACE_SINK = 2, 3, 5, 2
+TRACE_BATCH, TRACE_SEQ, TRACE_PAST = 2, 3, 5
 TRACE_BLOCKS, TRACE_POOL = 4, 7  # a paged cache: blocks per row in the table, blocks in the pool
 TRACE_SEALED_POOL = 9  # quantized pages: blocks in the sealed pools, other than the float pools' (two dynamic axes)
 TRACE_SLOTS = 3  # a stacked engine's adapter slots (interface version 7)
@@ -31,9 +22,9 @@ MAX_SLOTS = 16  # adapters one stacked forward holds; a device keeps a few resid
 
 
 def example_inputs(model, iface, batch: int, seq: int, past: int):
-    """Random inputs in interface order: ids, positions, mask, the cache (float or packed; or the block
-    table and pools of a paged one, ``TRACE_BLOCKS`` blocks per row; of quantized pages, both tables and the float and
-    sealed pools), (static scales,) LoRA(, logit positions)."""
+    """Random inputs in interface order: ids, positions, mask, the cache (float; or the block table and pools of a
+    paged one, ``TRACE_BLOCKS`` blocks per row; of quantized pages, both tables and the float and sealed pools),
+    LoRA(, logit positions)."""
     import torch
 
     args = _adapter_example_inputs(torch, model, iface, batch, seq, past)
@@ -43,8 +34,7 @@ def example_inputs(model, iface, batch: int, seq: int, past: int):
 
 
 def _adapter_example_inputs(torch, model, iface, batch: int, seq: int, past: int):
-    """``example_inputs`` but the logit positions: a stacked engine's slots and per-row statics around the
-    inputs of one adapter (``_example_inputs``)."""
+    """``example_inputs`` but the logit positions: a stacked engine's slots beside the LoRA inputs."""
     cfg = model.cfg
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))  # (B, T)
     pos = (torch.arange(seq) + past).expand(batch, seq).contiguous()  # (B, T)
@@ -52,16 +42,11 @@ def _adapter_example_inputs(torch, model, iface, batch: int, seq: int, past: int
     lora = [torch.randn(*shapes[n]) * 0.05 for n in iface.lora_names]
     if iface.stacked:  # one-hot rows, last: see runtime.engine.model.Backbone.layer_loras
         lora.append(torch.nn.functional.one_hot(torch.randint(0, TRACE_SLOTS, (batch,)), TRACE_SLOTS).float())
-    args = _example_inputs(torch, cfg, iface, batch, seq, past, ids, pos, shapes, lora)
-    if not iface.stacked or not iface.quantized_kv:
-        return args
-    static = args[-2]  # each row its own statics: (nkv, d) -> (B, nkv, d), (d, d) -> (B, d, d)
-    return (*args[:-2], [t.expand(batch, *t.shape).contiguous() for t in static], args[-1])
+    return _example_inputs(torch, cfg, iface, batch, seq, past, ids, pos, lora)
 
 
-def _example_inputs(torch, cfg, iface, batch, seq, past, ids, pos, shapes, lora):
-    """``example_inputs`` with one adapter's static KV inputs."""
-    specs = {t.name: t for t in iface.inputs}
+def _example_inputs(torch, cfg, iface, batch, seq, past, ids, pos, lora):
+    """``example_inputs`` around the given ids, positions and LoRA inputs."""
     if iface.quantized_pages:  # the sealed table, each row's two float pages, the float then the sealed pools
         table = torch.randint(0, TRACE_SEALED_POOL, (batch, TRACE_BLOCKS))  # (B, M)
         float_table = torch.randint(0, TRACE_POOL, (batch, FLOAT_PAGES))  # (B, F)
@@ -75,39 +60,14 @@ def _example_inputs(torch, cfg, iface, batch, seq, past, ids, pos, shapes, lora)
         mask = torch.ones(batch, TRACE_BLOCKS * iface.kv_block_size + seq, dtype=torch.long)  # (B, M bs + T)
         pools = [random_cache_tensor(torch, [TRACE_POOL if a == "blocks" else a for a in t.shape], t.dtype)
                  for t in iface.inputs if t.name.startswith("pool_")]
-        if iface.quantized_kv:  # the static inputs in interface order: per layer its scales, then its rotation
-            static = [torch.eye(cfg.head_dim) if n.startswith(KV_ROTATION_INPUT) else torch.rand(*iface.adapter_shape(specs[n])) * 0.1 + 0.01
-                      for n in iface.input_names if n.split(".")[0] in (*KV_SCALE_KINDS, KV_ROTATION_INPUT)]
-            return ids, pos, mask, table, pools, static, lora
-        return ids, pos, mask, table, pools, [], lora  # a float cache has no static inputs
-    if iface.quantized_kv:
-        cache, static = quantized_example_inputs(iface, batch, past)
-        mask = torch.ones(batch, TRACE_SINK + past + seq, dtype=torch.long)  # (B, sink + P + T)
-        return ids, pos, mask, cache, static, lora
+        return ids, pos, mask, table, pools, lora
     mask = torch.ones(batch, past + seq, dtype=torch.long)  # (B, S)
     kv = [torch.randn(batch, cfg.num_kv_heads, past, cfg.head_dim) for _ in range(2 * cfg.num_layers)]
     return ids, pos, mask, kv, lora
 
 
-def quantized_example_inputs(iface, batch: int, past: int):
-    """Random packed cache, fp16 scales and sink, static scales; shapes from the interface."""
-    import torch
-
-    cache_specs, static_specs, _ = quantized_kv_tensors(iface.num_layers, iface.num_kv_heads, iface.head_dim, iface.kv_spec)
-    sizes = {"batch": batch, "past": past, "sink": TRACE_SINK}
-    cache = []
-    for t in cache_specs:
-        shape = [sizes.get(a, a) for a in t.shape]
-        if t.dtype == "int64":
-            cache.append(torch.arange(past).expand(batch, past).contiguous())
-        else:
-            cache.append(random_cache_tensor(torch, shape, t.dtype))
-    static = [torch.rand(*t.shape) * 0.1 + 0.01 for t in static_specs]
-    return cache, static
-
-
 def random_cache_tensor(torch, shape: list, dtype: str):
-    """Random packed bytes (uint8), fp16 scales or sinks, or a float32 cache of ``shape``."""
+    """Random codes (uint8), fp16 scales and minima, or a float32 cache of ``shape``."""
     if dtype == "uint8":
         return torch.randint(0, 256, shape, dtype=torch.uint8)
     if dtype == "float16":
@@ -128,7 +88,7 @@ def _dynamic_shapes(iface, args, Dim, batch):
     seq = Dim("seq", min=1, max=MAX_SEQ)
     past = Dim("past", min=0, max=MAX_PAST)  # 0 = prefill with an empty cache
     head = ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: Dim.DYNAMIC})  # total = past + seq: derived
-    # Static KV inputs, then LoRA: fixed shapes, but a stacked engine's have a batch or slot axis.
+    # LoRA: fixed shapes, but a stacked engine's have a slot axis.
     slots = Dim(SLOTS_AXIS, min=1, max=MAX_SLOTS)
 
     def dim(axis):  # a LoRA input's rank axis: slots times one adapter's rank (interface.slots_axis)
@@ -136,7 +96,6 @@ def _dynamic_shapes(iface, args, Dim, batch):
 
     specs = {t.name: {i: dim(a) for i, a in enumerate(t.shape) if dim(a) is not None} or None for t in iface.inputs}
     lora = [specs[n] for n in iface.lora_names] + ([specs[ADAPTER_MASK]] if iface.stacked else [])
-    static = [specs[n] for n in iface.input_names if n.split(".")[0] in (*KV_SCALE_KINDS, KV_ROTATION_INPUT)]
     if iface.quantized_pages:
         blocks = Dim("max_blocks", min=0, max=MAX_PAST // iface.kv_block_size)  # 0: no page sealed yet
         float_blocks = Dim("float_blocks", min=0, max=FLOAT_PAGES)  # 0 = prefill with an empty cache
@@ -146,11 +105,5 @@ def _dynamic_shapes(iface, args, Dim, batch):
     if iface.paged:
         blocks = Dim("max_blocks", min=0, max=MAX_PAST // iface.kv_block_size)  # 0 = prefill with an empty cache
         pool = Dim("blocks", min=1, max=None)
-        return head + ({0: batch, 1: blocks}, [{0: pool} for _ in args[4]], static, lora)  # static: [] for a float cache
-    if not iface.quantized_kv:
-        return head + ([{0: batch, 2: past} for _ in args[3]], lora)
-    sink = Dim("sink", min=0, max=MAX_PAST)  # up to sink_tokens; traced at 2 so it is not specialized
-    cache_specs, _, _ = quantized_kv_tensors(iface.num_layers, iface.num_kv_heads, iface.head_dim, iface.kv_spec)
-    cache = [{0: batch, 1: past} if t.name == "past_positions" else {0: batch, 2: sink if t.name.startswith("sink_") else past}
-             for t in cache_specs]
-    return head + (cache, static, lora)
+        return head + ({0: batch, 1: blocks}, [{0: pool} for _ in args[4]], lora)
+    return head + ([{0: batch, 2: past} for _ in args[3]], lora)

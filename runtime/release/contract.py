@@ -2,16 +2,15 @@
 
 The pipeline (``tasks/``) writes with these definitions and the device (``runtime/``) reads with
 them; neither has another copy. The formats the engine itself reads live in ``runtime.engine``, below
-this package, and are named here only to say where each is: the adapter's (``runtime.engine.adapter_config``),
-the KV scales' (``runtime.engine.kv_scales``) and the engine folder's (``runtime.engine.interface``).
+this package, and are named here only to say where each is: the adapter's (``runtime.engine.adapter_config``)
+and the engine folder's (``runtime.engine.interface``).
 Torch-free, so the ONNX Runtime serving path can import it. Folders and their files:
 
   adapter   (tasks/stages/finetune.py)   adapter_config.json, adapter_model.safetensors (PEFT, unchanged),
                                   provenance.json (backbone hash, params hash, library versions)
-  KV scales (tasks/stages/calibrate.py)  kv_scales.safetensors, kv_scales.json
-  release   (tasks/stages/package.py;    the adapter's and the KV-scale files, manifest.json (sorted keys),
-   verified:                      manifest.sig (Ed25519 over the manifest bytes, runtime/release/signing.py)
-   runtime/release/verify.py)
+  release   (tasks/stages/package.py;    the adapter's files, manifest.json (sorted keys; ``kv_format`` null: no KV
+   verified:                      scales since the static cache went, quantized pages seal their own), manifest.sig
+   runtime/release/verify.py)     (Ed25519 over the manifest bytes, runtime/release/signing.py)
   engine    (tasks/stages/compile.py)    model.onnx, interface.json, cache_key.json
   registry  (tasks/release/registry.py;    releases/<month>/ (a release, tracked by DVC), releases/index.json,
    pulled:                        channels.json, and a git tag release/<month> per published month

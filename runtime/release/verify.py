@@ -1,8 +1,8 @@
 """Release packages on the device side: safe packing and unpacking, and verification.
 
 A release is a flat directory (or a ``.tar.gz`` of its files) holding only data; its files and
-their formats are ``runtime/release/contract.py``'s (the PEFT files unchanged, provenance, KV scales when
-calibrated, ``manifest.json`` with sorted keys, ``manifest.sig`` the raw 64-byte Ed25519
+their formats are ``runtime/release/contract.py``'s (the PEFT files unchanged, provenance,
+``manifest.json`` with sorted keys, ``manifest.sig`` the raw 64-byte Ed25519
 signature of manifest.json).
 
 ``verify_release`` runs every check before anything reaches an engine, and each failure is
@@ -16,7 +16,7 @@ nothing in the manifest is trusted before this) -> manifest fields (``_signed_ma
 (``_check_files``: size limits, no unlisted names, sha256 of every file) -> freshness (``_check_freshness``:
 expiry, the month and product it was fetched as, rollback) -> engine (``_check_engine``: backbone and interface
 hashes against the local engine, tokenizer) -> adapter rank, modules, shapes, finite values (``_adapter_inputs``,
-``runtime.engine.adapter.load_adapter``) -> KV-scale sanity (``_kv_scales``).
+``runtime.engine.adapter.load_adapter``) -> no KV scales (``_no_kv_scales``).
 
 Rollback protection: a candidate whose release id sorts before the active release's
 (``runtime.release.contract.release_order``) is refused unless rollback is explicitly allowed; the same
@@ -54,7 +54,6 @@ from runtime.engine.atomic_files import atomic_write
 from runtime.engine.errors import RefusedInput
 from runtime.engine.hashing import sha256_file
 from runtime.engine.interface import EngineInterface
-from runtime.engine.kv_scales import KV_SCALES_FILES, KVScales, KVScalesError, read_kv_scales
 from runtime.release.contract import (
     FORMAT,
     FORMAT_VERSION,
@@ -256,14 +255,13 @@ def unpacked_release(path: str | Path, max_bytes: int = DEFAULT_MAX_PACKAGE_BYTE
 
 @dataclass
 class VerifiedRelease:
-    """A release that passed every check. ``lora`` / ``kv_scales`` are the engine inputs, set when
-    an engine interface was given; the arrays are owned here, so the files may go away."""
+    """A release that passed every check. ``lora`` is the engine's input, set when an engine interface was given;
+    the arrays are owned here, so the files may go away."""
 
     path: Path
     manifest: dict
     key_id: str
     lora: dict[str, np.ndarray] | None = None
-    kv_scales: KVScales | None = None
     checks: list[str] = field(default_factory=list)
 
     @property
@@ -319,8 +317,10 @@ def _check_manifest_fields(m: dict, where: Path) -> None:
     need("metrics", dict)
     need("gates", dict)
     need("signing_key_id", str)
+    # Written null by every release since the static KV cache went (``_no_kv_scales``), and still required: a device
+    # on an earlier runtime refuses a manifest without it.
     if "kv_format" not in m or not (m["kv_format"] is None or isinstance(m["kv_format"], dict)):
-        problems.append("kv_format: must be a KV spec object or null")
+        problems.append("kv_format: must be null (or the KV spec object of a release with static KV scales)")
     problems += _probe_problems(m.get("probes", []))
     if not problems:
         if not m["release_id"].startswith(m["month"] + "+"):
@@ -333,7 +333,7 @@ def _check_manifest_fields(m: dict, where: Path) -> None:
             elif not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and _HEX64.match(entry["sha256"])
                       and isinstance(entry.get("bytes"), int) and entry["bytes"] >= 0):
                 problems.append(f"files.{name}: needs sha256 (hex) and bytes (int)")
-        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) + (KV_SCALES_FILES if m["kv_format"] else ()):
+        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
             if name not in m["files"]:
                 problems.append(f"files: {name} is required but not listed")
     if problems:
@@ -447,8 +447,7 @@ def verify_release(
     checks.append(_check_engine(path, manifest, iface, tokenizer_sha256, stop_token_ids))
     verified.lora, adapter_check = _adapter_inputs(path, manifest, iface)
     checks.append(adapter_check)
-    verified.kv_scales, kv_checks = _kv_scales(path, manifest, iface)
-    checks += kv_checks
+    _no_kv_scales(path, manifest)
     return verified
 
 
@@ -591,31 +590,14 @@ def _adapter_inputs(path: Path, manifest: dict, iface: EngineInterface) -> tuple
     return lora, f"adapter: r={acfg.r} on {list(acfg.target_modules)}, within max rank {iface.max_rank}"
 
 
-def _kv_scales(path: Path, manifest: dict, iface: EngineInterface) -> tuple[KVScales | None, list[str]]:
-    """(the release's KV scales, None without them; the checks passed). Refuses scales that are not finite and
-    positive or were calibrated for another adapter or backbone, and, on an engine with a quantized cache, scales
-    of another KV format than the engine's or that do not fit its cache (it would dequantize with wrong numbers)."""
-    scales, checks = None, []
+def _no_kv_scales(path: Path, manifest: dict) -> None:
+    """Refuses a release that brings static KV scales (``kv_format`` set): made for the static quantized cache,
+    which this runtime no longer has (quantized pages seal each page's scales on the device); its adapter alone
+    would run on a cache it was not gated on."""
     if manifest["kv_format"] is not None:
-        try:
-            scales = read_kv_scales(path, manifest["files"][ADAPTER_WEIGHTS]["sha256"], manifest["base_model_hash"],
-                                    spec=manifest["kv_format"], num_layers=iface.num_layers,
-                                    channels=(iface.num_kv_heads, iface.head_dim))
-        except KVScalesError as err:
-            raise KVScalesRefused(str(err)) from None
-        checks.append("kv scales: finite, positive, calibrated for this adapter and backbone")
-    if iface.kv_spec is not None:
-        if manifest["kv_format"] != iface.kv_spec:
-            raise KVScalesRefused(f"{path}: the engine quantizes its KV cache as {iface.kv_spec}; the release brings "
-                                  f"scales for {manifest['kv_format']}")
-        from runtime.engine.kv_scales import kv_scale_inputs
-
-        try:
-            kv_scale_inputs(iface, scales)
-        except RefusedInput as err:
-            raise KVScalesRefused(f"{path}: {err}") from None
-        checks.append("kv scales: match the engine's quantized cache")
-    return scales, checks
+        raise KVScalesRefused(f"{path}: the release brings static KV scales ({manifest['kv_format'].get('name', 'a KV spec')}) "
+                              "for the static quantized cache, which this runtime no longer reads; package it again "
+                              "for an engine with quantized pages or a float cache")
 
 
 def verify_path(path: str | Path, trusted_keys: dict, **kwargs) -> VerifiedRelease:
@@ -625,10 +607,7 @@ def verify_path(path: str | Path, trusted_keys: dict, **kwargs) -> VerifiedRelea
 
 
 def bind_release(engine, verified: VerifiedRelease) -> None:
-    """Give an engine the verified release's LoRA inputs (and KV scales when its cache is quantized)."""
+    """Give an engine the verified release's LoRA inputs."""
     if verified.lora is None:
         raise ValueError("release was verified without an engine interface; verify it against this engine first")
-    if engine.interface.kv_spec is not None:
-        engine.set_adapter(verified.lora, kv_scales=verified.kv_scales)
-    else:
-        engine.set_adapter(verified.lora)
+    engine.set_adapter(verified.lora)

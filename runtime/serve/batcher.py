@@ -34,8 +34,8 @@ does not fit waits, first come first served, at most ``kv_wait_s``; then, or at 
 fit, it fails with ``KVBudgetExceeded`` (the HTTP API answers 503 with ``Retry-After``).
 
 The thread runs while there is work and ends once there has been none for ``IDLE_S``; the next request
-starts another. An engine whose cache cannot be merged (fp16 sink tokens) is served per
-request instead (``runtime.serve.generation.ForkedGeneration``).
+starts another. An engine whose caches cannot be merged (a backend without ``concat_caches``: TensorRT, eager) is
+served per request instead (``runtime.serve.generation.ForkedGeneration``).
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ class DeviceAPI:
         self.admission = Admission(settings, self.metrics)
         self.canary = CanarySplit(settings.canary_share)
         if settings.decode == "batched" and server.batcher is None:
-            log.warning("this engine's KV cache cannot be merged into batches (fp16 sink tokens): "
+            log.warning("this engine's backend cannot merge KV caches into batches: "
                         "each request decodes alone on a fork of its release's engine")
 
     # ------------------------------------------------------------------ plumbing

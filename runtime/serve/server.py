@@ -93,7 +93,7 @@ class AdapterServer:
         self.metrics = ServerMetrics(self.residents.listing)
         self._loads = 0
         self._load_lock = threading.Lock()
-        # One scheduler for every release's batch; None where the cache cannot be merged (fp16 sink tokens).
+        # One scheduler for every release's batch; None where the backend cannot merge caches (``merges_caches``).
         self.batcher = (Batcher(tokenizer.stop_ids, tokenizer.pad_id, self.metrics, pool=getattr(engine, "pool", None),
                                 kv_wait_s=kv_wait_s, stacked=engine.interface.stacked, prefill_chunk=prefill_chunk)
                         if getattr(engine, "merges_caches", False) else None)

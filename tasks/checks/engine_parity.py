@@ -101,81 +101,6 @@ def teacher_forced_agreement(engine, model, tokenizer, prompts: list[str | ChatP
     return agreement
 
 
-# Share of stored KV bytes a quantized engine may code differently from its PyTorch module, each
-# side quantizing the same layer inputs. The two compute K and V in float32 with different kernels
-# (~1e-7 apart); a value within that of a rounding boundary lands on the neighbouring integer.
-# Measured on the default month: 17 of 11,032,576 bytes (1.5e-6), in 15 of 600 prompts.
-MAX_KV_CODE_MISMATCH = 1e-4
-
-
-def quantized_prefill_parity(engine, backbone, kv_scales, attention: str, tokenizer, prompts: list[str | ChatPrompt]) -> dict:
-    """Prefill of a quantized-KV engine vs its PyTorch module (``runtime.engine.kv_model.QuantizedKVBackbone``
-    on ``backbone``, the adapter merged, the same scales), prompt by prompt.
-
-    Run freely, the two drift apart on a deep model and the drift is not the engine's fault: where
-    GroupQueryAttention reads its own prompt back quantized, one code that float noise flips at a
-    rounding boundary in an early layer moves every later token and layer by ~1e-3, so codes near
-    boundaries flip everywhere after it (measured on a 30-layer checkpoint: 0.78% of codes, logits
-    4.7 apart). So on that path the module attends over the *engine's* codes (``read_codes``) while
-    it stores its own from the same layer inputs (``forward_reading``): ``kv_code_mismatch`` then counts only what the two
-    quantizers do differently, and the logits, read from identical codes, must agree to float
-    precision on every prompt. The free-running figures are reported beside them. The standard-ops
-    path never reads a prompt's own codes during its prefill, so it has no such drift."""
-    import torch
-
-    from kernels.kv_spec import KVQuantSpec
-    from runtime.engine.interface import quantized_kv_tensors
-    from runtime.engine.kv_model import QuantizedKVBackbone
-    from runtime.engine.kv_scales import kv_scale_inputs
-
-    iface = engine.interface
-    module = QuantizedKVBackbone(backbone, KVQuantSpec.from_dict(kv_scales.spec), attention).eval()
-    cache_specs, static_specs, out_specs = quantized_kv_tensors(iface.num_layers, iface.num_kv_heads, iface.head_dim,
-                                                                iface.kv_spec)
-    empty = [torch.zeros([{"batch": 1, "past": 0, "sink": 0}.get(a, a) for a in t.shape], dtype=getattr(torch, t.dtype))
-             for t in cache_specs]
-    static_inputs = kv_scale_inputs(iface, kv_scales)
-    static = [torch.from_numpy(static_inputs[t.name]) for t in static_specs]
-    stored = [i for i, t in enumerate(out_specs) if t.name.startswith("present_") and t.dtype == "uint8"]
-    forced = attention == "gqa"
-    agreement, all_diff = LogitAgreement(iface.num_layers), 0.0
-    counts = {"total": 0, "differing": 0, "prompts": 0, "free_differing": 0, "free_prompts": 0}
-    for prompt in prompts:
-        ids = np.asarray([encode_prompt(tokenizer, prompt)], dtype=np.int64)  # (1, T)
-        T = ids.shape[1]
-        got, cache = engine.forward(ids, np.arange(T)[None], np.ones((1, T), np.int64), None)
-        got_bytes = engine.cache_to_numpy(cache)
-        engine_codes = [got_bytes["past_" + out_specs[i].name[len("present_"):]] for i in stored]
-        args = (torch.from_numpy(ids), torch.arange(T)[None], torch.ones(1, T, dtype=torch.long), empty, static, ())
-        with torch.no_grad():
-            want, *outputs = module(*args)
-            free = sum(int((code != outputs[i].numpy()).sum()) for code, i in zip(engine_codes, stored))
-            free_diff = float(np.abs(got - want.numpy()).max())
-            if forced:
-                want, *outputs = module.forward_reading([torch.from_numpy(c) for c in engine_codes], *args)
-        differing = sum(int((code != outputs[i].numpy()).sum()) for code, i in zip(engine_codes, stored))
-        counts["total"] += sum(outputs[i].numel() for i in stored)
-        counts["differing"] += differing
-        counts["prompts"] += bool(differing)
-        counts["free_differing"] += free
-        counts["free_prompts"] += bool(free)
-        all_diff = max(all_diff, free_diff)
-        if forced or not differing:
-            agreement.add(got, want.numpy())
-    return {
-        "kv_codes_read_from_engine": forced,
-        "logits_codes_agree": agreement.report(),
-        "max_abs_logit_diff_any": all_diff,
-        "kv_bytes_compared": counts["total"],
-        "kv_bytes_differing": counts["differing"],
-        "kv_code_mismatch": counts["differing"] / max(counts["total"], 1),
-        "kv_code_mismatch_limit": MAX_KV_CODE_MISMATCH,
-        "prompts_with_differing_kv_bytes": counts["prompts"],
-        "kv_code_mismatch_free_running": counts["free_differing"] / max(counts["total"], 1),
-        "prompts_with_differing_kv_bytes_free_running": counts["free_prompts"],
-    }
-
-
 def pages_parity(engine, backbone, tokenizer, prompts: list[str | ChatPrompt]) -> dict:
     """The pages a quantized-pages engine (interface version 9) stores for each prompt's prefill against the PyTorch
     reference's (``kernels.page_quant.seal_packed``), byte for byte: codes, fp16 scales and minima of every sealed page.
@@ -186,8 +111,8 @@ def pages_parity(engine, backbone, tokenizer, prompts: list[str | ChatPrompt]) -
     Across implementations: the pool against the reference sealing PyTorch's own K/V (``kv_code_mismatch``, reported,
     not gated). The two compute K/V in float32 with different kernels, ~1e-7 apart, and a page's fp16 scale and
     minimum come from its extreme values, so a difference that small turns an fp16 rounding of a scale or a code at a
-    rounding boundary (SmolLM2, 36 chat prompts: 1,912 of 9,757,440 bytes, 2.0e-4, where the static scheme, whose
-    scales are fixed, differed on 3.8e-6); what the K/V themselves compute is the logits' parity (a prefill reads
+    rounding boundary (SmolLM2, 36 chat prompts: 1,912 of 9,757,440 bytes, 2.0e-4, where the removed static scheme,
+    whose scales were fixed, differed on 3.8e-6); what the K/V themselves compute is the logits' parity (a prefill reads
     its own K/V in float: ``teacher_forced_agreement`` without decode steps) and the pages' KL on the engine (``tasks.checks.page_quality``)."""
     import torch
 

@@ -14,8 +14,7 @@ through the reference's pages): two attention reads per layer instead of one ste
 and the real-model bench score thousands of tokens of real text in the time a decode loop scores a few hundred.
 
 ``release_page_quality`` is the evaluate stage's measure for such a release: what the pages cost in held-out KL and
-perplexity (each document's first half prefilled, its second half decoded, as ``tasks.checks.kv_quality`` scores the
-static scheme), in greedy task accuracy, and the same at the other widths (``GRID_BITS``).
+perplexity (each document's first half prefilled, its second half decoded), in greedy task accuracy, and the same at the other widths (``GRID_BITS``).
 """
 
 from __future__ import annotations
@@ -30,6 +29,15 @@ from kernels.page_quant import read_back
 from runtime.engine.tokenizer import ChatPrompt, encode_prompt, until_stop
 
 GRID_BITS = (8, 4, 3, 2)  # the widths the release's evaluation also measures (K and V alike), for the plot
+
+
+def heldout_sequences(tokenizer, lines: list[str]) -> list[list[int]]:
+    """Each held-out document tokenized on its own, with the special tokens evaluation uses.
+
+    Documents, not a concatenated stream: the models here learn documents of ~50 tokens, and a
+    stream would score positions they never saw, where any cache looks equally bad.
+    """
+    return [ids for ids in (tokenizer(line)["input_ids"] for line in lines) if len(ids) >= 4]
 
 
 def sealed_reads(length: int, block_size: int, prefill: int) -> torch.Tensor:
@@ -154,19 +162,24 @@ def greedy_through_pages(backbone, tokenizer, prompts: list[str | ChatPrompt], s
     return out
 
 
+def grid_widths(spec: PageQuantSpec) -> dict[str, PageQuantSpec]:
+    """The release's pages and the same pages at every other width of ``GRID_BITS`` (K and V alike), by name."""
+    widths = {bits: replace(spec, k_bits=bits, v_bits=bits) for bits in GRID_BITS}
+    return {"release": spec} | {f"K{b}/V{b}": s for b, s in widths.items() if s != spec}
+
+
 def release_page_quality(backbone, tokenizer, test, documents: list[list[int]], spec: PageQuantSpec, block_size: int,
                          max_new_tokens: int) -> dict:
     """What ``spec``'s pages cost base + adapter (``backbone``, the release's adapter-merged backbone): test accuracy
     with the float cache and through the pages, held-out perplexity and KL (each document's first half prefilled,
-    its second half decoded: ``heldout_sequences`` of ``tasks.checks.kv_quality``), and the same held-out figures at
+    its second half decoded: ``heldout_sequences``), and the same held-out figures at
     every width of ``GRID_BITS``. Documents shorter than three pages read no sealed page and are scored all the same."""
     from tasks.scoring import accuracy_report
 
     prompts = [ex.prompt for ex in test]
     float_acc = accuracy_report(test, greedy_through_pages(backbone, tokenizer, prompts, None, block_size, max_new_tokens))
     pages_acc = accuracy_report(test, greedy_through_pages(backbone, tokenizer, prompts, spec, block_size, max_new_tokens))
-    widths = {bits: replace(spec, k_bits=bits, v_bits=bits) for bits in GRID_BITS}
-    widths = {"release": spec} | {f"K{b}/V{b}": s for b, s in widths.items() if s != spec}
+    widths = grid_widths(spec)
     scores: dict[str, list[DocumentScore]] = {name: [] for name in widths}
     for ids in documents:
         float_logits = None

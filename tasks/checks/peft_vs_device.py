@@ -135,8 +135,7 @@ def pages_greedy(base_dir: Path, release_dir: Path, engine_dir: Path, prompts: l
     from kernels.kv_spec import PageQuantSpec
     from runtime.engine.interface import read_interface
     from tasks.checks.page_quality import greedy_through_pages
-    from tasks.kv_stats import load_release_backbone
-    from tasks.models import load_tokenizer
+    from tasks.models import load_release_backbone, load_tokenizer
 
     iface = read_interface(engine_dir)
     backbone, _, _ = load_release_backbone(base_dir, release_dir, engine_dir)

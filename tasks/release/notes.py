@@ -21,20 +21,6 @@ COMPARED = (("accuracy_new", "accuracy, changed rules"), ("accuracy_regression",
             ("accuracy", "accuracy, all"))
 
 
-
-
-def kv_calibration_lines(kv: dict) -> list[str]:
-    """What KV calibration saw and chose, per layer: the key-channel outlier ratio (largest channel
-    range over the median channel's) and whether the cache turns K/V by a Hadamard matrix."""
-    ratios, rotation = kv.get("key_outlier_ratio"), kv.get("rotation")
-    if not ratios:
-        return []
-    turned = [i for i, r in enumerate(rotation or []) if r != "none"]
-    return ["- KV calibration: key-channel outlier ratio per layer (max / median channel range) "
-            + ", ".join(f"{r:.1f}" for r in ratios)
-            + f"; Hadamard-rotated K/V in {len(turned)} of {len(ratios)} layers"
-            + (f" ({', '.join(map(str, turned))})." if turned else ".")]
-
 def describe_trigger(flow_run, ui_url: str | None) -> dict:
     """Who or what started the flow run (a ``prefect.client.schemas.objects.FlowRun``), and where to see it."""
     if flow_run is None:
@@ -148,7 +134,6 @@ def render_release_notes(cfg: ReleaseConfig, root: Path, report: dict, outcome: 
                      + (f" (on the engine: {_lost(on_engine['accuracy_drop'])}, {on_engine['ppl_increase_pct']:+.2f}%)"
                         if on_engine else "")
                      + f"; {kv['bytes_per_token']:,.0f} bytes per token, {kv_size_vs_fp16(kv)}.")
-        lines += kv_calibration_lines(kv)
     else:
         lines.append("- KV cache: float (not quantized).")
     weights = metrics.get("weights_gate")

@@ -16,13 +16,13 @@ from pathlib import Path
 
 from runtime.engine.adapter_config import ADAPTER_WEIGHTS
 from runtime.engine.hashing import sha256_file
-from runtime.engine.kv_scales import KV_SCALES_JSON
 from runtime.release.contract import MANIFEST, release_tag
 from tasks.config import ReleaseConfig
 from tasks.gate_rules import accuracy_measure, gate_report, package_gates, render_gate_table, scored_metrics
 from tasks.models import CARD
 from tasks.plots import KV_BITS_PNG, KV_GRID_CSV, LATENCY_CSV, LATENCY_PNG, LOSS_CSV, LOSS_PNG, VAL_LOSS_CSV
 from tasks.release.stage_runner import StageRun, push_outputs
+from tasks.stages.calibrate import KV_DISABLED_FILE, KV_PAGES_FILE
 
 GATES_STAGE, PACKAGE_STAGE = "gates", "package"
 SUMMARY_KEY = "monthly-release-summary"  # stable Prefect artifact key: the UI shows its history
@@ -69,7 +69,7 @@ def stage_outputs(cfg: ReleaseConfig, stage: str) -> tuple[dict[str, float], lis
         "base_model": ([layout.base_model_dir / CARD], []),
         "compile": ([layout.engine_build_file], []),
         "finetune": ([finetune / "train_metrics.json"], [finetune / LOSS_PNG, finetune / LOSS_CSV, finetune / VAL_LOSS_CSV]),
-        "calibrate": ([], [layout.kv_dir / KV_SCALES_JSON]),
+        "calibrate": ([], [layout.kv_dir / KV_PAGES_FILE, layout.kv_dir / KV_DISABLED_FILE]),
         "evaluate": ([layout.metrics_file], [evaluation / "report.md", *(evaluation / name for name in (
             LATENCY_CSV, LATENCY_PNG, KV_GRID_CSV, KV_BITS_PNG))]),
         "gates": ([], [layout.gates_file]),

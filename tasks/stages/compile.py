@@ -41,9 +41,9 @@ def exporter_version() -> dict:
 
 
 # The code that defines the exported graph: editing any of it must rebuild the engine.
-GRAPH_SOURCES = ("runtime/engine/model.py", "runtime/engine/backbone_config.py", "runtime/engine/kv_model.py", "runtime/engine/paged_model.py",
-                 "runtime/engine/interface.py", "kernels/kv_spec.py",
-                 "kernels/rope.py", "kernels/kv_quant.py", "kernels/page_quant.py", "kernels/gqa_attention.py")
+GRAPH_SOURCES = ("runtime/engine/model.py", "runtime/engine/backbone_config.py", "runtime/engine/paged_model.py",
+                 "runtime/engine/interface.py", "kernels/kv_spec.py", "kernels/rope.py", "kernels/bit_packing.py",
+                 "kernels/page_quant.py")
 
 
 def graph_source_hash() -> str:
@@ -54,9 +54,8 @@ def graph_source_hash() -> str:
     return digest.hexdigest()
 
 
-def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], opset: int, kv_spec: dict | None = None,
-              kv_attention: str = "standard", kv_block_size: int | None = None, stacked: bool = False,
-              kv_pages: dict | None = None) -> dict:
+def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], opset: int,
+              kv_block_size: int | None = None, stacked: bool = False, kv_pages: dict | None = None) -> dict:
     from runtime.engine.interface import LOGIT_POSITIONS_INTERFACE_VERSION
 
     key = {
@@ -68,9 +67,6 @@ def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...]
         "target_modules": list(target_modules),
         "opset": opset,
     }
-    if kv_spec is not None:  # absent for float engines: their key (and cached builds) stay as they were
-        key["kv_spec"] = dict(kv_spec)
-        key["kv_attention"] = kv_attention
     if kv_block_size is not None:  # absent for padded engines: their key stays as it was
         key["kv_block_size"] = kv_block_size
     if stacked:  # absent for one-adapter engines: their key stays as it was
@@ -116,8 +112,6 @@ def export_backbone(
     target_modules: tuple[str, ...] = DEFAULT_TARGETS,
     opset: int = 18,
     merged_lora: dict | None = None,
-    kv_spec: dict | None = None,
-    kv_attention: str = "standard",
     kv_block_size: int | None = None,
     stacked: bool = False,
     kv_pages: dict | None = None,
@@ -126,15 +120,12 @@ def export_backbone(
 
     ``target_modules=()`` exports a graph without LoRA inputs; with ``merged_lora`` (engine
     LoRA inputs as numpy) the adapter is merged into the weights first (the merged baseline).
-    ``kv_spec`` (a ``kernels.kv_spec.KVQuantSpec`` dict) exports the quantized-KV engine
-    (``runtime.engine.kv_model``) instead of the float-KV one, its attention as ``kv_attention`` says
-    (``runtime.engine.kv_model.KV_ATTENTION``: standard ONNX ops, or ONNX Runtime's GroupQueryAttention).
-    ``kv_block_size`` exports either with a paged cache of blocks of that many tokens
-    (``runtime.engine.paged_model``, interface version 6). ``stacked`` exports any of them with stacked
+    ``kv_block_size`` exports it with a paged cache of blocks of that many tokens
+    (``runtime.engine.paged_model``, interface version 6). ``stacked`` exports either with stacked
     adapters (``runtime.engine.interface.stacked_interface``, version 7). Every export takes the
     ``logit_positions`` input (interface version 8): a server computes the LM head at the positions it samples only.
-    ``kv_pages`` (a ``kernels.kv_spec.PageQuantSpec`` dict, with ``kv_block_size`` and no ``kv_spec``) exports the
-    paged cache with quantized pages (``runtime.engine.paged_model.QuantizedPagesBackbone``, version 9).
+    ``kv_pages`` (a ``kernels.kv_spec.PageQuantSpec`` dict, with ``kv_block_size``) exports the paged cache with
+    quantized pages (``runtime.engine.paged_model.QuantizedPagesBackbone``, version 9).
     """
     import torch
 
@@ -145,14 +136,8 @@ def export_backbone(
 
     merged = None if merged_lora is None else {k: torch.from_numpy(v) for k, v in merged_lora.items()}
     model = load_backbone(model_dir, tuple(target_modules), merged_lora=merged)
-    iface = build_interface(model.cfg, backbone_hash(model_dir), max_rank, tuple(target_modules), kv_spec, kv_block_size,
+    iface = build_interface(model.cfg, backbone_hash(model_dir), max_rank, tuple(target_modules), kv_block_size,
                             stacked, logit_positions=True, kv_pages=kv_pages)
-    if kv_spec is not None:
-        from kernels.gqa_attention import onnx_translation
-        from kernels.kv_spec import KVQuantSpec
-        from runtime.engine.kv_model import QuantizedKVBackbone
-
-        model = QuantizedKVBackbone(model, KVQuantSpec.from_dict(kv_spec), kv_attention).eval()
     if kv_pages is not None:
         from kernels.kv_spec import PageQuantSpec
         from runtime.engine.paged_model import QuantizedPagesBackbone
@@ -162,8 +147,8 @@ def export_backbone(
         from runtime.engine.paged_model import PagedKVBackbone
 
         model = PagedKVBackbone(model).eval()
-    args = example_inputs(model.backbone if kv_spec or kv_block_size else model, iface, TRACE_BATCH, TRACE_SEQ, TRACE_PAST)
-    # LoRA (and static KV-scale) inputs have fixed shapes: (r_max, in), (out, r_max), (1,), (nkv, d).
+    args = example_inputs(model.backbone if kv_block_size else model, iface, TRACE_BATCH, TRACE_SEQ, TRACE_PAST)
+    # LoRA inputs have fixed shapes: (r_max, in), (out, r_max).
     dynamic_shapes = export_dynamic_shapes(iface, args, torch.export.Dim)
     t0 = time.perf_counter()
     with torch.no_grad(), warnings.catch_warnings():
@@ -185,7 +170,6 @@ def export_backbone(
             output_names=iface.output_names,
             opset_version=opset,
             optimize=True,
-            custom_translation_table=onnx_translation() if kv_spec and kv_attention == "gqa" else None,
         )
     from runtime.engine.backends import onnxruntime as ort_backend
 
@@ -205,22 +189,17 @@ def compile_engine(
     opset: int = 18,
     ort_threads: int = 2,
     metrics_path: Path | None = None,
-    kv_spec: dict | None = None,
-    kv_attention: str = "standard",
     kv_block_size: int | None = None,
     stacked: bool = False,
     kv_pages: dict | None = None,
 ) -> dict:
     """Build ``engine_dir`` unless a build for the same key is already there; return metrics.
 
-    ``kv_spec`` None builds the float-KV engine; a ``KVQuantSpec`` dict the quantized-KV one
-    (part of the cache key, so give the two different directories), read by standard ONNX ops or,
-    with ``kv_attention="gqa"``, by ONNX Runtime's GroupQueryAttention (ORT only; 4-bit symmetric
-    per-channel K and V after RoPE, no sink: ``kernels.gqa_attention``). ``kv_block_size`` builds either
-    with a paged cache (interface version 6; a cache with fp16 sink tokens or pre-RoPE keys is refused).
-    ``stacked`` builds any of them with stacked adapters (version 7): rows of several releases in one forward.
-    ``kv_pages`` (a ``kernels.kv_spec.PageQuantSpec`` dict) builds the paged cache with quantized pages instead
-    (version 9): needs ``kv_block_size`` and no ``kv_spec``; a scheme the backbone's heads cannot hold is refused.
+    The float-KV engine by default; ``kv_block_size`` builds it with a paged cache (interface version 6),
+    ``stacked`` with stacked adapters (version 7): rows of several releases in one forward. ``kv_pages`` (a
+    ``kernels.kv_spec.PageQuantSpec`` dict) builds the paged cache with quantized pages (version 9): needs
+    ``kv_block_size``; a scheme the backbone's heads cannot hold is refused. Each is part of the cache key: give
+    each its own directory.
 
     The new engine is written into a temporary sibling and renamed into place only when the
     export, the interface check and the ORT optimization all succeeded.
@@ -230,22 +209,11 @@ def compile_engine(
 
     model_dir, engine_dir = Path(model_dir), Path(engine_dir)
     bhash = backbone_hash(model_dir)
-    if kv_spec is not None:
-        from kernels.kv_spec import KVQuantSpec
-        from runtime.engine.kv_model import check_engine_spec
-
-        spec = KVQuantSpec.from_dict(dict(kv_spec))
-        check_engine_spec(spec, kv_attention)
-        kv_spec = spec.to_dict()  # validated, every field spelled out
-    if kv_block_size is not None:
-        from runtime.engine.interface import paged_problems
-
-        problems = paged_problems(kv_spec, kv_block_size)
-        if problems:
-            raise CompileError(f"{engine_dir}: this cache cannot be paged: " + "; ".join(problems))
+    if kv_block_size is not None and kv_block_size < 1:
+        raise CompileError(f"{engine_dir}: kv_block_size {kv_block_size}: a paged cache needs blocks of at least one token")
     if kv_pages is not None:
-        kv_pages = _checked_pages(model_dir, engine_dir, kv_pages, kv_spec, kv_block_size)
-    key = cache_key(bhash, max_rank, tuple(target_modules), opset, kv_spec, kv_attention, kv_block_size, stacked, kv_pages)
+        kv_pages = _checked_pages(model_dir, engine_dir, kv_pages, kv_block_size)
+    key = cache_key(bhash, max_rank, tuple(target_modules), opset, kv_block_size, stacked, kv_pages)
     key_file = engine_dir / CACHE_KEY_FILE
     metrics = {"backbone_hash": bhash, "cache_key": key["key"]}
     if key_file.exists() and json.loads(key_file.read_text()).get("key") == key["key"]:
@@ -255,9 +223,8 @@ def compile_engine(
     else:
         t0 = time.perf_counter()
         with atomic_output_dir(engine_dir) as tmp:
-            iface = export_backbone(model_dir, tmp / ENGINE_ONNX, max_rank, tuple(target_modules), opset, kv_spec=kv_spec,
-                                    kv_attention=kv_attention, kv_block_size=kv_block_size, stacked=stacked,
-                                    kv_pages=kv_pages)
+            iface = export_backbone(model_dir, tmp / ENGINE_ONNX, max_rank, tuple(target_modules), opset,
+                                    kv_block_size=kv_block_size, stacked=stacked, kv_pages=kv_pages)
             # The exported program and the module hold each other in reference cycles, so their copies of
             # the weights outlive the export until a collection; collected here, before ORT loads the graph
             # (measured on the 0.5B shape: the compile stage's peak RSS 10.5 -> 8.4 GB).
@@ -280,8 +247,7 @@ def compile_engine(
     return metrics
 
 
-def _checked_pages(model_dir: Path, engine_dir: Path, kv_pages: dict, kv_spec: dict | None,
-                   kv_block_size: int | None) -> dict:
+def _checked_pages(model_dir: Path, engine_dir: Path, kv_pages: dict, kv_block_size: int | None) -> dict:
     """``kv_pages`` validated, every field spelled out; ``CompileError`` naming every problem."""
     from kernels.kv_spec import PageQuantSpec
     from runtime.engine.model import read_config
@@ -291,7 +257,6 @@ def _checked_pages(model_dir: Path, engine_dir: Path, kv_pages: dict, kv_spec: d
     except (TypeError, ValueError) as err:
         raise CompileError(f"{engine_dir}: {err}") from None
     problems = spec.problems(read_config(model_dir).head_dim)
-    problems += ["kv_spec is set (quantized pages replace the static quantized cache)"] if kv_spec is not None else []
     problems += ["no kv_block_size (a page is a block of the paged cache)"] if not kv_block_size else []
     if problems:
         raise CompileError(f"{engine_dir}: quantized pages {spec.name}: " + "; ".join(problems))
@@ -309,26 +274,22 @@ def run_stage(cfg: ReleaseConfig) -> dict:
 
 def serving_form(engine: EngineConfig, kv: KVConfig, head_dim: int) -> dict:
     """``compile_engine``'s keyword arguments for the engine ``serve`` runs under these sections, for a backbone
-    whose heads have ``head_dim`` channels: the ``kv`` section's cache (quantized pages, static quantized, or a
-    float one), paged and/or with stacked adapters as ``engine`` says."""
-    spec = kv.spec() if engine.kv_cache == "quantized" else None
+    whose heads have ``head_dim`` channels: the ``kv`` section's quantized pages or a float cache, paged and/or
+    with stacked adapters as ``engine`` says."""
     pages = kv.page_spec(head_dim).to_dict() if engine.kv_cache == "quantized_pages" else None
-    return {"kv_spec": spec.to_dict() if spec else None, "kv_attention": engine.kv_attention(spec) if spec else "standard",
-            "kv_block_size": engine.kv_block_size or None, "stacked": engine.mixed_adapters, "kv_pages": pages}
+    return {"kv_block_size": engine.kv_block_size or None, "stacked": engine.mixed_adapters, "kv_pages": pages}
 
 
 def compile_profile_engines(cfg: ReleaseConfig) -> dict:
     """Build (or reuse) ``engine.dir`` for the backbone; return what was built. Writes nothing else, so a
     benchmark can take the stage's engines without touching the stage's record.
 
-    With ``engine.kv_cache: quantized`` the engine with the ``kv`` section's quantized cache is
-    built too (``layout.kv_engine_dir``; its scales are runtime inputs, so it is month-independent
-    like the float one). With ``engine.kv_cache: quantized_pages`` the serving form alone carries the ``kv`` section's
-    quantized pages (no release scales; ``tasks.config.EngineConfig.cache_engine_dir``: ``kvpages-paged16-stacked``
-    by default). With ``engine.kv_block_size`` N > 0 and/or ``engine.mixed_adapters`` the serving form
-    of that cache is built besides (``tasks.config.EngineConfig.cache_engine_dir``: ``kv-pagedN-stacked`` by default, paged
-    interface version 6 with stacked adapters, version 7); the padded engines stay, as adapters bind to the
-    float one and the benchmarks and the KV checks read them. With ``engine.weights`` int8/int4
+    With ``engine.kv_block_size`` N > 0 and/or ``engine.mixed_adapters`` the serving form is built besides
+    (``tasks.config.EngineConfig.cache_engine_dir``): with ``engine.kv_cache: quantized_pages`` it carries the ``kv``
+    section's quantized pages (``kvpages-paged16-stacked`` by default, interface version 9: no release scales, the
+    device seals each page as it fills); with a float cache it is ``paged16-stacked`` (versions 6 and 7). The padded
+    float engine stays, as adapters bind to it and the decode-latency gate and the benchmarks read it. With
+    ``engine.weights`` int8/int4
     the serving engine is also copied with quantized weights into ``layout.serving_engine_dir`` (reused
     likewise). Adapters take the same LoRA inputs on all of them.
     """
@@ -340,14 +301,6 @@ def compile_profile_engines(cfg: ReleaseConfig) -> dict:
     from runtime.engine.model import read_config
 
     form = serving_form(cfg.engine, cfg.kv, read_config(model_dir).head_dim)
-    cache = {k: form[k] for k in ("kv_spec", "kv_attention")}
-    if cfg.engine.kv_cache == "quantized":
-        kv = compile_engine(model_dir, layout.kv_engine_dir, *common, **cache)
-        metrics |= {"kv_engine": {"dir": str(layout.kv_engine_dir), "attention": form["kv_attention"],
-                                  "spec": cfg.kv.spec().name, "engine_builds": kv["engine_builds"],
-                                  "interface_hash": kv["interface_hash"]}}
-        metrics["engine_builds"] += kv["engine_builds"]
-        source = layout.kv_engine_dir
     if cfg.engine.kv_block_size or cfg.engine.mixed_adapters:  # the serving form of that cache
         source = cfg.engine.cache_engine_dir
         serving = compile_engine(model_dir, source, *common, **form)

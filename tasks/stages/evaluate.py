@@ -19,7 +19,7 @@ from runtime.engine.model import read_config
 from runtime.engine.tokenizer import ChatPrompt, encode_prompt
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
-from tasks.config import EngineConfig, EvalConfig, ReleaseConfig, WeightAccuracyDrop
+from tasks.config import DEFAULT_KV_BLOCK_SIZE, EngineConfig, EvalConfig, ReleaseConfig, WeightAccuracyDrop
 from tasks.device import choose_placement
 from tasks.gate_rules import kv_size_vs_fp16, weights_accuracy_gate
 from tasks.layout import METRICS_FILE, PREDICTIONS_FILE
@@ -152,56 +152,37 @@ def _score_on_engine(
     test: list[Example],
     texts: list[str],
     cfg: EvalConfig,
-    base_dir: Path,
-    kv_dir: Path | None,
     release_backbone=None,
 ) -> tuple[dict, dict, list[str], list[tuple[int, int, float]]]:
     """Accuracy, perplexity and decode latency of base + adapter on the serving engine, and its
-    parity with PyTorch + merged PEFT (a quantized-KV engine: with its own PyTorch module, the
-    release's scales on both sides; ``release_backbone`` is the adapter-merged backbone from
-    ``tasks.kv_stats.load_release_backbone``). The last item is every timed decode step (``decode_latency``)."""
+    parity with PyTorch + merged PEFT (an engine with quantized pages: its pages byte for byte against
+    ``release_backbone``'s, the adapter-merged backbone from ``tasks.models.load_release_backbone``). The last item
+    is every timed decode step (``decode_latency``)."""
     from runtime.engine.adapter import load_adapter
     from runtime.engine.engine import open_engine
     from runtime.engine.generate import generate_text
-    from tasks.checks.engine_parity import (
-        DECODE_STEPS,
-        parity_verdict,
-        quantized_prefill_parity,
-        teacher_forced_agreement,
-    )
+    from tasks.checks.engine_parity import DECODE_STEPS, parity_verdict, teacher_forced_agreement
 
     engine = open_engine(engine_cfg.serving_engine_dir, backend=engine_cfg.backend, threads=engine_cfg.threads)
     lora = load_adapter(adapter_dir, engine.interface)
     prompts = [ex.prompt for ex in test]
     kv_parity = {}
-    if engine.interface.kv_spec is None:
-        binding = {}
-        engine.set_adapter(lora)
-        # A quantized-pages engine decodes over quantized pages, which no float reference computes: its prompts are
-        # compared as prefills (float), its pages byte for byte (pages_parity), what they cost by the KV gates.
-        decode_steps = 0 if engine.interface.kv_pages else DECODE_STEPS
-        agreement = teacher_forced_agreement(engine, merged_model, tokenizer, prompts, decode_steps).report()
-        if engine.interface.kv_pages:
-            from tasks.checks.engine_parity import pages_parity
+    engine.set_adapter(lora)
+    # A quantized-pages engine decodes over quantized pages, which no float reference computes: its prompts are
+    # compared as prefills (float), its pages byte for byte (pages_parity), what they cost by the KV gates.
+    decode_steps = 0 if engine.interface.kv_pages else DECODE_STEPS
+    agreement = teacher_forced_agreement(engine, merged_model, tokenizer, prompts, decode_steps).report()
+    if engine.interface.kv_pages:
+        from tasks.checks.engine_parity import pages_parity
 
-            kv_parity = pages_parity(engine, release_backbone, tokenizer, prompts)
-    else:
-        from kernels.kv_spec import KVQuantSpec
-        from tasks.kv_stats import read_release_kv_scales
-
-        scales = read_release_kv_scales(base_dir, adapter_dir, kv_dir, spec=engine.interface.kv_spec)
-        binding = {"kv_scales": scales}
-        engine.set_adapter(lora, **binding)
-        attention = engine_cfg.kv_attention(KVQuantSpec.from_dict(scales.spec))
-        kv_parity = quantized_prefill_parity(engine, release_backbone, scales, attention, tokenizer, prompts)
-        agreement = kv_parity.pop("logits_codes_agree")
+        kv_parity = pages_parity(engine, release_backbone, tokenizer, prompts)
     on_engine = generate_text(engine, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size)
     parity = parity_verdict(
         merged_model, tokenizer, prompts, agreement,
         greedy_completions(merged_model, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size,
                            desc="greedy decode: merged adapter (parity)"),
         on_engine, engine_cfg.parity_max_logit_error, engine_cfg.parity_max_kl, cfg.max_new_tokens,
-        float_cache=engine.interface.kv_spec is None and not engine.interface.kv_pages,
+        float_cache=not engine.interface.kv_pages,
     )
     parity["backend"] = engine_cfg.backend
     parity["weights"] = engine_cfg.weights
@@ -212,14 +193,13 @@ def _score_on_engine(
     report = accuracy_report(test, on_engine)
     report["perplexity"] = engine_perplexity(engine, tokenizer, texts)
     if engine.interface.kv_pages:  # a prefill reads float: what the pages cost shows only in decoding
-        from tasks.checks.kv_quality import heldout_sequences
-        from tasks.checks.page_quality import engine_page_quality
+        from tasks.checks.page_quality import engine_page_quality, heldout_sequences
 
         report["pages_heldout"] = engine_page_quality(engine, heldout_sequences(tokenizer, texts))
     if cfg.latency_threads != engine_cfg.threads:  # timed at their own thread count (EvalConfig.latency_threads)
         del engine
         engine = open_engine(engine_cfg.serving_engine_dir, backend=engine_cfg.backend, threads=cfg.latency_threads)
-        engine.set_adapter(lora, **binding)
+        engine.set_adapter(lora)
     reference = open_engine(engine_cfg.dir, backend=engine_cfg.backend, threads=cfg.latency_threads)
     reference.set_adapter(None)
     report["decode_latency"], latency_samples = decode_latency(engine, reference, tokenizer, prompts[: cfg.latency_prompts],
@@ -301,15 +281,15 @@ def evaluate(
     cfg: EvalConfig,
     month: str,
     engine: EngineConfig | None = None,
-    kv_dir: Path | None = None,
     *,
     pages: "PageQuantSpec | None" = None,  # noqa: F821  (kernels.kv_spec; imported where measured)
+    page_block_size: int = DEFAULT_KV_BLOCK_SIZE,
     max_weight_accuracy_drop: WeightAccuracyDrop,
     device: Literal["auto", "cpu", "cuda"] = "cpu",
 ) -> Path:
     """Score the base model and base + adapter (PyTorch, and on the compiled engine when given,
-    with its decode latency; and through this release's quantized KV cache when ``kv_dir`` is given, or through the
-    engine's quantized pages, ``pages``: in PyTorch on held-out text and test rows, and on the engine itself).
+    with its decode latency; and through quantized pages, ``pages`` of ``page_block_size`` tokens: in PyTorch on
+    held-out text and test rows, and on the engine itself where it serves them).
     The PyTorch scores run in fp32 on the device ``device`` picks (``tasks.device``); the engine's parity
     reference runs on the CPU, beside the engine it is compared with.
 
@@ -326,7 +306,7 @@ def evaluate(
     _, texts = heldout_corpus(Path(data_dir))
 
     # Phases, reported as they finish: base, base + adapter, [the engine], [the quantized KV cache].
-    progress = Progress("evaluate", 2 + (engine is not None) + (kv_dir is not None or pages is not None), unit="phase")
+    progress = Progress("evaluate", 2 + (engine is not None) + (pages is not None), unit="phase")
     model, tokenizer = load_base_model(base_dir)
     model.to(placement.device)
     base_report, base_predictions = _score(model, tokenizer, test, texts, cfg, "base")
@@ -346,50 +326,33 @@ def evaluate(
     }
     engine_predictions, latency_samples = None, []
     release_backbone = None
-    if kv_dir is not None or pages is not None:
-        from tasks.kv_stats import load_release_backbone
+    if pages is not None:
+        from tasks.models import load_release_backbone
 
-        # One load serves the quantized-KV engine's parity module and the KV quality grid.
+        # One load serves the pages' parity on the engine and their quality grid.
         release_backbone, _, _ = load_release_backbone(Path(base_dir), Path(adapter_dir),
                                                        Path(engine.dir) if engine is not None else None)
     if engine is not None:
         merged = adapted.merge_and_unload().to("cpu").eval()
         metrics["adapter_on_engine"], metrics["engine_parity"], engine_predictions, latency_samples = _score_on_engine(
-            engine, Path(adapter_dir), merged, tokenizer, test, texts, cfg, Path(base_dir), kv_dir, release_backbone
+            engine, Path(adapter_dir), merged, tokenizer, test, texts, cfg, release_backbone
         )
         if engine.weights != "fp32":
             # Quantized weights cannot match float logits to 1e-4; what must hold is accuracy.
             metrics["weights_gate"] = weights_accuracy_gate(adapter_report, metrics["adapter_on_engine"], engine.weights,
                                                             max_weight_accuracy_drop)
         progress.advance(accuracy_engine=metrics["adapter_on_engine"]["accuracy"])
-    if kv_dir is not None:
-        from tasks.checks.kv_quality import release_kv_quality
-
-        metrics["kv_cache"] = release_kv_quality(
-            base_dir, adapter_dir, kv_dir, Path(data_dir) / "calib.jsonl", test, texts, cfg.max_new_tokens,
-            backbone=release_backbone,
-        )
-        if engine is not None and engine.kv_cache == "quantized":
-            # What the device's cache costs, measured on the device's engine: the reference cache
-            # above lets a chunk read its own K/V in float, the engine's attention reads every token,
-            # its own included, back from the 4-bit cache (kernels/gqa_attention.py).
-            on_engine = metrics["adapter_on_engine"]
-            metrics["kv_cache"]["on_engine"] = {
-                "accuracy_drop": adapter_report["accuracy"] - on_engine["accuracy"],
-                "ppl_increase_pct": 100.0 * (on_engine["perplexity"] / adapter_report["perplexity"] - 1.0),
-            }
-        progress.advance(kv_ppl_increase_pct=metrics["kv_cache"]["ppl_increase_pct"])
     if pages is not None:
-        from tasks.checks.kv_quality import heldout_sequences
-        from tasks.checks.page_quality import release_page_quality
+        from tasks.checks.page_quality import heldout_sequences, release_page_quality
 
-        on_engine = metrics["adapter_on_engine"]
         metrics["kv_cache"] = release_page_quality(release_backbone, tokenizer, test, heldout_sequences(tokenizer, texts),
-                                                   pages, engine.kv_block_size, cfg.max_new_tokens)
-        # What the device's pages cost, measured on the device's engine: its greedy answers against float PyTorch +
-        # PEFT's, and the held-out perplexity it decodes through the pages its runtime sealed.
-        metrics["kv_cache"]["on_engine"] = {"accuracy_drop": adapter_report["accuracy"] - on_engine["accuracy"],
-                                            **on_engine.pop("pages_heldout")}
+                                                   pages, page_block_size, cfg.max_new_tokens)
+        on_engine = (metrics.get("adapter_on_engine") or {})
+        if "pages_heldout" in on_engine:
+            # What the device's pages cost, measured on the device's engine: its greedy answers against float
+            # PyTorch + PEFT's, and the held-out perplexity it decodes through the pages its runtime sealed.
+            metrics["kv_cache"]["on_engine"] = {"accuracy_drop": adapter_report["accuracy"] - on_engine["accuracy"],
+                                                **on_engine.pop("pages_heldout")}
         progress.advance(kv_ppl_increase_pct=metrics["kv_cache"]["ppl_increase_pct"])
     progress.close()
     with atomic_output_dir(Path(out_dir)) as tmp:
@@ -424,9 +387,8 @@ def run_stage(cfg: ReleaseConfig) -> Path:
         cfg=cfg.eval,
         month=cfg.data.month,
         engine=cfg.engine,
-        kv_dir=cfg.layout.kv_dir if cfg.ships_kv_scales else None,
-        pages=(cfg.kv.page_spec(read_config(cfg.base_model.path).head_dim)
-               if cfg.kv.enabled and cfg.engine.kv_cache == "quantized_pages" else None),
+        pages=cfg.kv.page_spec(read_config(cfg.base_model.path).head_dim) if cfg.kv.enabled else None,
+        page_block_size=cfg.engine.kv_block_size or DEFAULT_KV_BLOCK_SIZE,
         max_weight_accuracy_drop=cfg.gates.max_weight_accuracy_drop,
         device=cfg.train.device,
     )

@@ -4,7 +4,7 @@ Only a candidate whose gates passed is packaged (``gates/gates.json`` missing or
 refused, exit 2). The stage writes ``artifacts/<month>/package/``:
 
   release/          the release directory (format: ``runtime/release/contract.py``): the PEFT files
-                    unchanged, provenance, KV scales, ``manifest.json`` (sorted keys) and
+                    unchanged, provenance, ``manifest.json`` (sorted keys) and
                     ``manifest.sig`` (Ed25519 over the manifest bytes)
   release.tar.gz    the same files, reproducible archive
   check.json        post-package checks for the gates: size against the base, the device's own
@@ -33,9 +33,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from runtime.engine.adapter_config import ADAPTER_FILES, ADAPTER_WEIGHTS, PROVENANCE, read_adapter_config
+from runtime.engine.adapter_config import ADAPTER_FILES, PROVENANCE, read_adapter_config
 from runtime.engine.hashing import sha256_file
-from runtime.engine.kv_scales import KV_SCALES_FILES, KV_SCALES_JSON, KVScalesError, read_kv_scales
 from runtime.engine.tokenizer import ChatPrompt, DeviceTokenizer
 from runtime.release.contract import DEFAULT_PRODUCT
 from tasks.artifacts import atomic_output_dir, write_json
@@ -159,7 +158,6 @@ def build_manifest(release_dir: Path, month: str, created: dt.datetime, expiry_d
 
     provenance = json.loads((release_dir / PROVENANCE).read_text())
     acfg = read_adapter_config(release_dir)
-    kv_json = release_dir / KV_SCALES_JSON
     files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(release_dir.iterdir())}
     return {
         "format": FORMAT,
@@ -170,8 +168,8 @@ def build_manifest(release_dir: Path, month: str, created: dt.datetime, expiry_d
         "created_at": format_time(created),
         "expires_at": format_time(created + dt.timedelta(days=expiry_days)),
         "base_model_hash": provenance["base_model_hash"],
-        # The LoRA contract: the float engine's hash, which a quantized-KV engine of the same
-        # backbone also accepts (its float_interface_hash).
+        # The LoRA contract: the float engine's hash, which the paged, stacked and quantized-pages engines of the
+        # same backbone also accept (their float_interface_hash).
         "engine": {
             "interface_hash": iface.lora_contract_hash,
             "interface_version": iface.version,
@@ -179,7 +177,7 @@ def build_manifest(release_dir: Path, month: str, created: dt.datetime, expiry_d
             "target_modules": list(iface.target_modules),
         },
         "adapter": {"r": acfg.r, "lora_alpha": acfg.lora_alpha, "target_modules": list(acfg.target_modules)},
-        "kv_format": json.loads(kv_json.read_text())["spec"] if kv_json.exists() else None,
+        "kv_format": None,  # no KV scales: quantized pages seal their own on the device (runtime.release.verify)
         "tokenizer_sha256": tokenizer.sha256,
         "stop_token_ids": list(tokenizer.stop_ids),
         "metrics": metrics,
@@ -191,24 +189,14 @@ def build_manifest(release_dir: Path, month: str, created: dt.datetime, expiry_d
     }
 
 
-def _check_inputs(adapter_dir: Path, kv_dir: Path | None, iface) -> None:
+def _check_inputs(adapter_dir: Path, iface) -> None:
     problems = [f"{adapter_dir / n} is missing" for n in ADAPTER_FILES if not (adapter_dir / n).exists()]
-    if kv_dir is not None:
-        problems += [f"{kv_dir / n} is missing (run python -m tasks.stages.calibrate)" for n in KV_SCALES_FILES
-                     if not (kv_dir / n).exists()]
     if problems:
         raise PackageRefused("; ".join(problems))
     prov = json.loads((adapter_dir / PROVENANCE).read_text())
     if prov.get("base_model_hash") != iface.backbone_hash:
         raise PackageRefused(f"{adapter_dir}: adapter is for backbone {str(prov.get('base_model_hash'))[:12]}, the "
                              f"engine runs {iface.backbone_hash[:12]}; recompile or fine-tune again")
-    if kv_dir is not None:
-        try:
-            read_kv_scales(kv_dir, sha256_file(adapter_dir / ADAPTER_WEIGHTS), iface.backbone_hash)
-        except KVScalesError as err:
-            why = {"adapter_mismatch": "KV scales were calibrated for another adapter",
-                   "base_mismatch": "KV scales were calibrated on another backbone"}.get(err.reason, "KV scales are unusable")
-            raise PackageRefused(f"{kv_dir}: {why}; run python -m tasks.stages.calibrate ({err})") from None
 
 
 def load_and_query(release_dir: Path, pub_path: Path, engine_dir: Path, backend: str, threads: int,
@@ -239,7 +227,6 @@ def load_and_query(release_dir: Path, pub_path: Path, engine_dir: Path, backend:
 
 def build_release(
     adapter_dir: Path,
-    kv_dir: Path | None,
     metrics_path: Path,
     gates_path: Path,
     engine_dir: Path,
@@ -269,7 +256,7 @@ def build_release(
         raise PackageRefused(f"{metrics_path} is missing: run python -m tasks.stages.evaluate first")
     metrics = key_metrics(json.loads(Path(metrics_path).read_text()))
     iface = read_interface(engine_dir)
-    _check_inputs(adapter_dir, Path(kv_dir) if kv_dir is not None else None, iface)
+    _check_inputs(adapter_dir, iface)
     private, pub_path = resolve_signing_key(signing_key)
     tokenizer = DeviceTokenizer(base_dir)  # what the device will tokenize and stop with
     created = (now or dt.datetime.now(dt.timezone.utc)).replace(microsecond=0)
@@ -279,8 +266,6 @@ def build_release(
         release.mkdir()
         for name in ADAPTER_FILES:  # byte for byte: PEFT's files must stay loadable by PeftModel.from_pretrained
             shutil.copyfile(adapter_dir / name, release / name)
-        for name in KV_SCALES_FILES if kv_dir is not None else ():
-            shutil.copyfile(Path(kv_dir) / name, release / name)
         manifest = build_manifest(release, month, created, expiry_days, iface, metrics, gates,
                                   key_id(private.public_key()), tokenizer, git_revision(repo_dir), list(probes), product)
         data = manifest_bytes(manifest)
@@ -326,7 +311,6 @@ def run_stage(cfg: ReleaseConfig) -> Path:
     layout = cfg.layout
     return build_release(
         adapter_dir=layout.adapter_dir,
-        kv_dir=layout.kv_dir if cfg.ships_kv_scales else None,
         metrics_path=layout.metrics_file,
         gates_path=layout.gates_file,
         engine_dir=layout.serving_engine_dir,

@@ -1,9 +1,9 @@
 """The KV-quality grid on a Dask LocalCluster (2 workers) equals the sequential computation.
 
-Given a tiny Llama with a LoRA adapter, calibration rows and held-out text,
-when flows.kv_grid runs the calibration and perplexity grid as Prefect tasks on a DaskTaskRunner
+Given a tiny Llama with a LoRA adapter and held-out text,
+when flows.kv_grid scores the release's quantized pages at every width as Prefect tasks on a DaskTaskRunner
 (a LocalCluster of 2 single-threaded workers),
-then every perplexity and byte count is the one the evaluate stage's functions compute one after another,
+then every KL, perplexity and stored size is the one the evaluate stage's functions compute one after another,
 and both Dask workers ran tasks.
 
 The workers are threads here (processes=False): worker processes would import torch and transformers
@@ -17,9 +17,12 @@ import pytest
 import torch
 from engine_testkit import make_adapter
 
-from kernels.kv_spec import PRE_ROPE_SCHEME
+from kernels.kv_spec import PageQuantSpec
 
 pytest.importorskip("prefect_dask")
+
+PAGES = PageQuantSpec(k_bits=4, v_bits=3, v_group_size=8)  # the tiny Llama's heads are 8 channels
+BLOCK = 8  # the rows are ~40 tokens: their second halves read sealed pages
 
 
 @pytest.fixture(autouse=True)
@@ -33,46 +36,27 @@ def torch_threads_restored():
 @pytest.fixture(scope="module")
 def release(tiny_llama_dir, tmp_path_factory):
     from tasks.inspection import rulebook, sample_examples
-    from tasks.records import write_jsonl
 
     root = tmp_path_factory.mktemp("kv-grid")
     adapter = make_adapter(tiny_llama_dir, root / "adapter")
-    rows = sample_examples(rulebook("2026-11", 1234, 2), 48, random.Random(0))
-    write_jsonl(root / "calib.jsonl", rows[:24])
-    (root / "heldout.txt").write_text("\n".join(ex.prompt + ex.completion for ex in rows[24:]) + "\n")
-    return {"base_dir": str(tiny_llama_dir), "adapter_dir": str(adapter), "calib_jsonl": str(root / "calib.jsonl"),
-            "heldout_txt": str(root / "heldout.txt")}
+    rows = sample_examples(rulebook("2026-11", 1234, 2), 24, random.Random(0))
+    (root / "heldout.txt").write_text("\n".join(ex.prompt + ex.completion for ex in rows) + "\n")
+    return {"base_dir": str(tiny_llama_dir), "adapter_dir": str(adapter), "heldout_txt": str(root / "heldout.txt")}
 
 
-def sequential(release: dict, both_ropes: bool) -> dict:
-    """What tasks/kv_quality.release_kv_quality computes for its grid, in this process, one config after another."""
+def sequential(release: dict) -> dict:
+    """What tasks.checks.page_quality.release_page_quality computes for its grid, in this process, one width after
+    another: {name: summary}."""
     from pathlib import Path
 
-    from flows.kv_grid import grid_configs
-    from kernels.kv_spec import bytes_per_token
-    from tasks.checks.kv_quality import heldout_sequences, suffix_perplexity
-    from tasks.kv_stats import (
-        DEFAULT_CLIP_PERCENTILE,
-        collect_kv_stats,
-        jsonl_batches,
-        load_release_backbone,
-        scales_from_stats,
-    )
-    from tasks.models import load_tokenizer
+    from tasks.checks.page_quality import grid_widths, heldout_sequences, score_document, summarize
+    from tasks.models import load_release_backbone, load_tokenizer
 
     torch.set_num_threads(1)
     backbone, _, _ = load_release_backbone(Path(release["base_dir"]), Path(release["adapter_dir"]))
-    tokenizer = load_tokenizer(Path(release["base_dir"]))
-    batches, _ = jsonl_batches(tokenizer, Path(release["calib_jsonl"]), 16, 96)
-    docs = heldout_sequences(tokenizer, Path(release["heldout_txt"]).read_text().splitlines())
-    stats = {pre: collect_kv_stats(backbone, batches, pre, DEFAULT_CLIP_PERCENTILE, progress=False) for pre in (True, False)}
-    cfg, context_len = backbone.cfg, max(len(d) for d in docs)
-    out = {}
-    for name, spec in grid_configs(PRE_ROPE_SCHEME, both_ropes).items():
-        scales = None if spec is None else scales_from_stats(stats[spec.pre_rope_keys], spec)
-        out[name] = (suffix_perplexity(backbone, docs, spec, scales),
-                     bytes_per_token(spec, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, context_len))
-    return out
+    docs = heldout_sequences(load_tokenizer(Path(release["base_dir"])), Path(release["heldout_txt"]).read_text().splitlines())
+    return {name: summarize([score_document(backbone, ids, spec, BLOCK, len(ids) // 2)[0] for ids in docs])
+            for name, spec in grid_widths(PAGES).items()}
 
 
 def test_the_kv_grid_on_a_dask_local_cluster_equals_the_sequential_computation(release):
@@ -81,16 +65,14 @@ def test_the_kv_grid_on_a_dask_local_cluster_equals_the_sequential_computation(r
     from flows.kv_grid import dask_runner, run_grid
 
     with prefect_test_harness(server_startup_timeout=None):  # None: PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
-        result = run_grid(dask_runner(workers=2, processes=False), spec=PRE_ROPE_SCHEME.to_dict(), both_ropes=True,
-                          **release)
+        result = run_grid(dask_runner(workers=2, processes=False), pages=PAGES.to_dict(), block_size=BLOCK, **release)
 
-    expected = sequential(release, both_ropes=True)
-    got = {row["name"]: (row["perplexity"], row["bytes_per_token"]) for row in result["grid"]}
-    assert set(got) == set(expected) and len(got) == 9  # float + 4 specs x 2 RoPE placements
-    for name, (ppl, bpt) in expected.items():
-        assert got[name][0] == pytest.approx(ppl, rel=1e-6), name
-        assert got[name][1] == bpt, name
+    expected = sequential(release)
     rows = {row["name"]: row for row in result["grid"]}
-    assert rows["float"]["ppl_increase_pct"] == 0.0 and rows["float"]["compression_vs_fp16"] == 1.0
-    assert rows["K2/V2"]["compression_vs_fp16"] > rows["K8/V8"]["compression_vs_fp16"] > 1.0
+    assert list(rows) == ["K8/V8", "K4/V4", "release", "K3/V3", "K2/V2"]  # by mean bits: the release is K4/V3
+    for name, summary in expected.items():
+        for key in ("kl_mean", "perplexity_float_cache", "perplexity_quantized_cache", "tokens"):
+            assert rows[name][key] == pytest.approx(summary[key], rel=1e-6), (name, key)
+    assert 0 < rows["K8/V8"]["kl_mean"] < rows["K4/V4"]["kl_mean"] < rows["K2/V2"]["kl_mean"]
+    assert rows["K2/V2"]["stored_bits_per_value"] < rows["K8/V8"]["stored_bits_per_value"]
     assert len(result["workers"]) == 2 and all(w.startswith("inproc://") for w in result["workers"])  # both workers ran tasks

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.kv_quant import pack_bits, unpack_bits, unpack_parts_u8
+from kernels.bit_packing import pack_bits, unpack_bits, unpack_parts_u8
 from kernels.kv_spec import MIN_PAGE_SCALE, PAGE_BITS, PageQuantSpec
 from kernels.page_quant import (
     dequantize_key_pages,

@@ -1,26 +1,14 @@
-"""kernels.rope: the one RoPE of the backbone, the quantized-KV engine, the reference cache and calibration."""
+"""kernels.rope: the backbone's RoPE, against Hugging Face's rotate_half."""
 
 import torch
 
-from kernels.rope import apply_rope, rope_cos_sin, rope_rotate
+from kernels.rope import apply_rope, rope_cos_sin
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """Hugging Face's rotate_half (transformers' Llama/Qwen2 modeling), the reference."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def test_rope_rotate_inverts_exactly_and_matches_the_backbone():
-    d = 16
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    x = torch.randn(2, 3, 7, d)
-    pos = torch.arange(7).expand(2, 7) + 5
-    y = rope_rotate(x, pos, inv_freq)
-    freqs = pos.float().unsqueeze(-1) * inv_freq
-    emb = torch.cat([freqs, freqs], -1).unsqueeze(1)
-    assert torch.allclose(y, x * emb.cos() + rotate_half(x) * emb.sin(), atol=1e-6)
-    assert torch.allclose(rope_rotate(y, pos, inv_freq, inverse=True), x, atol=1e-5)
 
 
 def test_the_sign_in_the_sine_table_gives_the_same_float32_numbers_as_rotate_half():
@@ -33,4 +21,4 @@ def test_the_sign_in_the_sine_table_gives_the_same_float32_numbers_as_rotate_hal
     cos, sin_signed = rope_cos_sin(pos, inv_freq)
     assert torch.equal(cos, emb.cos())
     assert torch.equal(apply_rope(x, cos, sin_signed), x * emb.cos() + rotate_half(x) * emb.sin())
-    assert torch.equal(rope_rotate(x, pos, inv_freq, inverse=True), x * emb.cos() + rotate_half(x) * -emb.sin())
+    assert torch.equal(apply_rope(x, cos, -sin_signed), x * emb.cos() + rotate_half(x) * -emb.sin())  # the inverse

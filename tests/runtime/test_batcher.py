@@ -1,8 +1,8 @@
 """Continuous batched decode: a request decodes in company as it would alone, and keeps to its release.
 
 Requests are driven through the real scheduler (``runtime.serve.batcher``) on real ORT engines of the tiny
-world: its float engine, and a quantized-KV engine (the shipped GroupQueryAttention scheme) compiled
-from the same base, padded and paged (``runtime.engine.kv_blocks``). What a request gets alone is ``runtime.engine.generate.decode_steps`` on its own fork
+world: its float engine, and engines compiled from the same base with a paged float cache
+(``runtime.engine.kv_blocks``) and with quantized pages (``runtime.engine.kv_pages``, the served cache). What a request gets alone is ``runtime.engine.generate.decode_steps`` on its own fork
 of the release's handle, the ``fork`` decode mode. Requests arrive while others decode, so their
 caches are merged at other past lengths, and leave at other steps.
 """
@@ -16,11 +16,10 @@ import time
 
 import numpy as np
 import pytest
-from engine_testkit import calibrate
 from release_testkit import world
 from server_testkit import PROMPT, call, complete, running_server, sample, scrape
 
-from kernels.kv_spec import KVQuantSpec
+from kernels.kv_spec import PageQuantSpec
 from runtime.engine.backends.onnxruntime import OrtEngine
 from runtime.engine.generate import decode_steps
 from runtime.engine.sampling import Sampler, greedy
@@ -52,23 +51,23 @@ def adapter_server(w) -> AdapterServer:
                          load_trusted_keys([w["trusted_key"]]))
 
 
-@pytest.fixture(scope="module", params=["float", "quantized-kv", "paged-quantized-kv"])
+@pytest.fixture(scope="module", params=["float", "paged-float", "quantized-pages"])
 def release(request, w, tmp_path_factory):
-    """A release's bound handle on the float engine (release B), or on the quantized-KV engine, padded or
-    paged in blocks of 4 tokens (so rows cross blocks every few steps)."""
+    """A release's bound handle on the float engine (release B), or the base on an engine paged in blocks of 4
+    tokens (so rows cross blocks every few steps), with a float cache or with quantized pages (K4/V4, a value group
+    a whole head of 16 channels)."""
     if request.param == "float":
         app = adapter_server(w)
         app.load(w["b"])
         return app.active
     from tasks.stages.compile import compile_engine
 
-    spec = KVQuantSpec()  # the default scheme: what engine/kv ships, no fp16 sink
-    engine_dir = tmp_path_factory.mktemp("kv-engine") / "engine"
-    compile_engine(w["tokenizer"], engine_dir, max_rank=8, kv_spec=spec.to_dict(), kv_attention="gqa", ort_threads=1,
-                   kv_block_size=4 if request.param.startswith("paged") else None)
+    pages = PageQuantSpec(v_group_size=16).to_dict() if request.param == "quantized-pages" else None
+    engine_dir = tmp_path_factory.mktemp("paged-engine") / "engine"
+    compile_engine(w["tokenizer"], engine_dir, max_rank=8, ort_threads=1, kv_block_size=4, kv_pages=pages)
     engine = OrtEngine(engine_dir, threads=1)
-    engine.set_adapter(None, kv_scales=calibrate(w["tokenizer"], spec))
-    assert engine.merges_caches and (engine.pool is not None) == request.param.startswith("paged")
+    engine.set_adapter(None)
+    assert engine.merges_caches and engine.pool is not None and engine.interface.quantized_pages == bool(pages)
     return ActiveRelease(request.param, 1, {}, engine, time.time())
 
 
@@ -145,16 +144,25 @@ def test_merged_caches_split_back_into_the_caches_they_were(release, tokenizer):
 def test_a_merged_cache_costs_every_padded_slot_of_its_rows_and_a_paged_one_its_blocks(release, tokenizer):
     """``cache_bytes`` counts what a cache holds, the zero slots padding its shorter rows included: the bytes of the
     arrays the graph reads, which are rows x the longest row x ``kv_bytes_per_token`` (2 layers x K and V x 2 KV
-    heads x 16 channels: fp32 or 4-bit packed); a paged cache holds each row's own blocks."""
+    heads x 16 channels, fp32); a paged cache holds each row's own blocks (quantized pages: its float and sealed
+    pages, ``PagesCache.allocated_bytes``)."""
     engine = release.handle.fork()
     caches = []
     for prompt in (PROMPT, SHORT_PROMPT):
         ids = np.array([tokenizer.encode(prompt)], dtype=np.int64)
         caches.append(engine.forward(ids, np.arange(ids.shape[1])[None], np.ones_like(ids), None)[1])
     long, short = (len(tokenizer.encode(p)) for p in (PROMPT, SHORT_PROMPT))
-    assert engine.kv_bytes_per_token == (2 * 2 * 2 * 16 * 4 if engine.kv_spec is None else 2 * 2 * 2 * 16 // 2)
-
     merged = engine.concat_caches(caches)
+    if engine.interface.quantized_pages:  # a row's first page and its open one float (fp32), every other page sealed
+        float_page, sealed_page = 2 * 2 * 2 * 4 * 16 * 4, 2 * 2 * PageQuantSpec(v_group_size=16).sealed_page_bytes(16, 4)
+        expected = 0
+        for n in (long, short):
+            pages = -(-n // 4)
+            float_pages = 1 if pages == 1 else 1 + (n % 4 != 0)
+            expected += float_pages * float_page + (pages - float_pages) * sealed_page
+        assert long > 12 and engine.cache_bytes(merged) == expected
+        return
+    assert engine.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
     if engine.pool is not None:  # no padding: each row holds the blocks its own tokens fill
         blocks = sum(-(-n // engine.pool.block_size) for n in (long, short))
         assert engine.cache_bytes(merged) == blocks * engine.pool.block_size * engine.kv_bytes_per_token
@@ -185,7 +193,8 @@ def test_requests_arriving_while_others_decode_get_what_they_get_alone(release, 
     assert steps > 0 and single < steps  # rows were decoded together
     assert scheduler_ends(batcher)  # no work left
     pool = release.handle.pool
-    assert pool is None or pool.used_blocks == 0  # every row gave its blocks back
+    pages = release.handle.interface.quantized_pages
+    assert pool is None or (pool.used_bytes if pages else pool.used_blocks) == 0  # every row gave its blocks back
 
 
 def test_requests_beyond_the_row_cap_wait_for_rows_to_leave_and_then_decode_as_alone(release, tokenizer):

@@ -25,11 +25,11 @@ FORBIDDEN = {
 # runtime's three packages, lowest first: each may import only those below it.
 RUNTIME_PACKAGES = ("runtime.engine", "runtime.release", "runtime.serve")
 # What verifying a release needs of the engine: the formats of the files a release carries (the adapter and
-# its LoRA inputs, KV scales, the interface it was made for), their hashes, and the errors and atomic writes
-# every layer shares. The decode loop, sampling, the tokenizer and the backends are the server's business.
+# its LoRA inputs, the interface it was made for), their hashes, and the errors and atomic writes every layer
+# shares. The decode loop, sampling, the tokenizer and the backends are the server's business.
 RELEASE_USES_OF_ENGINE = {
     "runtime.engine.adapter", "runtime.engine.adapter_config", "runtime.engine.atomic_files", "runtime.engine.errors",
-    "runtime.engine.hashing", "runtime.engine.interface", "runtime.engine.kv_scales",
+    "runtime.engine.hashing", "runtime.engine.interface",
 }
 
 
@@ -132,7 +132,7 @@ def test_the_scan_resolves_relative_and_lazy_imports(tmp_path):
 SERVING_PATH = (
     "runtime.__main__",
     *(f"runtime.engine.{m}" for m in ("adapter", "adapter_config", "atomic_files", "backbone_config", "engine", "errors",
-                                      "generate", "hashing", "interface", "kv_blocks", "kv_pages", "kv_scales", "latency", "sampling",
+                                      "generate", "hashing", "interface", "kv_blocks", "kv_pages", "latency", "sampling",
                                       "tokenizer", "backends.onnxruntime")),
     *(f"runtime.release.{m}" for m in ("contract", "device_state", "pull", "signing", "tuf_pull", "verify")),
     *(f"runtime.serve.{m}" for m in ("active_release", "batcher", "channel_watch", "generation", "health", "http_app",

@@ -269,7 +269,7 @@ def test_stacked_adapters_decode_each_row_on_quantized_pages_as_alone(engines, t
     for lora in loras:
         engine.set_adapter(lora)
         alone.append(engine_run(engine, ids, split=20)[0])  # (2, 50, V): both rows on this adapter
-    engine.set_adapters([(lora, None) for lora in loras])
+    engine.set_adapters(loras)
 
     got, _ = engine_run(engine, ids, split=20, slots=np.array([0, 1]))
 
@@ -288,7 +288,7 @@ def test_the_interface_records_the_scheme_and_keeps_the_float_contract(engines, 
         cfg, backbone_hash(tiny_qwen), 8, TARGETS, kv_block_size=BLOCK, logit_positions=True,
         kv_pages=spec_of(4, 4).to_dict()).interface_hash  # a release made for the one-adapter form binds
     for one in (stacked, iface):
-        assert one.version == QUANTIZED_PAGES_INTERFACE_VERSION and one.kv_spec is None
+        assert one.version == QUANTIZED_PAGES_INTERFACE_VERSION and one.paged and one.kv_block_size == BLOCK
         assert one.float_interface_hash == read_interface(tiny_engine).float_interface_hash
         assert one.input_names[3:5] == ["block_table", FLOAT_BLOCK_TABLE]
     assert stacked.kv_pages == spec_of(4, 4).to_dict() and iface.kv_pages == spec_of(3, 3).to_dict()

@@ -1,18 +1,17 @@
 """Stacked adapters (interface version 7): rows of different releases in one forward.
 
-A stacked engine with one slot computes what today's engine computes; rows of three adapters (each with its own
-KV scales on the quantized cache) in one forward compute what each row computes alone. Engines are compiled from
-the tiny test backbone (``engine_testkit``): GQA over the 4-bit cache (the shipped scheme), the float cache, both
-paged, and a quantized cache read by standard ONNX ops.
+A stacked engine with one slot computes what today's engine computes; rows of three adapters in one forward compute
+what each row computes alone. Engines are compiled from the tiny test backbone (``engine_testkit``): quantized pages
+(the served cache, K4/V4), and the float cache, padded and paged.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_testkit import TARGETS, calibrate, engine_run, make_adapter
+from engine_testkit import TARGETS, engine_run, make_adapter
 
-from kernels.kv_spec import KVQuantSpec
+from kernels.kv_spec import PageQuantSpec
 from runtime.engine.adapter import load_adapter
 from runtime.engine.backends.onnxruntime import OrtEngine
 from runtime.engine.generate import greedy_generate
@@ -25,13 +24,11 @@ from runtime.engine.interface import (
 )
 from tasks.stages.compile import compile_engine
 
-GQA = KVQuantSpec()
-# Standard ONNX ops: 8-bit keys with static scales (per row on the stacked engine), 3-bit per-token values
-STANDARD = KVQuantSpec(k_bits=8, v_bits=3, v_granularity="token", v_symmetric=False)
+PAGES = PageQuantSpec(v_group_size=16)  # K4/V4, a value group a whole head of the tiny backbone
 BLOCK = 4
-# The shipped serving cache first (4-bit GroupQueryAttention, paged): the fast loop's; the others are slow (each
-# kind compiles two engines, ~15 s each on the 2 shared cores).
-KINDS = ("gqa-paged", "gqa", "float", "float-paged", "standard")
+# The served cache first (quantized pages): the fast loop's; the others are slow (each kind compiles two engines,
+# ~15 s each on the 2 shared cores).
+KINDS = ("pages", "float", "float-paged")
 EACH_KIND = [KINDS[0], *(pytest.param(kind, marks=pytest.mark.slow) for kind in KINDS[1:])]
 
 
@@ -44,32 +41,28 @@ def adapters(tiny_qwen, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(tiny_qwen, adapters, tmp_path_factory):
-    """engines(kind) -> (today's engine, its stacked twin, [(lora, kv scales)] of the three adapters, the scales
-    each calibrated on its own merged model), compiled at the first call."""
+    """engines(kind) -> (today's engine, its stacked twin, the LoRA inputs of the three adapters), compiled at the
+    first call."""
     built = {}
 
     def pair(kind: str):
         if kind not in built:
-            spec = {"gqa": GQA, "standard": STANDARD}.get(kind.split("-")[0])
-            block = BLOCK if kind.endswith("paged") else None
+            pages = PAGES.to_dict() if kind == "pages" else None
+            block = BLOCK if kind in ("pages", "float-paged") else None
             handles = []
             for stacked in (False, True):
                 engine_dir = tmp_path_factory.mktemp("stacked") / f"{kind}-{stacked}"
-                compile_engine(tiny_qwen, engine_dir, max_rank=8, target_modules=TARGETS, kv_spec=spec and spec.to_dict(),
-                               kv_attention="gqa" if spec is GQA else "standard", kv_block_size=block, stacked=stacked)
+                compile_engine(tiny_qwen, engine_dir, max_rank=8, target_modules=TARGETS, kv_block_size=block,
+                               stacked=stacked, kv_pages=pages)
                 handles.append(OrtEngine(engine_dir, threads=2))
-            bound = []
-            for adapter_dir in adapters:
-                lora = load_adapter(adapter_dir, handles[0].interface)
-                bound.append((lora, calibrate(tiny_qwen, spec, lora) if spec else None))
-            built[kind] = (*handles, bound)
+            built[kind] = (*handles, [load_adapter(a, handles[0].interface) for a in adapters])
         return built[kind]
 
     return pair
 
 
-def test_the_stacked_interface_takes_every_slots_lora_a_row_mask_and_per_row_kv_statics(engines):
-    single, stacked, _ = engines("gqa-paged")
+def test_the_stacked_interface_takes_every_slots_lora_and_a_row_mask(engines):
+    single, stacked, _ = engines("pages")
     iface, before = stacked.interface, single.interface
     shapes = {t.name: t.shape for t in iface.inputs}
 
@@ -79,7 +72,7 @@ def test_the_stacked_interface_takes_every_slots_lora_a_row_mask_and_per_row_kv_
     assert shapes["lora_A.0.q_proj+k_proj+v_proj"] == ("slots*24", 64)  # 3 targets x rank 8 per slot, hidden 64
     assert shapes["lora_B.0.q_proj+k_proj+v_proj"] == (128, "slots*24")  # q 64 + k 32 + v 32
     assert iface.adapter_shape(iface.inputs[iface.input_names.index("lora_B.0.q_proj+k_proj+v_proj")]) == (128, 24)
-    assert shapes["k_scale.0"] == ("batch", 2, 16) and shapes["kv_rotation.1"] == ("batch", 16, 16)
+    assert iface.kv_pages == before.kv_pages == PAGES.to_dict()
     # a release binds as it did: the same adapter contract
     assert iface.float_interface_hash == before.float_interface_hash
     assert read_interface(stacked.engine_dir).interface_hash == iface.interface_hash
@@ -92,15 +85,12 @@ def test_one_slot_of_the_stacked_engine_computes_todays_engine(kind, engines):
     single, stacked, bound = engines(kind)
     ids = np.random.default_rng(0).integers(0, 96, (2, 14))
     for engine in (single, stacked):
-        engine.set_adapter(*bound[0])
+        engine.set_adapter(bound[0])
 
-    want, want_cache = engine_run(single, ids, split=7)
-    got, cache = engine_run(stacked, ids, split=7)
+    want, _ = engine_run(single, ids, split=7)
+    got, _ = engine_run(stacked, ids, split=7)
 
     assert np.abs(got - want).max() <= 1e-4
-    if kind.startswith("gqa"):  # the scales folded around GroupQueryAttention store the same 4-bit codes (measured)
-        stored, expected = stacked.cache_to_numpy(cache), single.cache_to_numpy(want_cache)
-        assert all(np.array_equal(stored[n], expected[n]) for n in expected)
     prompts = [[3, 14, 15, 92, 65, 35, 89, 7, 9], [35, 89, 7]]
     assert greedy_generate(stacked, prompts, 12) == greedy_generate(single, prompts, 12)
 
@@ -121,7 +111,7 @@ def test_rows_of_three_adapters_in_one_forward_compute_what_each_computes_alone(
     alone, today = [], []
     for b, slot in enumerate(slots):
         alone.append(run_rows(stacked, ids[b : b + 1], slots[b : b + 1])[0])
-        single.set_adapter(*bound[slot])
+        single.set_adapter(bound[slot])
         today.append(engine_run(single, ids[b : b + 1], split=6)[0][0])
 
     assert np.abs(mixed - np.stack(alone)).max() <= 1e-5  # measured: 0 to ~1e-6
@@ -130,7 +120,7 @@ def test_rows_of_three_adapters_in_one_forward_compute_what_each_computes_alone(
 
 
 def test_a_fork_keeps_its_slots_when_the_handle_it_came_from_rebinds(engines):
-    _, stacked, bound = engines("gqa-paged")
+    _, stacked, bound = engines("pages")
     stacked.set_adapters(bound[:2])
     twin = stacked.fork()
     ids = np.random.default_rng(2).integers(0, 96, (1, 9))

@@ -11,10 +11,8 @@ import sys
 import tarfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 from release_testkit import copy_release, resign, world
-from safetensors.numpy import load_file, save_file
 
 from runtime.engine.backends.onnxruntime import OrtEngine
 from runtime.engine.generate import greedy_generate
@@ -92,15 +90,14 @@ def test_a_release_verifies_and_its_manifest_binds_everything(w):
     assert m["month"] == "2026-11" and m["release_id"].startswith("2026-11+")
     assert m["base_model_hash"] == w["iface"].backbone_hash
     assert m["engine"]["interface_hash"] == w["iface"].lora_contract_hash  # the float engine's: every form of it binds the release
-    assert m["kv_format"]["k_bits"] == 4 and m["adapter"] == {"lora_alpha": 16.0, "r": 8,
+    assert m["kv_format"] is None and m["adapter"] == {"lora_alpha": 16.0, "r": 8,
                                                                "target_modules": ["k_proj", "o_proj", "q_proj", "v_proj"]}
     assert m["gates"]["passed"] is True and m["gates"]["verdicts"]["accuracy_new"]["threshold"] == 0.95
     assert m["metrics"]["adapter"]["accuracy_new"] == 0.96 and "per_rule" not in m["metrics"]["base"]
-    assert sorted(m["files"]) == ["adapter_config.json", "adapter_model.safetensors", "kv_scales.json",
-                                  "kv_scales.safetensors", "provenance.json"]
+    assert sorted(m["files"]) == ["adapter_config.json", "adapter_model.safetensors", "provenance.json"]
     assert parse_time(m["expires_at"]) - parse_time(m["created_at"]) == dt.timedelta(days=120)
     assert len(m["pipeline"]["git_revision"]) == 40
-    assert verified.lora["lora_A.0.q_proj+k_proj+v_proj"].shape == (24, 64) and verified.kv_scales.k_scale.shape == (2, 2, 16)
+    assert verified.lora["lora_A.0.q_proj+k_proj+v_proj"].shape == (24, 64)
 
 
 def test_a_device_tokenizer_that_stops_or_tokenizes_otherwise_is_refused(w, tmp_path):
@@ -120,7 +117,6 @@ def test_a_device_tokenizer_that_stops_or_tokenizes_otherwise_is_refused(w, tmp_
 
 @pytest.mark.parametrize("name,reason", [
     ("adapter_config.json", "checksum"), ("adapter_model.safetensors", "checksum"), ("provenance.json", "checksum"),
-    ("kv_scales.safetensors", "checksum"), ("kv_scales.json", "checksum"),
     ("manifest.json", "signature"), ("manifest.sig", "signature"),
 ])
 def test_a_flipped_byte_in_any_file_is_refused(w, tmp_path, name, reason):
@@ -223,18 +219,13 @@ def test_an_expired_manifest_is_refused(w):
     assert err.value.exit_code == 21
 
 
-def test_kv_scales_that_are_not_positive_are_refused_even_when_signed(w, tmp_path):
+def test_a_signed_release_that_brings_static_kv_scales_is_refused(w, tmp_path):
+    # A release of the static quantized cache (removed): its adapter was gated on a cache this runtime does not have.
     release = copy_release(w["b"], tmp_path / "r")
-    tensors = load_file(release / "kv_scales.safetensors")
-    from safetensors import safe_open
-
-    with safe_open(str(release / "kv_scales.safetensors"), framework="np") as fh:
-        meta = fh.metadata()
-    tensors["layer.1.k_scale"] = np.zeros_like(tensors["layer.1.k_scale"])
-    save_file(tensors, release / "kv_scales.safetensors", metadata=meta)
-    resign(release, w["key"])
-    with pytest.raises(KVScalesRefused, match="layer.1.k_scale has 32 zero or negative scales"):
+    resign(release, w["key"], kv_format={"name": "K4cs/V4cs post s0 w0", "k_bits": 4, "v_bits": 4})
+    with pytest.raises(KVScalesRefused, match="brings static KV scales .*which this runtime no longer reads") as err:
         verify(w, release)
+    assert err.value.exit_code == 17
 
 
 def test_a_package_over_the_size_limit_is_refused(w):

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from runtime.engine.generate import generate_text
-from runtime.engine.model import read_config
 from runtime.engine.tokenizer import ChatPrompt, DeviceTokenizer, encode_prompt
-from tasks.checks.kv_quality import greedy_through_cache
+from tasks.checks.page_quality import greedy_through_pages
 from tasks.models import BaseModelError, check_base_model_dir, load_tokenizer
 from tasks.records import DataError, Example
 from tasks.scoring import greedy_completions
@@ -213,26 +212,27 @@ def test_engine_and_pytorch_decoding_stop_at_the_second_eos_id(tiny_llama_bos_di
 # ---------------------------------------------------------------- one special-token policy
 
 
-class SpyBackbone:
-    """The part of runtime.engine.model.Backbone greedy_through_cache calls; records the prefill ids."""
+class RecordingBackbone:
+    """runtime.engine.model.Backbone of the checkpoint, recording the ids of the first forward greedy_through_pages
+    runs (the prompt's prefill)."""
 
-    def __init__(self, cfg, stop):
-        self.cfg, self.stop, self.prefill = cfg, stop, None
+    def __init__(self, model_dir):
+        from runtime.engine.model import load_backbone
 
-    def empty_past(self, batch):
-        return ()
+        self.backbone, self.prefill = load_backbone(model_dir), None
 
-    def __call__(self, ids, pos, mask, past):
+    def prepare(self, ids, *args):
         if self.prefill is None:
             self.prefill = ids[0].tolist()
-        logits = torch.zeros(ids.shape[0], ids.shape[1], self.cfg.vocab_size)
-        logits[:, -1, self.stop] = 1.0
-        return logits, ()
+        return self.backbone.prepare(ids, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.backbone, name)
 
 
 def ids_on_every_path(model_dir, prompt, completion: str) -> tuple[list[int], list[int], list[list[int]]]:
     """(the prompt ids training learns after, the answer ids it learns, and the prompt ids the engine,
-    PyTorch greedy decoding and the reference KV cache each prefill) for one row."""
+    PyTorch greedy decoding and the pages' reference each prefill) for one row."""
     tokenizer = load_tokenizer(model_dir)
     eos = tokenizer.eos_token_id
     ids, learned = encode_example(tokenizer, Example(prompt, completion), 512)
@@ -241,8 +241,8 @@ def ids_on_every_path(model_dir, prompt, completion: str) -> tuple[list[int], li
     engine, model = SpyEngine([eos], len(tokenizer)), SpyModel([eos])
     generate_text(engine, tokenizer, [prompt], 4)
     greedy_completions(model, tokenizer, [prompt], 4, 1)
-    backbone = SpyBackbone(read_config(model_dir), eos)
-    greedy_through_cache(backbone, tokenizer, [prompt], None, None, 2)
+    backbone = RecordingBackbone(model_dir)
+    greedy_through_pages(backbone, tokenizer, [prompt], None, 16, 2)
     return ids[:start], ids[start:], [model.kwargs["input_ids"][0].tolist(), engine.prefill, backbone.prefill]
 
 

@@ -61,8 +61,8 @@ def test_weight_block_size_must_be_a_power_of_two_for_matmulnbits():
 def test_kv_block_size_is_zero_or_a_power_of_two_in_range_naming_the_key():
     assert ReleaseConfig().engine.kv_block_size == 16  # the paged cache is the default
     assert ReleaseConfig().layout.serving_engine_dir == Path("engine/kvpages-paged16-stacked")
-    static = {"kv_cache": "quantized", "kv_block_size": 0}
-    assert parse_config({"engine": static}).layout.serving_engine_dir == Path("engine/kv-stacked")
+    padded = {"kv_cache": "float", "kv_block_size": 0}
+    assert parse_config({"engine": padded}).layout.serving_engine_dir == Path("engine/stacked")
     for bad in (12, 4, 512):
         with pytest.raises(ConfigError, match=rf"engine\.kv_block_size: Value error, must be 0 \(the padded cache\) or a "
                                               rf"power of two from 8 to 256 .*, got {bad}"):
@@ -71,17 +71,13 @@ def test_kv_block_size_is_zero_or_a_power_of_two_in_range_naming_the_key():
         parse_config({"engine": {"kv_block_size": -16}})
 
 
-def test_a_paged_cache_needs_onnxruntime_and_a_scheme_without_sink_or_pre_rope_keys():
+def test_a_paged_cache_needs_onnxruntime_and_quantized_pages_a_paged_cache():
     with pytest.raises(ConfigError, match=r"backend tensorrt runs neither .* \(onnxruntime only\): set engine.kv_block_size: 0$"):
         parse_config({"engine": {"backend": "tensorrt", "kv_cache": "float", "kv_block_size": 16, "mixed_adapters": False}})
-    with pytest.raises(ConfigError, match=r"engine\.kv_block_size 16: the quantized cache cannot be paged with "
-                                          r"kv\.sink_tokens=4 \(needs 0\); kv\.pre_rope_keys=True \(needs False\)"):
-        parse_config({"engine": {"kv_cache": "quantized", "kv_block_size": 16},
-                      "kv": {"sink_tokens": 4, "pre_rope_keys": True, "k_symmetric": False}})
-    with pytest.raises(ConfigError, match=r"engine\.kv_cache quantized_pages: engine\.kv_block_size 0 \(a page is a block"):
+    with pytest.raises(ConfigError, match=r"kv \(the quantized pages\): engine\.kv_block_size 0 \(a page is a block"):
         parse_config({"engine": {"kv_block_size": 0}})
-    # The float cache has no sink: the kv section's scheme is the reference cache's alone
-    assert parse_config({"engine": {"kv_cache": "float", "kv_block_size": 16}, "kv": {"sink_tokens": 4}}).engine.kv_block_size == 16
+    # A float cache measures the pages in PyTorch for the KV gates: padded or paged, any block size
+    assert parse_config({"engine": {"kv_cache": "float", "kv_block_size": 0}, "kv": {"k_bits": 2}}).kv.k_bits == 2
 
 
 def test_base_month_must_precede_release_month():
@@ -112,19 +108,18 @@ def test_params_hash_changes_with_any_setting():
     assert a.params_hash() != b.params_hash()
 
 
-def test_a_quantized_kv_engine_needs_onnxruntime_and_calibrated_scales():
-    assert ReleaseConfig().engine.kv_attention(ReleaseConfig().kv.spec()) == "gqa"  # the static scheme's defaults: the fused op
+def test_quantized_pages_need_onnxruntime_and_the_kv_gates_and_the_static_scheme_is_gone():
     with pytest.raises(ConfigError, match="set engine.kv_cache: float and engine.kv_block_size: 0 and engine.mixed_adapters: false"):
         parse_config({"engine": {"backend": "tensorrt"}})  # every onnxruntime-only default named in one error
-    with pytest.raises(ConfigError, match="engine.kv_cache quantized needs kv.enabled"):
-        parse_config({"engine": {"kv_cache": "quantized"}, "kv": {"enabled": False}})
     with pytest.raises(ConfigError, match="engine.kv_cache quantized_pages needs kv.enabled"):
         parse_config({"kv": {"enabled": False}})
     assert parse_config({"engine": {"backend": "tensorrt", "kv_cache": "float", "kv_block_size": 0, "mixed_adapters": False},
                          "kv": {"enabled": False}}).layout.serving_engine_dir == Path("engine")
-    pre_rope = parse_config({"engine": {"kv_cache": "quantized", "kv_block_size": 0},
-                             "kv": {"pre_rope_keys": True, "k_symmetric": False}})
-    assert pre_rope.engine.kv_attention(pre_rope.kv.spec()) == "standard" and pre_rope.layout.serving_engine_dir == Path("engine/kv-stacked")
+    with pytest.raises(ConfigError, match=r"engine\.kv_cache: Value error, the static quantized cache was removed .*"
+                                          r"set quantized_pages"):
+        parse_config({"engine": {"kv_cache": "quantized"}})
+    with pytest.raises(ConfigError, match=r"kv\.pre_rope_keys: Extra inputs are not permitted"):
+        parse_config({"kv": {"pre_rope_keys": True}})
 
 
 def test_a_users_model_or_data_inside_a_pipeline_output_is_refused():

@@ -62,10 +62,10 @@ def test_each_stage_depends_on_the_folders_it_reads():
         "base_model": [],
         "compile": [LAYOUT.base_model_dir],
         "finetune": [LAYOUT.base_model_dir, LAYOUT.data_dir, engine_interface],
-        "calibrate": [LAYOUT.base_model_dir, LAYOUT.data_dir, LAYOUT.finetune_dir, engine_interface],
-        "evaluate": [LAYOUT.base_model_dir, LAYOUT.data_dir, LAYOUT.engine_dir, LAYOUT.finetune_dir, LAYOUT.kv_dir],
+        "calibrate": [LAYOUT.base_model_dir],  # a note of the release's pages: nothing month's is read
+        "evaluate": [LAYOUT.base_model_dir, LAYOUT.data_dir, LAYOUT.engine_dir, LAYOUT.finetune_dir],
         "gates": [LAYOUT.eval_dir],
-        "package": [LAYOUT.finetune_dir, LAYOUT.kv_dir, LAYOUT.eval_dir, LAYOUT.gates_dir, LAYOUT.engine_dir],
+        "package": [LAYOUT.finetune_dir, LAYOUT.eval_dir, LAYOUT.gates_dir, LAYOUT.engine_dir],
     }
 
 
@@ -91,10 +91,7 @@ def test_metrics_and_plots_are_files_of_the_layouts_folders():
     ({"weights": "int4"}, "engine/kvpages-paged16-stacked-int4"),
     ({"kv_cache": "float"}, "engine/paged16-stacked"),
     ({"mixed_adapters": False}, "engine/kvpages-paged16"),
-    ({"kv_cache": "quantized"}, "engine/kv-paged16-stacked"),
-    ({"kv_cache": "quantized", "kv_block_size": 0}, "engine/kv-stacked"),
-    ({"kv_cache": "quantized", "kv_block_size": 0, "mixed_adapters": False}, "engine/kv"),
-    ({"kv_cache": "quantized", "kv_block_size": 0, "mixed_adapters": False, "weights": "int8"}, "engine/kv-int8"),
+    ({"kv_cache": "float", "kv_block_size": 0}, "engine/stacked"),
     ({"kv_block_size": 0, "mixed_adapters": False, "kv_cache": "float"}, "engine"),
     ({"kv_block_size": 0, "mixed_adapters": False, "kv_cache": "float", "weights": "int8"}, "engine/int8"),
     ({"kv_block_size": 0, "mixed_adapters": False, "kv_cache": "float", "weights": "int4", "backend": "tensorrt"},
@@ -106,7 +103,6 @@ def test_every_serving_engine_lies_in_the_compile_stages_output(engine, serving)
     layout = parse_config({"engine": engine}).layout
     assert layout.serving_engine_dir == Path(serving)
     assert layout.serving_engine_dir.is_relative_to(layout.engine_dir)
-    assert layout.kv_engine_dir.is_relative_to(layout.engine_dir)
 
 
 def test_the_layout_follows_the_configured_roots():

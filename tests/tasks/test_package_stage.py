@@ -38,7 +38,6 @@ def stage(w, tmp_path, monkeypatch):
     monkeypatch.delenv("RELEASE_SIGNING_KEY", raising=False)
     month = tmp_path / "artifacts" / "2026-11"
     shutil.copytree(w["root"] / "adapter-2026-11", month / "finetune" / "adapter")
-    shutil.copytree(w["root"] / "release-2026-11" / "kv", month / "kv")
     (month / "eval").mkdir()
     (month / "eval" / "metrics.json").write_text(json.dumps({
         "month": "2026-11", "base": {"accuracy": 0.4, "per_rule": {"void": 0.1}},
@@ -82,8 +81,7 @@ def test_the_stage_packages_signs_and_checks_the_release(w, stage):
     for name in ("adapter_config.json", "adapter_model.safetensors", "provenance.json"):
         assert (release / name).read_bytes() == (adapter / name).read_bytes()  # PEFT files unchanged
     assert sorted(p.name for p in release.iterdir()) == [
-        "adapter_config.json", "adapter_model.safetensors", "kv_scales.json", "kv_scales.safetensors",
-        "manifest.json", "manifest.sig", "provenance.json"]
+        "adapter_config.json", "adapter_model.safetensors", "manifest.json", "manifest.sig", "provenance.json"]
     with tarfile.open(package / "release.tar.gz") as tar:
         assert {m.name: tar.extractfile(m).read() for m in tar} == {p.name: p.read_bytes() for p in release.iterdir()}
 
@@ -126,7 +124,7 @@ def test_the_same_inputs_and_time_give_the_same_bytes(w, stage, tmp_path):
     write_gates(stage["month"], GATES)
     now = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.timezone.utc)
     m = stage["month"]
-    outs = [build_release(m / "finetune" / "adapter", m / "kv", m / "eval" / "metrics.json", m / "gates" / "gates.json",
+    outs = [build_release(m / "finetune" / "adapter", m / "eval" / "metrics.json", m / "gates" / "gates.json",
                           w["engine"], w["tokenizer"], tmp_path / f"out{i}", stage["key"], "2026-11", threads=1, now=now)
             for i in range(2)]
     for name in ("release/manifest.json", "release/manifest.sig", "release.tar.gz"):
@@ -144,15 +142,6 @@ def test_the_signing_key_comes_from_the_environment_when_set(stage, tmp_path, mo
     manifest = json.loads((stage["month"] / "package" / "release" / "manifest.json").read_text())
     assert manifest["signing_key_id"] == key_id(load_private_key(env_key).public_key())
     assert not stage["key"].exists()  # the configured path was not used, nor created
-
-
-def test_kv_scales_of_another_adapter_are_refused(w, stage, capsys):
-    write_gates(stage["month"], GATES)
-    shutil.rmtree(stage["month"] / "kv")
-    shutil.copytree(w["root"] / "release-2026-10" / "kv", stage["month"] / "kv")
-    assert main(["--params", str(stage["params"])]) == 2
-    assert "KV scales were calibrated for another adapter" in capsys.readouterr().err
-    assert not (stage["month"] / "package").exists()
 
 
 def test_a_chat_rows_probe_is_its_messages_which_the_device_renders_with_the_template(w, tmp_path):

@@ -25,18 +25,18 @@ PAGES = {"engine": {"kv_cache": "quantized_pages"}}
 def test_quantized_pages_are_the_default_and_take_their_widths_from_the_kv_section():
     cfg = parse_config({"kv": {"k_bits": 8, "v_bits": 2, "v_group_size": 16}})
     assert cfg.engine.kv_cache == "quantized_pages" and cfg.layout.serving_engine_dir == Path("engine/kvpages-paged16-stacked")
-    assert serving_form(cfg.engine, cfg.kv, 64) == {"kv_spec": None, "kv_attention": "standard", "kv_block_size": 16,
-                                                    "stacked": True, "kv_pages": {"k_bits": 8, "v_bits": 2, "v_group_size": 16}}
+    assert serving_form(cfg.engine, cfg.kv, 64) == {"kv_block_size": 16, "stacked": True,
+                                                    "kv_pages": {"k_bits": 8, "v_bits": 2, "v_group_size": 16}}
     # A head narrower than the value group is one group (the default 64 on a 16-channel head); a wider one keeps it
     assert serving_form(parse_config({}).engine, parse_config({}).kv, 16)["kv_pages"]["v_group_size"] == 16
     assert serving_form(parse_config({}).engine, parse_config({}).kv, 128)["kv_pages"]["v_group_size"] == 64
-    static = parse_config({"engine": {"kv_cache": "quantized"}})
-    assert static.layout.serving_engine_dir == Path("engine/kv-paged16-stacked")
-    assert serving_form(static.engine, static.kv, 64)["kv_pages"] is None
+    float_cache = parse_config({"engine": {"kv_cache": "float"}})
+    assert float_cache.layout.serving_engine_dir == Path("engine/paged16-stacked")
+    assert serving_form(float_cache.engine, float_cache.kv, 64)["kv_pages"] is None
 
 
 def test_quantized_pages_a_page_cannot_hold_are_refused_naming_every_key():
-    with pytest.raises(ConfigError, match=r"engine.kv_cache quantized_pages: kv.k_bits 5 \(pages store 2, 3, 4, 8 bits\); "
+    with pytest.raises(ConfigError, match=r"kv \(the quantized pages\): kv.k_bits 5 \(pages store 2, 3, 4, 8 bits\); "
                                           r"engine.kv_block_size 0 \(a page is a block of the paged cache\)"):
         parse_config({"engine": {"kv_cache": "quantized_pages", "kv_block_size": 0}, "kv": {"k_bits": 5}})
     with pytest.raises(ConfigError, match=r"kv.v_group_size=48 does not divide head_dim=64"):
@@ -58,8 +58,9 @@ def pages_profile(tiny_llama_dir, tmp_path_factory):
 def test_quantized_pages_need_the_kv_gates():
     with pytest.raises(ConfigError, match="engine.kv_cache quantized_pages needs kv.enabled: the KV gates measure"):
         parse_config(PAGES | {"kv": {"enabled": False}})
-    assert not parse_config(PAGES).ships_kv_scales  # pages need no release scales; the static scheme's do
-    assert parse_config({"engine": {"kv_cache": "quantized"}}).ships_kv_scales
+    # a float cache with the KV gates measures the same pages in PyTorch; without them it measures nothing
+    assert parse_config({"engine": {"kv_cache": "float"}, "kv": {"k_bits": 3}}).kv.page_spec(64).k_bits == 3
+    assert not parse_config({"engine": {"kv_cache": "float"}, "kv": {"enabled": False, "k_bits": 5}}).kv.enabled
 
 
 def test_the_compile_stage_builds_the_serving_engine_with_quantized_pages(pages_profile, tiny_llama_dir):
@@ -70,7 +71,7 @@ def test_the_compile_stage_builds_the_serving_engine_with_quantized_pages(pages_
     assert serving == cfg.layout.engine_dir / "kvpages-paged16-stacked" and metrics["engine_builds"] == 2  # float + pages
     assert iface.version == QUANTIZED_PAGES_INTERFACE_VERSION and iface.stacked and iface.kv_block_size == 16
     assert iface.kv_pages == metrics["serving_engine"]["kv_pages"] == {"k_bits": 4, "v_bits": 4, "v_group_size": 8}
-    assert not cfg.layout.kv_engine_dir.exists()  # no static-scale engine: pages need no release scales
+    assert sorted(p.name for p in cfg.layout.engine_dir.iterdir() if p.is_dir()) == ["kvpages-paged16-stacked"]
     assert compile_profile_engines(cfg)["engine_builds"] == 0  # the cache key holds the scheme
 
     engine = OrtEngine(serving, threads=1)
@@ -115,7 +116,7 @@ def test_the_evaluate_stage_measures_what_the_pages_cost_in_pytorch_and_on_the_e
     assert parity["kv_code_mismatch"] < 1e-3  # sealing PyTorch's own K/V: float rounding only, reported
     gates = {g.name: g for g in evaluation_gates(metrics, cfg.gates, None, cfg.engine, True)}
     assert gates["pages_sealer_parity"].passed and gates["engine_parity"].passed
-    assert "kv_code_mismatch" not in gates  # the static scheme's gate: pages are held to the exact one above
+    assert "kv_code_mismatch" not in gates  # reported, not gated: pages are held to the exact sealer parity above
     assert gates["kv_ppl_increase_pct"].value == on_engine["ppl_increase_pct"]
     assert gates["kv_accuracy_drop"].value == on_engine["accuracy_drop"]
     assert (tmp_path / "eval" / "kv_bits.png").is_file()
@@ -128,7 +129,7 @@ def test_a_device_that_seals_one_code_otherwise_than_the_reference_is_refused(pa
     from runtime.engine import kv_pages
     from runtime.engine.adapter import load_adapter
     from tasks.checks.engine_parity import pages_parity
-    from tasks.kv_stats import load_release_backbone
+    from tasks.models import load_release_backbone
 
     cfg, _ = pages_profile
     adapter = make_adapter(tiny_llama_dir, tmp_path / "adapter")

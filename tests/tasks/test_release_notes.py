@@ -29,8 +29,7 @@ def cfg(tmp_path):
         "month": "2026-12", "changed_rules": ["bridge", "shift"], "adapter": {"count": 600, "perplexity": 5.25},
         "base": {"perplexity": 5.0}, "adapter_on_engine": scored,
         "kv_cache": {"accuracy_drop": 0.005, "ppl_increase_pct": 0.25, "bytes_per_token": 617.03, "compression_vs_fp16": 4.0,
-                     "grid": [{"config": "release (K4cs/V4ts)"}], "on_engine": {"accuracy_drop": 0.0, "ppl_increase_pct": -0.5},
-                     "key_outlier_ratio": [3.25, 41.0, 12.5], "rotation": ["none", "hadamard", "hadamard"]},
+                     "grid": [{"config": "release (K4/V4 pages g64)"}], "on_engine": {"accuracy_drop": 0.0, "ppl_increase_pct": -0.5}},
     })
     return cfg
 
@@ -52,10 +51,9 @@ def test_published_notes_compare_with_the_champion_and_name_the_run(cfg, tmp_pat
     assert "| metric | this candidate | champion 2026-11 | change |" in notes
     assert "| accuracy, changed rules | 98.0% | 96.0% | +2.0 points |" in notes
     assert "| accuracy, unchanged rules | 100.0% | 100.0% | +0.0 points |" in notes
-    assert "KV cache, release (K4cs/V4ts): accuracy -0.50 points, held-out perplexity +0.25%" in notes
+    assert "KV cache, release (K4/V4 pages g64): accuracy -0.50 points, held-out perplexity +0.25%" in notes
     assert "(on the engine: +0.00 points, -0.50%); 617 bytes per token, 4.00x fewer than fp16." in notes and "Weights: fp32 (not quantized)." in notes
-    assert ("KV calibration: key-channel outlier ratio per layer (max / median channel range) 3.2, 41.0, 12.5; "
-            "Hadamard-rotated K/V in 2 of 3 layers (1, 2).") in notes
+    assert "KV calibration" not in notes  # the pages calibrate nothing: a release ships no KV scales
     assert ("p50 1.25 ms, p95 2.50 ms over 256 steps (1-minute load average 0.4 -> 0.6); 10th percentiles 1.10 ms "
             "against 0.80 ms for the float engine's step timed beside it, 1.38x (gate: <= 2.5x).") in notes
     assert "Held-out perplexity 5.000 for the base, 5.250 with the adapter: +5.00% (gate: <= +10.0%)." in notes

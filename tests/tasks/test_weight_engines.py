@@ -65,22 +65,21 @@ def test_compile_stage_builds_the_int8_serving_engine_once_inside_the_float_ones
     params.write_text(yaml.safe_dump({
         "base_model": {"source": "local", "path": str(tiny_llama_dir)},
         "train": {"output_dir": str(tmp_path / "artifacts")},
-        "engine": {"dir": str(tmp_path / "engine"), "weights": "int8", "kv_block_size": 0, "mixed_adapters": False, "threads": 1,
-                   "kv_cache": "quantized"},
+        "engine": {"dir": str(tmp_path / "engine"), "weights": "int8", "mixed_adapters": False, "threads": 1},
     }))
     cfg = load_config(params)
     first = compile_stage.run_stage(cfg)
-    # The float-cache engine (adapters bind to it), the quantized-cache engine, and its int8 copy.
-    assert (first["engine_builds"], first["kv_engine"]["engine_builds"], first["weights_builds"]) == (2, 1, 1)
-    serving = tmp_path / "engine" / "kv-int8"
+    # The float-cache engine (adapters bind to it), the quantized-pages engine, and its int8 copy.
+    assert (first["engine_builds"], first["serving_engine"]["engine_builds"], first["weights_builds"]) == (2, 1, 1)
+    pages, serving = tmp_path / "engine" / "kvpages-paged16", tmp_path / "engine" / "kvpages-paged16-int8"
     assert cfg.layout.serving_engine_dir == serving
     assert json.loads((serving / "weights.json").read_text())["weights"] == "int8"
-    # Same LoRA contract: an qwen_adapter bound to the float engine runs on the int8 copy of the quantized-cache one.
-    assert read_interface(serving).interface_hash == read_interface(tmp_path / "engine" / "kv").interface_hash
+    # Same LoRA contract: an adapter bound to the float engine runs on the int8 copy of the quantized-pages one.
+    assert read_interface(serving).interface_hash == read_interface(pages).interface_hash
     assert read_interface(serving).float_interface_hash == read_interface(tmp_path / "engine").lora_contract_hash
     # and the interface records what the device runs, outside the hash
     assert read_interface(serving).weights == {"precision": "int8", "format": "matmulnbits", "block_size": 128}
-    assert read_interface(serving).weight_precision == "int8" and read_interface(tmp_path / "engine" / "kv").weights is None
+    assert read_interface(serving).weight_precision == "int8" and read_interface(pages).weights is None
     again = compile_stage.run_stage(cfg)
     assert (again["engine_builds"], again["weights_builds"]) == (0, 0)
 

@@ -9,12 +9,6 @@ mask and the K/V cache, which stays in ORT values from one step to the next. Mea
 ~0.2 ms per decode step against ``run`` with a feed dict, most of it the ~50 LoRA feeds. One handle is not
 thread-safe; ``fork()`` gives another handle on the same session (one per serving thread or request).
 
-A quantized-KV engine (interface version 2) keeps the same binding; its cache is a
-``PackedCache``: the packed integers and per-token scales as ORT values (the graph appends the
-new tokens; past bytes are never rewritten), the fp16 sink tokens and the slot positions.
-Its static per-channel scales belong to the release, so they come with the adapter:
-``set_adapter(lora, kv_scales=...)``; the engine refuses to run until it has them.
-
 A paged engine (interface version 6) keeps every row's cache in one ``runtime.engine.kv_blocks.BlockPool``
 that all handles of the session share (``kv_budget_bytes`` bounds it); its cache is a ``PagedCache``
 (each row's blocks and length). A step binds the pools (ORT values over the pools' own memory), the
@@ -23,10 +17,9 @@ into the rows' blocks. The caller's ``attention_mask`` keeps its meaning: only i
 read (which new tokens are real), since a paged row stores its real tokens only.
 
 A stacked engine (interface version 7) binds several releases at once, each in a slot:
-``set_adapters([(lora, kv_scales), ...])`` copies their LoRA into one contiguous buffer (slot after slot)
-and keeps their KV statics; ``forward(..., slots=)`` says each row's slot, from which a step binds the
-one-hot ``adapter_mask`` and each row's release's statics (a gather of a few KB per row). ``set_adapter``
-is one slot.
+``set_adapters([lora, ...])`` copies their LoRA into one contiguous buffer (slot after slot);
+``forward(..., slots=)`` says each row's slot, from which a step binds the one-hot ``adapter_mask``.
+``set_adapter`` is one slot.
 
 An engine with quantized pages (interface version 9) keeps its float pages and its sealed pages in a
 ``runtime.engine.kv_pages.PagePool`` and its cache is a ``PagesCache``: a step binds both block tables and writes
@@ -42,16 +35,14 @@ import mmap
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as _C
 
 from runtime.engine.adapter import check_lora_inputs, zero_lora_inputs
-from runtime.engine.errors import RefusedInput
 from runtime.engine.interface import (
     ADAPTER_MASK,
     BLOCK_TABLE,
@@ -64,7 +55,6 @@ from runtime.engine.interface import (
 )
 from runtime.engine.kv_blocks import BlockPool, PagedCache, PoolTensor
 from runtime.engine.kv_pages import PagePool, PagesCache, page_scheme
-from runtime.engine.kv_scales import kv_scale_inputs
 
 # Per ORT version: an optimized graph from another version may hold kernels this one lacks.
 # ORT_ENABLE_ALL also bakes in CPU-specific layouts (NCHWc), so it belongs to this machine's engine dir.
@@ -233,21 +223,6 @@ def _left_pad_concat(arrays: list[np.ndarray], axis: int) -> np.ndarray:
     return out
 
 
-@dataclass
-class PackedCache:
-    """Quantized cache of a version-2 engine: ``body`` maps each ``past_*`` input name to an ORT
-    value (B, nkv, P, ·), ``sink`` each ``sink_*`` name to fp16 (B, nkv, s, d), ``positions``
-    (B, P) int64 the position of every quantized slot (used to re-apply RoPE to pre-RoPE keys)."""
-
-    body: dict[str, Any]
-    sink: dict[str, Any]
-    positions: np.ndarray
-
-    @property
-    def sink_len(self) -> int:
-        return next(iter(self.sink.values())).shape()[2]
-
-
 class OrtEngine:
     def __init__(self, engine_dir: str | Path, threads: int = 2, onnx_file: str = ENGINE_ONNX, use_optimized: bool = True,
                  session_config: Mapping[str, str] | None = None, kv_budget_bytes: int | None = None,
@@ -336,19 +311,13 @@ class OrtEngine:
         if graph_inputs != self.interface.input_names:
             raise ValueError(f"{source}: graph inputs differ from interface.json; the engine directory is inconsistent")
         self._outputs = self.interface.output_names
-        self.kv_spec = self.interface.kv_spec  # None: float cache
-        names = self.interface.input_names
-        self._kv_names = [n for n in names if n.startswith("past_") and n != "past_positions"]
-        self._sink_names = [n for n in names if n.startswith("sink_")]
+        self._kv_names = [n for n in self.interface.input_names if n.startswith("past_")]
         self.kv_bytes_per_token = self.interface.kv_bytes_per_token
-        self._sink_bytes_per_token = self.interface.slot_bytes("sink")
         self._lora: dict[str, ort.OrtValue] = {}
-        self._kv_static: dict[str, ort.OrtValue] = {}  # quantized engines: bound by set_adapter(..., kv_scales)
-        self._slot_static: dict[str, np.ndarray] = {}  # stacked quantized engines: per input (slots, ...) to gather by row
         self.slots = 1  # adapters bound (a stacked engine's slots)
         self._binding = self.session.io_binding()
         self._cpu = ort.OrtDevice.make("cpu", 0)._get_c_device()
-        self._array_inputs = ("input_ids", "position_ids", "attention_mask", "past_positions")  # bound from numpy each step
+        self._array_inputs = ("input_ids", "position_ids", "attention_mask")  # bound from numpy each step
         self.pool = None
         if self.interface.quantized_pages:
             self.page_spec = page_scheme(self.interface)
@@ -372,51 +341,29 @@ class OrtEngine:
                              f"version {self.interface.version}")
         self._bind_lora([None])
 
-    def set_adapter(self, lora: Mapping[str, np.ndarray] | None, kv_scales=None) -> None:
-        """Bind an adapter's LoRA inputs (None = base model) and, on a quantized-KV engine, the
-        release's KV scales (``runtime.engine.kv_scales.read_kv_scales`` output); both are checked first.
-        On a stacked engine: one slot, slot 0."""
-        self.set_adapters([(lora, kv_scales)])
+    def set_adapter(self, lora: Mapping[str, np.ndarray] | None) -> None:
+        """Bind an adapter's LoRA inputs (None = base model), checked first. On a stacked engine: one slot, slot 0."""
+        self.set_adapters([lora])
 
-    def set_adapters(self, adapters: list[tuple[Mapping[str, np.ndarray] | None, Any]]) -> None:
-        """Bind (lora, kv_scales) per slot, each as ``set_adapter`` takes them, all checked before anything is
-        bound; more than one needs a stacked engine (interface version 7). Only this handle rebinds: a fork
-        made before keeps the slots it had, so rows running on it never change weights."""
-        if not adapters or (len(adapters) > 1 and not self.interface.stacked):
-            raise ValueError(f"{len(adapters)} adapters: this engine (interface version {self.interface.version}) "
+    def set_adapters(self, loras: list[Mapping[str, np.ndarray] | None]) -> None:
+        """Bind one adapter per slot, each as ``set_adapter`` takes it, all checked before anything is bound; more
+        than one needs a stacked engine (interface version 7). Only this handle rebinds: a fork made before keeps
+        the slots it had, so rows running on it never change weights."""
+        if not loras or (len(loras) > 1 and not self.interface.stacked):
+            raise ValueError(f"{len(loras)} adapters: this engine (interface version {self.interface.version}) "
                              f"binds {'one or more' if self.interface.stacked else 'exactly one'}")
-        statics = []
-        for _, kv_scales in adapters:
-            if self.kv_spec is not None:
-                if kv_scales is None:
-                    raise RefusedInput("this engine has a quantized KV cache: set_adapter needs the release's kv_scales "
-                                       "(runtime.engine.kv_scales.read_kv_scales); they are never defaulted to 1.0")
-                statics.append(kv_scale_inputs(self.interface, kv_scales))
-            elif kv_scales is not None:
-                raise ValueError("this engine has a float KV cache; it takes no kv_scales")
-        self._bind_lora([lora for lora, _ in adapters])
-        self.slots = len(adapters)
-        if not statics:
-            return
-        if self.interface.stacked:  # bound per step, each row its slot's (forward)
-            self._slot_static = {n: np.stack([s[n] for s in statics]) for n in statics[0]}  # (slots, ...)
-            return
-        self._kv_static = {n: ort.OrtValue.ortvalue_from_numpy(v) for n, v in statics[0].items()}
-        for name, value in self._kv_static.items():
-            self._binding.bind_ortvalue_input(name, value)
+        self._bind_lora(loras)
+        self.slots = len(loras)
 
     def bind_slots(self, handles: list["OrtEngine"]) -> None:
         """Slot i takes what ``handles[i]`` (each a handle of this stacked engine with one release bound, e.g. a
-        resident release's) has in its slot 0: its LoRA and KV statics, copied, so rebinding this handle never
-        touches theirs. A running batch rebinds with its releases' slots in a new order (the caller remaps its
-        rows): each row keeps its release's weights."""
+        resident release's) has in its slot 0: its LoRA, copied, so rebinding this handle never touches theirs. A
+        running batch rebinds with its releases' slots in a new order (the caller remaps its rows): each row keeps
+        its release's weights."""
         if not self.interface.stacked:
             raise ValueError(f"interface version {self.interface.version} binds one adapter; slots need version 7")
-        loras = [{n: h._lora[n].numpy() for n in self.interface.lora_names} for h in handles]  # one slot each
-        self._bind_lora(loras)
+        self._bind_lora([{n: h._lora[n].numpy() for n in self.interface.lora_names} for h in handles])  # one slot each
         self.slots = len(handles)
-        if self.kv_spec is not None:
-            self._slot_static = {n: np.stack([h._slot_static[n][0] for h in handles]) for n in handles[0]._slot_static}
 
     def fork(self) -> "OrtEngine":
         """Another handle on the same session, with its own IOBinding and the same adapter bound.
@@ -430,7 +377,7 @@ class OrtEngine:
         twin = copy.copy(self)
         twin._binding = self.session.io_binding()
         twin._step_inputs = ()
-        for name, value in (self._lora | self._kv_static).items():
+        for name, value in self._lora.items():
             twin._binding.bind_ortvalue_input(name, value)
         return twin
 
@@ -469,24 +416,13 @@ class OrtEngine:
             return PagesCache.empty(self.pool, self.page_spec, batch)
         if self.pool is not None:
             return PagedCache(self.pool, [[] for _ in range(batch)], np.zeros(batch, dtype=np.int64))
-        if self.kv_spec is None:
-            empty = np.zeros((batch, i.num_kv_heads, 0, i.head_dim), dtype=np.float32)
-            return [ort.OrtValue.ortvalue_from_numpy(empty) for _ in self._kv_names]
-        specs = {t.name: t for t in i.inputs}
-
-        def zeros(name):
-            shape = [{"batch": batch, "past": 0, "sink": 0}.get(a, a) for a in specs[name].shape]
-            return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=specs[name].dtype))
-
-        return PackedCache({n: zeros(n) for n in self._kv_names}, {n: zeros(n) for n in self._sink_names},
-                           np.zeros((batch, 0), dtype=np.int64))
+        empty = np.zeros((batch, i.num_kv_heads, 0, i.head_dim), dtype=np.float32)
+        return [ort.OrtValue.ortvalue_from_numpy(empty) for _ in self._kv_names]
 
     def forward(self, input_ids, position_ids, attention_mask, past=None, logit_positions=None, slots=None):
         """``slots`` (B,) int: the slot each row decodes with (stacked engine; None: every row slot 0).
         ``logit_positions`` (B, K) int64: the new tokens whose logits come back, (B, K, V); None = all of
         them, (B, T, V). An engine without the input (interface version < 8) returns all of them anyway."""
-        if self.kv_spec is not None and not (self._kv_static or self._slot_static):
-            raise RefusedInput("quantized KV engine without KV scales: call set_adapter(lora, kv_scales=...) first")
         if past is None:
             past = self.empty_cache(input_ids.shape[0])
         rows = self._bind_rows(input_ids.shape[0], slots)
@@ -502,18 +438,11 @@ class OrtEngine:
             binding.bind_ortvalue_input(LOGIT_POSITIONS, _C.OrtValue.ortvalue_from_numpy(logit_positions, cpu))
         if self.pool is not None:
             return self._forward_paged(input_ids, position_ids, attention_mask, past, rows, logit_positions)
-        position_ids = np.ascontiguousarray(position_ids, dtype=np.int64)
-        arrays = [np.ascontiguousarray(input_ids, dtype=np.int64), position_ids,
+        arrays = [np.ascontiguousarray(input_ids, dtype=np.int64), np.ascontiguousarray(position_ids, dtype=np.int64),
                   np.ascontiguousarray(attention_mask, dtype=np.int64)]
-        if self.kv_spec is None:
-            cache = zip(self._kv_names, past)
-        else:
-            cache = [*past.body.items(), *past.sink.items()]
-            if self.kv_spec["pre_rope_keys"]:
-                arrays.append(past.positions)
         for name, array in zip(self._array_inputs, arrays):
             binding.bind_ortvalue_input(name, _C.OrtValue.ortvalue_from_numpy(array, cpu))
-        for name, value in cache:
+        for name, value in zip(self._kv_names, past):
             binding.bind_ortvalue_input(name, value._ortvalue)
         binding.clear_binding_outputs()
         for name in self._outputs:  # unallocated: ORT sizes them for this step (the cache grows)
@@ -521,14 +450,12 @@ class OrtEngine:
         self.session._sess.run_with_iobinding(binding, self._run_options)
         outputs = binding.get_outputs()  # pybind values: wrapped (ort.OrtValue) only where they become the cache
         self._step_inputs = arrays, past, rows, logit_positions  # what the bound inputs' memory belongs to, until the next step rebinds
-        if self.kv_spec is None:
-            return outputs[0].numpy(), [ort.OrtValue(outputs[i]) for i in range(1, len(outputs))]
         # indexed, not iterated: iterating the vector gives views of its slots, which the next step reuses
-        return outputs[0].numpy(), self._next_cache(past, {n: outputs[i] for i, n in enumerate(self._outputs)}, position_ids)
+        return outputs[0].numpy(), [ort.OrtValue(outputs[i]) for i in range(1, len(outputs))]
 
     def _bind_rows(self, batch: int, slots) -> list[np.ndarray]:
-        """A stacked engine's per-row inputs for ``slots`` (B,): the one-hot ``adapter_mask`` and each row's KV
-        statics, bound; the arrays (kept by the caller until the step has run). Nothing on other engines."""
+        """A stacked engine's per-row input for ``slots`` (B,): the one-hot ``adapter_mask``, bound; the arrays (kept
+        by the caller until the step has run). Nothing on other engines."""
         if not self.interface.stacked:
             if slots is not None and np.any(np.asarray(slots) != 0):
                 raise ValueError(f"slots {np.asarray(slots).tolist()}: this engine (interface version "
@@ -539,11 +466,8 @@ class OrtEngine:
             raise ValueError(f"slots {slots.tolist()}: one per row ({batch}), each below the {self.slots} bound")
         mask = np.zeros((batch, self.slots), dtype=np.float32)
         mask[np.arange(batch), slots] = 1.0
-        arrays = [(ADAPTER_MASK, mask)] + [(n, np.ascontiguousarray(v[slots])) for n, v in self._slot_static.items()]
-        binding, cpu = self._binding._iobinding, self._cpu
-        for name, array in arrays:
-            binding.bind_ortvalue_input(name, _C.OrtValue.ortvalue_from_numpy(array, cpu))
-        return [a for _, a in arrays]
+        self._binding._iobinding.bind_ortvalue_input(ADAPTER_MASK, _C.OrtValue.ortvalue_from_numpy(mask, self._cpu))
+        return [mask]
 
     def _forward_paged(self, input_ids, position_ids, attention_mask, past: PagedCache | PagesCache, rows: list,
                        logit_positions):
@@ -566,29 +490,11 @@ class OrtEngine:
         past.append({"pool_" + n[len("new_"):]: outputs[i].numpy() for i, n in enumerate(self._outputs) if i}, real)
         return outputs[0].numpy(), past
 
-    def _next_cache(self, past: PackedCache, out: dict, position_ids: np.ndarray) -> PackedCache:
-        """The graph appended every new token to the packed cache. While the sink is not full
-        (only before any token was quantized: the sink holds the *first* tokens), the first
-        new tokens move to the fp16 sink instead, as in ``kernels.kv_quant.QuantizedKVCache``."""
-        body = {n: ort.OrtValue(out["present_" + n[len("past_"):]]) for n in self._kv_names}
-        positions = np.concatenate([past.positions, position_ids], axis=1)  # (B, P + T)
-        take = min(self.kv_spec["sink_tokens"] - past.sink_len, position_ids.shape[1])
-        if take <= 0:
-            return PackedCache(body, past.sink, positions)
-        assert past.positions.shape[1] == 0, "sink tokens come before every quantized token"
-        sink = {}
-        for n, value in past.sink.items():
-            new = out["new_" + n[len("sink_"):]].numpy()[:, :, :take]  # (B, nkv, take, d) fp16
-            sink[n] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(np.concatenate([value.numpy(), new], axis=2)))
-        body = {n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, take:])) for n, v in body.items()}
-        return PackedCache(body, sink, np.ascontiguousarray(positions[:, take:]))
-
     @property
     def merges_caches(self) -> bool:
-        """Whether caches of separate prefills can be merged into one batch (``concat_caches``): the
-        float cache, and a packed one without fp16 sink tokens (the default scheme). A sink holds each
-        row's first tokens apart from the body, so rows of other lengths do not line up by padding."""
-        return self.kv_spec is None or self.kv_spec["sink_tokens"] == 0
+        """Whether caches of separate prefills can be merged into one batch (``concat_caches``): every cache of this
+        backend can (the batcher's condition; TensorRT and eager engines have no ``concat_caches``)."""
+        return True
 
     def concat_caches(self, caches: list):
         """One cache of every row of ``caches``, in order, each left-padded with zero slots along the
@@ -597,14 +503,8 @@ class OrtEngine:
         not padded: their rows move into the result (the caches given are consumed)."""
         if self.pool is not None:
             return type(caches[0]).concat(caches)
-        if not self.merges_caches:
-            raise ValueError(f"a cache with {self.kv_spec['sink_tokens']} fp16 sink tokens cannot be merged")
-        if self.kv_spec is None:  # [K.0, V.0, ...], each (B, nkv, P, d)
-            return [_ort(_left_pad_concat([c[j].numpy() for c in caches], axis=2)) for j in range(len(caches[0]))]
-        return PackedCache(
-            {n: _ort(_left_pad_concat([c.body[n].numpy() for c in caches], axis=2)) for n in self._kv_names},
-            {n: _ort(np.concatenate([c.sink[n].numpy() for c in caches])) for n in self._sink_names},  # (B, nkv, 0, d)
-            _left_pad_concat([c.positions for c in caches], axis=1))
+        # [K.0, V.0, ...], each (B, nkv, P, d)
+        return [_ort(_left_pad_concat([c[j].numpy() for c in caches], axis=2)) for j in range(len(caches[0]))]
 
     def take_cache_rows(self, cache, rows: np.ndarray, drop: int = 0):
         """The cache of ``rows`` (indices, in order) without its first ``drop`` past slots, which must
@@ -613,40 +513,25 @@ class OrtEngine:
         if self.pool is not None:
             return cache.take_rows(rows)
 
-        def take(value, axis=2):
-            index = (rows,) + (slice(None),) * (axis - 1) + (slice(drop, None),)
-            return np.ascontiguousarray(value[index])
-
-        if self.kv_spec is None:
-            return [_ort(take(v.numpy())) for v in cache]
-        return PackedCache({n: _ort(take(v.numpy())) for n, v in cache.body.items()},
-                           {n: _ort(np.ascontiguousarray(v.numpy()[rows])) for n, v in cache.sink.items()},
-                           take(cache.positions, axis=1))
+        return [_ort(np.ascontiguousarray(v.numpy()[rows, :, drop:])) for v in cache]
 
     def cache_bytes(self, cache) -> int:
         """Bytes ``cache`` holds: rows x past slots x ``kv_bytes_per_token`` (every slot, the padding of rows
-        shorter than the longest included) plus the fp16 sink; a paged cache: the blocks its rows hold (a row's
-        last block only partly filled). From the shapes: nothing is read."""
+        shorter than the longest included); a paged cache: the blocks its rows hold (a row's last block only partly
+        filled). From the shapes: nothing is read."""
         if isinstance(cache, (PagedCache, PagesCache)):
             return cache.allocated_bytes()
-        if self.kv_spec is None:
-            rows, _, past, _ = cache[0].shape()
-            return rows * past * self.kv_bytes_per_token
-        rows, _, past, _ = next(iter(cache.body.values())).shape()
-        return rows * (past * self.kv_bytes_per_token + cache.sink_len * self._sink_bytes_per_token)
+        rows, _, past, _ = cache[0].shape()
+        return rows * past * self.kv_bytes_per_token
 
     def cache_to_numpy(self, cache):
-        """Float engine: [K.0, V.0, ...]; quantized engine: {input name: array} of body, sink and positions.
-        Copies: ``OrtValue.numpy()`` is a view that does not keep the value alive, so once a cache made by
+        """[K.0, V.0, ...], each (B, nkv, P, d); quantized pages: {pool name: the rows' pages}. Copies:
+        ``OrtValue.numpy()`` is a view that does not keep the value alive, so once a cache made by
         ``ortvalue_from_numpy`` (``concat_caches``, ``take_cache_rows``) is dropped its view reads freed memory."""
-        if isinstance(cache, PackedCache):
-            arrays = {n: v.numpy().copy() for n, v in (cache.body | cache.sink).items()}
-            return arrays | {"past_positions": cache.positions.copy()}
         if isinstance(cache, PagesCache):  # {pool name: the rows' float pages, or their sealed ones}
             return cache.to_numpy()
         if isinstance(cache, PagedCache):  # as the padded engine's cache of rows this long, right-padded with zeros
-            arrays = {"past_" + n[len("pool_"):]: self._rows_of(cache, n) for n in self.pool.values}
-            return list(arrays.values()) if self.kv_spec is None else arrays
+            return [self._rows_of(cache, n) for n in self.pool.values]
         return [v.numpy().copy() for v in cache]
 
     def _rows_of(self, cache: PagedCache, name: str) -> np.ndarray:

@@ -227,9 +227,8 @@ class TensorRTEngine:
         self._torch = torch
         engine_dir = Path(engine_dir)
         self.interface = read_interface(engine_dir)
-        if self.interface.quantized_kv or self.interface.paged:
-            kind = "quantized" if self.interface.quantized_kv else "paged"
-            raise ValueError(f"{engine_dir}: {kind} KV cache; only the onnxruntime backend runs it so far")
+        if self.interface.paged:
+            raise ValueError(f"{engine_dir}: paged KV cache; only the onnxruntime backend runs it so far")
         if plan_file == PLAN_FILE:
             ensure_plan(engine_dir)  # first use on this GPU, or the graph / TensorRT changed since
         self._logger = trt.Logger(trt.Logger.WARNING)

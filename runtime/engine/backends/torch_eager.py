@@ -17,8 +17,8 @@ class TorchEngine:
     def __init__(self, model_dir: str | Path, interface: EngineInterface, threads: int | None = 2):
         if threads:
             torch.set_num_threads(threads)
-        if interface.quantized_kv:  # its PyTorch reference is Backbone + kernels.kv_quant.QuantizedKVCache
-            raise ValueError("quantized KV cache: the eager backend runs float-KV interfaces only")
+        if interface.paged:  # its PyTorch reference is the padded Backbone; pages live in the ORT runtime
+            raise ValueError("paged KV cache: the eager backend runs padded float-KV interfaces only")
         self.interface = interface
         self.model = load_backbone(model_dir, interface.target_modules)
         self._lora: tuple[torch.Tensor, ...] = ()
