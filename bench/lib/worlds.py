@@ -120,11 +120,11 @@ def make_tiny_release(root: Path, base: Path, engine_dir: Path, adapter: Path, m
 
 def engine_form(engine_dir: Path) -> dict:
     """What a benchmark records of the engine it served: interface version, cache and adapter form."""
-    from kernels.kv_spec import KVQuantSpec
+    from kernels.kv_spec import PageQuantSpec
     from runtime.engine.interface import read_interface
 
     iface = read_interface(engine_dir)
-    kv_cache = KVQuantSpec.from_dict(iface.kv_spec).name if iface.kv_spec else "float"
+    kv_cache = PageQuantSpec.from_dict(iface.kv_pages).name if iface.kv_pages else "float"
     return {"dir": str(engine_dir), "interface_version": iface.version, "kv_cache": kv_cache,
             "kv_block_size": iface.kv_block_size, "stacked": iface.stacked, "weights": iface.weight_precision}
 
@@ -198,8 +198,8 @@ def int4_serving_engine(base: Path, export: Path, out: Path, threads: int, kv_ca
 
 
 def build_int4_world(shape: str, root: Path, threads: int, kv_cache: str = "quantized_pages") -> dict:
-    """The backbone, our int4 / 4-bit-KV serving engine (``kv_cache``: ``engine.kv_cache``'s static scheme or
-    quantized pages), a rank-8 adapter and its signed release, in ``root``; an earlier build there (``world.json``,
+    """The backbone, our int4 serving engine (``kv_cache``: ``engine.kv_cache``, the 4-bit quantized pages or the
+    float cache), a rank-8 adapter and its signed release, in ``root``; an earlier build there (``world.json``,
     written last) is reused."""
     record = root / "world.json"
     if record.is_file():
