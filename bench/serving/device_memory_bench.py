@@ -172,13 +172,14 @@ class ClientRun:
     completion_tokens: int = 0
     error: str | None = None
     started: threading.Event = field(default_factory=threading.Event)  # first token (or failure): the next may send
+    posted: threading.Event = field(default_factory=threading.Event)  # sent: the next never sends before it
 
 
 def drive(port: int, prompts: list, runs: list[ClientRun], model: str, max_tokens: int, staggered: bool,
           extra: dict, decoding=lambda row: False) -> None:
     """One thread per prompt, each streaming one greedy completion through the openai SDK into its ``runs`` entry;
-    with ``staggered`` each sends once the one before it has its first token (or ended), or ``decoding(row)`` says
-    the server decodes that row (polled every ``POLL_S``)."""
+    with ``staggered`` each sends after the one before it, once that one has its first token (or ended), or
+    ``decoding(row)`` says the server decodes it (polled every ``POLL_S``)."""
     import openai
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="device-memory-bench", max_retries=0,
@@ -187,9 +188,13 @@ def drive(port: int, prompts: list, runs: list[ClientRun], model: str, max_token
     def one(i: int) -> None:
         run = runs[i]
         if staggered and i:
+            # ``decoding`` reads a KV gauge that the rows already decoding grow too: it can pass the next row's
+            # threshold before the row before it was sent
+            runs[i - 1].posted.wait()
             while not runs[i - 1].started.wait(POLL_S) and not decoding(i - 1):
                 pass
         run.sent = time.perf_counter()
+        run.posted.set()
         try:
             stream = client.completions.create(model=model, prompt=prompts[i], max_tokens=max_tokens, temperature=0,
                                                stream=True, stream_options={"include_usage": True}, extra_body=extra)
