@@ -12,10 +12,9 @@ and may draw a chart beside its JSON; this driver knows no benchmark's JSON. The
 * ``bench/results/latest.md``: one table, every figure with the command that produced it, and the
   charts the benchmarks drew.
 
-``bench.flow.flow_bench`` runs first and keeps its project copy (``$FLOW_PROJECT``) until the end: the KV
-schemes report measures the default month on its 2026-11 adapter, and the hot-swap load test swaps its
-two published months. Without that copy (the flow failed) they fall back to their stand-alone modes,
-and the table says so. A benchmark that fails is a FAILED row with its exit code and last error line,
+``bench.flow.flow_bench`` runs first and keeps its project copy (``$FLOW_PROJECT``) until the end: the
+hot-swap load test swaps its two published months. Without that copy (the flow failed) it falls back to its
+stand-alone mode, and the table says so. A benchmark that fails is a FAILED row with its exit code and last error line,
 and the exit code is 1; one that cannot run on this machine (``bench.engine.gpu_check`` without TensorRT) is
 a SKIPPED row.
 """
@@ -39,7 +38,6 @@ from bench.lib.flow_project import ENV
 from bench.lib.report import REPO, write_report
 from bench.lib.report import RESULTS as RESULTS_DIR
 from bench.lib.tables import table
-from runtime.engine.adapter_config import ADAPTER_CONFIG
 
 RESULTS = "$RESULTS"  # placeholders in the commands the table states
 FLOW_PROJECT = "$FLOW_PROJECT"
@@ -61,20 +59,11 @@ class Bench:
 
 
 def plan(flow_ready: bool) -> list[Bench]:
-    """The benchmarks in the order they run; the two after flow_bench use its project when it is there."""
-    adapter = f"{FLOW_PROJECT}/artifacts/{FLOW_MONTHS[0]}/finetune/adapter"
-    month = ("--base", f"{FLOW_PROJECT}/models/base", "--adapter", adapter, "--data", f"{FLOW_PROJECT}/data/{FLOW_MONTHS[0]}",
-             "--engine", f"{FLOW_PROJECT}/engine")
+    """The benchmarks in the order they run; the one after flow_bench uses its project when it is there."""
     return [
         Bench("bench.flow.flow_bench", "monthly flow: first run, unchanged rerun, next month",
               ("--workdir", "$WORK/flow", "--out", f"{RESULTS}/flow_bench.json"),
               f"full: the whole flow on the embedded default, {FLOW_MONTHS[0]} twice then {FLOW_MONTHS[1]}", 2400),
-        Bench("bench.quality.kv_schemes", "KV-cache quantization schemes: quality and bytes per token (PyTorch reference cache)",
-              ("--quick",) + (month if flow_ready else ()) + ("--out", f"{RESULTS}/kv_schemes.json"),
-              "quick (--quick): stdlib-text model trained 20 steps, 8 windows of 64 tokens, 64 test rows; the full "
-              "run trains 600 steps (about 4 min more) and its quality figures are the ones to quote"
-              + ("; default month = the flow's 2026-11 base + adapter" if flow_ready else
-                 "; no default month: the flow benchmark left no adapter"), 900),
         Bench("bench.serving.hotswap_bench", "hot-swap under open-loop load: 20, 50, 100 req/s, swaps every 1 s",
               ("--out", f"{RESULTS}/hotswap_bench.json") if flow_ready else ("--tiny", "--out", f"{RESULTS}/hotswap_bench.json"),
               "full (per rate 3 s + 8 s swapping + 3 s); " + (f"the flow's published {FLOW_MONTHS[0]} and {FLOW_MONTHS[1]} releases"
@@ -82,8 +71,6 @@ def plan(flow_ready: bool) -> list[Bench]:
               600, FLOW_PROJECT if flow_ready else ""),
         Bench("bench.engine.engine_bench", "engine vs eager decode, LoRA as inputs vs merged",
               ("--out", f"{RESULTS}/engine_bench.json"), "full (default flags: tiny and 0.5B-width, 400 iterations)", 900),
-        Bench("bench.engine.kv_engine_bench", "quantized vs float KV cache inside the ONNX Runtime engine",
-              ("--out", f"{RESULTS}/kv_engine_bench.json"), "full (default flags: 300 iterations)", 900),
         Bench("bench.engine.paged_kv_bench", "paged vs padded KV cache: bytes allocated for rows of 128-1024 tokens, decode tokens/s",
               ("--out", f"{RESULTS}/paged_kv_bench.json"), "full (default flags: 200 iterations, blocks of 16 tokens)", 900),
         Bench("bench.serving.mixed_adapters_bench", "8 clients over 4 adapters vs 8 on one: rows of several releases in one batch",
@@ -248,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         for bench in plan(flow_ready=False):
             if only is not None and bench.name not in only:
                 continue
-            if bench.name in ("kv_schemes", "hotswap_bench"):  # decided once the flow benchmark has run
+            if bench.name == "hotswap_bench":  # decided once the flow benchmark has run
                 bench = next(b for b in plan(flow_ready=flow_ready(Path(places[FLOW_PROJECT]))) if b.name == bench.name)
             records.append(run_bench(bench, run_places))
         wall = time.perf_counter() - start
@@ -262,13 +249,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def flow_ready(project: Path) -> bool:
-    """The flow benchmark left a 2026-11 adapter and two packaged releases (kv_schemes and hotswap use them)."""
+    """The flow benchmark left two packaged releases (hotswap_bench serves them)."""
     from tasks.config import parse_config
     from tasks.layout import PACKAGE, RELEASE_DIR
 
     layout = parse_config({"data": {"month": FLOW_MONTHS[0]}}).layout  # the flow benchmark runs the defaults
-    return ((project / layout.adapter_dir / ADAPTER_CONFIG).exists()
-            and len(list((project / layout.output_dir).glob(f"*/{PACKAGE}/{RELEASE_DIR}/manifest.json"))) >= 2)
+    return len(list((project / layout.output_dir).glob(f"*/{PACKAGE}/{RELEASE_DIR}/manifest.json"))) >= 2
 
 
 if __name__ == "__main__":

@@ -10,9 +10,7 @@ default widths and the Qwen2-0.5B widths with 6 layers, both vocabulary 512):
 * the random-weight Hugging Face backbone and LoRA adapter of ``bench.lib.backbones``, and our
   engines fp32 / int8 / int4 (ONNX Runtime, ``MatMulNBits`` RTN at the release's block size, adapter
   bound as inputs) and int8 / int4 with the adapter merged into the weights before quantizing
-  (``_merged``), built by ``bench.lib.backbones.build_weight_variants``; beside them int8 / int4 on
-  the release's default quantized KV cache (``int8_kv4``, ``int4_kv4``: 4-bit per-channel cache read
-  by GroupQueryAttention, scales calibrated on random tokens), what a device serves by default;
+  (``_merged``), built by ``bench.lib.backbones.build_weight_variants``;
 * the *same* backbone directory converted to GGUF with the converter that the llama-cpp-python
   sdist vendors (``vendor/llama.cpp/convert_hf_to_gguf.py``, ``conversion/``, ``gguf-py/``): F32,
   F16 and Q8_0 by the converter, Q4_0 by ``llama_model_quantize`` (llama.cpp's own quantizer, the
@@ -34,9 +32,8 @@ default widths and the Qwen2-0.5B widths with 6 layers, both vocabulary 512):
 Pairs are judged like for like: ours with the rank-8 LoRA on q/k/v/o as inputs (as served) against
 llama.cpp with the same adapter applied at run time, and ours with the adapter merged against
 llama.cpp's base alone (the same compute: no adapter term on either side). Ours with the adapter
-against llama.cpp without one (the pairing of the first runs) and the ``_kv4`` rows are printed as
-information. llama.cpp's KV cache is F16 (its default), ours fp32 (4-bit in the ``_kv4`` rows);
-flash attention is on (what llama.cpp's ``auto`` picks on CPU; ``--flash-attn off`` to compare).
+against llama.cpp without one (the pairing of the first runs) is printed as information. llama.cpp's KV
+cache is F16 (its default), ours fp32; flash attention is on (what llama.cpp's ``auto`` picks on CPU; ``--flash-attn off`` to compare).
 
 Roofline: read bandwidth is measured before and after the timings (sums and maxima over a 512 MiB
 float32 array split over the threads, best of 10; the better of the two). Weight bytes read per
@@ -73,14 +70,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.lib.backbones import (
-    RANK,
-    TARGETS,
-    WEIGHT_QUANT_SHAPES,
-    build_weight_variants,
-    embedded_tokenizer_dir,
-    random_kv_scales,
-)
+from bench.lib.backbones import WEIGHT_QUANT_SHAPES, build_weight_variants, embedded_tokenizer_dir
 from bench.lib.llama_cpp_peer import (
     DEFAULT_SRC_DIR,
     PRE_TOKENIZER,
@@ -102,7 +92,6 @@ from runtime.engine.interface import ENGINE_ONNX
 from tasks.weights.graph import DEFAULT_BLOCK_SIZE
 
 ORT_VARIANTS = ("fp32", "int8", "int4", "int8_merged", "int4_merged")  # _merged: the adapter folded into the weights
-KV_VARIANTS = ("int8", "int4")  # also built on the quantized-KV engine, as ort_<weights>_kv4
 GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0")
 LORA_GGUF_TYPES = ("q8_0", "q4_0")  # also loaded with the adapter applied at run time, as llama_<type>_lora
 CONVERTER_TYPES = ("f32", "f16", "q8_0")  # q4_0: llama_model_quantize from the f32 file
@@ -114,8 +103,7 @@ PREFILL = 128
 PAIRS = (("int8", "q8_0_lora", ("decode", "prefill")), ("int4", "q4_0_lora", ("decode", "prefill")),
          ("int8_merged", "q8_0", ("decode", "prefill")), ("int4_merged", "q4_0", ("decode", "prefill")),
          ("fp32", "f32", ("prefill",)),  # ours carries the adapter, llama.cpp not
-         ("int8", "q8_0", ()), ("int4", "q4_0", ()),  # the same mismatch, the pairing of the first runs
-         ("int8_kv4", "q8_0_lora", ()), ("int4_kv4", "q4_0_lora", ()))
+         ("int8", "q8_0", ()), ("int4", "q4_0", ()))  # the same mismatch, the pairing of the first runs
 ACCEPTANCE_CONFIG = "0.5b-width"
 
 
@@ -196,27 +184,6 @@ def read_bandwidth(mib: int = 512, threads: int = 2, repeats: int = 5) -> dict:
     return {"gb_s": a.nbytes / best / 1e9, "mib": mib, "threads": threads, "runs": 2 * repeats}
 
 
-def quantized_kv_variants(root: Path, lora: dict, threads: int) -> dict:
-    """``KV_VARIANTS`` on the release's default KV scheme: the quantized-KV engine compiled as the
-    compile stage does, its weights quantized, the adapter and calibrated scales bound."""
-    from runtime.engine.backends.onnxruntime import OrtEngine
-    from tasks.config import EngineConfig, KVConfig
-    from tasks.stages.compile import compile_engine
-    from tasks.weights.engines import quantize_engine_dir
-
-    spec = KVConfig().spec()
-    compile_engine(root / "base", root / "engine-kv", RANK, TARGETS, ort_threads=threads, kv_spec=spec.to_dict(),
-                   kv_attention=EngineConfig().kv_attention(spec))
-    scales = random_kv_scales(root / "base", lora, spec)
-    engines = {}
-    for weights in KV_VARIANTS:
-        out = root / f"engine-kv-{weights}"
-        quantize_engine_dir(root / "engine-kv", out, weights, DEFAULT_BLOCK_SIZE)
-        engines[f"{weights}_kv4"] = OrtEngine(out, threads=threads)
-        engines[f"{weights}_kv4"].set_adapter(lora, kv_scales=scales)
-    return engines
-
-
 def bench_config(llama_cpp, llama_dir: Path, name: str, pasts: list[int], iters: int, threads: int, work: Path,
                  flash_attn: bool) -> dict:
     import onnx
@@ -228,7 +195,6 @@ def bench_config(llama_cpp, llama_dir: Path, name: str, pasts: list[int], iters:
     cfg, engines, _ = build_weight_variants(name, dims, threads, work, list(ORT_VARIANTS))
     root = work / name  # build_weight_variants wrote base/ and adapter/ there
     lora = load_adapter(root / "adapter", engines["fp32"].interface)
-    engines |= quantized_kv_variants(root, lora, threads)
     lora_bytes = sum(np.asarray(v).nbytes for v in lora.values())
     streamed = {f"ort_{v}": onnx_streamed_bytes(onnx.load(str(e.engine_dir / ENGINE_ONNX), load_external_data=False))
                 + (0 if v.endswith("_merged") else lora_bytes) for v, e in engines.items()}
@@ -345,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "batch": 1, "threads": args.threads, "iters": args.iters, "pasts": pasts, "prefill": PREFILL,
         "flash_attn": args.flash_attn, "llama_cpp_kv_type": "f16", "ort_kv_type": "fp32",
-        "ort_variants": list(ORT_VARIANTS) + [f"{v}_kv4" for v in KV_VARIANTS], "block_size": DEFAULT_BLOCK_SIZE,
+        "ort_variants": list(ORT_VARIANTS), "block_size": DEFAULT_BLOCK_SIZE,
         "gguf_types": list(GGUF_TYPES) + [f"{t}_lora" for t in LORA_GGUF_TYPES], "pre_tokenizer_fallback": PRE_TOKENIZER,
         "weight_bytes_rule": "stored weight tensors except the token embedding (gathered, not streamed); "
                              "ORT: initializers not read only by Gather + bound LoRA inputs; GGUF: tensors but token_embd.weight",

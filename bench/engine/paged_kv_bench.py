@@ -11,8 +11,8 @@ tiny default backbone (``bench.lib.backbones.SHAPES["tiny"]``) with a rank-8 LoR
   decode tokens/s            the same eight rows decoding together, one token per row per step, paged
                              and padded interleaved in short rounds (``bench.lib.timing.interleaved``).
 
-Engines: the shipped 4-bit GroupQueryAttention cache (``KVQuantSpec()``) and the float cache, each padded
-(interface version 5 / 3) and paged (version 6, blocks of ``--block`` tokens).
+Engines: the float cache, padded (interface version 3) and paged (version 6, blocks of ``--block`` tokens); the
+quantized pages are always paged, so they are measured against the float paged cache (``--pages``, below).
 
     python -m bench.engine.paged_kv_bench [--out bench/results/paged_kv_bench.json] [--iters 200] [--block 16]
 
@@ -45,14 +45,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.lib.backbones import QWEN2_05B, RANK, SHAPES, TARGETS, make_backbone_and_adapter, random_kv_scales
+from bench.lib.backbones import QWEN2_05B, RANK, SHAPES, TARGETS, make_backbone_and_adapter
 from bench.lib.report import RESULTS, Figure, progress, write_report
 from bench.lib.tables import format_ms, table
 from bench.lib.timing import PerRound, interleaved
-from kernels.kv_spec import KVQuantSpec, PageQuantSpec
+from kernels.kv_spec import PageQuantSpec
 
 LENGTHS = (128, 128, 256, 256, 512, 512, 1024, 1024)
-CACHES = {"K4c/V4c GQA op": KVQuantSpec().to_dict(), "float32": None}  # name -> kv_spec
+CACHE = "float32"  # the cache of the padded and paged engines: their rows are "float32 padded" and "float32 paged"
 # --pages: the backbones (make_backbone_and_adapter gives every one 4,096 positions: enough for these pasts) and the
 # two caches, name -> kv_pages (None: the float paged cache)
 PAGES_SHAPES = {"0.5b": {k: v for k, v in QWEN2_05B.items() if k != "max_position_embeddings"},
@@ -117,32 +117,26 @@ def run(iters: int, threads: int, block: int, work: Path) -> dict:
     dims = SHAPES["tiny"]
     model_dir, adapter_dir = make_backbone_and_adapter(work, dims)
     vocab = read_config(model_dir).vocab_size
-    rows, ratios = {}, {}
-    for name, spec in CACHES.items():
-        engines = {}
-        for layout, block_size in (("padded", None), ("paged", block)):
-            engine_dir = work / f"engine-{len(rows)}-{layout}"
-            compile_engine(model_dir, engine_dir, RANK, TARGETS, ort_threads=threads, kv_spec=spec,
-                           kv_attention="gqa" if spec else "standard", kv_block_size=block_size)
-            engine = OrtEngine(engine_dir, threads=threads)
-            lora = load_adapter(adapter_dir, engine.interface)
-            if spec is None:
-                engine.set_adapter(lora)
-            else:
-                engine.set_adapter(lora, kv_scales=random_kv_scales(model_dir, lora, KVQuantSpec(**spec)))
-            engines[layout] = engine
-        stats = interleaved({layout: decode_rounds(e, vocab) for layout, e in engines.items()}, iters, rounds=20)
-        for layout, engine in engines.items():
-            cache, _ = merged_batch(engine, vocab)
-            allocated, needed = cache_bytes(engine, cache), needed_bytes(engines["padded"])
-            del cache
-            rows[f"{name} {layout}"] = {
-                "kv_bytes_allocated": allocated, "kv_bytes_needed": needed, "kv_allocated_over_needed": allocated / needed,
-                "decode_step_ms": stats[layout]["median"], "decode_step_p10_ms": stats[layout]["p10"],
-                "decode_tokens_per_s": len(LENGTHS) / stats[layout]["median"] * 1e3}
-        paged, padded = rows[f"{name} paged"], rows[f"{name} padded"]
-        ratios[name] = {"paged_over_padded_tokens_per_s": paged["decode_tokens_per_s"] / padded["decode_tokens_per_s"],
-                        "paged_over_padded_allocated": paged["kv_bytes_allocated"] / padded["kv_bytes_allocated"]}
+    engines = {}
+    for layout, block_size in (("padded", None), ("paged", block)):
+        engine_dir = work / f"engine-{layout}"
+        compile_engine(model_dir, engine_dir, RANK, TARGETS, ort_threads=threads, kv_block_size=block_size)
+        engine = OrtEngine(engine_dir, threads=threads)
+        engine.set_adapter(load_adapter(adapter_dir, engine.interface))
+        engines[layout] = engine
+    stats = interleaved({layout: decode_rounds(e, vocab) for layout, e in engines.items()}, iters, rounds=20)
+    rows = {}
+    for layout, engine in engines.items():
+        cache, _ = merged_batch(engine, vocab)
+        allocated, needed = cache_bytes(engine, cache), needed_bytes(engines["padded"])
+        del cache
+        rows[f"{CACHE} {layout}"] = {
+            "kv_bytes_allocated": allocated, "kv_bytes_needed": needed, "kv_allocated_over_needed": allocated / needed,
+            "decode_step_ms": stats[layout]["median"], "decode_step_p10_ms": stats[layout]["p10"],
+            "decode_tokens_per_s": len(LENGTHS) / stats[layout]["median"] * 1e3}
+    paged, padded = rows[f"{CACHE} paged"], rows[f"{CACHE} padded"]
+    ratios = {CACHE: {"paged_over_padded_tokens_per_s": paged["decode_tokens_per_s"] / padded["decode_tokens_per_s"],
+                      "paged_over_padded_allocated": paged["kv_bytes_allocated"] / padded["kv_bytes_allocated"]}}
     return {"dims": dims, "rows": rows, "ratios": ratios, "loadavg_1m_after": os.getloadavg()[0]}
 
 
@@ -299,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"lengths": list(LENGTHS), "block_size": args.block, "threads": args.threads, "iters": args.iters,
                "lora_rank": RANK, "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
                "cpus": os.cpu_count(), "loadavg_1m_before": load_before, "results": res,
-               "kv_allocated_over_needed": res["rows"]["K4c/V4c GQA op paged"]["kv_allocated_over_needed"],
-               "kv_allocated_over_needed_padded": res["rows"]["K4c/V4c GQA op padded"]["kv_allocated_over_needed"]}
+               "kv_allocated_over_needed": res["rows"][f"{CACHE} paged"]["kv_allocated_over_needed"],
+               "kv_allocated_over_needed_padded": res["rows"][f"{CACHE} padded"]["kv_allocated_over_needed"]}
     write_report(args.out or RESULTS / "paged_kv_bench.json", payload)
     return 0
 

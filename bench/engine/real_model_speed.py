@@ -4,11 +4,10 @@
         [--out bench/results/real_model_speed.json] [--work bench/results/real_model]
 
 Not in CI nor in ``make bench``. One decoded token after a past of P, batch 1, ``--threads`` threads:
-* ours: the compile stage's quantized-KV engine (the shipped 4-bit cache, ``kv`` section) at fp32 weights
-  and its int8 / int4 copies (the serving recipe of ``tasks.weights.engines.ensure_quantized_engine``,
-  as ``engine.weights`` would build them), KV scales calibrated on real text
-  (``bench.lib.real_checkpoint.calibration_stats``), no adapter bound (the LoRA inputs are zeros: the
-  same compute as with an adapter);
+* ours: the compile stage's serving engine with quantized pages (the shipped 4-bit cache, ``kv`` section;
+  ``tasks.config.EngineConfig.cache_engine_dir``) at fp32 weights and its int8 / int4 copies (the serving recipe
+  of ``tasks.weights.engines.ensure_quantized_engine``, as ``engine.weights`` would build them), no adapter bound
+  (``bench.lib.real_checkpoint.served_engine``: the LoRA inputs are zeros, the same compute as with an adapter);
 * llama.cpp (the ``peer`` extra): F16, Q8_0 and Q4_0 (``bench.lib.llama_cpp_peer.checkpoint_ggufs``), each
   with a q4_0 and an f16 KV cache, flash attention on. One llama.cpp context is loaded at a time: each
   case's context is loaded, takes its past and is closed within each of its rounds (``llama_case``), and
@@ -34,7 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from bench.lib.llama_cpp_peer import checkpoint_ggufs, converter_dir, llama_steps, load_llama, require_llama_cpp
-from bench.lib.real_checkpoint import calibration_stats, served_engine
+from bench.lib.real_checkpoint import served_engine
 from bench.lib.report import RESULTS, Figure, write_report
 from bench.lib.tables import format_ms, table
 from bench.lib.timing import PerRound, engine_steps, interleaved
@@ -118,31 +117,31 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from runtime.engine.model import load_backbone, read_config
+    from runtime.engine.model import read_config
     from tasks.config import load_config
-    from tasks.models import load_tokenizer
     from tasks.stages.compile import compile_profile_engines
     from tasks.weights.engines import ensure_quantized_engine
 
     cfg = load_config(args.params)
-    if cfg.engine.kv_cache != "quantized":
-        raise SystemExit(f"error: {args.params}: engine.kv_cache is float; the bench times the served quantized cache")
+    if cfg.engine.kv_cache != "quantized_pages":
+        raise SystemExit(f"error: {args.params}: engine.kv_cache is {cfg.engine.kv_cache}; the bench times the served "
+                         "quantized pages")
     llama_cpp = require_llama_cpp()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
     pasts = [int(p) for p in args.pasts.split(",")]
     model_dir, work = Path(cfg.base_model.path), Path(args.work)
-    spec = cfg.kv.spec()
+    backbone_cfg = read_config(model_dir)
     compile_profile_engines(cfg)
-    dirs = {"fp32": cfg.layout.kv_engine_dir}
+    pages_dir = cfg.engine.cache_engine_dir
+    dirs = {"fp32": pages_dir}
     for weights in OUR_WEIGHTS[1:]:
-        dirs[weights] = work / f"kv-{weights}-b{cfg.engine.weight_block_size}"
-        ensure_quantized_engine(cfg.layout.kv_engine_dir, dirs[weights], weights, cfg.engine.weight_block_size)
-    stats = calibration_stats(load_backbone(model_dir), load_tokenizer(model_dir), cfg)
-    ours = {f"ours_{w}_kv4": served_engine(d, stats, spec, args.threads) for w, d in dirs.items()}
+        dirs[weights] = work / f"{pages_dir.name}-{weights}-b{cfg.engine.weight_block_size}"
+        ensure_quantized_engine(pages_dir, dirs[weights], weights, cfg.engine.weight_block_size)
+    ours = {f"ours_{w}_kv4": served_engine(d, args.threads) for w, d in dirs.items()}
     ggufs = checkpoint_ggufs(llama_cpp, converter_dir(args.llama_cpp_src), model_dir, work / "gguf", args.threads)
     peers = {f"llama_{t}_kv_{kv}": (ggufs[t], kv) for t in PEERS.values() for kv in LLAMA_KV}
-    vocab = SimpleNamespace(vocab_size=read_config(model_dir).vocab_size)
+    vocab = SimpleNamespace(vocab_size=backbone_cfg.vocab_size)
     rows: dict[str, dict] = {name: {} for name in [*ours, *peers]}
     for P in pasts:
         t0 = time.perf_counter()
@@ -162,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
 
     write_report(args.out, {
         "model": cfg.base_model.path, "batch": 1, "threads": args.threads, "iters": args.iters, "rounds": args.rounds, "pasts": pasts,
-        "kv_spec": spec.to_dict(), "weight_block_size": cfg.engine.weight_block_size, "flash_attn": True,
+        "kv_pages": cfg.kv.page_spec(backbone_cfg.head_dim).to_dict(), "kv_block_size": cfg.engine.kv_block_size,
+        "weight_block_size": cfg.engine.weight_block_size, "flash_attn": True,
         "rows": rows, "comparisons": comparisons, "served_engine": served, "served_p95_ms": p95,
         "gguf_files": {t: str(p) for t, p in ggufs.items()},
         "versions": {"llama_cpp_python": llama_cpp.__version__, "torch": torch.__version__,

@@ -19,8 +19,8 @@ Not in CI. Steps, all in one run:
 3. **Sizes.** Every ONNX file of every engine directory (graph, external data, ORT's optimized
    graph and its data), the largest single file against protobuf's 2 GiB cap; the package's bytes
    (``check.json``) and their share of the bf16 checkpoint.
-4. **Decode.** One token after a past of 512 (batch 1, 2 threads, the release's adapter and KV
-   scales bound) on the serving engines fp32 / int8 / int4 (the release's 4-bit KV cache), and
+4. **Decode.** One token after a past of 512 (batch 1, 2 threads, the release's adapter bound) on
+   the serving engines fp32 / int8 / int4 (the release's 4-bit quantized pages), and
    int4 with the LM head at int8 and at int4; all timed in one interleaved loop
    (``bench.lib.timing.interleaved``) with, when the ``peer`` extra is installed, llama.cpp F32 /
    Q8_0 / Q4_0 of the same directory (the same adapter applied at run time:
@@ -81,7 +81,6 @@ MONTH = "2026-11"
 SCHEDULE = {
     "data": {"month": MONTH, "train_size": 64, "val_size": 16, "calib_size": 16, "test_size": 32, "heldout_lines": 16},
     "train": {"steps": 4, "batch_size": 4, "warmup_steps": 1},
-    "kv": {"calib_batch_size": 8},
     "eval": {"batch_size": 16, "latency_prompts": 4, "latency_steps": 8},
     "engine": {"weights": "int4"},
 }
@@ -208,7 +207,7 @@ def package_size(project: Path, cfg, model_dir: Path) -> dict:
 # ---------------------------------------------------------------- 4./5. decode and the LM head
 
 def serving_dirs(project: Path, cfg) -> dict:
-    """The release's serving engines: the flow's fp32 one with the served cache (``engine/kv-paged16``:
+    """The release's serving engines: the flow's fp32 one with the served cache (``engine/kvpages-paged16-stacked``:
     ``tasks.config.EngineConfig.cache_engine_dir``, so every precision reads the same cache) and int4 one, int8 built here as
     the compile stage builds it, and int4 with each other LM head precision; {name: directory}, and the
     served head's bits."""
@@ -230,16 +229,13 @@ def serving_dirs(project: Path, cfg) -> dict:
 
 
 def open_serving(engine_dir: Path, project: Path, cfg, threads: int):
-    """An engine with the release's adapter and KV scales bound, as the device serves it."""
+    """An engine with the release's adapter bound, as the device serves it (its quantized pages take their scales
+    from their own K/V when they seal: the release ships none)."""
     from runtime.engine.adapter import load_adapter
-    from tasks.kv_stats import read_release_kv_scales
     from tasks.weights.engines import open_on_cpu
 
-    adapter_dir = project / cfg.layout.adapter_dir
     engine = open_on_cpu(engine_dir, threads)
-    scales = read_release_kv_scales(Path(cfg.base_model.path), adapter_dir, project / cfg.layout.kv_dir,
-                                    spec=engine.interface.kv_spec)
-    engine.set_adapter(load_adapter(adapter_dir, engine.interface), kv_scales=scales)
+    engine.set_adapter(load_adapter(project / cfg.layout.adapter_dir, engine.interface))
     return engine
 
 

@@ -7,7 +7,7 @@
     divergence.py       log-probabilities; the KL and top-1 agreement of two engines
     backbones.py        random backbones, adapters and the engines built from them
     worlds.py           backbones with engines and signed releases, for the serving benchmarks
-    real_checkpoint.py  a real checkpoint's text, KV statistics and served engine
+    real_checkpoint.py  a real checkpoint's text and served engine
     llama_cpp_peer.py   llama.cpp: install, converters, GGUF files, decoding, llama-server
     servers.py          a server in its own process
     serve_client.py     timed HTTP clients of a server

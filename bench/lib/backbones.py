@@ -1,6 +1,6 @@
 """Random backbones the engine benchmarks time: Hugging Face directories of a given shape, random LoRA adapters of
-them, the engines built from them (weight-quantized variants, KV scales from random tokens), and a backbone of
-Qwen2-0.5B's whole shape. Random weights measure cost, never quality."""
+them, the engines built from them (weight-quantized variants), and a backbone of Qwen2-0.5B's whole shape. Random
+weights measure cost, never quality."""
 
 from __future__ import annotations
 
@@ -106,21 +106,6 @@ def build_weight_variants(name: str, dims: dict, threads: int, work: Path, varia
             engine.set_adapter(lora)
         engines[v] = engine
     return cfg, engines, sizes
-
-
-def random_kv_scales(model_dir: Path, lora: dict, spec):
-    """KV scales for ``spec`` from the statistics of random tokens through the backbone with ``lora`` merged:
-    fine for latency, meaningless for quality."""
-    import numpy as np
-    import torch
-
-    from runtime.engine.model import load_backbone
-    from tasks.kv_stats import collect_kv_stats, kv_scales_from_stats
-
-    model = load_backbone(model_dir, merged_lora={k: torch.from_numpy(v) for k, v in lora.items()})
-    ids = torch.from_numpy(np.random.default_rng(1).integers(0, model.cfg.vocab_size, (4, 128)))
-    stats = collect_kv_stats(model, [(ids, torch.ones_like(ids))], spec.pre_rope_keys, 99.9, progress=False)
-    return kv_scales_from_stats(stats, spec, record={})
 
 
 def embedded_tokenizer_dir(work: Path) -> Path:

@@ -184,8 +184,8 @@ def int4_serving_engine(base: Path, export: Path, out: Path, threads: int, kv_ca
 
 
 def build_int4_world(shape: str, root: Path, threads: int, kv_cache: str = "quantized_pages") -> dict:
-    """The backbone, our int4 / 4-bit-KV serving engine (``kv_cache``: ``engine.kv_cache``'s static scheme or
-    quantized pages), a rank-8 adapter and its signed release, in ``root``; an earlier build there (``world.json``,
+    """The backbone, our int4 serving engine (``kv_cache``: ``engine.kv_cache``, the 4-bit quantized pages or the
+    float cache), a rank-8 adapter and its signed release, in ``root``; an earlier build there (``world.json``,
     written last) is reused."""
     record = root / "world.json"
     if record.is_file():

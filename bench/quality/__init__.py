@@ -1,2 +1,2 @@
-"""Quality studies: KV-cache and weight quantization schemes against the float model, on stdlib text, the default
-month and a real checkpoint."""
+"""Quality studies against the float model: KV-cache and weight quantization on the default month and a real
+checkpoint, and what a fine-tune costs the base."""

@@ -4,13 +4,14 @@
         [--out bench/results/real_model_quality.json] [--work bench/results/real_model] [--no-llama-cpp] [--kv-only]
 
 Not in CI nor in ``make bench``. ``PROFILE.yaml`` names the real checkpoint (``base_model.path``, e.g.
-``real-models/SmolLM2-135M-Instruct`` from ``make real-model``); the engines are the compile stage's
-(the float engine and the served quantized-KV engine, ``tasks.stages.compile.compile_profile_engines``, reused when built)
-and weight-quantized copies of them (``tasks.weights.engines``) in ``--work``.
+``real-models/SmolLM2-135M-Instruct`` from ``make real-model``) and serves ``engine.kv_cache: quantized_pages``; the
+engines are the compile stage's (the float engine and the serving engine with quantized pages,
+``tasks.stages.compile.compile_profile_engines``, reused when built) and weight-quantized copies of the float one
+(``tasks.weights.engines``) in ``--work``.
 
 Text: real prose and code this machine has offline, never task rows: the topics of Python's reference
 manual (``pydoc_data.topics``) and the standard library's ``*.py`` sources, split by a hash of the
-document name into ``calib`` (KV scales are set there) and ``eval`` (every number is read there).
+document name into ``calib`` and ``eval``; every number is read on ``eval``.
 Each eval document gives one row of ``context + score`` token ids; the cache is filled the way decoding
 fills it: the first ``context`` tokens in one prefill, then the scored tokens, each predicted with at least
 ``context`` tokens behind it (prose and code alternate). Our engines take the scored tokens in chunks of one KV
@@ -30,15 +31,11 @@ stored bits per value at the row's length, everything counted) and ``served`` (t
 Rows:
 * ours, weights fp32 / int8 / int4 (the serving recipe: MatMulNBits RTN at ``engine.weight_block_size``,
   LM head int8) with the float cache, int4 with a 4-bit LM head, and int4 at other block sizes (below);
-* ours, the served KV cache, run by ONNX Runtime (``kv_read: engine``): with ``engine.kv_cache: quantized_pages``
-  the serving engine's quantized pages (``kernels.kv_spec.PageQuantSpec``, sealed by the runtime as the pages fill);
-  with ``engine.kv_cache: quantized`` the compile stage's KV engine with static scales calibrated on the calib
-  documents;
+* ours, the served KV cache, run by ONNX Runtime (``kv_read: engine``): the serving engine's quantized pages
+  (``kernels.kv_spec.PageQuantSpec``, sealed by the runtime as the pages fill);
 * the same scheme at the other widths in PyTorch (``kv_read: reference``): quantized pages at 8, 3 and 2 bits through
-  ``tasks.checks.page_quality.page_read_logits`` (the decode above in one forward), the static scheme through the
-  reference cache of ``kernels.kv_quant`` (``tasks.checks.kv_quality.grid_specs``, decoding token by token; it reads
-  the new token's own K/V in float, the engine quantized), the shipped width beside them. ``kv_bits`` counts every
-  stored byte per value at the row's length (``PageQuantSpec.stored_bits_per_value``, ``kernels.kv_spec.bytes_per_token``);
+  ``tasks.checks.page_quality.page_read_logits`` (the decode above in one forward), the shipped width beside them.
+  ``kv_bits`` counts every stored byte per value at the row's length (``PageQuantSpec.stored_bits_per_value``);
 * llama.cpp (the ``peer`` extra) at F16 and Q8_0 (its converter, ``convert_hf_to_gguf.py``, from the
   bf16 checkpoint), Q4_0 and Q4_K_M (``llama_model_quantize`` from the F16 file, its defaults: it keeps
   some tensors at other types; ``gguf_tensor_types`` lists them), each with an f16, q8_0 and q4_0 KV
@@ -71,7 +68,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.lib.llama_cpp_peer import checkpoint_ggufs, converter_dir, gguf_tensor_types, load_llama, require_llama_cpp
-from bench.lib.real_checkpoint import CALIB_WINDOW, CALIB_WINDOWS, calibration_stats, real_documents, served_engine
+from bench.lib.real_checkpoint import real_documents, served_engine
 from bench.lib.report import RESULTS, Figure, write_report
 from bench.lib.tables import table
 from runtime.engine.interface import CACHE_KEY_FILE
@@ -169,29 +166,6 @@ def engine_decode_logits(engine, ids: list[int], prefix: int, chunk: int = 1) ->
     return np.concatenate(out)
 
 
-def reference_decode_logits(backbone, ids: list[int], prefix: int, spec, scales: dict) -> np.ndarray:
-    """``engine_decode_logits`` through ``kernels.kv_quant.QuantizedKVCache`` with the PyTorch backbone:
-    every token's K/V appended quantized, each step reading the past from the cache."""
-    import torch
-
-    from tasks.checks.kv_quality import fill_cache
-
-    x = torch.tensor([ids])
-    L = backbone.cfg.num_layers
-    with torch.no_grad():
-        pos = torch.arange(prefix)[None]
-        logits, present = backbone(x[:, :prefix], pos, torch.ones(1, prefix, dtype=torch.long), backbone.empty_past(1))
-        cache = fill_cache(backbone, present, pos, spec, scales)
-        out = [logits[0, -1]]
-        for t in range(prefix, len(ids) - 1):
-            pos = torch.tensor([[t]])
-            logits, present = backbone(x[:, t : t + 1], pos, torch.ones(1, t + 1, dtype=torch.long), cache.past())
-            for i in range(L):
-                cache.append(i, present[2 * i][:, :, -1:], present[2 * i + 1][:, :, -1:], pos)
-            out.append(logits[0, -1])
-    return torch.stack(out).numpy()
-
-
 def llama_decode_logits(llm, ids: list[int], prefix: int) -> np.ndarray:
     """``engine_decode_logits`` for llama.cpp (``logits_all``: ``scores`` holds every evaluated position)."""
     llm.reset()
@@ -208,14 +182,9 @@ def kv_label(spec) -> str:
 
 
 def kv_bits(spec, cfg, context_len: int, block_size: int) -> float:
-    """Stored bits per K or V value at ``context_len``, all overheads (quantized pages of ``block_size`` tokens:
-    ``PageQuantSpec.stored_bits_per_value``; the static scheme: ``kernels.kv_spec.bytes_per_token``)."""
-    from kernels.kv_spec import PageQuantSpec, bytes_per_token
-
-    if isinstance(spec, PageQuantSpec):
-        return spec.stored_bits_per_value(cfg.head_dim, block_size, context_len)
-    per_token = bytes_per_token(spec, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, context_len)
-    return 8.0 * per_token / (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim)
+    """Stored bits per K or V value at ``context_len`` in quantized pages of ``block_size`` tokens, all overheads
+    (``PageQuantSpec.stored_bits_per_value``)."""
+    return spec.stored_bits_per_value(cfg.head_dim, block_size, context_len)
 
 
 def weight_engines(float_dir: Path, work: Path, block_size: int) -> dict[str, Path]:
@@ -333,29 +302,18 @@ def build_key(engine_dir: Path) -> str:
     return (engine_dir / CACHE_KEY_FILE).read_text()
 
 
-def calibration_key(cfg) -> str:
-    """What the KV scales depend on besides the checkpoint: the calib windows and the clip percentile."""
-    return f"{CALIB_WINDOWS}x{CALIB_WINDOW} clip {cfg.kv.clip_percentile}"
-
-
 @dataclass
 class BaseModel:
-    """The checkpoint in PyTorch and its KV statistics on the calib documents, loaded by the first row that needs
-    them (a run whose rows were all measured before loads neither)."""
+    """The checkpoint in PyTorch, loaded by the first row that needs it (a run whose rows were all measured before
+    loads none)."""
 
     model_dir: Path
-    tokenizer: object
-    cfg: object  # the profile
 
     @cached_property
     def backbone(self):
         from runtime.engine.model import load_backbone
 
         return load_backbone(self.model_dir)
-
-    @cached_property
-    def stats(self) -> dict:
-        return calibration_stats(self.backbone, self.tokenizer, self.cfg)
 
 
 # ---------------------------------------------------------------- how a row's logits are made
@@ -371,18 +329,9 @@ def weight_logits(engine_dir: Path, context: int, chunk: int, threads: int) -> C
     return engine_logits(open_on_cpu(engine_dir, threads), context, chunk)
 
 
-def served_logits(engine_dir: Path, base: BaseModel, spec, context: int, chunk: int, threads: int) -> Callable:
-    """Ours with the served static quantized cache, its scales calibrated on the calib documents."""
-    return engine_logits(served_engine(engine_dir, base.stats, spec, threads), context, chunk)
-
-
 def pages_engine_logits(engine_dir: Path, context: int, chunk: int, threads: int) -> Callable:
-    """Ours on the serving engine with quantized pages (no scales to bind: each page has its own)."""
-    from runtime.engine.backends.onnxruntime import OrtEngine
-
-    engine = OrtEngine(engine_dir, threads=threads)
-    engine.set_adapter(None)
-    return engine_logits(engine, context, chunk)
+    """Ours on the serving engine with quantized pages."""
+    return engine_logits(served_engine(engine_dir, threads), context, chunk)
 
 
 def page_reference_logits(base: BaseModel, spec, context: int, block_size: int) -> Callable:
@@ -392,14 +341,6 @@ def page_reference_logits(base: BaseModel, spec, context: int, block_size: int) 
     from tasks.checks.page_quality import page_read_logits
 
     return lambda ids: page_read_logits(base.backbone, torch.tensor([ids]), spec, block_size, context)[0, context - 1 : -1].numpy()
-
-
-def reference_logits(base: BaseModel, spec, context: int) -> Callable:
-    """``spec`` through the reference cache of ``kernels.kv_quant``, decoding in PyTorch."""
-    from tasks.kv_stats import scales_from_stats
-
-    scales = scales_from_stats(base.stats, spec)
-    return lambda ids: reference_decode_logits(base.backbone, ids, context, spec, scales)
 
 
 def llama_logits(llama_cpp, path: Path, kv: str, run: QualityRun, threads: int) -> Callable:
@@ -416,24 +357,19 @@ def weight_row(run: QualityRun, engines: dict[str, Path], weights: str, threads:
                 partial(weight_logits, engines[weights], run.context, run.block_size, threads), kv_read="engine")
 
 
-def served_kv_row(run: QualityRun, cfg, base: BaseModel, threads: int) -> None:
-    """The served KV cache on its engine: quantized pages (the serving engine) or the static scheme (the KV engine)."""
-    if cfg.engine.kv_cache == "quantized_pages":
-        engine_dir = cfg.engine.cache_engine_dir  # fp32 weights, the pages: the cache alone against the reference
-        measure_row(run, "ours", "fp32", run.served, build_key(engine_dir),
-                    partial(pages_engine_logits, engine_dir, run.context, run.block_size, threads),
-                    kv_read="engine", note="the served cache: the serving engine's quantized pages")
-    else:
-        measure_row(run, "ours", "fp32", run.served, build_key(cfg.layout.kv_engine_dir) + calibration_key(cfg),
-                    partial(served_logits, cfg.layout.kv_engine_dir, base, run.served, run.context, run.block_size, threads),
-                    kv_read="engine", note="the served cache: the compile stage's KV engine")
+def served_kv_row(run: QualityRun, cfg, threads: int) -> None:
+    """The served KV cache on its engine: the serving engine's quantized pages."""
+    engine_dir = cfg.engine.cache_engine_dir  # fp32 weights, the pages: the cache alone against the reference
+    measure_row(run, "ours", "fp32", run.served, build_key(engine_dir),
+                partial(pages_engine_logits, engine_dir, run.context, run.block_size, threads),
+                kv_read="engine", note="the served cache: the serving engine's quantized pages")
 
 
-def measure_served(run: QualityRun, cfg, engines: dict[str, Path], base: BaseModel, threads: int, kv_only: bool) -> None:
+def measure_served(run: QualityRun, cfg, engines: dict[str, Path], threads: int, kv_only: bool) -> None:
     """The reference (ours, fp32 weights, float cache), the served cache, and unless ``kv_only`` the served weight
     precisions, and int4 with a 4-bit LM head and with blocks aligned to the checkpoint's grid."""
     weight_row(run, engines, "fp32", threads)
-    served_kv_row(run, cfg, base, threads)
+    served_kv_row(run, cfg, threads)
     if kv_only:
         return
     weight_row(run, engines, "int8", threads)
@@ -479,23 +415,17 @@ def own_float_cache_increase(rows: list[dict]) -> None:
 
 def measure_other_widths(run: QualityRun, cfg, engines: dict[str, Path], base: BaseModel, threads: int,
                          kv_only: bool) -> None:
-    """Unless ``kv_only``, int4 at the coarser block sizes; the served scheme at other widths (and the shipped one
+    """Unless ``kv_only``, int4 at the coarser block sizes; the served pages at other widths (and the shipped one
     beside them) in PyTorch."""
-    from tasks.checks.kv_quality import grid_specs
     from tasks.checks.page_quality import GRID_BITS
     from tasks.stages.compile import graph_source_hash
 
     for block in () if kv_only else INT4_BLOCKS[1:]:
         weight_row(run, engines, f"int4/b{block}", threads)
-    if cfg.engine.kv_cache == "quantized_pages":
-        for bits in GRID_BITS:
-            spec = replace(run.served, k_bits=bits, v_bits=bits)
-            measure_row(run, "ours", "fp32", spec, graph_source_hash() + build_key(cfg.layout.engine_dir),
-                        partial(page_reference_logits, base, spec, run.context, run.block_size), kv_read="reference")
-        return
-    for spec in grid_specs(cfg.kv.spec()).values():
-        measure_row(run, "ours", "fp32", spec, graph_source_hash() + build_key(cfg.layout.engine_dir) + calibration_key(cfg),
-                    partial(reference_logits, base, spec, run.context), kv_read="reference")
+    for bits in GRID_BITS:
+        spec = replace(run.served, k_bits=bits, v_bits=bits)
+        measure_row(run, "ours", "fp32", spec, graph_source_hash() + build_key(cfg.layout.engine_dir),
+                    partial(page_reference_logits, base, spec, run.context, run.block_size), kv_read="reference")
 
 
 def measure(args, cfg) -> dict:
@@ -514,8 +444,9 @@ def measure(args, cfg) -> dict:
     print(f"{len(rows_ids)} eval documents ({', '.join(n for n, _ in rows_ids)}), {args.context} tokens of context, "
           f"{args.score} scored each", flush=True)
 
-    if cfg.engine.kv_cache == "float":
-        raise SystemExit(f"error: {args.params}: engine.kv_cache is float; the bench measures the served quantized cache")
+    if cfg.engine.kv_cache != "quantized_pages":
+        raise SystemExit(f"error: {args.params}: engine.kv_cache is {cfg.engine.kv_cache}; the bench measures the served "
+                         "quantized pages")
     t0 = time.perf_counter()
     built = compile_profile_engines(cfg)  # the compile stage's engines, reused when the flow built them
     engines = ({"fp32": cfg.layout.engine_dir} if args.kv_only
@@ -526,14 +457,14 @@ def measure(args, cfg) -> dict:
     # engine's build key, the graph sources, the GGUF file), so a second run measures only what changed.
     cache = work / "rows" / hashlib.sha256(json.dumps([[ids for _, ids in rows_ids], args.context]).encode()).hexdigest()[:16]
     cache.mkdir(parents=True, exist_ok=True)
-    served = cfg.kv.page_spec(read_config(model_dir).head_dim) if cfg.engine.kv_cache == "quantized_pages" else cfg.kv.spec()
+    served = cfg.kv.page_spec(read_config(model_dir).head_dim)
     run = QualityRun(rows_ids, args.context, cache, time.monotonic() + 60.0 * args.time_budget, read_config(model_dir),
                      cfg.engine.kv_block_size or 16, served)
-    base = BaseModel(model_dir, tokenizer, cfg)
+    base = BaseModel(model_dir)
     # A slow machine may be stopped part way (measured rows are kept): the reference, the served cache, the served
     # weight precisions, llama.cpp, then the other block sizes and KV widths.
     print(format_table([]), flush=True)
-    measure_served(run, cfg, engines, base, args.threads, args.kv_only)
+    measure_served(run, cfg, engines, args.threads, args.kv_only)
     ggufs, types = {}, {}
     if not args.no_llama_cpp:
         ggufs, types = measure_llama_cpp(run, model_dir, work, args.llama_cpp_src, args.threads, args.kv_only)
@@ -541,8 +472,6 @@ def measure(args, cfg) -> dict:
     return {"rows": run.rows, "not_measured": run.not_measured, "documents": [n for n, _ in rows_ids],
             "gguf_files": {t: str(p) for t, p in ggufs.items()}, "gguf_tensor_types": types,
             "engines": {k: str(v) for k, v in engines.items()},
-            "kv_calibration": {"windows": CALIB_WINDOWS, "tokens_per_window": CALIB_WINDOW,
-                               "clip_percentile": cfg.kv.clip_percentile, "spec": cfg.kv.spec().to_dict()},
             "served_kv": {"kv_cache": cfg.engine.kv_cache, "spec": served.to_dict(), "block_size": run.block_size}}
 
 

@@ -2,7 +2,7 @@
 
     python -m bench.serving.device_memory_bench [--shape 0.5b|tiny] [--loads 8x2048,1x8192,mixed] [--servers ours,llama]
         [--max-tokens 64] [--threads 2] [--arrival staggered|together] [--rss-limit-gb 12] [--workdir DIR]
-        [--ort-memory arena|shrink|no_arena] [--prefill-chunk N] [--kv-cache quantized|quantized_pages]
+        [--ort-memory arena|shrink|no_arena] [--prefill-chunk N] [--kv-cache quantized_pages|float]
         [--llama-server PATH] [--llama-cpp-src SDIST_OR_DIR] [--out bench/results/device_memory_bench.json]
 
 Not in CI nor in ``make bench`` (the 0.5B world takes minutes to build and GBs of memory). The model, built
@@ -11,9 +11,9 @@ once into ``--workdir`` (reused when given; a temporary directory otherwise):
 * ``--shape 0.5b``: Qwen2-0.5B's shape with random weights (``bench.lib.backbones.build_qwen2_05b_shape``: 24
   layers, hidden 896, 14 heads, 2 KV heads, intermediate 4864, vocabulary 151,936); ``tiny``: the tiny world's
   random Qwen2 (``bench.lib.worlds.make_tiny_base``), for the tests;
-* ours: the serving engine the compile stage builds with ``engine.weights: int4`` (the quantized-KV engine of the
-  ``kv`` section's default 4-bit scheme in the ``engine`` section's default serving form, a paged cache and stacked
-  adapters, ``tasks.stages.compile.compile_engine``, then
+* ours: the serving engine the compile stage builds with ``engine.weights: int4`` (the ``kv`` section's default
+  4-bit quantized pages, or with ``--kv-cache float`` the float cache, in the ``engine`` section's default serving
+  form, a paged cache and stacked adapters, ``tasks.stages.compile.compile_engine``, then
   ``tasks.weights.engines.ensure_quantized_engine``), a random rank-8 adapter and its signed release
   (``bench.lib.worlds.build_int4_world``), served by ``python -m runtime serve`` as a device runs it (a device config for the
   threads);
@@ -172,13 +172,14 @@ class ClientRun:
     completion_tokens: int = 0
     error: str | None = None
     started: threading.Event = field(default_factory=threading.Event)  # first token (or failure): the next may send
+    posted: threading.Event = field(default_factory=threading.Event)  # sent: the next never sends before it
 
 
 def drive(port: int, prompts: list, runs: list[ClientRun], model: str, max_tokens: int, staggered: bool,
           extra: dict, decoding=lambda row: False) -> None:
     """One thread per prompt, each streaming one greedy completion through the openai SDK into its ``runs`` entry;
-    with ``staggered`` each sends once the one before it has its first token (or ended), or ``decoding(row)`` says
-    the server decodes that row (polled every ``POLL_S``)."""
+    with ``staggered`` each sends after the one before it, once that one has its first token (or ended), or
+    ``decoding(row)`` says the server decodes it (polled every ``POLL_S``)."""
     import openai
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="device-memory-bench", max_retries=0,
@@ -187,9 +188,13 @@ def drive(port: int, prompts: list, runs: list[ClientRun], model: str, max_token
     def one(i: int) -> None:
         run = runs[i]
         if staggered and i:
+            # ``decoding`` reads a KV gauge that the rows already decoding grow too: it can pass the next row's
+            # threshold before the row before it was sent
+            runs[i - 1].posted.wait()
             while not runs[i - 1].started.wait(POLL_S) and not decoding(i - 1):
                 pass
         run.sent = time.perf_counter()
+        run.posted.set()
         try:
             stream = client.completions.create(model=model, prompt=prompts[i], max_tokens=max_tokens, temperature=0,
                                                stream=True, stream_options={"include_usage": True}, extra_body=extra)
@@ -410,8 +415,8 @@ def measure(world: dict, loads: dict, servers: list[str], args, work: Path, chec
     dims = shape_dims(world)
     result = {"shape": args.shape, "dims": dims, "threads": args.threads, "max_tokens": args.max_tokens,
               "arrival": args.arrival, "rss_limit_gb": args.rss_limit_gb,
-              "ours": {"engine": str(world["engine"]), "weights": iface.weights, "kv_spec": iface.kv_spec,
-                       "kv_pages": iface.kv_pages,
+              "ours": {"engine": str(world["engine"]), "weights": iface.weights,
+                       "kv_cache": "quantized_pages" if iface.kv_pages else "float", "kv_pages": iface.kv_pages,
                        "kv_bytes_per_token": iface.kv_bytes_per_token, "logit_positions": iface.logit_positions,
                        "ort_memory": DEFAULT_ORT_MEMORY, "prefill_chunk": DEFAULT_PREFILL_CHUNK, "stored_weights": stored_weights(world["engine"])}
                       | our_options(args),
@@ -503,10 +508,12 @@ def figures(p: dict) -> list[Figure]:
     """Per load and server: the peak resident set and the KV bytes allocated over needed; then the headlines."""
     d = p["dims"]
     shape = f"{p['shape']} shape ({d['num_hidden_layers']} layers, hidden {d['hidden_size']}, vocabulary {d['vocab_size']})"
+    # a run recorded before ours could serve the float cache has no kv_cache: its cache was 4-bit
+    ours = f"ours (int4, {'float' if p.get('ours', {}).get('kv_cache') == 'float' else '4-bit'} KV)"
     rows = []
     for load, by in p["loads"].items():
         for server, r in by.items():
-            name = "ours (int4, 4-bit KV)" if server == "ours" else "llama-server (Q4_0, q4_0 KV)"
+            name = ours if server == "ours" else "llama-server (Q4_0, q4_0 KV)"
             killed = f"; killed over {p['rss_limit_gb']:g} GB" if r["over_rss_limit_at_s"] is not None else ""
             rows.append(Figure(f"{shape}, {load} ({p['arrival']} arrival, {p['max_tokens']} tokens each): {name} peak "
                                "resident set", r["peak_rss_bytes"],
@@ -549,9 +556,9 @@ def main(argv: list[str] | None = None) -> int:
                     "default: the server's)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="ours: the device config's prefill_chunk "
                     f"(tokens per prefill forward; default: the server's, {DEFAULT_PREFILL_CHUNK})")
-    ap.add_argument("--kv-cache", choices=("quantized_pages", "quantized"), default="quantized_pages",
+    ap.add_argument("--kv-cache", choices=("quantized_pages", "float"), default="quantized_pages",
                     help="ours: engine.kv_cache of the serving engine (4-bit quantized pages, the served cache, or the "
-                         "static 4-bit scheme; each world built in its own folder under --workdir)")
+                         "float cache; each world built in its own folder under --workdir)")
     ap.add_argument("--out", type=Path, default=RESULTS / "device_memory_bench.json")
     args = ap.parse_args(argv)
     servers = args.servers.split(",")
@@ -567,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="device-memory-") as tmp:
         work = args.workdir or Path(tmp)
-        root = work / (args.shape if args.kv_cache == "quantized" else f"{args.shape}-{args.kv_cache}")
+        root = work / f"{args.shape}-{args.kv_cache}"
         world = build_int4_world(args.shape, root, args.threads, args.kv_cache)
         result = report(measure(world, loads, servers, args, root,
                                 lambda partial: write_report(args.out, report(partial))))

@@ -6,7 +6,7 @@
 Uses two packaged releases under ``artifacts/*/package/release`` when there are at least two
 (with the engine, tokenizer and public key of ``params.yaml``); otherwise builds a tiny world
 (``bench.lib.worlds``) in a temporary directory: a random Qwen2 with a trained tokenizer, its compiled
-engine, two signed releases (months 2026-10 and 2026-11, different adapters and KV scales).
+engine, two signed releases (months 2026-10 and 2026-11, different adapters).
 
 The server runs in this process (the device's app under uvicorn on a free port, its default
 settings: batched decode, 16 in the batch, 16 queued, 503 beyond). The load is open-loop: per rate,

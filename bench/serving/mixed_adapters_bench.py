@@ -3,12 +3,12 @@
     python -m bench.serving.mixed_adapters_bench [--shape tiny|0.5b] [--rounds 6] [--clients 8] [--adapters 4]
         [--prompt-tokens 64] [--max-tokens 32] [--threads 2] [--workdir DIR] [--out bench/results/mixed_adapters_bench.json]
 
-The world is ``bench.lib.worlds.build_int4_world``'s (the default serving engine: int4 weights, the 4-bit
-GroupQueryAttention KV cache paged, adapters stacked, interface version 7 under 8; a rank-8 adapter and its signed
-release), plus the one-adapter form of the same engine (``tasks.stages.compile.compile_engine(stacked=False)``, then int4
-like the other): today's engine before mixed batches. The release is
-verified against each engine (``runtime.release.verify.verify_release``: it binds to both by the same contract) and
-bound to ``--adapters`` resident releases, release i with its LoRA B times (1 + i / 4) so that no two compute alike.
+The world is ``bench.lib.worlds.build_int4_world``'s (the default serving engine: int4 weights, 4-bit quantized
+pages, adapters stacked, interface version 9; a rank-8 adapter and its signed release), plus the one-adapter form of
+the same engine (``tasks.stages.compile.compile_engine(stacked=False)``, then int4 like the other): today's engine
+before mixed batches. The release is verified against each engine (``runtime.release.verify.verify_release``: it
+binds to both by the same contract) and bound to ``--adapters`` resident releases, release i with its LoRA B times
+(1 + i / 4) so that no two compute alike.
 
 A load is ``--clients`` requests submitted together to the real scheduler (``runtime.serve.batcher.Batcher``, as
 ``serve`` runs it, minus HTTP), each a greedy completion of ``--max-tokens`` tokens (no stop token: every row runs
@@ -21,7 +21,7 @@ time from the first submit to the last answer. Loads, interleaved in ``--rounds`
 
 Headline ``mixed_adapters_vs_one`` = median stacked_mixed / median stacked_one (issue 27's target >= 0.9);
 ``mixed_vs_today_one`` = stacked_mixed over today's engine on one adapter; ``stacked_one_vs_today_one`` = what the
-stacked graph costs one adapter (the mask multiply and the GQA scale fold, ``runtime.engine.kv_model.per_row_scales``).
+stacked graph costs one adapter (the mask multiply that gives each row its slot's LoRA).
 Each ratio also per CPU second of this process (``time.process_time``: the scheduler and ONNX Runtime's threads),
 which the other jobs on shared cores disturb less than the wall clock.
 Writes ``bench/results/mixed_adapters_bench.json`` (and the ``mixed_adapters_vs_one`` field of
@@ -64,7 +64,7 @@ def releases(world: dict, engine_dir: Path, count: int, threads: int) -> list:
     for i in range(count):
         handle = engine.fork()
         lora = {n: v * (1 + i / 4) if n.startswith("lora_B.") else v for n, v in verified.lora.items()}
-        handle.set_adapter(lora, kv_scales=verified.kv_scales)
+        handle.set_adapter(lora)
         out.append(ActiveRelease(f"{verified.release_id}-{i}", i + 1, verified.manifest, handle, time.time()))
     return out
 
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="mixed-adapters-") as tmp:
-        root = (args.workdir or Path(tmp)) / args.shape
+        root = (args.workdir or Path(tmp)) / f"{args.shape}-quantized_pages"  # device_memory_bench's folder for it
         world = build_int4_world(args.shape, root, args.threads)
         progress("the one-adapter engine ...")
         result = measure(world, one_adapter_engine(world, root, args.threads), args)

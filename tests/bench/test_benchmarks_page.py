@@ -19,10 +19,9 @@ def stamp(command: str, finished: str, start: list[float], end: list[float]) -> 
             "loadavg_end": end, "cpus": 2, "machine": "x86_64", "python": "3.11.7"}
 
 
-def kv_engine_payload(t: float) -> dict:
-    rows = {name: {"decode_512_ms": t * f, "decode_512_p10_ms": t * f, "kv_bytes_per_token_512": b}
-            for name, f, b in (("float32", 1.0, 4096.0), ("K4/V4", 1.2, 512.0))}
-    return {"results": {"rows": rows, "ratios_vs_float": {"K4/V4": {"decode_512": 1.2}}}}
+def paged_kv_payload(ratio: float) -> dict:
+    rows = {f"float32 {layout}": {"kv_allocated_over_needed": ratio * f} for layout, f in (("padded", 2.0), ("paged", 1.0))}
+    return {"results": {"rows": rows, "ratios": {"float32": {"paged_over_padded_tokens_per_s": 1.1}}}}
 
 
 def test_a_benchmark_writes_its_command_dates_and_load_into_its_json(tmp_path):
@@ -38,24 +37,25 @@ def test_a_benchmark_writes_its_command_dates_and_load_into_its_json(tmp_path):
 
 def test_every_figure_names_its_command_date_and_load_from_the_newest_stamped_run(tmp_path):
     (tmp_path / "latest").mkdir()
-    older = kv_engine_payload(9.0) | {"recorded": stamp("python -m bench.kv_engine_bench", "2026-11-01T10:00:00Z",
-                                                        [0.5, 0.4, 0.3], [0.7, 0.5, 0.3])}
-    newer = kv_engine_payload(1.0) | {"recorded": stamp("python -m bench.engine.kv_engine_bench --out $RESULTS/kv_engine_bench.json",
-                                                        "2026-12-01T10:00:00Z", [1.25, 1.0, 0.9], [2.5, 1.5, 1.1])}
-    (tmp_path / "kv_engine_bench.json").write_text(json.dumps(older))
-    (tmp_path / "latest" / "kv_engine_bench.json").write_text(json.dumps(newer))
+    older = paged_kv_payload(9.0) | {"recorded": stamp("python -m bench.paged_kv_bench", "2026-11-01T10:00:00Z",
+                                                       [0.5, 0.4, 0.3], [0.7, 0.5, 0.3])}
+    newer = paged_kv_payload(1.0) | {"recorded": stamp("python -m bench.engine.paged_kv_bench --out $RESULTS/paged_kv_bench.json",
+                                                       "2026-12-01T10:00:00Z", [1.25, 1.0, 0.9], [2.5, 1.5, 1.1])}
+    (tmp_path / "paged_kv_bench.json").write_text(json.dumps(older))
+    (tmp_path / "latest" / "paged_kv_bench.json").write_text(json.dumps(newer))
     # a benchmark that states no figures: the numbers of its JSON by key
-    (tmp_path / "kv_real_text.json").write_text(json.dumps({"rows": [{"kl_mean": 2959.0}], "recorded": stamp(
-        "python -m bench.quality.kv_real_text", "2026-12-01T11:00:00Z", [1.0, 1.0, 1.0], [1.0, 1.0, 1.0])}))
+    (tmp_path / "weight_quant_quality.json").write_text(json.dumps({"quantized": {"calib_kl": 2959.0}, "recorded": stamp(
+        "python -m bench.quality.weight_quant_quality", "2026-12-01T11:00:00Z", [1.0, 1.0, 1.0], [1.0, 1.0, 1.0])}))
     (tmp_path / "scale_bench.json").write_text(json.dumps({"flow_seconds": 1350.0}))  # before the stamp existed
     (tmp_path / "latest.json").write_text(json.dumps({"benches": []}))  # run_all's summary, not a benchmark
 
     page = render_page(tmp_path)
     rows = [line for line in page.splitlines() if line.startswith("| ") and not line.startswith("| figure")]
-    assert "| decode ms/token, past 512, float32 KV cache | 1.000 ms | `python -m bench.engine.kv_engine_bench --out " \
-           "$RESULTS/kv_engine_bench.json` | 2026-12-01T10:00:00Z | 1.25 → 2.50 (1 min; 15 min 1.10), 2 CPUs |" in rows
-    assert "9.000 ms" not in page  # the older run of the same benchmark
-    assert "| rows.0.kl_mean | 2,959 | `python -m bench.quality.kv_real_text` | 2026-12-01T11:00:00Z |" in page
+    assert "| KV bytes allocated / needed, 8 rows of 128-1024 tokens, float32 paged | 1.000 | `python -m " \
+           "bench.engine.paged_kv_bench --out $RESULTS/paged_kv_bench.json` | 2026-12-01T10:00:00Z | 1.25 → 2.50 (1 min; " \
+           "15 min 1.10), 2 CPUs |" in rows
+    assert "9.000" not in page  # the older run of the same benchmark
+    assert "| quantized.calib_kl | 2,959 | `python -m bench.quality.weight_quant_quality` | 2026-12-01T11:00:00Z |" in page
     assert all(row.count(" | ") == 4 and "CPUs |" in row for row in rows)  # every number: command, date, load
     assert "Not quoted (written before benchmarks stamped their command, date and load): `scale_bench.json`" in page
     assert "latest.json" not in page
@@ -88,21 +88,21 @@ def test_the_real_model_tables_are_figures_with_their_increase_and_speed_ratio(t
 def test_a_benchmark_not_run_again_keeps_the_section_the_page_had(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir(), second.mkdir()
-    kv = kv_engine_payload(2.0) | {"recorded": stamp("python -m bench.kv_engine_bench", "2026-11-01T10:00:00Z", [0.5] * 3, [0.5] * 3)}
-    (first / "kv_engine_bench.json").write_text(json.dumps(kv))
-    (first / "kv_real_text.json").write_text(json.dumps({"float_ppl": 100.0, "recorded": stamp(
-        "python -m bench.kv_real_text", "2026-11-01T11:00:00Z", [1.0] * 3, [1.0] * 3)}))
-    (second / "kv_real_text.json").write_text(json.dumps({"float_ppl": 250.0, "recorded": stamp(
-        "python -m bench.quality.kv_real_text", "2026-12-01T11:00:00Z", [1.0] * 3, [1.0] * 3)}))
+    kv = paged_kv_payload(2.0) | {"recorded": stamp("python -m bench.paged_kv_bench", "2026-11-01T10:00:00Z", [0.5] * 3, [0.5] * 3)}
+    (first / "paged_kv_bench.json").write_text(json.dumps(kv))
+    (first / "weight_quant_quality.json").write_text(json.dumps({"float_ppl": 100.0, "recorded": stamp(
+        "python -m bench.weight_quant_quality", "2026-11-01T11:00:00Z", [1.0] * 3, [1.0] * 3)}))
+    (second / "weight_quant_quality.json").write_text(json.dumps({"float_ppl": 250.0, "recorded": stamp(
+        "python -m bench.quality.weight_quant_quality", "2026-12-01T11:00:00Z", [1.0] * 3, [1.0] * 3)}))
     (second / "scale_bench.json").write_text(json.dumps({"flow_seconds": 1350.0}))  # unstamped: named at the end
     before = render_page(first)
 
     page = render_page(second, before)
 
-    kv_section = before[before.index("## kv_engine_bench"):before.index("## kv_real_text")]
-    assert kv_section in page and "2.000 ms" in kv_section  # kept as it was: bench/results/ is not in git
+    kv_section = before[before.index("## paged_kv_bench"):before.index("## weight_quant_quality")]
+    assert kv_section in page and "2.000" in kv_section  # kept as it was: bench/results/ is not in git
     assert "| float_ppl | 250 |" in page and "| float_ppl | 100 |" not in page  # the new run replaces the old
-    assert page.index("## kv_engine_bench") < page.index("## kv_real_text") < page.index("Not quoted")
+    assert page.index("## paged_kv_bench") < page.index("## weight_quant_quality") < page.index("Not quoted")
     assert render_page(second, page) == page  # rewriting it again changes nothing
 
 

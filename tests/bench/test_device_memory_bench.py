@@ -1,4 +1,4 @@
-"""The device memory bench on the tiny shape: the world it serves (int4 weights, the 4-bit KV cache), prompts of
+"""The device memory bench on the tiny shape: the world it serves (int4 weights, 4-bit quantized pages), prompts of
 exact lengths, and a mixed-length load through ``python -m runtime serve`` and the openai SDK, with the server's
 resident set and KV bytes read back (``/proc`` and its KV gauges). The world takes about 30 s to build, once."""
 
@@ -8,25 +8,30 @@ import pytest
 
 from bench.lib import worlds
 from bench.serving import device_memory_bench as bench
-from kernels.kv_spec import KVQuantSpec
+from kernels.kv_spec import PageQuantSpec
 from runtime.engine.interface import read_interface
 from runtime.engine.tokenizer import DeviceTokenizer
 from tasks.config import DEFAULT_KV_BLOCK_SIZE
 
+PAGES = PageQuantSpec(v_group_size=16)  # the served pages on the tiny head of 16 channels
+BLOCK = DEFAULT_KV_BLOCK_SIZE
+FLOAT_PAGE = 2 * 2 * 2 * BLOCK * 16 * 4  # 2 layers x K and V x 2 KV heads x 16 slots x 16 channels, fp32
+SEALED_PAGE = 2 * 2 * PAGES.sealed_page_bytes(16, BLOCK)  # 2 layers x 2 KV heads
+
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """The static 4-bit cache's world: its KV bytes per token are whole, which the load's slot counts below use."""
-    return worlds.build_int4_world("tiny", tmp_path_factory.mktemp("device-memory") / "tiny", threads=1,
-                                   kv_cache="quantized")
+    """The default world: int4 weights and the served cache, 4-bit quantized pages."""
+    return worlds.build_int4_world("tiny", tmp_path_factory.mktemp("device-memory") / "tiny", threads=1)
 
 
-def test_the_static_cache_world_serves_int4_weights_with_its_4_bit_kv_cache_paged_with_stacked_adapters(world):
+def test_the_world_serves_int4_weights_with_quantized_pages_and_stacked_adapters_and_no_release_scales(world):
     iface = read_interface(world["engine"])
-    assert iface.weight_precision == "int4" and iface.kv_spec == KVQuantSpec().to_dict()
-    assert (iface.kv_block_size, iface.stacked) == (DEFAULT_KV_BLOCK_SIZE, True)
-    assert iface.kv_bytes_per_token == 2 * 2 * 2 * 16 // 2  # 2 layers x K and V x 2 KV heads x 16 channels, 4 bits
-    assert worlds.build_int4_world("tiny", world["engine"].parent, threads=1, kv_cache="quantized") == world  # built once
+    assert iface.weight_precision == "int4" and iface.kv_pages == PAGES.to_dict()
+    assert (iface.kv_block_size, iface.stacked) == (BLOCK, True)
+    assert iface.kv_bytes_per_token == SEALED_PAGE // BLOCK == 89  # what a long row holds per token
+    assert not list(world["release"].glob("kv_scales*"))  # the device seals each page with its own scales
+    assert worlds.build_int4_world("tiny", world["engine"].parent, threads=1) == world  # built once
 
 
 def test_a_prompt_has_exactly_the_tokens_asked_and_no_two_rows_start_alike(world):
@@ -72,10 +77,15 @@ def test_a_mixed_length_load_reads_the_servers_resident_set_and_kv_bytes(world, 
     assert r["sent_s"] == sorted(r["sent_s"])  # staggered: each sent once the row before it decoded
     assert 0 < r["ready_rss_bytes"] <= r["end_rss_bytes"] <= r["peak_rss_bytes"]
     assert r["max_sampled_rss_bytes"] <= r["peak_rss_bytes"]
-    per_token = result["ours"]["kv_bytes_per_token"]
-    held, needed = r["kv_allocated_bytes"] / per_token, r["kv_needed_bytes"] / per_token  # in token slots
-    assert held == int(held) and needed == int(needed) and 0 < needed <= held <= 8 * max(contexts)
-    assert needed <= sum(contexts) and r["kv_allocated_over_needed"] == held / needed
+    assert (result["ours"]["kv_cache"], result["ours"]["kv_pages"]) == ("quantized_pages", PAGES.to_dict())
+    held, needed = r["kv_allocated_bytes"], r["kv_needed_bytes"]
+    tokens = needed / result["ours"]["kv_bytes_per_token"]  # the gauge counts the rows' tokens at a sealed page's rate
+    assert tokens == int(tokens) and 0 < tokens <= sum(contexts)
+    # held: whole pages, each row's first and open one float, those between sealed; at most every row at its context
+    assert any((held - f * FLOAT_PAGE) % SEALED_PAGE == 0 for f in range(1, 2 * len(contexts) + 1) if held >= f * FLOAT_PAGE)
+    pages = [-(-c // BLOCK) for c in contexts]
+    assert needed <= held <= sum(FLOAT_PAGE * min(n, 2) + SEALED_PAGE * max(n - 2, 0) for n in pages)
+    assert r["kv_allocated_over_needed"] == held / needed
     judged = bench.judge(result)
     assert judged["kv_allocated_over_needed"] == r["kv_allocated_over_needed"]
     assert judged["rss_vs_llama_server"] is None and "not measured" in judged["rss_vs_llama_server_note"]
@@ -84,24 +94,3 @@ def test_a_mixed_length_load_reads_the_servers_resident_set_and_kv_bytes(world, 
     # the server ran with the device config's prefill chunk (prompts of 16-112 tokens: 2-14 forwards each)
     assert (result["ours"]["prefill_chunk"], result["ours"]["ort_memory"]) == (8, "arena")
     assert '"prefill_chunk": 8' in (tmp_path / "device.json").read_text()
-
-
-def test_the_default_world_serves_quantized_pages_and_a_load_with_no_release_scales(tmp_path):
-    from kernels.kv_spec import PageQuantSpec
-    from runtime.engine.kv_scales import KV_SCALES_FILE
-
-    pages_world = worlds.build_int4_world("tiny", tmp_path / "tiny-pages", threads=1)  # the served cache, by default
-    iface = read_interface(pages_world["engine"])
-    assert iface.weight_precision == "int4" and iface.kv_spec is None
-    assert iface.kv_pages == PageQuantSpec(v_group_size=16).to_dict()  # the tiny head has 16 channels
-    assert not list(pages_world["release"].rglob(KV_SCALES_FILE))  # the device seals each page with its own scales
-    args = argparse.Namespace(shape="tiny", max_tokens=8, threads=1, arrival="staggered", rss_limit_gb=8.0,
-                              sample_s=0.01, report_s=0.05, llama_server=None, llama_cpp_src=None, ort_memory=None,
-                              prefill_chunk=16)
-
-    result = bench.measure(pages_world, {"two": (48, 80)}, ["ours"], args, tmp_path)
-
-    r = result["loads"]["two"]["ours"]
-    assert (r["errors"], r["exit_code"]) == (0, 0), r["error_examples"]
-    assert r["prompt_tokens"] == [40, 72] and result["ours"]["kv_pages"] == iface.kv_pages
-    assert 0 < r["kv_needed_bytes"] <= r["kv_allocated_bytes"] and 0 < r["peak_rss_bytes"]

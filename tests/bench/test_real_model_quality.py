@@ -49,13 +49,13 @@ def test_calib_and_eval_documents_never_share_a_name():
 
 def test_decoding_token_by_token_gives_the_full_forward_logits(tiny_llama_dir):
     """The float cache filled by a prefill and then one token per call predicts what one pass over
-    the whole row does, on the engine path and on the reference path (an 8-bit cache stays close)."""
-    from kernels.kv_spec import KVQuantSpec
+    the whole row does on the engine path; the pages' reference path reads the same until a token reads a sealed
+    page (8-bit pages stay close)."""
+    from kernels.kv_spec import PageQuantSpec
     from runtime.engine.backends.torch_eager import TorchEngine
     from runtime.engine.hashing import backbone_hash
     from runtime.engine.interface import build_interface
     from runtime.engine.model import load_backbone, read_config
-    from tasks.kv_stats import collect_kv_stats, scales_from_stats
 
     torch.manual_seed(0)
     ids = torch.randint(0, 300, (12,)).tolist()
@@ -72,10 +72,13 @@ def test_decoding_token_by_token_gives_the_full_forward_logits(tiny_llama_dir):
     np.testing.assert_allclose(rq.engine_decode_logits(TorchEngine(tiny_llama_dir, iface), ids, prefix=8, chunk=3), want,
                                atol=1e-4)
 
-    spec = KVQuantSpec(k_bits=8, v_bits=8)
-    stats = collect_kv_stats(backbone, [(torch.tensor([ids]), torch.ones(1, 12, dtype=torch.long))], False, progress=False)
-    quant = rq.reference_decode_logits(backbone, ids, 8, spec, scales_from_stats(stats, spec))
-    assert quant.shape == want.shape and 0 < np.abs(quant - want).max() < 0.05
+    # pages of 4 tokens (the tiny head has 8 channels: one value group): from position 8 on, a token reads page 1
+    # (tokens 4-7) sealed; position 7, the prefill's last, reads every page in float
+    spec = PageQuantSpec(k_bits=8, v_bits=8, v_group_size=8)
+    pages = rq.page_reference_logits(rq.BaseModel(tiny_llama_dir), spec, 8, 4)(ids)
+    assert pages.shape == want.shape
+    np.testing.assert_allclose(pages[0], want[0], atol=1e-4)
+    assert 0 < np.abs(pages[1:] - want[1:]).max() < 0.05
 
 
 def test_the_bootstrap_interval_resamples_documents_and_holds_the_increase():

@@ -32,11 +32,9 @@ def engine_payload():
     return {"results": {"tiny": {"rows": rows, "ratios": ratios}}}
 
 
-def kv_engine_payload():
-    rows = {name: {"decode_512_ms": t, "decode_2048_ms": 2 * t, "decode_512_p10_ms": t, "decode_2048_p10_ms": t,
-                   "kv_bytes_per_token_512": b, "kv_bytes_per_token_2048": b}
-            for name, t, b in (("float32", 1.0, 4096.0), ("K4pre/V4t sink1", 1.5, 528.74))}
-    return {"results": {"rows": rows, "ratios_vs_float": {"K4pre/V4t sink1": {"decode_512": 1.5, "decode_2048": 1.5}}}}
+def paged_kv_payload():
+    rows = {f"float32 {layout}": {"kv_allocated_over_needed": ratio} for layout, ratio in (("padded", 2.0), ("paged", 1.0234))}
+    return {"results": {"rows": rows, "ratios": {"float32": {"paged_over_padded_tokens_per_s": 1.1}}}}
 
 
 @pytest.fixture
@@ -51,7 +49,7 @@ def records():
     return [
         rec("flow_bench", "ok", flow_payload()),
         rec("engine_bench", "ok", engine_payload()),
-        rec("kv_engine_bench", "ok", kv_engine_payload()),
+        rec("paged_kv_bench", "ok", paged_kv_payload()),
         rec("hotswap_bench", "failed", reason="exit 1: ConnectionRefusedError"),
         rec("gpu_check", "skipped", reason="gpu_check: cannot run here: TensorRT is not installed"),
     ]
@@ -68,8 +66,8 @@ def test_every_figure_row_states_the_command_that_produced_it(records):
     assert rows[("flow_bench", "unchanged rerun / first run wall time")]["text"] == "8.7 %"
     overhead = rows[("engine_bench", "tiny: LoRA-as-input overhead vs merged, decode past 512 (median; p10)")]
     assert overhead["text"] == "+11.1 % (+5.0 %)" and overhead["command"].startswith("python -m bench.engine.engine_bench ")
-    assert rows[("kv_engine_bench", "KV bytes per token stored by the engine at past 2048, K4pre/V4t sink1")]["text"] == "529 B"
-    assert rows[("kv_engine_bench", "K4pre/V4t sink1 / float32 decode latency, past 2048")]["value"] == 1.5
+    assert rows[("paged_kv_bench", "KV bytes allocated / needed, 8 rows of 128-1024 tokens, float32 paged")]["text"] == "1.023"
+    assert rows[("paged_kv_bench", "paged / padded decode tokens/s, 8 rows, float32")]["value"] == 1.1
     assert all(r["command"].startswith(("python -m bench.", "cd $FLOW_PROJECT && python -m bench.")) for r in report["figures"])
 
 
