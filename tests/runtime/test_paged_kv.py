@@ -156,7 +156,7 @@ def test_the_paged_interface_keeps_the_float_contract_and_padded_engines_still_l
     padded, paged = float_pair
     iface = paged.interface
     assert iface.version == LOGIT_POSITIONS_INTERFACE_VERSION and iface.kv_block_size == BLOCK
-    assert iface.float_interface_hash == read_interface(tiny_engine).interface_hash  # releases bind unchanged
+    assert iface.float_interface_hash == read_interface(tiny_engine).float_interface_hash  # releases bind unchanged
     assert [n for n in iface.input_names if n.startswith("pool_")] == [f"pool_{k}.{i}" for i in range(2) for k in ("key", "value")]
     assert iface.output_names[1:] == [f"new_{k}.{i}" for i in range(2) for k in ("key", "value")]
     assert padded.interface.version in SUPPORTED_VERSIONS and padded.pool is None  # the padded engine serves padded

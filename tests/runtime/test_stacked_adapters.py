@@ -18,7 +18,7 @@ from runtime.engine.generate import greedy_generate
 from runtime.engine.interface import (
     ADAPTER_MASK,
     LOGIT_POSITIONS,
-    LOGIT_POSITIONS_INTERFACE_VERSION,
+    QUANTIZED_PAGES_INTERFACE_VERSION,
     read_interface,
     single_interface,
 )
@@ -66,8 +66,8 @@ def test_the_stacked_interface_takes_every_slots_lora_and_a_row_mask(engines):
     iface, before = stacked.interface, single.interface
     shapes = {t.name: t.shape for t in iface.inputs}
 
-    # version 7's inputs under version 8's logit positions, which every export takes
-    assert iface.version == LOGIT_POSITIONS_INTERFACE_VERSION and iface.stacked and not before.stacked
+    # version 7's inputs under version 8's logit positions, which every export takes, with version 9's pages
+    assert iface.version == before.version == QUANTIZED_PAGES_INTERFACE_VERSION and iface.stacked and not before.stacked
     assert iface.input_names[-2:] == [ADAPTER_MASK, LOGIT_POSITIONS] and shapes[ADAPTER_MASK] == ("batch", "slots")
     assert shapes["lora_A.0.q_proj+k_proj+v_proj"] == ("slots*24", 64)  # 3 targets x rank 8 per slot, hidden 64
     assert shapes["lora_B.0.q_proj+k_proj+v_proj"] == (128, "slots*24")  # q 64 + k 32 + v 32
