@@ -2,7 +2,7 @@
 
 The engine (one ONNX Runtime session) is opened once. Each verified release becomes an
 immutable ``ActiveRelease``: its own engine handle (``OrtEngine.fork``) with the release's LoRA
-inputs and KV scales bound, plus its manifest. Several stay resident at once (``runtime.serve.residents``:
+inputs bound, plus its manifest. Several stay resident at once (``runtime.serve.residents``:
 the ``champion``, a ``candidate``, and standby releases up to ``max_resident``, least recently used
 unloaded first). A generation gets its release once, when it starts (``AdapterServer.start_generation``),
 and runs every step, prefill to last token, on that release's handle: in the release's batch
