@@ -95,7 +95,7 @@ def real_release(real_model_dir, tmp_path_factory):
     (root / "gates.json").write_text(json.dumps({"passed": True, "gates": []}))
     key = root / "keys" / "release_signing.key"
     first_chat = read_jsonl(month / "test.jsonl")[0].prompt  # the package check answers it as a device would
-    out = build_release(adapter, None, root / "metrics.json", root / "gates.json", engine, real_model_dir,
+    out = build_release(adapter, root / "metrics.json", root / "gates.json", engine, real_model_dir,
                         root / "package", key, cfg.data.month, prompt=first_chat, max_new_tokens=cfg.eval.max_new_tokens)
     return {"release": out / RELEASE_DIR, "engine": engine, "key": key, "month": month, "cfg": cfg, "adapter": adapter}
 
