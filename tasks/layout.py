@@ -41,6 +41,8 @@ ADAPTER_DIR = "adapter"  # in finetune/
 METRICS_FILE = "metrics.json"  # in eval/
 PREDICTIONS_FILE = "predictions.jsonl"  # in eval/: each test row with the base's, the adapter's and the engine's answer
 GATES_FILE = "gates.json"  # in gates/
+KV_PAGES_FILE = "kv_pages.json"  # in kv/, with kv.enabled: the pages the KV gates measure (and the engine may serve)
+KV_DISABLED_FILE = "kv_disabled.json"  # in kv/, with kv.enabled false: the KV gates measure nothing
 RELEASE_DIR, CHECK_FILE = "release", "check.json"  # in package/
 
 

@@ -19,10 +19,10 @@ from runtime.engine.hashing import sha256_file
 from runtime.release.contract import MANIFEST, release_tag
 from tasks.config import ReleaseConfig
 from tasks.gate_rules import accuracy_measure, gate_report, package_gates, render_gate_table, scored_metrics
+from tasks.layout import KV_DISABLED_FILE, KV_PAGES_FILE
 from tasks.models import CARD
 from tasks.plots import KV_BITS_PNG, KV_GRID_CSV, LATENCY_CSV, LATENCY_PNG, LOSS_CSV, LOSS_PNG, VAL_LOSS_CSV
 from tasks.release.stage_runner import StageRun, push_outputs
-from tasks.stages.calibrate import KV_DISABLED_FILE, KV_PAGES_FILE
 
 GATES_STAGE, PACKAGE_STAGE = "gates", "package"
 SUMMARY_KEY = "monthly-release-summary"  # stable Prefect artifact key: the UI shows its history

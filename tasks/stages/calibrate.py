@@ -18,9 +18,7 @@ from pathlib import Path
 from tasks.artifacts import atomic_output_dir
 from tasks.cli import stage_main
 from tasks.config import ReleaseConfig
-
-KV_DISABLED_FILE = "kv_disabled.json"  # kv.enabled false: the KV gates measure nothing
-KV_PAGES_FILE = "kv_pages.json"  # kv.enabled: the pages the gates measure (and the engine serves, with quantized_pages)
+from tasks.layout import KV_DISABLED_FILE, KV_PAGES_FILE
 
 
 def _note(cfg: ReleaseConfig, name: str, note: dict) -> Path:

@@ -5,7 +5,8 @@ import json
 
 import yaml
 
-from tasks.stages.calibrate import KV_DISABLED_FILE, KV_PAGES_FILE, main
+from tasks.layout import KV_DISABLED_FILE, KV_PAGES_FILE
+from tasks.stages.calibrate import main
 
 
 def params(tmp_path, model_dir, **sections) -> str:
