@@ -185,6 +185,11 @@ class EngineConfig(_Section):
     parity_max_kl: float = Field(PARITY_MAX_KL, gt=0)
     weights: Literal["fp32", "int8", "int4"] = "fp32"
     weight_block_size: int = Field(128, ge=16, le=4096)
+    # How int8/int4 codes are chosen (``tasks.weights.engines``): gptq = GPTQ on weight_calibration_tokens tokens of
+    # real prose and code (each column's rounding error spread over the columns after it, by the inverse of the
+    # calibration's second moments), once per backbone and cached with the engine; rtn = round to nearest.
+    weight_method: Literal["rtn", "gptq"] = "gptq"
+    weight_calibration_tokens: int = Field(16384, ge=512)
     # quantized_pages (the served cache) = each full page of the paged cache quantized with its own scales when it
     # fills, the first and the open page float (``kernels.kv_spec.PageQuantSpec``: kv.k_bits, kv.v_bits,
     # kv.v_group_size); or float. (The static per-channel scheme, "quantized", was removed: it cost +39.6%

@@ -84,8 +84,9 @@ WEIGHT_GRID_NOTE = ("the checkpoint's weights sit on a Q4_1 grid (blocks of 32; 
                     "looks better than on a float checkpoint; MatMulNBits takes power-of-two blocks only, so int4 is "
                     "also measured at block 32 (one scale per Q4_1 block) and 256 (eight Q4_1 blocks per scale)")
 # The table's columns; their widths line the rows printed one at a time (as measured) up under the header.
-COLUMNS = ("engine", "weights", "kv", "read", "kv bits", "KL mean", "+ppl %", "95% interval", "ppl", "+ppl % own f16 kv")
-COLUMN_WIDTHS = (9, 13, 33, 10, 7, 10, 8, 16, 9, 17)
+COLUMNS = ("engine", "weights", "w bits", "kv", "read", "kv bits", "KL mean", "+ppl %", "95% interval", "ppl",
+           "+ppl % own f16 kv")
+COLUMN_WIDTHS = (9, 18, 6, 33, 10, 7, 10, 8, 16, 9, 17)
 
 
 # ---------------------------------------------------------------- pure parts (tested on tiny arrays)
@@ -120,12 +121,13 @@ def quality_row(engine: str, weights: str, kv: str, nll: float, kl: float, n: in
 
 
 def format_table(rows: list[dict]) -> str:
-    return table(COLUMNS, ([r["engine"], r["weights"], r["kv"], r.get("kv_read", "-"),
+    return table(COLUMNS, ([r["engine"], r["weights"] + (f" {r['method']}" if r.get("method") else ""),
+                            f"{r['bits_per_weight']:.2f}" if r.get("bits_per_weight") else "-", r["kv"], r.get("kv_read", "-"),
                             f"{r['kv_bits']:.2f}" if r.get("kv_bits") is not None else "-", f"{r['kl_mean']:.2e}",
                             f"{r['ppl_increase_pct']:+.2f}", ci_text(r).strip() or "-", f"{r['ppl']:.4f}",
                             f"{r['own_float_cache_ppl_increase_pct']:+.2f}" if "own_float_cache_ppl_increase_pct" in r
                             else "-"] for r in rows),
-                 align="<<<<>>>>>>", widths=COLUMN_WIDTHS)
+                 align="<<><>>>>>>>", widths=COLUMN_WIDTHS)
 
 
 # ---------------------------------------------------------------- real text, offline
@@ -187,33 +189,58 @@ def kv_bits(spec, cfg, context_len: int, block_size: int) -> float:
     return spec.stored_bits_per_value(cfg.head_dim, block_size, context_len)
 
 
-def weight_engines(float_dir: Path, work: Path, block_size: int) -> dict[str, Path]:
-    """The float engine and its int8 / int4 copies, the serving recipe (LM head and embedding int8), int4 also at
-    ``INT4_BLOCKS`` and with a 4-bit LM head."""
+def weight_engines(float_dir: Path, work: Path, block_size: int, calibration_ids: list[list[int]] | None,
+                   threads: int) -> dict[str, Path]:
+    """The float engine and its int8 / int4 copies, the serving recipe (LM head and embedding int8; GPTQ on
+    ``calibration_ids`` when the profile's ``engine.weight_method`` is gptq, else round to nearest), int4 also at
+    ``INT4_BLOCKS``, with a 4-bit LM head, and by round to nearest (``int4/rtn``: what the calibration is worth)."""
     from tasks.artifacts import atomic_output_dir
     from tasks.weights.engines import (
         SERVING_EMBED_BITS,
         SERVING_HEAD_BITS,
         SERVING_KEEP,
         ensure_quantized_engine,
+        gptq_calibration,
         quantize_engine_dir,
     )
+    from tasks.weights.graph import calibrate_activations
 
     dirs = {"fp32": float_dir}
     for weights in ("int8", "int4"):
         out = work / f"{weights}-b{block_size}"
-        ensure_quantized_engine(float_dir, out, weights, block_size)
+        ensure_quantized_engine(float_dir, out, weights, block_size, calibration_ids=calibration_ids, threads=threads)
         dirs[weights] = out
-    variants = {f"int4/b{block}": (block, SERVING_HEAD_BITS) for block in INT4_BLOCKS}
-    variants["int4/head4"] = (block_size, 4)  # the served int4 engine with its LM head at 4 bits too
-    for name, (block, head_bits) in variants.items():
-        out = work / name.replace("/", "-")
+    calibrated = calibration_ids is not None
+    variants = {f"int4/b{block}": (block, SERVING_HEAD_BITS, calibrated) for block in INT4_BLOCKS}
+    variants["int4/head4"] = (block_size, 4, calibrated)  # the served int4 engine with its LM head at 4 bits too
+    if calibrated:
+        variants["int4/rtn"] = (block_size, SERVING_HEAD_BITS, False)
+    hessians = None
+    for name, (block, head_bits, gptq) in variants.items():
+        out = work / (name.replace("/", "-") + ("-gptq" if gptq else ""))
         if not (out / "weights.json").is_file():
+            if gptq and hessians is None:
+                hessians = calibrate_activations(Path(float_dir) / "model.onnx", calibration_ids, threads,
+                                                 second_moments=True)
             with atomic_output_dir(out) as tmp:
                 quantize_engine_dir(float_dir, tmp, "int4", block, keep=SERVING_KEEP, head_bits=head_bits,
-                                    embed_bits=SERVING_EMBED_BITS)
+                                    embed_bits=SERVING_EMBED_BITS, hessians=hessians if gptq else None,
+                                    calibration=gptq_calibration(calibration_ids) if gptq else None)
         dirs[name] = out
     return dirs
+
+
+def weight_storage(engine_dir: Path) -> dict:
+    """How an engine's weights are stored (its ``weights.json``): the method, and ``bits_per_weight`` over the
+    quantized projections' parameters (codes, scales and zero points), the LM head and embedding table included."""
+    from tasks.weights.engines import WEIGHTS_FILE
+
+    file = Path(engine_dir) / WEIGHTS_FILE
+    if not file.is_file():  # the float export
+        return {"method": None, "bits_per_weight": 32.0}
+    record = json.loads(file.read_text())
+    bits = 8 * record["quantized_weight_bytes"] / (record["quantized_weight_bytes_fp32"] / 4)
+    return {"method": record.get("method", "rtn"), "bits_per_weight": round(bits, 3)}
 
 
 def release_task_accuracy(cfg) -> dict:
@@ -354,7 +381,8 @@ def llama_logits(llama_cpp, path: Path, kv: str, run: QualityRun, threads: int) 
 
 def weight_row(run: QualityRun, engines: dict[str, Path], weights: str, threads: int) -> None:
     measure_row(run, "ours", weights, None, build_key(engines[weights]),
-                partial(weight_logits, engines[weights], run.context, run.block_size, threads), kv_read="engine")
+                partial(weight_logits, engines[weights], run.context, run.block_size, threads), kv_read="engine",
+                **weight_storage(engines[weights]))
 
 
 def served_kv_row(run: QualityRun, cfg, threads: int) -> None:
@@ -374,6 +402,8 @@ def measure_served(run: QualityRun, cfg, engines: dict[str, Path], threads: int,
         return
     weight_row(run, engines, "int8", threads)
     weight_row(run, engines, "int4", threads)
+    if "int4/rtn" in engines:
+        weight_row(run, engines, "int4/rtn", threads)  # the served block by round to nearest: what GPTQ is worth
     weight_row(run, engines, "int4/head4", threads)  # what 4 bits in the LM head add (0.5B shape: 147 -> 80 MB resident)
     # aligned with the checkpoint's Q4_1 grid: how much of int4's cost is the grid
     weight_row(run, engines, f"int4/b{INT4_BLOCKS[0]}", threads)
@@ -433,7 +463,7 @@ def measure(args, cfg) -> dict:
 
     from runtime.engine.model import read_config
     from tasks.models import load_tokenizer
-    from tasks.stages.compile import compile_profile_engines
+    from tasks.stages.compile import compile_profile_engines, weight_calibration_ids
 
     model_dir = Path(cfg.base_model.path)
     work = Path(args.work)
@@ -450,7 +480,8 @@ def measure(args, cfg) -> dict:
     t0 = time.perf_counter()
     built = compile_profile_engines(cfg)  # the compile stage's engines, reused when the flow built them
     engines = ({"fp32": cfg.layout.engine_dir} if args.kv_only
-               else weight_engines(cfg.layout.engine_dir, work, cfg.engine.weight_block_size))
+               else weight_engines(cfg.layout.engine_dir, work, cfg.engine.weight_block_size, weight_calibration_ids(cfg),
+                                   args.threads))
     print(f"engines ready in {time.perf_counter() - t0:.0f} s (compile stage builds: {built['engine_builds']})", flush=True)
 
     # Measured rows are kept in --work, keyed by the token ids and by what each row's numbers depend on (the
@@ -480,10 +511,17 @@ def ci_text(row: dict) -> str:
     return f"[{ci[0]:+.2f}, {ci[1]:+.2f}] " if ci else ""
 
 
+def weights_label(row: dict) -> str:
+    """``int4 gptq, 4.56 bits``: the weights, how their codes were chosen and what they store per weight (ours)."""
+    if not row.get("method"):
+        return row["weights"]
+    return f"{row['weights']} {row['method']}, {row['bits_per_weight']:.2f} bits"
+
+
 def figures(p: dict) -> list[Figure]:
     """Each row of the table against its reference (ours, fp32, float cache), and the rows the budget left out."""
     text = f"{len(p['documents'])} docs x {p['scored_per_document']} tokens at context {p['context']}"
-    rows = [Figure(f"real model ({text}): {r['engine']} {r['weights']} weights, {r['kv']} KV ({r.get('kv_read', '-')}): "
+    rows = [Figure(f"real model ({text}): {r['engine']} {weights_label(r)} weights, {r['kv']} KV ({r.get('kv_read', '-')}): "
                    "Δ perplexity vs ours fp32 float cache", r["ppl_increase_pct"],
                    f"{r['ppl_increase_pct']:+.2f} % {ci_text(r)}(ppl {r['ppl']:.3f}, KL {r['kl_mean']:.2e})") for r in p["rows"]]
     if p.get("not_measured"):

@@ -280,6 +280,16 @@ def serving_form(engine: EngineConfig, kv: KVConfig, head_dim: int) -> dict:
     return {"kv_block_size": engine.kv_block_size or None, "stacked": engine.mixed_adapters, "kv_pages": pages}
 
 
+def weight_calibration_ids(cfg: ReleaseConfig) -> list[list[int]] | None:
+    """GPTQ's calibration token ids for ``engine.weight_method: gptq`` (``tasks.weights.engines.calibration_windows``);
+    None for round to nearest."""
+    if cfg.engine.weight_method != "gptq":
+        return None
+    from tasks.weights.engines import calibration_windows
+
+    return calibration_windows(Path(cfg.base_model.path), cfg.engine.weight_calibration_tokens)
+
+
 def compile_profile_engines(cfg: ReleaseConfig) -> dict:
     """Build (or reuse) ``engine.dir`` for the backbone; return what was built. Writes nothing else, so a
     benchmark can take the stage's engines without touching the stage's record.
@@ -291,7 +301,7 @@ def compile_profile_engines(cfg: ReleaseConfig) -> dict:
     float engine stays, as adapters bind to it and the decode-latency gate and the benchmarks read it. With
     ``engine.weights`` int8/int4
     the serving engine is also copied with quantized weights into ``layout.serving_engine_dir`` (reused
-    likewise). Adapters take the same LoRA inputs on all of them.
+    likewise; by GPTQ with ``engine.weight_method: gptq``, its calibration text part of the copy's key). Adapters take the same LoRA inputs on all of them.
     """
     layout = cfg.layout
     model_dir = Path(cfg.base_model.path)
@@ -315,7 +325,8 @@ def compile_profile_engines(cfg: ReleaseConfig) -> dict:
         from tasks.weights.engines import ensure_quantized_engine
 
         metrics |= ensure_quantized_engine(source, layout.serving_engine_dir, cfg.engine.weights,
-                                            cfg.engine.weight_block_size, cfg.engine.weights_format())
+                                            cfg.engine.weight_block_size, cfg.engine.weights_format(),
+                                            weight_calibration_ids(cfg), threads=cfg.engine.threads)
     return metrics
 
 

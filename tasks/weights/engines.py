@@ -50,19 +50,28 @@ SERVING_KEEP = ()
 # the body's bits. Kept fp32 it was 545 of the int4 engine's resident MB at the 0.5B shape; int8 is 137 MB,
 # the bits of the LM head it is tied to in Qwen2 (llama.cpp keeps a tied table at Q8_0 likewise).
 SERVING_EMBED_BITS = 8
+# GPTQ's calibration text (``engine.weight_method: gptq``): windows of real prose and code (``tasks.real_model.text``'s
+# calib split: the Python reference's topics and the standard library's sources), never the month's task rows, so
+# the one quantized backbone serves every monthly adapter. The windows are cut from the documents in turn, at most
+# GPTQ_WINDOW tokens each (the model's max_position_embeddings if shorter).
+GPTQ_WINDOW = 512
 
 
 def weights_key_fields(weights: str, block_size: int = DEFAULT_BLOCK_SIZE, fold_norms: bool = False,
                        keep: tuple[str, ...] = ("lm_head", "embed"), accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
-                       fmt: str = "matmulnbits", head_bits: int | None = None, embed_bits: int | None = None) -> dict:
+                       fmt: str = "matmulnbits", head_bits: int | None = None, embed_bits: int | None = None,
+                       calibration: dict | None = None) -> dict:
     """The part of the engine cache key (and of the interface) that says how weights are stored:
     two engines that differ in any of these must never be taken for one another. Empty for
     fp32: a float engine keeps the key (and the cached build) it had before this option existed.
-    The accuracy level is MatMulNBits' own; a Q/DQ graph has none."""
+    The accuracy level is MatMulNBits' own; a Q/DQ graph has none. ``calibration`` (``gptq_calibration``'s record,
+    or a digest of the statistics a clip search read) is absent for round to nearest, as before it existed."""
     if weights == "fp32":
         return {}
     fields = {"weights": weights, "weights_block_size": block_size, "weights_fold_norms": fold_norms,
               "weights_keep": sorted(keep), "weights_format": fmt}
+    if calibration is not None:
+        fields["weights_calibration"] = calibration
     if fmt == "matmulnbits":
         fields["weights_accuracy_level"] = accuracy_level
     if "lm_head" not in keep and head_bits not in (None, WEIGHT_BITS[weights]):  # absent with the body's bits, as before
@@ -84,9 +93,12 @@ def quantized_cache_key(float_key: dict, fields: dict) -> dict:
 def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_size: int = DEFAULT_BLOCK_SIZE,
                         fold_norms: bool = False, keep: tuple[str, ...] = ("lm_head", "embed"),
                         accuracy_level: int = DEFAULT_ACCURACY_LEVEL, act_sq: dict | None = None,
-                        fmt: str = "matmulnbits", head_bits: int | None = None, embed_bits: int | None = None) -> dict:
+                        fmt: str = "matmulnbits", head_bits: int | None = None, embed_bits: int | None = None,
+                        hessians: dict | None = None, calibration: dict | None = None) -> dict:
     """A copy of a compiled engine directory whose model.onnx has ``weights`` precision, in graph
-    form ``fmt`` (``WEIGHT_FORMATS``).
+    form ``fmt`` (``WEIGHT_FORMATS``): round to nearest, with the clip search given ``act_sq``, or GPTQ given
+    ``hessians`` (``tasks.weights.graph.quantize_engine_weights``). ``calibration`` names the statistics in the
+    cache key (``gptq_calibration``); without it they are hashed.
 
     Writes ``model.onnx``, ``interface.json`` (the same inputs and hash, plus the weight precision) and
     ``weights.json`` (precision + quantizer settings + summary). The ORT-optimized graph is
@@ -108,13 +120,15 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
     else:
         summary = quantize_engine_weights(engine_dir / ENGINE_ONNX, out_dir / ENGINE_ONNX, bits, block_size,
                                           fold_norms, keep, accuracy_level, act_sq=act_sq, fmt=fmt, head_bits=head_bits,
-                                          embed_bits=embed_bits)
-    fields = weights_key_fields(weights, block_size, fold_norms, keep, accuracy_level, fmt, head_bits, embed_bits)
-    if act_sq is not None and bits is not None:  # the codes depend on the calibration data
+                                          embed_bits=embed_bits, hessians=hessians)
+    stats = hessians if hessians is not None else act_sq
+    if calibration is None and stats is not None and bits is not None:  # the codes depend on the calibration data
         digest = hashlib.sha256()
-        for name in sorted(act_sq):
-            digest.update(name.encode() + np.asarray(act_sq[name], np.float64).tobytes())
-        fields["weights_calibration"] = digest.hexdigest()
+        for name in sorted(stats):
+            digest.update(name.encode() + np.asarray(stats[name]).tobytes())
+        calibration = digest.hexdigest()
+    fields = weights_key_fields(weights, block_size, fold_norms, keep, accuracy_level, fmt, head_bits, embed_bits,
+                                calibration if bits is not None else None)
     record = {**summary, **fields, "weights": weights}
     (out_dir / WEIGHTS_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     iface = read_interface(engine_dir)
@@ -128,22 +142,58 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
     return record
 
 
+def calibration_windows(model_dir: Path, tokens: int, window: int = GPTQ_WINDOW) -> list[list[int]]:
+    """About ``tokens`` token ids of the calib split of ``tasks.real_model.text`` under ``model_dir``'s tokenizer, as
+    windows of ``window`` tokens (at most the model's max_position_embeddings), taken from the documents in turn."""
+    from runtime.engine.model import read_hf_config
+    from tasks.models import load_tokenizer
+    from tasks.real_model.text import real_documents
+
+    window = min(window, int(read_hf_config(model_dir).get("max_position_embeddings", window)))
+    tokenizer = load_tokenizer(Path(model_dir))
+    docs = [tokenizer(text)["input_ids"] for _, text in real_documents("calib")]
+    windows, depth = [], 0
+    while sum(map(len, windows)) < tokens:
+        cut = [ids[depth:depth + window] for ids in docs if len(ids) >= depth + window]
+        if not cut:
+            raise WeightQuantError(f"the calibration text holds fewer than {tokens} tokens in windows of {window}")
+        windows += cut
+        depth += window
+    return windows[: -(-tokens // window)]
+
+
+def gptq_calibration(windows: list[list[int]]) -> dict:
+    """What of GPTQ's calibration the codes depend on, for the cache key: the token ids (hashed) and their count."""
+    digest = hashlib.sha256(json.dumps(windows).encode()).hexdigest()
+    return {"method": "gptq", "windows": len(windows), "tokens": sum(map(len, windows)), "ids_sha256": digest}
+
+
 def ensure_quantized_engine(float_dir: Path, out_dir: Path, weights: str, block_size: int = DEFAULT_BLOCK_SIZE,
-                            fmt: str = "matmulnbits") -> dict:
+                            fmt: str = "matmulnbits", calibration_ids: list[list[int]] | None = None,
+                            threads: int = 2) -> dict:
     """``quantize_engine_dir`` unless ``out_dir`` already holds the build for this float engine and
     these settings; written to a temporary sibling and renamed, like the float engine. The LM head
-    is quantized too, at ``SERVING_HEAD_BITS``, and the embedding table at ``SERVING_EMBED_BITS``."""
+    is quantized too, at ``SERVING_HEAD_BITS``, and the embedding table at ``SERVING_EMBED_BITS``.
+    With ``calibration_ids`` (``calibration_windows``) by GPTQ, the second moments read on those tokens from the
+    graph being quantized (its projections' inputs by name); else round to nearest (the benchmarks' random-weight
+    backbones, whose codes nobody scores)."""
     from tasks.artifacts import atomic_output_dir
+    from tasks.weights.graph import calibrate_activations
 
     keep, head_bits, embed_bits = SERVING_KEEP, SERVING_HEAD_BITS, SERVING_EMBED_BITS
-    fields = weights_key_fields(weights, block_size, keep=keep, fmt=fmt, head_bits=head_bits, embed_bits=embed_bits)
+    calibration = None if calibration_ids is None else gptq_calibration(calibration_ids)
+    fields = weights_key_fields(weights, block_size, keep=keep, fmt=fmt, head_bits=head_bits, embed_bits=embed_bits,
+                                calibration=calibration)
     expected = quantized_cache_key(json.loads((Path(float_dir) / CACHE_KEY_FILE).read_text()), fields)["key"]
     key_file = Path(out_dir) / CACHE_KEY_FILE
     if key_file.exists() and json.loads(key_file.read_text()).get("key") == expected:
         return {"weights": weights, "weights_builds": 0, "weights_dir": str(out_dir)}
+    hessians = None
+    if calibration_ids is not None:
+        hessians = calibrate_activations(Path(float_dir) / ENGINE_ONNX, calibration_ids, threads, second_moments=True)
     with atomic_output_dir(Path(out_dir)) as tmp:
         record = quantize_engine_dir(Path(float_dir), tmp, weights, block_size, keep=keep, fmt=fmt, head_bits=head_bits,
-                                     embed_bits=embed_bits)
+                                     embed_bits=embed_bits, hessians=hessians, calibration=calibration)
     return {"weights": weights, "weights_builds": 1, "weights_dir": str(out_dir), "weights_record": record}
 
 

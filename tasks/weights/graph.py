@@ -24,7 +24,8 @@ compiled once, so its weights are quantized once, here, by rewriting the exporte
   ``qdq_fp16``: a Cast to fp16 around each quantized MatMul, everything else in fp32.
 
 ``calibrate_activations`` reads, from the same float graph, the activation statistics the
-calibrated clip search of ``kernels.weight_quant.quantize_groups`` weighs its error by.
+calibrated clip search of ``kernels.weight_quant.quantize_groups`` weighs its error by, or the full second
+moments GPTQ (``kernels.weight_quant.gptq_groups``) spreads each column's rounding error with.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels.weight_quant import pack_codes, quantize_groups
+from kernels.weight_quant import gptq_groups, pack_codes, quantize_groups
 from runtime.engine.adapter import zero_lora_inputs
-from runtime.engine.interface import ADAPTER_MASK, BLOCK_TABLE, LOGIT_POSITIONS, read_interface
+from runtime.engine.interface import ADAPTER_MASK, BLOCK_TABLE, FLOAT_BLOCK_TABLE, LOGIT_POSITIONS, read_interface
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,10 @@ DEFAULT_BLOCK_SIZE = 128
 # done: one 136 MB head (Qwen2-0.5B's 151,936 x 896 at 8 bits) was the process's peak, 0.12 GB over its resident
 # set once open. Slices of 16 MB leave 16 MB of it.
 HEAD_SLICE_MAX_BYTES = 16 << 20
+
+
+# ONNX Runtime's names of the cache inputs' element types
+ORT_TENSOR_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(uint8)": np.uint8}
 
 
 class WeightQuantError(RuntimeError):
@@ -170,20 +175,30 @@ def _folded_norm_scale(node, K: int, inits: dict, producer: dict, rewrite: _Rewr
 
 
 def _quantize_projection(node, w_kn: np.ndarray, n_bits: int, is_head: bool, block_size: int, symmetric: bool,
-                         accuracy_level: int, fmt: str, fold_norms: bool, act_sq: dict | None, inits: dict,
-                         producer: dict, rewrite: _Rewrite) -> None:
-    """One MatMul/Gemm with a constant (K, N) weight as MatMulNBits (or Q/DQ), its bias as an Add."""
+                         accuracy_level: int, fmt: str, fold_norms: bool, act_sq: dict | None, hessians: dict | None,
+                         inits: dict, producer: dict, rewrite: _Rewrite) -> None:
+    """One MatMul/Gemm with a constant (K, N) weight as MatMulNBits (or Q/DQ), its bias as an Add; by GPTQ when
+    ``hessians`` holds its input's second moments, else round to nearest (with the clip search given ``act_sq``)."""
     import torch
     from onnx import helper
 
     K, N = w_kn.shape
     a_sq = None if act_sq is None else act_sq.get(node.input[0])
+    hessian = None
+    if hessians is not None:
+        if node.input[0] not in hessians:  # never round to nearest in silence where GPTQ was asked for
+            raise WeightQuantError(f"{node.name}: no calibration statistics for its input {node.input[0]!r} (GPTQ)")
+        hessian = hessians[node.input[0]]
     g, a_name = _folded_norm_scale(node, K, inits, producer, rewrite) if fold_norms else (None, node.input[0])
     w_nk = torch.from_numpy(np.array(w_kn.T, dtype=np.float32, order="C"))  # (N, K), a writable copy
-    if g is not None:
+    if g is not None:  # the moments of x_hat = h / g
         w_nk = w_nk * g[None, :]
-        a_sq = None if a_sq is None else a_sq / g.double().numpy() ** 2  # moments of x_hat = h / g
-    q, scale, zp = quantize_groups(w_nk, n_bits, block_size, symmetric, a_sq)
+        a_sq = None if a_sq is None else a_sq / g.double().numpy() ** 2
+        hessian = None if hessian is None else hessian / np.outer(g.numpy(), g.numpy())
+    if hessian is not None:
+        q, scale, zp = gptq_groups(w_nk, hessian, n_bits, block_size, symmetric)
+    else:
+        q, scale, zp = quantize_groups(w_nk, n_bits, block_size, symmetric, a_sq)
     if not torch.isfinite(scale).all():
         raise WeightQuantError(f"{node.name}: non-finite quantization scales")
     base = f"{node.name}_w{n_bits}"
@@ -247,6 +262,7 @@ def quantize_engine_weights(
     fmt: str = "matmulnbits",
     head_bits: int | None = None,
     embed_bits: int | None = None,
+    hessians: dict | None = None,
 ) -> dict:
     """Rewrite every constant-weight MatMul/Gemm of ``onnx_in`` into MatMulNBits (or, with ``fmt``
     qdq / qdq_fp16, a DequantizeLinear + MatMul, always symmetric); return a summary.
@@ -257,8 +273,15 @@ def quantize_engine_weights(
     TensorRT's parser has no such op, so a Q/DQ graph keeps the table fp32).
     ``act_sq``: {name of a projection's input: (K,) mean squared activation} from
     ``calibrate_activations``; with it each group's clipping range is searched (``quantize_groups``).
+    ``hessians``: {name of a projection's input: (K, K) second moments} (``calibrate_activations(...,
+    second_moments=True)``); each projection whose input is there is quantized by GPTQ (``gptq_groups``, with
+    the clip search on their diagonal), under a progress bar.
     """
+    import resource
+
     import onnx
+
+    from tasks.progress import Progress
 
     _check_settings(bits, head_bits, embed_bits, block_size, fmt, keep)
     symmetric = symmetric or fmt != "matmulnbits"
@@ -273,7 +296,9 @@ def quantize_engine_weights(
 
     rewrite = _Rewrite()
     quantize_table = "embed" not in keep and fmt == "matmulnbits"
+    bar = Progress(f"GPTQ int{bits}", len(graph.node), unit="node", enabled=hessians is not None)
     for node in graph.node:
+        bar.advance()
         table = _embedding_table(node, inits) if quantize_table else None
         if table is not None and table.shape[1] % block_size == 0:
             nodes, tensors, n_bytes = gather_block_quantized_nodes(node, table, embed_bits or bits, block_size, symmetric)
@@ -288,7 +313,8 @@ def quantize_engine_weights(
             rewrite.nodes.append(node)
             continue
         _quantize_projection(node, w_kn, (head_bits or bits) if is_head else bits, is_head, block_size, symmetric,
-                             accuracy_level, fmt, fold_norms, act_sq, inits, producer, rewrite)
+                             accuracy_level, fmt, fold_norms, act_sq, hessians, inits, producer, rewrite)
+    bar.close()
 
     new_nodes = _unit_scale_norms(rewrite.nodes, rewrite.folded, inits, rewrite.initializers)
     # Drop what the rewrite orphaned: float weights, a Transpose feeding only a quantized head,
@@ -310,7 +336,8 @@ def quantize_engine_weights(
         "symmetric": symmetric,
         "format": fmt,
         "accuracy_level": accuracy_level if fmt == "matmulnbits" else None,
-        "clip_search": act_sq is not None,
+        "clip_search": act_sq is not None or hessians is not None,
+        "method": "rtn" if hessians is None else "gptq",
         "keep": list(keep),
         "head_bits": None if "lm_head" in keep else head_bits or bits,
         "embed_bits": embed_bits or bits if quantized_table else None,
@@ -318,7 +345,9 @@ def quantize_engine_weights(
         "quantized_weight_bytes": int(rewrite.bytes_after),
         "seconds": round(time.perf_counter() - t0, 2),
     }
-    log.info("quantized %d matmuls to %d bits in %.1fs", len(summary["quantized"]), bits, summary["seconds"])
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    log.info("quantized %d matmuls to %d bits (%s) in %.1fs, peak resident %.2f GB", len(summary["quantized"]), bits,
+             summary["method"], summary["seconds"], peak_gb)
     return summary
 
 
@@ -425,14 +454,17 @@ def _qdq_nodes(base: str, a_name: str, out: str, q, scale, zp, bits: int, K: int
     return nodes, tensors, len(raw) + s.nbytes
 
 
-def calibrate_activations(onnx_path: str | Path, token_ids: list[list[int]], threads: int = 2) -> dict:
+def calibrate_activations(onnx_path: str | Path, token_ids: list[list[int]], threads: int = 2,
+                          second_moments: bool = False) -> dict:
     """Mean squared value of each input channel of every constant-weight projection, over
     every token of ``token_ids`` (prefill, one sequence at a time, LoRA inputs zero: the
     statistics belong to the backbone, so one calibration serves every monthly adapter).
+    With ``second_moments`` the whole (K, K) matrix E[x x^T] of each input instead, in float32 (what GPTQ reads;
+    at Qwen2-0.5B's shape 2.5 GB in all, most of it the 4,864-wide inputs of the 24 down projections).
 
     Read from the float graph itself (the projections' inputs exposed as extra outputs), so it
     needs no mapping from graph nodes back to module names; a float-cache graph, padded or paged (the
-    prefill reads no past either way). Returns {input name: (K,) float64}.
+    prefill reads no past either way). Returns {input name: (K,) float64}, or (K, K) float32.
     """
     import onnx
     import onnxruntime as ort
@@ -457,26 +489,36 @@ def calibrate_activations(onnx_path: str | Path, token_ids: list[list[int]], thr
     feeds_fixed = zero_lora_inputs(iface)  # one slot of a stacked engine, which the mask selects
     if iface.stacked:
         feeds_fixed[ADAPTER_MASK] = np.ones((1, 1), np.float32)
-    for spec in session.get_inputs():  # an empty cache: padded (no past slots) or paged (an empty block table)
+    # An empty cache: padded (no past slots), paged or quantized pages (empty block tables over pools of one block,
+    # read by no row: the float pools and the sealed pages' codes, scales and minima alike).
+    for spec in session.get_inputs():
         if spec.name.startswith("past_"):
             feeds_fixed[spec.name] = np.zeros((1, spec.shape[1], 0, spec.shape[3]), np.float32)
         elif spec.name.startswith("pool_"):
-            feeds_fixed[spec.name] = np.zeros((1, *spec.shape[1:]), np.float32)  # one block, read by no row
-        elif spec.name == BLOCK_TABLE:
+            feeds_fixed[spec.name] = np.zeros((1, *spec.shape[1:]), ORT_TENSOR_TYPES[spec.type])
+        elif spec.name in (BLOCK_TABLE, FLOAT_BLOCK_TABLE):
             feeds_fixed[spec.name] = np.zeros((1, 0), np.int64)
     sums: dict[str, np.ndarray] = {}
     count = 0
     every_position = LOGIT_POSITIONS in {spec.name for spec in session.get_inputs()}  # the LM head reads every token
-    for ids in token_ids:
-        T = len(ids)
-        feeds = feeds_fixed | {"input_ids": np.asarray([ids], np.int64), "position_ids": np.arange(T, dtype=np.int64)[None],
-                               "attention_mask": np.ones((1, T), np.int64)}
-        if every_position:
-            feeds[LOGIT_POSITIONS] = np.arange(T, dtype=np.int64)[None]
-        for name, value in zip(names, session.run(names, feeds)):
-            x = value.reshape(-1, value.shape[-1]).astype(np.float64)  # (tokens, K)
-            sums[name] = sums.get(name, 0.0) + (x * x).sum(0)
-        count += T
+    from tasks.progress import Progress
+
+    with Progress("calibration text", len(token_ids), unit="window", enabled=second_moments) as bar:
+        for ids in token_ids:
+            T = len(ids)
+            feeds = feeds_fixed | {"input_ids": np.asarray([ids], np.int64),
+                                   "position_ids": np.arange(T, dtype=np.int64)[None], "attention_mask": np.ones((1, T), np.int64)}
+            if every_position:
+                feeds[LOGIT_POSITIONS] = np.arange(T, dtype=np.int64)[None]
+            for name, value in zip(names, session.run(names, feeds)):
+                if second_moments:
+                    x = value.reshape(-1, value.shape[-1]).astype(np.float32)  # (tokens, K)
+                    sums[name] = sums.get(name, 0.0) + x.T @ x
+                else:
+                    x = value.reshape(-1, value.shape[-1]).astype(np.float64)
+                    sums[name] = sums.get(name, 0.0) + (x * x).sum(0)
+            count += T
+            bar.advance()
     if not count:
         raise WeightQuantError("calibration needs at least one token")
     stats = {name: total / count for name, total in sums.items()}

@@ -63,6 +63,44 @@ def test_one_forward_of_the_engine_backbone_equals_transformers_on_the_chat_prom
     assert "Paris" in tokenizer.decode(answer)
 
 
+def test_gptq_on_real_text_beats_round_to_nearest_on_the_real_layers_output_error(real_model_dir):
+    from kernels.weight_quant import dequantize_groups, gptq_groups, quantize_groups
+    from runtime.engine.model import Block, float_linear
+    from tasks.weights.engines import calibration_windows
+
+    # Given the checkpoint's middle layer, and the inputs its projections read on calibration text and on other text
+    backbone = load_backbone(real_model_dir)
+    block = backbone.blocks[15]
+    seen: dict[str, list[torch.Tensor]] = {"qkv": [], "down": []}
+
+    def recording_linear(x, w, b=None):
+        for name, weight in (("qkv", block.qkv_w), ("down", block.down_w)):
+            if w is weight:
+                seen[name].append(x.detach().clone())
+        return float_linear(x, w, b)
+
+    windows = calibration_windows(real_model_dir, 4096, window=512)  # 8 windows: 6 to calibrate, 2 to score
+    Block.linear = staticmethod(recording_linear)
+    try:
+        with torch.no_grad():
+            for ids in windows:
+                backbone(torch.tensor([ids]), torch.arange(len(ids))[None], torch.ones(1, len(ids), dtype=torch.long),
+                         backbone.empty_past(1))
+    finally:
+        Block.linear = staticmethod(float_linear)
+    for name, weight in (("qkv", block.qkv_w), ("down", block.down_w)):
+        calib, held_out = torch.cat(seen[name][:6]), torch.cat(seen[name][6:])
+        hessian = calib.T.double() @ calib.double() / len(calib)
+
+        def output_error(codes, w=weight, x=held_out):
+            return float(((x @ (dequantize_groups(*codes, w.shape[1]) - w).T) ** 2).mean())
+
+        # When the weight is quantized to 4 bits in groups of 64 by round to nearest and by GPTQ
+        rtn, gptq = output_error(quantize_groups(weight, 4, 64)), output_error(gptq_groups(weight, hessian, 4, 64))
+        # Then GPTQ's output error on the text it did not see is well below round to nearest's
+        assert gptq < 0.75 * rtn, (name, gptq, rtn)
+
+
 # ---------------------------------------------------------------- a release of it, served
 
 

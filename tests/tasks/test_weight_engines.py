@@ -80,8 +80,18 @@ def test_compile_stage_builds_the_int8_serving_engine_once_inside_the_float_ones
     # and the interface records what the device runs, outside the hash
     assert read_interface(serving).weights == {"precision": "int8", "format": "matmulnbits", "block_size": 128}
     assert read_interface(serving).weight_precision == "int8" and read_interface(pages).weights is None
+    # The codes are GPTQ's (the default method), on real prose and code, and the calibration is part of the key
+    record = json.loads((serving / "weights.json").read_text())
+    assert record["method"] == "gptq" and record["weights_calibration"]["tokens"] == 16384
+    # so the next month reuses the copy as it is; another calibration (more tokens) is another build, and round to
+    # nearest another again
     again = compile_stage.run_stage(cfg)
     assert (again["engine_builds"], again["weights_builds"]) == (0, 0)
+    more = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"weight_calibration_tokens": 20000})})
+    assert compile_stage.run_stage(more)["weights_builds"] == 1
+    rtn = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"weight_method": "rtn"})})
+    assert compile_stage.run_stage(rtn)["weights_builds"] == 1
+    assert json.loads((serving / "weights.json").read_text())["method"] == "rtn"
 
 
 def test_quantized_weights_are_refused_on_a_backend_that_cannot_run_them():
