@@ -29,8 +29,10 @@ cache type alone costs), with its interval. Rows with a KV cache carry ``k_bits`
 stored bits per value at the row's length, everything counted) and ``served`` (the scheme the profile's engine serves).
 
 Rows:
-* ours, weights fp32 / int8 / int4 (the serving recipe: MatMulNBits RTN at ``engine.weight_block_size``,
-  LM head int8) with the float cache, int4 with a 4-bit LM head, and int4 at other block sizes (below);
+* ours, weights fp32 / int8 / int4 (the serving recipe: MatMulNBits at ``engine.weight_block_size``, LM head and
+  embedding int8, codes by ``engine.weight_method``: GPTQ on the calib split by default) with the float cache, int4 by
+  round to nearest beside it (``int4/rtn``), int4 with a 4-bit LM head, and int4 at other block sizes (below); each
+  row carries ``method`` and ``bits_per_weight`` (codes, scales and zero points over the quantized parameters);
 * ours, the served KV cache, run by ONNX Runtime (``kv_read: engine``): the serving engine's quantized pages
   (``kernels.kv_spec.PageQuantSpec``, sealed by the runtime as the pages fill);
 * the same scheme at the other widths in PyTorch (``kv_read: reference``): quantized pages at 8, 3 and 2 bits through
@@ -419,9 +421,9 @@ def measure_llama_cpp(run: QualityRun, model_dir: Path, work: Path, llama_cpp_sr
     if kv_only:
         ggufs = {t: p for t, p in ggufs.items() if t == "f16"}
     types = {t: gguf_tensor_types(p, llama_dir) for t, p in ggufs.items()}
-    # llama.cpp's float row and the counterparts of ours first (its 4-bit KV, its Q4_0 weights, which the int4
-    # target is judged against, then Q8_0)
-    first = [("f16", "f16"), ("f16", "q4_0"), ("q4_0", "f16"), ("q8_0", "f16"), ("q4_0", "q4_0")]
+    # llama.cpp's float row and the counterparts of ours first (its 4-bit KV, its Q4_0 and Q4_K_M weights, which the
+    # int4 target is judged against, then Q8_0)
+    first = [("f16", "f16"), ("f16", "q4_0"), ("q4_0", "f16"), ("q4_k_m", "f16"), ("q8_0", "f16"), ("q4_0", "q4_0")]
     for weights, kv in [r for r in first if r[0] in ggufs] + [(w, kv) for w in ggufs for kv in LLAMA_KV_TYPES
                                                               if (w, kv) not in first]:
         path = ggufs[weights]
