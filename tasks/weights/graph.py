@@ -474,9 +474,7 @@ def calibrate_activations(onnx_path: str | Path, token_ids: list[list[int]], thr
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     producer = {o: n for n in graph.node for o in n.output}
-    # The float projections' inputs; in a quantized graph the MatMulNBits' (the same tensors, unless a norm was folded)
-    names = sorted({n.input[0] for n in graph.node if n.op_type == "MatMulNBits"
-                    or n.op_type in ("MatMul", "Gemm") and _const_weight(n, inits, producer) is not None})
+    names = sorted({n.input[0] for n in graph.node if n.op_type in ("MatMul", "Gemm") and _const_weight(n, inits, producer) is not None})
     existing = {o.name for o in graph.output}
     del model, graph, inits, producer
     # The graph again without its weights: a large model's are in its external data file, which the
