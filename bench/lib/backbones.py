@@ -38,6 +38,7 @@ WEIGHT_VARIANTS = {
     "int4": ("int4", False, 4, False, _B),
     "int4_merged": ("int4", False, 4, True, _B),
     "int4_b32": ("int4", False, 4, False, 32),
+    "int4_b64": ("int4", False, 4, False, 64),
     "int4_acc0": ("int4", False, 0, False, _B),
     "int4_fold": ("int4", True, 4, False, _B),
 }

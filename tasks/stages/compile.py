@@ -280,13 +280,38 @@ def serving_form(engine: EngineConfig, kv: KVConfig, head_dim: int) -> dict:
     return {"kv_block_size": engine.kv_block_size or None, "stacked": engine.mixed_adapters, "kv_pages": pages}
 
 
+# GPTQ's calibration text (``engine.weight_method: gptq``): windows of real prose and code (``tasks.real_model.text``'s
+# calib split: the Python reference's topics and the standard library's sources), never the month's task rows, so
+# the one quantized backbone serves every monthly adapter. The windows are cut from the documents in turn, at most
+# GPTQ_WINDOW tokens each (the model's max_position_embeddings if shorter).
+GPTQ_WINDOW = 512
+
+
+def calibration_windows(model_dir: Path, tokens: int, window: int = GPTQ_WINDOW) -> list[list[int]]:
+    """About ``tokens`` token ids of the calib split of ``tasks.real_model.text`` under ``model_dir``'s tokenizer, as
+    windows of ``window`` tokens (at most the model's max_position_embeddings), taken from the documents in turn."""
+    from runtime.engine.model import read_hf_config
+    from tasks.models import load_tokenizer
+    from tasks.real_model.text import real_documents
+
+    window = min(window, int(read_hf_config(model_dir).get("max_position_embeddings", window)))
+    tokenizer = load_tokenizer(Path(model_dir))
+    docs = [tokenizer(text)["input_ids"] for _, text in real_documents("calib")]
+    windows, depth = [], 0
+    while sum(map(len, windows)) < tokens:
+        cut = [ids[depth:depth + window] for ids in docs if len(ids) >= depth + window]
+        if not cut:
+            raise StageError(f"the calibration text holds fewer than {tokens} tokens in windows of {window}")
+        windows += cut
+        depth += window
+    return windows[: -(-tokens // window)]
+
+
 def weight_calibration_ids(cfg: ReleaseConfig) -> list[list[int]] | None:
-    """GPTQ's calibration token ids for ``engine.weight_method: gptq`` (``tasks.weights.engines.calibration_windows``);
-    None for round to nearest."""
+    """GPTQ's calibration token ids for ``engine.weight_method: gptq`` (``calibration_windows``); None for round to
+    nearest."""
     if cfg.engine.weight_method != "gptq":
         return None
-    from tasks.weights.engines import calibration_windows
-
     return calibration_windows(Path(cfg.base_model.path), cfg.engine.weight_calibration_tokens)
 
 

@@ -50,11 +50,6 @@ SERVING_KEEP = ()
 # the body's bits. Kept fp32 it was 545 of the int4 engine's resident MB at the 0.5B shape; int8 is 137 MB,
 # the bits of the LM head it is tied to in Qwen2 (llama.cpp keeps a tied table at Q8_0 likewise).
 SERVING_EMBED_BITS = 8
-# GPTQ's calibration text (``engine.weight_method: gptq``): windows of real prose and code (``tasks.real_model.text``'s
-# calib split: the Python reference's topics and the standard library's sources), never the month's task rows, so
-# the one quantized backbone serves every monthly adapter. The windows are cut from the documents in turn, at most
-# GPTQ_WINDOW tokens each (the model's max_position_embeddings if shorter).
-GPTQ_WINDOW = 512
 
 
 def weights_key_fields(weights: str, block_size: int = DEFAULT_BLOCK_SIZE, fold_norms: bool = False,
@@ -142,26 +137,6 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
     return record
 
 
-def calibration_windows(model_dir: Path, tokens: int, window: int = GPTQ_WINDOW) -> list[list[int]]:
-    """About ``tokens`` token ids of the calib split of ``tasks.real_model.text`` under ``model_dir``'s tokenizer, as
-    windows of ``window`` tokens (at most the model's max_position_embeddings), taken from the documents in turn."""
-    from runtime.engine.model import read_hf_config
-    from tasks.models import load_tokenizer
-    from tasks.real_model.text import real_documents
-
-    window = min(window, int(read_hf_config(model_dir).get("max_position_embeddings", window)))
-    tokenizer = load_tokenizer(Path(model_dir))
-    docs = [tokenizer(text)["input_ids"] for _, text in real_documents("calib")]
-    windows, depth = [], 0
-    while sum(map(len, windows)) < tokens:
-        cut = [ids[depth:depth + window] for ids in docs if len(ids) >= depth + window]
-        if not cut:
-            raise WeightQuantError(f"the calibration text holds fewer than {tokens} tokens in windows of {window}")
-        windows += cut
-        depth += window
-    return windows[: -(-tokens // window)]
-
-
 def gptq_calibration(windows: list[list[int]]) -> dict:
     """What of GPTQ's calibration the codes depend on, for the cache key: the token ids (hashed) and their count."""
     digest = hashlib.sha256(json.dumps(windows).encode()).hexdigest()
@@ -174,9 +149,9 @@ def ensure_quantized_engine(float_dir: Path, out_dir: Path, weights: str, block_
     """``quantize_engine_dir`` unless ``out_dir`` already holds the build for this float engine and
     these settings; written to a temporary sibling and renamed, like the float engine. The LM head
     is quantized too, at ``SERVING_HEAD_BITS``, and the embedding table at ``SERVING_EMBED_BITS``.
-    With ``calibration_ids`` (``calibration_windows``) by GPTQ, the second moments read on those tokens from the
-    graph being quantized (its projections' inputs by name); else round to nearest (the benchmarks' random-weight
-    backbones, whose codes nobody scores)."""
+    With ``calibration_ids`` (``tasks.stages.compile.calibration_windows``) by GPTQ, the second moments read on
+    those tokens from the graph being quantized (its projections' inputs by name); else round to nearest (the
+    benchmarks' random-weight backbones, whose codes nobody scores)."""
     from tasks.artifacts import atomic_output_dir
     from tasks.weights.graph import calibrate_activations
 
