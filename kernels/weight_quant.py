@@ -10,8 +10,8 @@ packed the same way. ``tasks/weights/graph.py`` writes these codes into an engin
 ``gptq_groups`` writes the same layout by GPTQ (Frantar et al., arXiv 2210.17323): columns are quantized one
 at a time and each one's rounding error is spread over the columns not yet quantized, weighted by the inverse
 of the calibration activations' second moments, so the layer's *output* error is what is minimized, not the
-weights'. A group's scale and zero point are set when its first column is reached, from the weights as the
-earlier groups' errors have left them.
+weights'. By default the columns go in order of falling input energy (act-order) and each group's scale and zero
+point are fixed before the first column is quantized ("static groups": the layout has no reordering index).
 """
 
 from __future__ import annotations
