@@ -249,6 +249,26 @@ def test_quantized_pages_track_the_float_paged_engine(engines):
     assert kls == sorted(kls)  # fewer bits, further from the float cache
 
 
+def test_float_pages_on_a_pages_engine_decode_what_the_float_paged_engine_does(engines):
+    """The KV gate's reference on the device's own engine (``tasks.checks.page_quality.engine_page_quality``): the
+    same graph decoding over float pages only, so that the pages alone differ from it, not the decode path."""
+    from tasks.checks.page_quality import FloatPages, _decoded_logits, engine_page_quality
+
+    ids = np.random.default_rng(5).integers(0, 96, (1, 83))  # 6 pages: 4 would be sealed by 83
+    want, _ = engine_run(engines["float"], ids, split=20)
+    pages = engines[(2, 2)]
+    got = _decoded_logits(pages, ids, 20, FloatPages.empty(pages.pool, pages.page_spec, 1))
+    sealed = _decoded_logits(pages, ids, 20, None)
+
+    assert np.abs(got - want[0, 19:-1]).max() <= 1e-4
+    assert np.abs(sealed[-30:] - want[0, -31:-1]).max() > 1e-2  # the same engine's sealed pages do move them
+    documents = np.random.default_rng(6).integers(0, 96, (3, 70)).tolist()
+    k8, k2 = (engine_page_quality(engines[bits], documents) for bits in ((8, 8), (2, 2)))
+    assert k8["tokens"] == k2["tokens"] == 3 * 35
+    assert 0 < k8["kl_mean"] < BOUNDS[(8, 8)][0] < k2["kl_mean"]
+    assert k8["perplexity_float_cache"] == pytest.approx(k2["perplexity_float_cache"], rel=1e-5)  # one reference
+
+
 def test_greedy_answers_through_quantized_pages_are_the_same_batched_and_alone(engines):
     engine = engines[(2, 2)]
     prompts = [[3, 14, 15, 92, 65, 35, 89, 7, 9] * 3, [35, 89, 7], [5] * 37]  # left-padded to 37 together

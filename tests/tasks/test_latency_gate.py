@@ -88,5 +88,10 @@ def test_a_good_release_passes_and_one_twice_as_slow_is_refused(engines, beside)
 
     assert latency_gate(good).passed, good
     assert not latency_gate(slow).passed, slow
-    assert slow["step_ratio"] == pytest.approx(2 * good["step_ratio"], rel=0.35)  # the ratio sees the 2x, load or not
+    # The ratio sees the 2x. Quiet, within 35%; beside the two processes good and slow are timed one after the other,
+    # so the load each meets differs: CI read 2 x 2.09 as 6.69 (3.2x) there, so only the lower side is held under load.
+    if beside == "quiet":
+        assert slow["step_ratio"] == pytest.approx(2 * good["step_ratio"], rel=0.35)
+    else:
+        assert slow["step_ratio"] > 1.5 * good["step_ratio"], (good, slow)
     assert good["steps"] == slow["steps"] == 64
