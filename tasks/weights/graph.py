@@ -68,10 +68,6 @@ DEFAULT_BLOCK_SIZE = 128
 HEAD_SLICE_MAX_BYTES = 16 << 20
 
 
-# ONNX Runtime's names of the cache inputs' element types
-ORT_TENSOR_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(uint8)": np.uint8}
-
-
 class WeightQuantError(RuntimeError):
     """A graph or precision this quantizer refuses; the message says why."""
 
@@ -491,11 +487,11 @@ def calibrate_activations(onnx_path: str | Path, token_ids: list[list[int]], thr
         feeds_fixed[ADAPTER_MASK] = np.ones((1, 1), np.float32)
     # An empty cache: padded (no past slots), paged or quantized pages (empty block tables over pools of one block,
     # read by no row: the float pools and the sealed pages' codes, scales and minima alike).
-    for spec in session.get_inputs():
+    for spec in iface.inputs:
         if spec.name.startswith("past_"):
             feeds_fixed[spec.name] = np.zeros((1, spec.shape[1], 0, spec.shape[3]), np.float32)
         elif spec.name.startswith("pool_"):
-            feeds_fixed[spec.name] = np.zeros((1, *spec.shape[1:]), ORT_TENSOR_TYPES[spec.type])
+            feeds_fixed[spec.name] = np.zeros((1, *spec.shape[1:]), np.dtype(spec.dtype))
         elif spec.name in (BLOCK_TABLE, FLOAT_BLOCK_TABLE):
             feeds_fixed[spec.name] = np.zeros((1, 0), np.int64)
     sums: dict[str, np.ndarray] = {}
