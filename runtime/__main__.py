@@ -11,7 +11,7 @@
                             [--candidate DIR --canary-share F] [--max-resident N]
                             [--admin-token-file FILE --release-dir DIR ...]
                             [--state-dir DIR [--health-window S]] [--kv-budget-mb MB] [--kv-wait S] [--ort-memory MODE]
-                            [--prefill-chunk N]
+                            [--prefill-chunk N] [--no-kv-prefix-sharing]
                             [--tuf-url URL --trusted-root FILE --metadata-dir DIR [--tuf-interval S]]
                             [--product NAME ...]  (python -m runtime serve --help)
     python -m runtime state --state-dir DIR       the device state: active, previous, high-water mark, reverts
@@ -30,7 +30,8 @@ relative paths are relative to the file); flags add to it or override it:
      "admin_token_file": "admin.token", "release_dirs": ["releases"], "max_resident": 3, "canary_share": 0.0,
      "state_dir": "/var/lib/adapter", "health_window": 30,
      "tuf_url": "http://updates.example:8000", "trusted_root": "1.root.json", "metadata_dir": "tuf-metadata",
-     "tuf_interval": 300, "kv_budget_mb": 512, "kv_wait_s": 30, "products": ["default"], "ort_memory": "arena", "prefill_chunk": 128}
+     "tuf_interval": 300, "kv_budget_mb": 512, "kv_wait_s": 30, "products": ["default"], "ort_memory": "arena", "prefill_chunk": 128,
+     "kv_prefix_sharing": true}
 
 Exit codes: 0 success, 1 crash (a bug), 2 bad usage or device configuration, 30 the registry
 could not give the release, 31-38 the update channel refused (``runtime.release.tuf_pull.EXIT_CODES``:
@@ -79,7 +80,7 @@ def device_settings(args) -> dict:
                 "health_window": DEFAULT_HEALTH_WINDOW_S,
                 "tuf_url": None, "trusted_root": None, "metadata_dir": None, "tuf_interval": DEFAULT_TUF_INTERVAL_S,
                 "kv_budget_mb": None, "kv_wait_s": KV_WAIT_S, "products": [DEFAULT_PRODUCT], "ort_memory": None,
-                "prefill_chunk": DEFAULT_PREFILL_CHUNK}
+                "prefill_chunk": DEFAULT_PREFILL_CHUNK, "kv_prefix_sharing": True}
     if args.device_config is not None:
         path = Path(args.device_config)
         try:
@@ -99,7 +100,7 @@ def device_settings(args) -> dict:
     settings["release_dirs"] = list(settings["release_dirs"]) + list(getattr(args, "release_dir", None) or [])
     for key in ("engine", "tokenizer", "admin_token_file", "max_resident", "canary_share", "state_dir", "health_window",
                 "tuf_url", "trusted_root", "metadata_dir", "tuf_interval", "kv_budget_mb", "kv_wait_s", "ort_memory",
-                "prefill_chunk"):
+                "prefill_chunk", "kv_prefix_sharing"):
         if getattr(args, key, None) is not None:
             settings[key] = getattr(args, key)
     if getattr(args, "product", None):
@@ -274,8 +275,11 @@ def cmd_serve(args, settings) -> int:
     chunk = settings["prefill_chunk"]
     if type(chunk) is not int or chunk < 1:
         raise DeviceConfigError(f"prefill_chunk (--prefill-chunk) {chunk!r}: tokens per prefill forward, at least 1")
+    sharing = settings["kv_prefix_sharing"]
+    if type(sharing) is not bool:
+        raise DeviceConfigError(f"kv_prefix_sharing {sharing!r}: true or false")
     app = AdapterServer(engine, DeviceTokenizer(settings["tokenizer"]), keys, settings["max_package_bytes"],
-                        max_resident, products, kv_wait, chunk)
+                        max_resident, products, kv_wait, chunk, sharing)
     if state is not None:
         from runtime.serve.health import ReleaseGate
 
@@ -454,6 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill a prompt at most N tokens per forward through the KV cache (device config "
                    f"prefill_chunk; default {DEFAULT_PREFILL_CHUNK}): bounds a long prompt's activations, the peak "
                    "resident set")
+    s.add_argument("--no-kv-prefix-sharing", dest="kv_prefix_sharing", action="store_false", default=argparse.SUPPRESS,
+                   help="prefill every prompt whole (device config kv_prefix_sharing: false); by default a paged engine "
+                   "indexes each prompt's full KV pages and a prompt that starts with the same tokens on the same "
+                   "release reuses them (runtime.engine.kv_prefix)")
     s.set_defaults(run=cmd_serve)
 
     state_only = argparse.ArgumentParser(add_help=False)

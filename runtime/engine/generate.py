@@ -54,8 +54,10 @@ def last_positions(ids: np.ndarray) -> np.ndarray:
     return np.full((B, 1), T - 1, dtype=np.int64)
 
 
-def prefill(engine: Engine, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, chunk: int | None = None, **forward_args):
-    """The left-padded prompts ``ids``, ``pos``, ``mask`` (B, T) through ``engine`` into a new cache: (logits of the
+def prefill(engine: Engine, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, chunk: int | None = None, cache=None,
+            **forward_args):
+    """The left-padded prompts ``ids``, ``pos``, ``mask`` (B, T) through ``engine`` into a new cache, or after what
+    ``cache`` holds (a paged cache whose rows start with shared pages; ``pos`` counts from there): (logits of the
     last position (B, 1, V), cache). With ``chunk``, at most that many tokens per forward, each chunk through the
     cache the earlier ones left: a forward's activations (attention scores (B, heads, chunk, P + chunk) instead of
     (B, heads, T, T)) bound the peak memory of a long prompt, for the weights read once per chunk. ``forward_args``
@@ -64,7 +66,6 @@ def prefill(engine: Engine, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, 
         raise ValueError(f"prefill chunk must be >= 1 token, got {chunk}")
     T = ids.shape[1]
     step = chunk or T
-    cache = None
     for a in range(0, T, step):
         b = min(a + step, T)
         logits, cache = engine.forward(ids[:, a:b], pos[:, a:b], mask[:, :b], cache,

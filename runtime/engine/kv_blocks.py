@@ -27,6 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from runtime.engine.errors import RefusedInput
+from runtime.engine.kv_prefix import Page, PrefixPages
 
 INITIAL_BLOCKS = 64  # a pool without a budget starts this big, then doubles
 # serve's default budget: a quarter of the available memory leaves the rest to the weights (int4 0.5B: ~0.4 GB),
@@ -83,6 +84,7 @@ class BlockPool:
         self.lock = threading.RLock()
         self._allocate(capacity if capacity is not None else INITIAL_BLOCKS)
         self._free = list(range(self.capacity - 1, -1, -1))  # a stack: block 0 first, freed blocks reused first
+        self.prefix: PrefixPages | None = None  # pages shared between rows (``share_prefixes``), counted there
 
     @classmethod
     def for_budget(cls, tensors: list[PoolTensor], block_size: int, budget_bytes: int | None,
@@ -105,13 +107,25 @@ class BlockPool:
         self.values = {name: self.wrap(a) for name, a in self.arrays.items()}
         self.capacity = blocks
 
+    def share_prefixes(self, prefix: PrefixPages | None = None) -> PrefixPages:
+        """Full pages of rows' prompts are indexed and shared from now on (``runtime.engine.kv_prefix``), in
+        ``prefix`` (the index a ``PagePool``'s two pools share) or an index of this pool's own."""
+        self.prefix = prefix or PrefixPages(self.block_size)
+        return self.prefix
+
     @property
     def free_blocks(self) -> int:
         return len(self._free)
 
     @property
+    def idle_blocks(self) -> int:
+        """Shared pages no row holds: kept for the next prompt that starts with them, taken back when needed."""
+        return 0 if self.prefix is None else self.prefix.idle_blocks(self)
+
+    @property
     def used_blocks(self) -> int:
-        return self.capacity - len(self._free)
+        """Blocks rows hold (a shared page once)."""
+        return self.capacity - len(self._free) - self.idle_blocks
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -125,7 +139,10 @@ class BlockPool:
         return self.blocks_for(tokens) * self.block_bytes
 
     def take(self, count: int) -> list[int]:
-        """``count`` free blocks (caller holds ``lock``); a pool without a budget grows, one with refuses."""
+        """``count`` free blocks (caller holds ``lock``), idle shared pages given back first when there are too few;
+        then a pool without a budget grows, one with refuses."""
+        if count > len(self._free) and self.prefix is not None:
+            self.prefix.evict(self, count - len(self._free))
         if count > len(self._free):
             if self.fixed:
                 raise KVBudgetExceeded(f"{count} KV blocks needed, {len(self._free)} of {self.capacity} free")
@@ -136,11 +153,16 @@ class BlockPool:
         return taken[::-1]
 
     def release(self, rows: list[list[int]]) -> None:
-        """Give back every block of ``rows`` and empty them (the rows left their batch)."""
+        """Give back every block of ``rows`` and empty them (the rows left their batch); a shared page stays while
+        another row holds it, and idle while its prompt may come again."""
         with self.lock:
             for blocks in rows:
-                self._free += blocks[::-1]
+                self.give_back(blocks if self.prefix is None else self.prefix.released(self, blocks))
                 blocks.clear()
+
+    def give_back(self, blocks: list[int]) -> None:
+        """``blocks`` are free (caller holds ``lock``)."""
+        self._free += blocks[::-1]
 
 
 class PagedCache:
@@ -152,6 +174,16 @@ class PagedCache:
     def __init__(self, pool: BlockPool, blocks: list[list[int]], lengths: np.ndarray):
         self.pool, self.blocks, self.lengths = pool, blocks, lengths  # lengths (B,) int64
         weakref.finalize(self, pool.release, blocks)  # the same list object: emptied in place when rows move
+
+    @classmethod
+    def with_pages(cls, pool: BlockPool, rows: list[list[Page]]) -> "PagedCache":
+        """Rows that start with the full pages ``rows`` (shared, already counted as held by them)."""
+        return cls(pool, [[block for _, block in pages] for pages in rows],
+                   np.array([len(pages) * pool.block_size for pages in rows], dtype=np.int64))
+
+    def full_pages(self, row: int) -> list[Page]:
+        """Where row ``row``'s full pages lie, page 0 first."""
+        return [(self.pool, block) for block in self.blocks[row][: int(self.lengths[row]) // self.pool.block_size]]
 
     @property
     def batch(self) -> int:

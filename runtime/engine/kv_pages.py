@@ -29,6 +29,7 @@ import numpy as np
 from kernels.kv_spec import KEY_GRID_STEPS, MIN_PAGE_SCALE, PageQuantSpec
 from runtime.engine.interface import SEALED_BLOCKS_AXIS, EngineInterface, InterfaceError, quantized_pages_tensors
 from runtime.engine.kv_blocks import BlockPool, KVBudgetExceeded, PoolTensor
+from runtime.engine.kv_prefix import Page, PrefixPages
 
 
 def page_scheme(iface: EngineInterface) -> PageQuantSpec:
@@ -146,7 +147,21 @@ class PagePool:
 
     @property
     def used_bytes(self) -> int:
+        """Bytes of the blocks rows hold (a shared page once)."""
         return self.float.used_blocks * self.float.block_bytes + self.sealed.used_blocks * self.sealed.block_bytes
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes of shared pages no row holds (kept under the budget until it needs them)."""
+        return self.float.idle_blocks * self.float.block_bytes + self.sealed.idle_blocks * self.sealed.block_bytes
+
+    @property
+    def prefix(self) -> PrefixPages | None:
+        return self.float.prefix
+
+    def share_prefixes(self) -> PrefixPages:
+        """Full pages of rows' prompts are indexed and shared from now on, both pools in one index."""
+        return self.sealed.share_prefixes(self.float.share_prefixes())
 
     def row_bytes(self, tokens: int) -> int:
         """The most a row of up to ``tokens`` tokens holds: one float page up to a page, else two (sink, open) and
@@ -164,6 +179,8 @@ class PagePool:
             free = self.budget_bytes - self.used_bytes
             if need > free:
                 raise KVBudgetExceeded(f"{need} bytes of KV pages needed, {free} of {self.budget_bytes} free")
+            while self.prefix is not None and need > free - self.idle_bytes:  # idle shared pages make room, oldest first
+                self.prefix.evict(None, 1)
         self.float.release([freed_float])
         return self.float.take(float_count), self.sealed.take(sealed_count)
 
@@ -187,6 +204,20 @@ class PagesCache:
     @classmethod
     def empty(cls, pool: PagePool, spec: PageQuantSpec, batch: int) -> "PagesCache":
         return cls(pool, spec, [[] for _ in range(batch)], [[] for _ in range(batch)], np.zeros(batch, dtype=np.int64))
+
+    @classmethod
+    def with_pages(cls, pool: PagePool, spec: PageQuantSpec, rows: list[list[Page]]) -> "PagesCache":
+        """Rows that start with the full pages ``rows`` (the sink, a float block, then sealed ones; shared, already
+        counted as held by them)."""
+        return cls(pool, spec, [[block for _, block in pages[:1]] for pages in rows],
+                   [[block for _, block in pages[1:]] for pages in rows],
+                   np.array([len(pages) * pool.block_size for pages in rows], dtype=np.int64))
+
+    def full_pages(self, row: int) -> list[Page]:
+        """Where row ``row``'s full pages lie, page 0 (the sink, float) first, then the sealed ones."""
+        full = int(self.lengths[row]) // self.pool.block_size
+        sink = [(self.pool.float, block) for block in self.float_blocks[row][: min(full, 1)]]
+        return sink + [(self.pool.sealed, block) for block in self.blocks[row][: max(full - 1, 0)]]
 
     @property
     def batch(self) -> int:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ import numpy as np
 from runtime.engine.generate import left_padded, prefill
 from runtime.engine.kv_blocks import BlockPool, KVBudgetExceeded
 from runtime.engine.kv_pages import PagePool
+from runtime.engine.kv_prefix import PrefixCounters, release_scope
 from runtime.engine.sampling import greedy
 from runtime.engine.tracing import MAX_BATCH
 from runtime.serve.generation import Choice, Generation, StopText
@@ -194,17 +196,25 @@ class Batcher:
     """The scheduler of one ``AdapterServer``: ``submit`` a generation, its thread does the rest."""
 
     def __init__(self, stop_ids, pad_id: int, metrics, max_rows: int = MAX_BATCH, pool: BlockPool | PagePool | None = None,
-                 kv_wait_s: float = KV_WAIT_S, stacked: bool = False, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
+                 kv_wait_s: float = KV_WAIT_S, stacked: bool = False, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+                 share_prefixes: bool = True):
         """``max_rows``: rows one release's batch decodes at most (the engine was exported for batches up
         to ``MAX_BATCH``); arrivals beyond it wait, in order, for rows to leave. ``pool``: a paged engine's
         KV blocks, which every release's batch shares; with a budget, arrivals also wait (at most
         ``kv_wait_s``) for their worst case to fit. ``stacked``: the engine takes rows of several releases in
         one forward (interface version 7): one batch for every release, each row on its release's slot.
         ``prefill_chunk``: prompts are prefilled at most this many tokens per forward
-        (``runtime.engine.generate.prefill``; None: whole)."""
+        (``runtime.engine.generate.prefill``; None: whole). ``share_prefixes``: on a paged engine, the full pages of
+        every prompt are indexed and a prompt that starts with them reuses them (``runtime.engine.kv_prefix``)."""
         self.stop_ids, self.pad_id, self.metrics = frozenset(int(t) for t in stop_ids), pad_id, metrics
         self.max_rows, self.pool, self.kv_wait_s, self.stacked = max_rows, pool, kv_wait_s, stacked
         self.prefill_chunk = prefill_chunk
+        self.prefix = pool.share_prefixes() if share_prefixes and pool is not None else None
+        # Pages a shared prefix is a multiple of. Quantized pages: whole prefill chunks, so the suffix reads the
+        # prefix as the unshared prompt's later chunks read it (sealed), not as its own chunk (float): the same answers.
+        self.share_unit = (math.lcm(pool.block_size, prefill_chunk) // pool.block_size
+                           if isinstance(pool, PagePool) and prefill_chunk else 1)
+        self._counted = PrefixCounters()  # the prefix counters as the metrics last read them
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # notified when a request arrives for a waiting thread
         self._arrivals: list[BatchedGeneration] = []
@@ -262,6 +272,19 @@ class Batcher:
         needed = sum(int(b.lengths.sum()) * b.engine.kv_bytes_per_token for b in self._batches)
         self.metrics.kv_cache_bytes.set(held)
         self.metrics.kv_cache_needed_bytes.set(needed)
+        if self.prefix is not None:
+            now, before, m = self.prefix.counters, self._counted, self.metrics
+            m.prefix_hit_tokens.inc(now.hit_tokens - before.hit_tokens)
+            m.prefix_miss_tokens.inc(now.miss_tokens - before.miss_tokens)
+            m.prefix_pages_shared.inc(now.pages_shared - before.pages_shared)
+            m.prefix_cached_pages.set(self.prefix.cached_pages)
+            self._counted = PrefixCounters(now.hit_tokens, now.miss_tokens, now.pages_shared)
+
+    def forget_releases(self, resident: list) -> None:
+        """Only the shared pages of ``resident`` releases stay indexed (called when releases leave the device)."""
+        if self.prefix is not None:
+            with self.pool.lock:
+                self.prefix.drop_scopes({release_scope(r.release_id, r.activation) for r in resident})
 
     def _fitting(self, arrivals: list[BatchedGeneration]) -> tuple[list[BatchedGeneration], list[BatchedGeneration]]:
         """(the arrivals whose rows fit their release's batch and whose KV worst case fits the pool, in order;
@@ -350,9 +373,15 @@ class Batcher:
         together (it cannot allocate the padded batch, say), each is prefilled alone: only a request
         that fails alone fails, not the ones that arrived with it; the batch runs on."""
         try:
-            ids, pos, mask = left_padded([p for g in gens for p in g.prompts], self.pad_id)  # (n, L) each
+            prompts = [p for g in gens for p in g.prompts]
+            scopes = [release_scope(g.release.release_id, g.release.activation) for g in gens for _ in g.prompts]
+            start, shared = self._shared_pages(batch, prompts, scopes)  # (n,) tokens each row reads from shared pages
+            ids, pos, mask = left_padded([p[n:] for p, n in zip(prompts, shared.tolist())], self.pad_id)  # (n, L) each
+            pos = pos + shared[:, None]
             slots = batch.bind([g.release for g in gens for _ in g.prompts])  # (n,)
-            logits, cache = prefill(batch.engine, ids, pos, mask, self.prefill_chunk, **self._slots(batch, slots))  # (n, 1, V)
+            logits, cache = prefill(batch.engine, ids, pos, mask, self.prefill_chunk, start,
+                                    **self._slots(batch, slots))  # (n, 1, V)
+            self._index_pages(cache, prompts, scopes)
         except Exception as err:
             if len(gens) > 1:
                 log.warning("prefill of %d requests together failed (%s: %s); prefilling each alone",
@@ -364,26 +393,45 @@ class Batcher:
             self._deliver(gens[0], err)
             return
         try:
-            self._join(batch, gens, ids, mask, logits, cache, slots)
+            self._join(batch, gens, ids, mask, shared, logits, cache, slots)
         except Exception as err:  # a bug past the engine: these requests fail, the batch runs on
             log.exception("joining the prefilled rows failed")
             for g in gens:
                 self._deliver(g, err)
+
+    def _shared_pages(self, batch: ReleaseBatch, prompts: list[list[int]], scopes: list[str]):
+        """(a cache whose rows start with the longest chain of shared pages each prompt begins with, or None
+        without sharing; (n,) the tokens those pages hold)."""
+        if self.prefix is None:
+            return None, np.zeros(len(prompts), dtype=np.int64)
+        with self.pool.lock:
+            pages = [self.prefix.lookup(scope, prompt, self.share_unit) for scope, prompt in zip(scopes, prompts)]
+            start = batch.engine.cache_with_pages(pages)
+        return start, start.lengths.copy()
+
+    def _index_pages(self, cache, prompts: list[list[int]], scopes: list[str]) -> None:
+        """Index the full pages of each prefilled prompt (row b of ``cache`` holds ``prompts[b]``) for the next."""
+        if self.prefix is not None:
+            with self.pool.lock:
+                for row, (scope, prompt) in enumerate(zip(scopes, prompts)):
+                    self.prefix.add(scope, prompt, cache.full_pages(row))
 
     @staticmethod
     def _slots(batch: ReleaseBatch, slots: np.ndarray) -> dict:
         """forward's ``slots`` argument: only a stacked batch passes one (other engines take none)."""
         return {"slots": slots} if batch.stacked else {}
 
-    def _join(self, batch: ReleaseBatch, gens: list[BatchedGeneration], ids, mask, logits, cache, slots) -> None:
-        """Sample the first tokens of the prefilled ``gens`` and merge their rows into ``batch``."""
+    def _join(self, batch: ReleaseBatch, gens: list[BatchedGeneration], ids, mask, shared, logits, cache, slots) -> None:
+        """Sample the first tokens of the prefilled ``gens`` (``shared`` (n,): the tokens before ``ids`` each row read
+        from shared pages) and merge their rows into ``batch``."""
         rows = [Row(g, i) for g in gens for i in range(len(g.prompts))]
         tokens, decoding = self._emit(rows, logits[:, -1])
         if not any(decoding):
             return
         keep = np.array(decoding)
-        lengths = mask.sum(axis=1)  # (n,)
-        drop = ids.shape[1] - int(lengths[keep].max())
+        prefilled = mask.sum(axis=1)  # (n,)
+        lengths = shared + prefilled
+        drop = ids.shape[1] - int(prefilled[keep].max())
         if drop or not keep.all():
             cache = batch.engine.take_cache_rows(cache, np.flatnonzero(keep), drop)
         batch.cache = cache if batch.cache is None else batch.engine.concat_caches([batch.cache, cache])

@@ -117,6 +117,14 @@ class ServerMetrics:
                                     "every slot allocated (padding included)", registry=r)
         self.kv_cache_needed_bytes = Gauge(f"{PREFIX}_kv_cache_needed_bytes", "Bytes the running rows' tokens need "
                                            "in the KV cache now: their real slots only", registry=r)
+        self.prefix_hit_tokens = Counter(f"{PREFIX}_kv_prefix_hit_tokens", "Prompt tokens read from KV pages another "
+                                         "request left (shared prefix pages, runtime.engine.kv_prefix)", registry=r)
+        self.prefix_miss_tokens = Counter(f"{PREFIX}_kv_prefix_miss_tokens", "Prompt tokens prefilled while prefix "
+                                          "sharing is on", registry=r)
+        self.prefix_pages_shared = Counter(f"{PREFIX}_kv_prefix_pages_shared", "KV pages a request took from the "
+                                           "prefix index instead of computing them", registry=r)
+        self.prefix_cached_pages = Gauge(f"{PREFIX}_kv_prefix_cached_pages", "Prompt pages indexed for sharing now, "
+                                         "held by rows or idle", registry=r)
         self.refusals = Counter(f"{PREFIX}_refusals", "Releases refused, by reason", ["reason"], registry=r)
         self.generation_errors = Counter(f"{PREFIX}_generation_errors", "Generation requests that failed (500), by "
                                          "the release they ran on and its product", ["release_id", "product"], registry=r)

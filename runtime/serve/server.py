@@ -83,9 +83,11 @@ class AdapterServer:
 
     def __init__(self, engine, tokenizer, trusted_keys: dict, max_bytes: int = DEFAULT_MAX_PACKAGE_BYTES,
                  max_resident: int = DEFAULT_MAX_RESIDENT, products: tuple[str, ...] = (DEFAULT_PRODUCT,),
-                 kv_wait_s: float = KV_WAIT_S, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
+                 kv_wait_s: float = KV_WAIT_S, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+                 share_prefixes: bool = True):
         """``kv_wait_s``: on a paged engine with a KV budget, how long a batched request waits for blocks;
-        ``prefill_chunk``: the most prompt tokens a batched prefill runs per forward (None: the whole prompt)."""
+        ``prefill_chunk``: the most prompt tokens a batched prefill runs per forward (None: the whole prompt);
+        ``share_prefixes``: prompts on one release share their full KV pages (``runtime.engine.kv_prefix``)."""
         if not hasattr(engine, "fork"):
             raise ValueError(f"{type(engine).__name__} cannot be shared between requests; serve runs the onnxruntime backend")
         self.engine, self.tokenizer, self.trusted_keys, self.max_bytes = engine, tokenizer, trusted_keys, max_bytes
@@ -95,7 +97,8 @@ class AdapterServer:
         self._load_lock = threading.Lock()
         # One scheduler for every release's batch; None where the backend cannot merge caches (``merges_caches``).
         self.batcher = (Batcher(tokenizer.stop_ids, tokenizer.pad_id, self.metrics, pool=getattr(engine, "pool", None),
-                                kv_wait_s=kv_wait_s, stacked=engine.interface.stacked, prefill_chunk=prefill_chunk)
+                                kv_wait_s=kv_wait_s, stacked=engine.interface.stacked, prefill_chunk=prefill_chunk,
+                                share_prefixes=share_prefixes)
                         if getattr(engine, "merges_caches", False) else None)
         # set by runtime.serve.health.ReleaseGate: per product, the state directory and its trials
         self.gates: dict[str, ReleaseGate] = {}
@@ -149,7 +152,7 @@ class AdapterServer:
                 done = time.perf_counter()
             self.metrics.loaded(done - start)
             self.metrics.unloads.labels("lru").inc(len(unloaded))
-            self.metrics.sweep_releases(r.release_id for r, _ in self.residents.listing())
+            self._resident_changed()
         except PackageError as err:
             self.metrics.refusals.labels(err.reason).inc()
             raise
@@ -180,11 +183,18 @@ class AdapterServer:
         """Forget the resident release ``model`` names (not a champion); requests running on it finish."""
         release = self.residents.remove(model)
         self.metrics.unloads.labels("admin").inc()
-        self.metrics.sweep_releases(r.release_id for r, _ in self.residents.listing())
+        self._resident_changed()
         if release.product in self.gates:
             self.gates[release.product].record_candidate()
         log.info("unloaded %s", release.release_id)
         return {"unloaded": release.release_id, "resident": self.resident_summary()}
+
+    def _resident_changed(self) -> None:
+        """Releases left the device: their metrics and their shared KV pages go."""
+        resident = [r for r, _ in self.residents.listing()]
+        self.metrics.sweep_releases(r.release_id for r in resident)
+        if self.batcher is not None:
+            self.batcher.forget_releases(resident)
 
     def resident_summary(self) -> list[dict]:
         return [{"release_id": r.release_id, "product": r.product, "channel": channel}

@@ -25,9 +25,11 @@ from kernels.kv_spec import PageQuantSpec
 from runtime.__main__ import main as runtime_main
 from runtime.engine.adapter import load_adapter
 from runtime.engine.backends.onnxruntime import OrtEngine
-from runtime.engine.generate import greedy_generate
+from runtime.engine.generate import greedy_generate, left_padded, prefill
 from runtime.engine.interface import LOGIT_POSITIONS_INTERFACE_VERSION, SUPPORTED_VERSIONS, read_interface
 from runtime.engine.kv_blocks import BlockPool, KVBudgetExceeded, PagedCache, PoolTensor
+from runtime.engine.kv_prefix import release_scope
+from runtime.engine.tokenizer import DeviceTokenizer
 from tasks.stages.compile import CompileError, compile_engine
 
 BLOCK = 4
@@ -325,3 +327,104 @@ def test_the_saved_graph_writes_each_layers_new_slots_before_the_next_layer_atte
     for layer in range(paged.interface.num_layers - 1):
         written = max(position[f"new_{kind}.{layer}"] for kind in ("key", "value"))
         assert written < attention[layer + 1], f"layer {layer}'s new slots wait past layer {layer + 1}'s attention"
+
+
+# ---------------------------------------------------------------- prefix pages shared between requests
+
+SYSTEM_TURN = ("rules: a void above 15 percent fails; a lifted lead above 30 um fails; a bridge fails; "
+               "report the part and the verdict only. ")
+
+
+def prefill_alone(engine, prompt: list[int], start=None, chunk: int = 8):
+    """``prompt`` prefilled alone in chunks (after the shared pages ``start`` holds, when given): (last logits, cache)."""
+    done = 0 if start is None else int(start.lengths[0])
+    ids, pos, mask = left_padded([prompt[done:]])
+    return prefill(engine, ids, pos + done, mask, chunk, start)
+
+
+@pytest.mark.parametrize("kind", ["float pages", "quantized pages"])
+def test_a_shared_page_is_bit_identical_to_a_recomputed_one_and_the_suffix_reads_it_as_a_later_chunk(
+        w, paged_world_engine, pages_world_engine, kind):
+    engine = OrtEngine(paged_world_engine if kind == "float pages" else pages_world_engine, threads=1)
+    tokenizer = DeviceTokenizer(w["tokenizer"])
+    first, second = (tokenizer.encode(SYSTEM_TURN + p) for p in (PROMPT, OTHER_PROMPT))
+    prefix, scope = engine.pool.share_prefixes(), release_scope("2026-11+test", 1)
+    _, cache_first = prefill_alone(engine, first)
+    prefix.add(scope, first, cache_first.full_pages(0))
+
+    shared = prefix.lookup(scope, second, unit=2)  # whole chunks of 8 tokens: 2 pages of 4
+    common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert len(shared) == common // 8 * 2 and len(shared) >= 4
+    logits_shared, cache_shared = prefill_alone(engine, second, engine.cache_with_pages([shared]))
+    logits_alone, cache_alone = prefill_alone(engine, second)
+
+    assert np.array_equal(logits_shared, logits_alone)  # what the suffix read is what its own prefill wrote
+    for name, pages in cache_shared.to_numpy().items() if kind == "quantized pages" else enumerate(
+            engine.cache_to_numpy(cache_shared)):
+        recomputed = (cache_alone.to_numpy()[name] if kind == "quantized pages"
+                      else engine.cache_to_numpy(cache_alone)[name])
+        assert pages.tobytes() == recomputed.tobytes(), name  # shared pages and the rest, byte for byte
+    assert prefix.counters.hit_tokens == len(shared) * BLOCK
+
+
+def test_no_page_is_shared_across_releases_and_a_release_that_leaves_takes_its_idle_pages_back():
+    pool = BlockPool([PoolTensor("pool_key.0", (1, BLOCK, 2), "float32")], None, BLOCK)
+    prefix, tokens = pool.share_prefixes(), list(range(13))
+    cache = PagedCache(pool, [[]], np.zeros(1, dtype=np.int64))
+    cache.append({"pool_key.0": np.ones((1, 1, 13, 2), dtype=np.float32)}, np.ones((1, 13), dtype=bool))
+    prefix.add("a#1", tokens, cache.full_pages(0))
+
+    assert prefix.lookup("a#2", tokens) == [] and prefix.lookup("b#1", tokens) == []  # a reload is another scope
+    assert [block for _, block in prefix.lookup("a#1", tokens)] == cache.blocks[0][:3]
+    del cache  # its rows go back; the three indexed pages one lookup still holds stay
+    assert pool.used_blocks == 3 and pool.idle_blocks == 0
+    pool.release([[b for _, b in prefix.pages.values()]])  # the lookup's row finishes: idle, kept for the next prompt
+    assert pool.used_blocks == 0 and pool.idle_blocks == 3 and prefix.cached_pages == 3
+    prefix.drop_scopes({"b#1"})  # release a left the device
+    assert pool.idle_blocks == 0 and prefix.cached_pages == 0 and pool.free_blocks == pool.capacity
+
+
+def test_eviction_gives_back_idle_pages_oldest_first_and_never_a_page_in_use():
+    pool = BlockPool([PoolTensor("pool_key.0", (1, BLOCK, 2), "float32")], 6, BLOCK)
+    prefix = pool.share_prefixes()
+    rows = []
+    for first in (0, 100, 200):  # three prompts of two full pages each, indexed
+        cache = PagedCache(pool, [[]], np.zeros(1, dtype=np.int64))
+        cache.append({"pool_key.0": np.zeros((1, 1, 8, 2), dtype=np.float32)}, np.ones((1, 8), dtype=bool))
+        prefix.add("a#1", list(range(first, first + 8)), cache.full_pages(0))
+        rows.append(cache)
+    in_use = list(rows[2].blocks[0])
+    first_idle = list(rows[0].blocks[0])
+    rows.pop(0)  # two prompts finish, in order: four idle pages, the first's oldest
+    rows.pop(0)
+    assert pool.idle_blocks == 4 and pool.free_blocks == 0
+    with pool.lock:
+        taken = pool.take(2)
+    assert sorted(taken) == sorted(first_idle) and prefix.lookup("a#1", list(range(8)) + [9]) == []
+    with pool.lock:
+        pool.take(2)
+        with pytest.raises(KVBudgetExceeded):
+            pool.take(1)  # only the pages a row holds are left: refused, not evicted
+    assert rows[0].blocks[0] == in_use and pool.idle_blocks == 0
+
+
+@pytest.mark.parametrize("kind", ["float pages", "quantized pages"])
+def test_prompts_with_a_shared_system_turn_reuse_its_pages_and_answer_as_without_sharing(
+        w, paged_world_engine, pages_world_engine, kind):
+    engine = paged_world_engine if kind == "float pages" else pages_world_engine
+    questions = [PROMPT, OTHER_PROMPT, PROMPT.replace("R12", "R13")]
+    answers, hits = {}, {}
+    for sharing in (False, True):
+        with running_server(w, engine=engine, prefill_chunk=8, share_prefixes=sharing) as (app, background):
+            app.load(w["b"])
+            client = sdk(background)
+            answers[sharing] = [client.completions.create(model="champion", prompt=SYSTEM_TURN + q, max_tokens=12,
+                                                          temperature=0).choices[0].text for q in questions]
+            streamed = client.completions.create(model="champion", prompt=SYSTEM_TURN + PROMPT, max_tokens=12,
+                                                 temperature=0, stream=True)
+            answers[sharing].append("".join(c.choices[0].text for c in streamed if c.choices))
+            hits[sharing] = app.metrics.value("adapter_kv_prefix_hit_tokens_total")
+            assert app.engine.pool.used_bytes == 0 if kind == "quantized pages" else app.engine.pool.used_blocks == 0
+    assert answers[True] == answers[False] and answers[True][0] == answers[True][3]
+    system_tokens = len(DeviceTokenizer(w["tokenizer"]).encode(SYSTEM_TURN))
+    assert hits[False] == 0 and hits[True] >= 3 * (system_tokens // 8 * 8)  # three requests read the system turn

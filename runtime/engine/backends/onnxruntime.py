@@ -419,6 +419,13 @@ class OrtEngine:
         empty = np.zeros((batch, i.num_kv_heads, 0, i.head_dim), dtype=np.float32)
         return [ort.OrtValue.ortvalue_from_numpy(empty) for _ in self._kv_names]
 
+    def cache_with_pages(self, rows: list):
+        """A paged cache whose row b starts with the full pages ``rows[b]`` (``runtime.engine.kv_prefix.Page``s the
+        prefix index found, counted as held by these rows): what a prefill after a shared prefix starts from."""
+        if isinstance(self.pool, PagePool):
+            return PagesCache.with_pages(self.pool, self.page_spec, rows)
+        return PagedCache.with_pages(self.pool, rows)
+
     def forward(self, input_ids, position_ids, attention_mask, past=None, logit_positions=None, slots=None):
         """``slots`` (B,) int: the slot each row decodes with (stacked engine; None: every row slot 0).
         ``logit_positions`` (B, K) int64: the new tokens whose logits come back, (B, K, V); None = all of
