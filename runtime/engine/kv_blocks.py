@@ -134,6 +134,11 @@ class BlockPool:
     def capacity_bytes(self) -> int:
         return self.capacity * self.block_bytes
 
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the blocks rows hold (a shared page once)."""
+        return self.used_blocks * self.block_bytes
+
     def row_bytes(self, tokens: int) -> int:
         """The most a row of up to ``tokens`` tokens holds: its blocks (the scheduler's worst case per row)."""
         return self.blocks_for(tokens) * self.block_bytes

@@ -267,8 +267,10 @@ class Batcher:
         return True
 
     def _count_kv(self) -> None:
-        """The KV gauges: bytes the batches' caches hold (every slot) and bytes their rows' real tokens need."""
-        held = sum(b.engine.cache_bytes(b.cache) for b in self._batches)
+        """The KV gauges: bytes the batches' caches hold (every slot; on a paged engine the blocks held, a shared page
+        once) and bytes their rows' real tokens need."""
+        held = (self.pool.used_bytes if self.pool is not None and self._batches
+                else sum(b.engine.cache_bytes(b.cache) for b in self._batches))
         needed = sum(int(b.lengths.sum()) * b.engine.kv_bytes_per_token for b in self._batches)
         self.metrics.kv_cache_bytes.set(held)
         self.metrics.kv_cache_needed_bytes.set(needed)

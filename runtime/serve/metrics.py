@@ -114,7 +114,8 @@ class ServerMetrics:
                                         "batched decode step", buckets=BATCH_ROW_BUCKETS, registry=r)
         # Set by the batch scheduler after each turn (batched decode; a forked request's cache is its own).
         self.kv_cache_bytes = Gauge(f"{PREFIX}_kv_cache_bytes", "Bytes the KV caches of the running batches hold now, "
-                                    "every slot allocated (padding included)", registry=r)
+                                    "every slot allocated (padding included; on a paged engine the blocks rows hold, a shared prefix "
+                                    "page once)", registry=r)
         self.kv_cache_needed_bytes = Gauge(f"{PREFIX}_kv_cache_needed_bytes", "Bytes the running rows' tokens need "
                                            "in the KV cache now: their real slots only", registry=r)
         self.prefix_hit_tokens = Counter(f"{PREFIX}_kv_prefix_hit_tokens", "Prompt tokens read from KV pages another "

@@ -428,3 +428,13 @@ def test_prompts_with_a_shared_system_turn_reuse_its_pages_and_answer_as_without
     assert answers[True] == answers[False] and answers[True][0] == answers[True][3]
     system_tokens = len(DeviceTokenizer(w["tokenizer"]).encode(SYSTEM_TURN))
     assert hits[False] == 0 and hits[True] >= 3 * (system_tokens // 8 * 8)  # three requests read the system turn
+
+
+def test_serve_refuses_a_kv_prefix_sharing_that_is_not_a_boolean_naming_the_file_and_key(w, tmp_path, capsys,
+                                                                                        root_logging_restored):
+    config = tmp_path / "device.json"
+    config.write_text(json.dumps({"kv_prefix_sharing": "no"}))
+    code = runtime_main(["serve", "--device-config", str(config), "--engine", str(w["engine"]), "--package",
+                         str(w["b"]), "--trusted-key", str(w["trusted_key"]), "--tokenizer", str(w["tokenizer"])])
+    err = capsys.readouterr().err
+    assert code == 2 and "kv_prefix_sharing 'no': true or false" in err

@@ -1,0 +1,237 @@
+"""KV memory tiers on the device (issue 42): prefix pages shared between requests, measured against the same server
+with sharing off, interleaved.
+
+    python -m bench.serving.kv_tiers_bench [--shape 0.5b|tiny] [--clients 8] [--system-tokens 512]
+        [--question-tokens 64] [--answer-tokens 16] [--rounds 3] [--threads 2] [--prefill-chunk 128]
+        [--workdir DIR] [--out bench/results/kv_tiers_bench.json]
+
+Not in CI nor in ``make bench`` (the 0.5B world takes minutes to build). The model is
+``bench.serving.device_memory_bench``'s (``bench.lib.worlds.build_int4_world``: Qwen2-0.5B's shape with random
+weights, int4, the 4-bit quantized pages; ``tiny`` for a quick look), served by ``python -m runtime serve`` twice at
+once, one with ``kv_prefix_sharing: false``: both servers start before any request and each is measured while the
+other idles, the order alternating by round.
+
+The load: ``--clients`` prompts that share a system turn of ``--system-tokens`` and differ in a question of
+``--question-tokens`` (inspection rows cut to exact lengths by our tokenizer), all sent at once through the official
+``openai`` SDK, greedy. Each server first answers one prompt of the same system turn and another question (a
+device that has served the system turn before; the pages it leaves are idle until the round).
+
+* time to first token: each request of a round asks for one token (``max_tokens: 1``), so its latency is the wait for
+  admission, the prefill and the first token (a stream would not do: the random backbone's ids above the tokenizer's
+  vocabulary decode to no text, and a stream carries a token only once it decodes to text); p50 over clients and
+  rounds, and ``prefix_ttft_speedup`` = off's p50 over on's;
+* KV bytes allocated: ``adapter_kv_cache_bytes`` (the blocks rows hold, a shared page once) sampled from ``/metrics``
+  every ``--sample-s`` while the round's requests run with ``--answer-tokens`` each; ``prefix_kv_ratio`` = on's peak
+  over off's;
+* answers: the texts and token counts of that second pass, equal between the two servers (``outputs_identical``),
+  with how many carry any text (random weights: few);
+* the prefix counters (``adapter_kv_prefix_hit_tokens_total``, ``..._miss_tokens_total``) of the sharing server.
+
+Swap to local storage (the issue's second item) is not built: its keys are written as null with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from bench.lib.report import RESULTS, Figure, progress, write_report
+from bench.lib.tables import table
+from bench.lib.worlds import build_int4_world, prompt_text
+from bench.serving.device_memory_bench import our_server
+from runtime.engine.tokenizer import DeviceTokenizer
+from runtime.serve.residents import CHAMPION
+
+SHAPES = ("0.5b", "tiny")
+MODES = {"off": {"kv_prefix_sharing": False}, "on": {"kv_prefix_sharing": True}}
+REQUEST_TIMEOUT_S = 1800.0
+SWAP_NOTE = "not measured: swap to local storage (issue 42, item 2) is not built"
+
+
+def metric_values(port: int) -> dict[str, float]:
+    """Every sample of our server's ``/metrics``, read with ``prometheus_client``'s parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def send_together(port: int, prompts: list[str], max_tokens: int) -> list[dict]:
+    """Every prompt at once, one thread each, through the openai SDK: per prompt its latency, text and tokens."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="kv-tiers-bench", max_retries=0,
+                           timeout=REQUEST_TIMEOUT_S)
+    out: list[dict] = [{} for _ in prompts]
+    go = threading.Barrier(len(prompts))
+
+    def one(i: int) -> None:
+        go.wait()
+        t0 = time.perf_counter()
+        try:
+            answer = client.completions.create(model=CHAMPION, prompt=prompts[i], max_tokens=max_tokens, temperature=0)
+            out[i] = {"latency_s": time.perf_counter() - t0, "text": answer.choices[0].text,
+                      "tokens": answer.usage.completion_tokens, "error": None}
+        except (openai.OpenAIError, OSError) as err:
+            out[i] = {"latency_s": time.perf_counter() - t0, "text": None, "tokens": 0,
+                      "error": f"{type(err).__name__}: {err}"[:300]}
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    client.close()
+    return out
+
+
+def kv_peak_while(port: int, work, interval: float) -> tuple[object, float]:
+    """``work()``'s result and the largest ``adapter_kv_cache_bytes`` sampled while it ran."""
+    peak, done = [0.0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            try:
+                peak[0] = max(peak[0], metric_values(port)["adapter_kv_cache_bytes"])
+            except (OSError, KeyError):
+                pass
+            done.wait(interval)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        result = work()
+    finally:
+        done.set()
+        sampler.join()
+    return result, peak[0]
+
+
+def prompts_for(tokenizer: DeviceTokenizer, args) -> tuple[list[str], str, int]:
+    """(the clients' prompts, the warm-up prompt, the tokens every prompt starts with)."""
+    system = prompt_text(tokenizer, args.system_tokens, 0)
+    questions = [prompt_text(tokenizer, args.question_tokens, row) for row in range(1, args.clients + 2)]
+    prompts = [f"{system}\n{q}" for q in questions]
+    ids = [tokenizer.encode(p) for p in prompts]
+    common = min(next((i for i, (a, b) in enumerate(zip(ids[0], x)) if a != b), min(len(ids[0]), len(x)))
+                 for x in ids[1:])
+    return prompts[1:], prompts[0], common
+
+
+def measure(world: dict, args, work: Path) -> dict:
+    tokenizer = DeviceTokenizer(world["tokenizer"])
+    prompts, warm_up, common = prompts_for(tokenizer, args)
+    progress(f"{len(prompts)} prompts of {args.system_tokens} + {args.question_tokens} tokens, {common} in common")
+    options = {"prefill_chunk": args.prefill_chunk}
+    contexts = (args.system_tokens + args.question_tokens + args.answer_tokens + 8,)
+    servers = {}
+    for mode, extra in MODES.items():
+        (work / mode).mkdir(exist_ok=True)
+        servers[mode] = our_server(world, contexts, args.answer_tokens, args.threads, work / mode, f"ours {mode}",
+                                   options | extra)
+    runs: dict[str, list] = {mode: [] for mode in MODES}
+    try:
+        for server in servers.values():
+            send_together(server.port, [warm_up], 1)
+        for r in range(args.rounds):
+            order = list(MODES) if r % 2 == 0 else list(MODES)[::-1]
+            for mode in order:
+                port = servers[mode].port
+                first = send_together(port, prompts, 1)
+                answers, kv_peak = kv_peak_while(port, lambda p=port: send_together(p, prompts, args.answer_tokens),
+                                                 args.sample_s)
+                runs[mode].append({"ttft_s": [a["latency_s"] for a in first], "kv_peak_bytes": kv_peak,
+                                   "answers": answers, "errors": sum(a["error"] is not None for a in first + answers)})
+                progress(f"round {r + 1}/{args.rounds} {mode}: TTFT p50 "
+                         f"{statistics.median(runs[mode][-1]['ttft_s']) * 1e3:.0f} ms, KV peak {kv_peak / 1e6:.2f} MB")
+        counters = {mode: {k.removeprefix("adapter_kv_prefix_"): v for k, v in metric_values(s.port).items()
+                           if k.startswith("adapter_kv_prefix_")} for mode, s in servers.items()}
+    finally:
+        for server in servers.values():
+            server.stop()
+    return summarize(runs, counters, common)
+
+
+def summarize(runs: dict, counters: dict, common: int) -> dict:
+    ttft = {mode: statistics.median([t for run in rs for t in run["ttft_s"]]) for mode, rs in runs.items()}
+    kv = {mode: statistics.median([run["kv_peak_bytes"] for run in rs]) for mode, rs in runs.items()}
+    texts = {mode: [[(a["text"], a["tokens"]) for a in run["answers"]] for run in rs] for mode, rs in runs.items()}
+    return {
+        "common_prompt_tokens": common,
+        "ttft_p50_s": ttft, "kv_peak_bytes": kv,
+        "ttft_by_round_s": {m: [statistics.median(run["ttft_s"]) for run in rs] for m, rs in runs.items()},
+        "errors": {mode: sum(run["errors"] for run in rs) for mode, rs in runs.items()},
+        "answers_with_text": sum(bool(t) for run in texts["on"] for t, _ in run),
+        "answers": sum(len(run) for run in texts["on"]),
+        "prefix_counters": counters,
+        "prefix_ttft_speedup": ttft["off"] / ttft["on"],
+        "prefix_kv_ratio": kv["on"] / kv["off"] if kv["off"] else None,
+        "outputs_identical": texts["on"] == texts["off"],
+        "swap_refused": None, "swap_failed": None, "swap_tokens_per_s_ratio": None, "swap_note": SWAP_NOTE,
+    }
+
+
+def print_results(p: dict) -> None:
+    rows = [[mode, f"{p['ttft_p50_s'][mode] * 1e3:.0f}",
+             " ".join(f"{t * 1e3:.0f}" for t in p["ttft_by_round_s"][mode]), f"{p['kv_peak_bytes'][mode] / 1e6:.2f}",
+             p["errors"][mode]] for mode in MODES]
+    print(table(["sharing", "TTFT p50 ms", "by round", "KV peak MB", "errors"], rows))
+    print(f"prefix_ttft_speedup={p['prefix_ttft_speedup']:.2f} prefix_kv_ratio={p['prefix_kv_ratio']:.3f} "
+          f"outputs_identical={p['outputs_identical']} ({p['answers_with_text']}/{p['answers']} answers with text)")
+
+
+def figures(p: dict) -> list[Figure]:
+    load = (f"{p['clients']} clients, {p['system_tokens']}-token system turn + {p['question_tokens']}-token question "
+            f"({p['common_prompt_tokens']} tokens in common), {p['shape']} shape, int4, 4-bit KV pages")
+    return [
+        Figure(f"{load}: time to first token p50, sharing off / on", p["prefix_ttft_speedup"],
+               f"{p['prefix_ttft_speedup']:.2f}x ({p['ttft_p50_s']['off'] * 1e3:.0f} ms / "
+               f"{p['ttft_p50_s']['on'] * 1e3:.0f} ms)"),
+        Figure(f"{load}: KV bytes allocated, sharing on / off (peak)", p["prefix_kv_ratio"],
+               f"{p['prefix_kv_ratio']:.3f}x ({p['kv_peak_bytes']['on'] / 1e6:.2f} MB / "
+               f"{p['kv_peak_bytes']['off'] / 1e6:.2f} MB)"),
+        Figure(f"{load}: answers identical ({p['answers_with_text']}/{p['answers']} with text)",
+               None, str(p["outputs_identical"])),
+        Figure("swap", None, p["swap_note"]),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=SHAPES, default="0.5b")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--system-tokens", type=int, default=512)
+    ap.add_argument("--question-tokens", type=int, default=64)
+    ap.add_argument("--answer-tokens", type=int, default=16, help="tokens each answer of the second pass generates")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefill-chunk", type=int, default=128, help="both servers' prefill_chunk (a shared prefix on "
+                    "quantized pages is a multiple of it)")
+    ap.add_argument("--sample-s", type=float, default=0.05, help="seconds between KV gauge samples")
+    ap.add_argument("--workdir", type=Path, default=None, help="where the model is built and kept (default: a "
+                    "temporary directory, removed at the end)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "kv_tiers_bench.json")
+    args = ap.parse_args(argv)
+    before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="kv-tiers-") as tmp:
+        work = args.workdir or Path(tmp)
+        world = build_int4_world(args.shape, work / f"{args.shape}-quantized_pages", args.threads)
+        result = measure(world, args, work)
+    result = {"loadavg_1m_before": before, "shape": args.shape, "clients": args.clients,
+              "system_tokens": args.system_tokens, "question_tokens": args.question_tokens,
+              "answer_tokens": args.answer_tokens, "rounds": args.rounds, "threads": args.threads,
+              "prefill_chunk": args.prefill_chunk, **result, "loadavg_1m_after": os.getloadavg()[0]}
+    print_results(result)
+    write_report(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
