@@ -11,7 +11,7 @@
                             [--candidate DIR --canary-share F] [--max-resident N]
                             [--admin-token-file FILE --release-dir DIR ...]
                             [--state-dir DIR [--health-window S]] [--kv-budget-mb MB] [--kv-wait S] [--ort-memory MODE]
-                            [--prefill-chunk N] [--no-kv-prefix-sharing]
+                            [--prefill-chunk N] [--no-kv-prefix-sharing] [--kv-swap-dir DIR [--kv-swap-mb MB]]
                             [--tuf-url URL --trusted-root FILE --metadata-dir DIR [--tuf-interval S]]
                             [--product NAME ...]  (python -m runtime serve --help)
     python -m runtime state --state-dir DIR       the device state: active, previous, high-water mark, reverts
@@ -31,7 +31,7 @@ relative paths are relative to the file); flags add to it or override it:
      "state_dir": "/var/lib/adapter", "health_window": 30,
      "tuf_url": "http://updates.example:8000", "trusted_root": "1.root.json", "metadata_dir": "tuf-metadata",
      "tuf_interval": 300, "kv_budget_mb": 512, "kv_wait_s": 30, "products": ["default"], "ort_memory": "arena", "prefill_chunk": 128,
-     "kv_prefix_sharing": true}
+     "kv_prefix_sharing": true, "kv_swap_dir": "/var/cache/adapter-kv", "kv_swap_mb": 1024}
 
 Exit codes: 0 success, 1 crash (a bug), 2 bad usage or device configuration, 30 the registry
 could not give the release, 31-38 the update channel refused (``runtime.release.tuf_pull.EXIT_CODES``:
@@ -63,6 +63,7 @@ from runtime.serve.http_app import DECODE_MODES, DEFAULT_MAX_CONCURRENT, ServeSe
 from runtime.serve.residents import CANDIDATE, CHANNELS, DEFAULT_MAX_RESIDENT
 
 EXIT_USAGE = 2
+DEFAULT_KV_SWAP_MB = 1024  # the spill file's bound unless configured (the 0.5B shape's 4-bit pages: ~3.5 KB a token)
 SERVE_EPILOG = ("exit codes: 0 stopped by SIGTERM or SIGINT after a graceful shutdown, 1 crash (a bug), 2 bad usage or "
                 "device configuration, and for a --package refused at start: "
                 + ", ".join(f"{code} {reason}" for reason, code in sorted(EXIT_CODES.items(), key=lambda kv: kv[1])))
@@ -80,7 +81,8 @@ def device_settings(args) -> dict:
                 "health_window": DEFAULT_HEALTH_WINDOW_S,
                 "tuf_url": None, "trusted_root": None, "metadata_dir": None, "tuf_interval": DEFAULT_TUF_INTERVAL_S,
                 "kv_budget_mb": None, "kv_wait_s": KV_WAIT_S, "products": [DEFAULT_PRODUCT], "ort_memory": None,
-                "prefill_chunk": DEFAULT_PREFILL_CHUNK, "kv_prefix_sharing": True}
+                "prefill_chunk": DEFAULT_PREFILL_CHUNK, "kv_prefix_sharing": True, "kv_swap_dir": None,
+                "kv_swap_mb": DEFAULT_KV_SWAP_MB}
     if args.device_config is not None:
         path = Path(args.device_config)
         try:
@@ -90,7 +92,7 @@ def device_settings(args) -> dict:
         unknown = sorted(set(raw) - set(settings))
         if unknown:
             raise DeviceConfigError(f"{path}: unknown key(s) {unknown}; known: {sorted(settings)}")
-        for key in ("engine", "tokenizer", "admin_token_file", "state_dir", "trusted_root", "metadata_dir"):
+        for key in ("engine", "tokenizer", "admin_token_file", "state_dir", "trusted_root", "metadata_dir", "kv_swap_dir"):
             if raw.get(key) is not None:
                 raw[key] = str(path.parent / raw[key])
         for key in ("trusted_keys", "release_dirs"):
@@ -100,7 +102,7 @@ def device_settings(args) -> dict:
     settings["release_dirs"] = list(settings["release_dirs"]) + list(getattr(args, "release_dir", None) or [])
     for key in ("engine", "tokenizer", "admin_token_file", "max_resident", "canary_share", "state_dir", "health_window",
                 "tuf_url", "trusted_root", "metadata_dir", "tuf_interval", "kv_budget_mb", "kv_wait_s", "ort_memory",
-                "prefill_chunk", "kv_prefix_sharing"):
+                "prefill_chunk", "kv_prefix_sharing", "kv_swap_dir", "kv_swap_mb"):
         if getattr(args, key, None) is not None:
             settings[key] = getattr(args, key)
     if getattr(args, "product", None):
@@ -278,8 +280,14 @@ def cmd_serve(args, settings) -> int:
     sharing = settings["kv_prefix_sharing"]
     if type(sharing) is not bool:
         raise DeviceConfigError(f"kv_prefix_sharing {sharing!r}: true or false")
+    swap_dir, swap_mb = settings["kv_swap_dir"], settings["kv_swap_mb"]
+    if swap_dir is not None and (kv_budget is None or not Path(swap_dir).is_dir()):
+        raise DeviceConfigError(f"kv_swap_dir (--kv-swap-dir) {swap_dir}: " + (
+            "a directory that exists" if kv_budget is not None else "swap needs a paged engine (it has a KV budget)"))
+    if not isinstance(swap_mb, (int, float)) or isinstance(swap_mb, bool) or swap_mb <= 0:
+        raise DeviceConfigError(f"kv_swap_mb (--kv-swap-mb) {swap_mb!r}: megabytes (2^20 bytes), more than 0")
     app = AdapterServer(engine, DeviceTokenizer(settings["tokenizer"]), keys, settings["max_package_bytes"],
-                        max_resident, products, kv_wait, chunk, sharing)
+                        max_resident, products, kv_wait, chunk, sharing, swap_dir, int(swap_mb * (1 << 20)))
     if state is not None:
         from runtime.serve.health import ReleaseGate
 
@@ -462,6 +470,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill every prompt whole (device config kv_prefix_sharing: false); by default a paged engine "
                    "indexes each prompt's full KV pages and a prompt that starts with the same tokens on the same "
                    "release reuses them (runtime.engine.kv_prefix)")
+    s.add_argument("--kv-swap-dir", dest="kv_swap_dir", default=argparse.SUPPRESS, metavar="DIR",
+                   help="a request the KV budget cannot admit preempts the newest running rows into a private spill file "
+                   "in DIR (unnamed, mode 0600, gone when the process ends) instead of waiting; they resume when blocks "
+                   "free up (device config kv_swap_dir; default: no swap)")
+    s.add_argument("--kv-swap-mb", dest="kv_swap_mb", type=float, default=argparse.SUPPRESS, metavar="MB",
+                   help=f"the spill file's size at most (device config kv_swap_mb; default {DEFAULT_KV_SWAP_MB})")
     s.set_defaults(run=cmd_serve)
 
     state_only = argparse.ArgumentParser(add_help=False)

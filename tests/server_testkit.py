@@ -40,11 +40,12 @@ PROMPT = "inspect board=PCB-3310 line=L1 part=R12 temp_c=251 defect=void void_pc
 @contextlib.contextmanager
 def running_server(w, release_dirs=(), tokenizer=None, max_resident=DEFAULT_MAX_RESIDENT, state_dir=None,
                    health_window=0.0, products=(DEFAULT_PRODUCT,), engine=None, kv_budget_bytes=None, kv_wait_s=KV_WAIT_S,
-                   prefill_chunk=DEFAULT_PREFILL_CHUNK, share_prefixes=True, **settings):
+                   prefill_chunk=DEFAULT_PREFILL_CHUNK, share_prefixes=True, kv_swap_dir=None, kv_swap_bytes=0, **settings):
     budget = {} if kv_budget_bytes is None else {"kv_budget_bytes": kv_budget_bytes}
     app = AdapterServer(OrtEngine(engine or w["engine"], threads=1, **budget), DeviceTokenizer(tokenizer or w["tokenizer"]),
                         load_trusted_keys([w["trusted_key"]]), max_resident=max_resident, products=products,
-                        kv_wait_s=kv_wait_s, prefill_chunk=prefill_chunk, share_prefixes=share_prefixes)
+                        kv_wait_s=kv_wait_s, prefill_chunk=prefill_chunk, share_prefixes=share_prefixes,
+                        kv_swap_dir=kv_swap_dir, kv_swap_bytes=kv_swap_bytes)
     state = DeviceState(state_dir) if state_dir is not None else None
     config = ServeSettings(**({"admin_token": ADMIN_TOKEN,
                                "release_dirs": tuple(Path(d).resolve() for d in release_dirs)} | settings))

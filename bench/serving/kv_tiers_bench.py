@@ -24,7 +24,9 @@ device that has served the system turn before; the pages it leaves are idle unti
   every ``--sample-s`` while the round's requests run with ``--answer-tokens`` each; ``prefix_kv_ratio`` = on's peak
   over off's;
 * answers: the texts and token counts of that second pass, equal between the two servers (``outputs_identical``),
-  with how many carry any text (random weights: few);
+  with how many carry any text (random weights: few); then each prompt alone on each server
+  (``outputs_identical_alone``), and whether sharing off answers the same together and alone
+  (``off_together_equals_off_alone``: the batch's own rounding, which sharing does not cause);
 * the prefix counters (``adapter_kv_prefix_hit_tokens_total``, ``..._miss_tokens_total``) of the sharing server.
 
 Swap to local storage (the issue's second item) is not built: its keys are written as null with a note.
@@ -151,18 +153,19 @@ def measure(world: dict, args, work: Path) -> dict:
                                    "answers": answers, "errors": sum(a["error"] is not None for a in first + answers)})
                 progress(f"round {r + 1}/{args.rounds} {mode}: TTFT p50 "
                          f"{statistics.median(runs[mode][-1]['ttft_s']) * 1e3:.0f} ms, KV peak {kv_peak / 1e6:.2f} MB")
+        alone = {mode: [send_together(s.port, [p], args.answer_tokens)[0] for p in prompts] for mode, s in servers.items()}
         counters = {mode: {k.removeprefix("adapter_kv_prefix_"): v for k, v in metric_values(s.port).items()
                            if k.startswith("adapter_kv_prefix_")} for mode, s in servers.items()}
     finally:
         for server in servers.values():
             server.stop()
-    return summarize(runs, counters, common)
+    return summarize(runs, alone, counters, common)
 
 
-def summarize(runs: dict, counters: dict, common: int) -> dict:
+def summarize(runs: dict, alone: dict, counters: dict, common: int) -> dict:
     ttft = {mode: statistics.median([t for run in rs for t in run["ttft_s"]]) for mode, rs in runs.items()}
     kv = {mode: statistics.median([run["kv_peak_bytes"] for run in rs]) for mode, rs in runs.items()}
-    texts = {mode: [[(a["text"], a["tokens"]) for a in run["answers"]] for run in rs] for mode, rs in runs.items()}
+    texts = {mode: [answer_pairs(run["answers"]) for run in rs] for mode, rs in runs.items()}
     return {
         "common_prompt_tokens": common,
         "ttft_p50_s": ttft, "kv_peak_bytes": kv,
@@ -174,8 +177,14 @@ def summarize(runs: dict, counters: dict, common: int) -> dict:
         "prefix_ttft_speedup": ttft["off"] / ttft["on"],
         "prefix_kv_ratio": kv["on"] / kv["off"] if kv["off"] else None,
         "outputs_identical": texts["on"] == texts["off"],
+        "outputs_identical_alone": answer_pairs(alone["on"]) == answer_pairs(alone["off"]),
+        "off_together_equals_off_alone": all(run == answer_pairs(alone["off"]) for run in texts["off"]),
         "swap_refused": None, "swap_failed": None, "swap_tokens_per_s_ratio": None, "swap_note": SWAP_NOTE,
     }
+
+
+def answer_pairs(answers: list[dict]) -> list[tuple]:
+    return [(a["text"], a["tokens"]) for a in answers]
 
 
 def print_results(p: dict) -> None:
@@ -184,7 +193,9 @@ def print_results(p: dict) -> None:
              p["errors"][mode]] for mode in MODES]
     print(table(["sharing", "TTFT p50 ms", "by round", "KV peak MB", "errors"], rows))
     print(f"prefix_ttft_speedup={p['prefix_ttft_speedup']:.2f} prefix_kv_ratio={p['prefix_kv_ratio']:.3f} "
-          f"outputs_identical={p['outputs_identical']} ({p['answers_with_text']}/{p['answers']} answers with text)")
+          f"outputs_identical={p['outputs_identical']} ({p['answers_with_text']}/{p['answers']} answers with text; "
+          f"each prompt alone: {p['outputs_identical_alone']}; sharing off, together = alone: "
+          f"{p['off_together_equals_off_alone']})")
 
 
 def figures(p: dict) -> list[Figure]:
@@ -198,7 +209,8 @@ def figures(p: dict) -> list[Figure]:
                f"{p['prefix_kv_ratio']:.3f}x ({p['kv_peak_bytes']['on'] / 1e6:.2f} MB / "
                f"{p['kv_peak_bytes']['off'] / 1e6:.2f} MB)"),
         Figure(f"{load}: answers identical ({p['answers_with_text']}/{p['answers']} with text)",
-               None, str(p["outputs_identical"])),
+               None, f"together: {p['outputs_identical']}; each prompt alone: {p['outputs_identical_alone']} (sharing "
+               f"off, together equal to alone: {p['off_together_equals_off_alone']})"),
         Figure("swap", None, p["swap_note"]),
     ]
 

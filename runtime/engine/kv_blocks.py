@@ -107,6 +107,15 @@ class BlockPool:
         self.values = {name: self.wrap(a) for name, a in self.arrays.items()}
         self.capacity = blocks
 
+    @property
+    def block_pools(self) -> tuple["BlockPool", ...]:
+        """The pools a row's blocks lie in (one here; a ``PagePool`` has two)."""
+        return (self,)
+
+    def take_blocks(self, counts: list[int]) -> list[list[int]]:
+        """``counts[i]`` blocks of each of ``block_pools`` (caller holds ``lock``), within the budget."""
+        return [self.take(counts[0])]
+
     def share_prefixes(self, prefix: PrefixPages | None = None) -> PrefixPages:
         """Full pages of rows' prompts are indexed and shared from now on (``runtime.engine.kv_prefix``), in
         ``prefix`` (the index a ``PagePool``'s two pools share) or an index of this pool's own."""
@@ -185,6 +194,10 @@ class PagedCache:
         """Rows that start with the full pages ``rows`` (shared, already counted as held by them)."""
         return cls(pool, [[block for _, block in pages] for pages in rows],
                    np.array([len(pages) * pool.block_size for pages in rows], dtype=np.int64))
+
+    def row_blocks(self, row: int) -> list[list[int]]:
+        """Row ``row``'s blocks, per pool of ``pool.block_pools`` (one here): what a spill writes out."""
+        return [list(self.blocks[row])]
 
     def full_pages(self, row: int) -> list[Page]:
         """Where row ``row``'s full pages lie, page 0 first."""

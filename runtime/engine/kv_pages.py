@@ -159,6 +159,15 @@ class PagePool:
     def prefix(self) -> PrefixPages | None:
         return self.float.prefix
 
+    @property
+    def block_pools(self) -> tuple[BlockPool, BlockPool]:
+        """The pools a row's blocks lie in: float, then sealed."""
+        return self.float, self.sealed
+
+    def take_blocks(self, counts: list[int]) -> list[list[int]]:
+        """``counts`` float and sealed blocks (caller holds ``lock``), within the budget."""
+        return list(self.take(counts[0], counts[1], []))
+
     def share_prefixes(self) -> PrefixPages:
         """Full pages of rows' prompts are indexed and shared from now on, both pools in one index."""
         return self.sealed.share_prefixes(self.float.share_prefixes())
@@ -212,6 +221,10 @@ class PagesCache:
         return cls(pool, spec, [[block for _, block in pages[:1]] for pages in rows],
                    [[block for _, block in pages[1:]] for pages in rows],
                    np.array([len(pages) * pool.block_size for pages in rows], dtype=np.int64))
+
+    def row_blocks(self, row: int) -> list[list[int]]:
+        """Row ``row``'s float blocks and sealed blocks (``pool.block_pools``' order): what a spill writes out."""
+        return [list(self.float_blocks[row]), list(self.blocks[row])]
 
     def full_pages(self, row: int) -> list[Page]:
         """Where row ``row``'s full pages lie, page 0 (the sink, float) first, then the sealed ones."""

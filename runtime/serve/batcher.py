@@ -53,6 +53,7 @@ from runtime.engine.generate import left_padded, prefill
 from runtime.engine.kv_blocks import BlockPool, KVBudgetExceeded
 from runtime.engine.kv_pages import PagePool
 from runtime.engine.kv_prefix import PrefixCounters, release_scope
+from runtime.engine.kv_swap import SpillCorrupted, SpilledRow, SpillFile, read_back, spill_row
 from runtime.engine.sampling import greedy
 from runtime.engine.tracing import MAX_BATCH
 from runtime.serve.generation import Choice, Generation, StopText
@@ -147,10 +148,19 @@ class BatchedGeneration(Generation):
 class Row:
     generation: BatchedGeneration
     index: int  # its choice index in the request
+    admitted: int = 0  # the scheduler's count of rows admitted when this one was: the newest is preempted first
 
     @property
     def kv_bytes(self) -> int:
         return self.generation.row_kv_bytes[self.index]
+
+
+@dataclass
+class SwappedRow:
+    """A preempted row: its pages in the spill file, and what its next decode step needs."""
+    row: Row
+    spilled: SpilledRow
+    token: int  # its last sampled token, the next step's input
 
 
 class ReleaseBatch:
@@ -197,7 +207,7 @@ class Batcher:
 
     def __init__(self, stop_ids, pad_id: int, metrics, max_rows: int = MAX_BATCH, pool: BlockPool | PagePool | None = None,
                  kv_wait_s: float = KV_WAIT_S, stacked: bool = False, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
-                 share_prefixes: bool = True):
+                 share_prefixes: bool = True, spill: SpillFile | None = None):
         """``max_rows``: rows one release's batch decodes at most (the engine was exported for batches up
         to ``MAX_BATCH``); arrivals beyond it wait, in order, for rows to leave. ``pool``: a paged engine's
         KV blocks, which every release's batch shares; with a budget, arrivals also wait (at most
@@ -205,7 +215,9 @@ class Batcher:
         one forward (interface version 7): one batch for every release, each row on its release's slot.
         ``prefill_chunk``: prompts are prefilled at most this many tokens per forward
         (``runtime.engine.generate.prefill``; None: whole). ``share_prefixes``: on a paged engine, the full pages of
-        every prompt are indexed and a prompt that starts with them reuses them (``runtime.engine.kv_prefix``)."""
+        every prompt are indexed and a prompt that starts with them reuses them (``runtime.engine.kv_prefix``).
+        ``spill``: with a KV budget, a request that does not fit preempts the newest running rows into this file
+        instead of waiting (``runtime.engine.kv_swap``); they resume, first preempted first, when the budget has room."""
         self.stop_ids, self.pad_id, self.metrics = frozenset(int(t) for t in stop_ids), pad_id, metrics
         self.max_rows, self.pool, self.kv_wait_s, self.stacked = max_rows, pool, kv_wait_s, stacked
         self.prefill_chunk = prefill_chunk
@@ -215,6 +227,9 @@ class Batcher:
         self.share_unit = (math.lcm(pool.block_size, prefill_chunk) // pool.block_size
                            if isinstance(pool, PagePool) and prefill_chunk else 1)
         self._counted = PrefixCounters()  # the prefix counters as the metrics last read them
+        self.spill = spill if pool is not None and pool.fixed else None
+        self._swapped: list[SwappedRow] = []  # the scheduler thread's alone, first preempted first
+        self._admitted = 0  # rows admitted so far
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # notified when a request arrives for a waiting thread
         self._arrivals: list[BatchedGeneration] = []
@@ -240,8 +255,8 @@ class Batcher:
                 pass
         except Exception as err:  # a bug here must fail the requests, not leave them waiting forever
             log.exception("the batch scheduler failed")
-            failed = [r.generation for b in self._batches for r in b.rows]
-            self._batches = []
+            failed = [r.generation for b in self._batches for r in b.rows] + [s.row.generation for s in self._swapped]
+            self._batches, self._swapped = [], []
             self._count_kv()
             with self._lock:  # the next submit starts a fresh thread once this one has handed over
                 failed, self._arrivals = failed + self._arrivals, []
@@ -254,10 +269,13 @@ class Batcher:
         """Admit the arrivals, then one decode step per release; False (the thread ends) when there has
         been no work for ``IDLE_S``."""
         with self._lock:
-            if not self._arrivals and not self._batches and not self._work.wait_for(lambda: self._arrivals, IDLE_S):
+            if (not self._arrivals and not self._batches and not self._swapped
+                    and not self._work.wait_for(lambda: self._arrivals, IDLE_S)):
                 self._thread = None
                 return False
-            arrivals, self._arrivals = self._fitting(self._arrivals)
+            arrivals, self._arrivals, resume, preempt = self._fitting(self._arrivals)
+        self._preempt(preempt)
+        self._resume(resume)
         self._admit(arrivals)
         self._hand_over()
         for batch in list(self._batches):
@@ -274,6 +292,8 @@ class Batcher:
         needed = sum(int(b.lengths.sum()) * b.engine.kv_bytes_per_token for b in self._batches)
         self.metrics.kv_cache_bytes.set(held)
         self.metrics.kv_cache_needed_bytes.set(needed)
+        if self.spill is not None:
+            self.metrics.swap_bytes.set(self.spill.used_bytes)
         if self.prefix is not None:
             now, before, m = self.prefix.counters, self._counted, self.metrics
             m.prefix_hit_tokens.inc(now.hit_tokens - before.hit_tokens)
@@ -288,20 +308,43 @@ class Batcher:
             with self.pool.lock:
                 self.prefix.drop_scopes({release_scope(r.release_id, r.activation) for r in resident})
 
-    def _fitting(self, arrivals: list[BatchedGeneration]) -> tuple[list[BatchedGeneration], list[BatchedGeneration]]:
+    def _fitting(self, arrivals: list[BatchedGeneration]) -> tuple[list, list, list[SwappedRow], list]:
         """(the arrivals whose rows fit their release's batch and whose KV worst case fits the pool, in order;
-        those that wait). Once one request of a release waits for rows, the later ones of that release wait
-        too, and once one waits for KV blocks, every later one does: first come, first served. A request
-        that waited ``kv_wait_s`` for blocks fails with ``KVBudgetExceeded``; a cancelled one is dropped."""
+        those that wait; the swapped rows that resume now; the running (batch, row) pairs to preempt now). Once one
+        request of a release waits for rows, the later ones of that release wait too, and once one waits for KV
+        blocks, every later one does: first come, first served. A request that waited ``kv_wait_s`` for blocks fails
+        with ``KVBudgetExceeded``; a cancelled one is dropped. With a spill file, swapped rows resume first, first
+        preempted first, as their worst cases fit, and while one still waits every arrival waits behind it; else an
+        arrival that does not fit preempts the newest running rows whose worst cases make room for it, when the spill
+        file holds their pages (``_victims``)."""
         rows = {id(b.key): len(b.rows) for b in self._batches}
         free = self.pool.capacity_bytes - sum(r.kv_bytes for b in self._batches for r in b.rows) \
             if self.pool is not None and self.pool.fixed else None  # bytes no admitted row may come to need
-        admit, wait, full, kv_full = [], [], set(), False
+        resume, waiting = [], []
+        for swapped in self._swapped:
+            g = swapped.row.generation
+            key = id(self._key(g.release))
+            if g.cancelled:
+                self.spill.release(list(swapped.spilled.slots))
+            elif waiting or swapped.row.kv_bytes > free or rows.get(key, 0) >= self.max_rows:
+                waiting.append(swapped)
+            else:
+                resume.append(swapped)
+                free -= swapped.row.kv_bytes
+                rows[key] = rows.get(key, 0) + 1
+        self._swapped = waiting
+        admit, wait, full, kv_full, preempt = [], [], set(), bool(waiting), []
         now = time.monotonic()
         for g in arrivals:
             if g.cancelled:
                 continue
             key, need = id(self._key(g.release)), sum(g.row_kv_bytes)
+            if self.spill is not None and not kv_full and need > free:
+                victims = self._victims(need - free, preempt)
+                preempt += victims
+                for batch, row in victims:
+                    free += row.kv_bytes
+                    rows[id(batch.key)] -= 1
             taken = rows.get(key, 0)
             if kv_full or (free is not None and need > free):
                 if now - g.submitted >= self.kv_wait_s:
@@ -318,7 +361,69 @@ class Batcher:
                 rows[key] = taken + len(g.prompts)
                 free = None if free is None else free - need
                 admit.append(g)
-        return admit, wait
+        return admit, wait, resume, preempt
+
+    def _victims(self, need: int, chosen: list) -> list:
+        """The newest running rows not in ``chosen`` whose worst cases add up to ``need`` bytes and whose pages the
+        spill file holds beside ``chosen``'s, as (batch, row) pairs; none when they cannot."""
+        taken = {id(row) for _, row in chosen}
+        running = sorted(((b, r) for b in self._batches for r in b.rows if id(r) not in taken),
+                         key=lambda pair: pair[1].admitted, reverse=True)
+        slots = self.spill.free_slots - sum(self._pages(b, r) for b, r in chosen)
+        victims, freed = [], 0
+        for batch, row in running:
+            if freed >= need:
+                break
+            slots -= self._pages(batch, row)
+            victims.append((batch, row))
+            freed += row.kv_bytes
+        return victims if freed >= need and slots >= 0 else []
+
+    @staticmethod
+    def _pages(batch: ReleaseBatch, row: Row) -> int:
+        """The blocks a running row holds now (the spill slots it would take)."""
+        return sum(map(len, batch.cache.row_blocks(batch.rows.index(row))))
+
+    def _preempt(self, victims: list) -> None:
+        """Write each victim row's pages to the spill file and take it out of its batch; it waits in ``_swapped``."""
+        for batch in {id(b): b for b, _ in victims}.values():
+            leaving = {id(r) for b, r in victims if b is batch}
+            for i, row in enumerate(batch.rows):
+                if id(row) in leaving:
+                    spilled = spill_row(batch.cache, i, self.spill)
+                    self._swapped.append(SwappedRow(row, spilled, int(batch.tokens[i])))
+                    self.metrics.preemptions.inc()
+                    self.metrics.pages_swapped_out.inc(len(spilled.slots))
+            self._keep(batch, [id(r) not in leaving for r in batch.rows])
+        if victims:
+            log.info("preempted %d row(s) to the KV spill file (%d bytes used)", len(victims), self.spill.used_bytes)
+
+    def _resume(self, resuming: list[SwappedRow]) -> None:
+        """Read each row back into fresh blocks and join it to its release's batch; a row whose pages do not read
+        back intact fails its request (500), never decodes on."""
+        for swapped in resuming:
+            g = swapped.row.generation
+            key = self._key(g.release)
+            batch = next((b for b in self._batches if b.key is key), None)
+            if batch is None:
+                batch = ReleaseBatch(g.release, self.stacked)
+                self._batches.append(batch)
+            try:
+                cache = read_back(batch.engine, swapped.spilled, self.spill)
+            except SpillCorrupted as err:
+                log.error("request %s failed: %s", id(g), err)
+                self._deliver(g, err)
+                g.cancelled = True  # its other rows leave at the next step
+                if not batch.rows:
+                    self._drop(batch)
+                continue
+            self.metrics.pages_swapped_in.inc(len(swapped.spilled.slots))
+            slot = batch.bind([g.release])
+            batch.cache = cache if batch.cache is None else batch.engine.concat_caches([batch.cache, cache])
+            batch.rows.append(swapped.row)
+            batch.lengths = np.append(batch.lengths, swapped.spilled.length)
+            batch.tokens = np.append(batch.tokens, swapped.token)
+            batch.slots = np.append(batch.slots, slot)
 
     def _key(self, release):
         """The batch a release's rows join: its own, or on a stacked engine the one batch (key None)."""
@@ -426,7 +531,8 @@ class Batcher:
     def _join(self, batch: ReleaseBatch, gens: list[BatchedGeneration], ids, mask, shared, logits, cache, slots) -> None:
         """Sample the first tokens of the prefilled ``gens`` (``shared`` (n,): the tokens before ``ids`` each row read
         from shared pages) and merge their rows into ``batch``."""
-        rows = [Row(g, i) for g in gens for i in range(len(g.prompts))]
+        rows = [Row(g, i, self._admitted + n) for n, (g, i) in enumerate((g, i) for g in gens for i in range(len(g.prompts)))]
+        self._admitted += len(rows)
         tokens, decoding = self._emit(rows, logits[:, -1])
         if not any(decoding):
             return

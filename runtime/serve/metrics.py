@@ -126,6 +126,13 @@ class ServerMetrics:
                                            "prefix index instead of computing them", registry=r)
         self.prefix_cached_pages = Gauge(f"{PREFIX}_kv_prefix_cached_pages", "Prompt pages indexed for sharing now, "
                                          "held by rows or idle", registry=r)
+        self.preemptions = Counter(f"{PREFIX}_kv_preemptions", "Running rows preempted to the KV spill file to admit "
+                                   "a request (runtime.engine.kv_swap)", registry=r)
+        self.pages_swapped_out = Counter(f"{PREFIX}_kv_pages_swapped_out", "KV pages written to the spill file",
+                                         registry=r)
+        self.pages_swapped_in = Counter(f"{PREFIX}_kv_pages_swapped_in", "KV pages read back from the spill file",
+                                        registry=r)
+        self.swap_bytes = Gauge(f"{PREFIX}_kv_swap_bytes", "Bytes of the spill file's slots in use now", registry=r)
         self.refusals = Counter(f"{PREFIX}_refusals", "Releases refused, by reason", ["reason"], registry=r)
         self.generation_errors = Counter(f"{PREFIX}_generation_errors", "Generation requests that failed (500), by "
                                          "the release they ran on and its product", ["release_id", "product"], registry=r)

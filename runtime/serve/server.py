@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from runtime.engine.generate import decode_steps
+from runtime.engine.kv_swap import SpillFile
 from runtime.release.contract import DEFAULT_PRODUCT, MANIFEST, manifest_product
 from runtime.release.verify import (
     DEFAULT_MAX_PACKAGE_BYTES,
@@ -84,10 +85,12 @@ class AdapterServer:
     def __init__(self, engine, tokenizer, trusted_keys: dict, max_bytes: int = DEFAULT_MAX_PACKAGE_BYTES,
                  max_resident: int = DEFAULT_MAX_RESIDENT, products: tuple[str, ...] = (DEFAULT_PRODUCT,),
                  kv_wait_s: float = KV_WAIT_S, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
-                 share_prefixes: bool = True):
+                 share_prefixes: bool = True, kv_swap_dir: str | Path | None = None, kv_swap_bytes: int = 0):
         """``kv_wait_s``: on a paged engine with a KV budget, how long a batched request waits for blocks;
         ``prefill_chunk``: the most prompt tokens a batched prefill runs per forward (None: the whole prompt);
-        ``share_prefixes``: prompts on one release share their full KV pages (``runtime.engine.kv_prefix``)."""
+        ``share_prefixes``: prompts on one release share their full KV pages (``runtime.engine.kv_prefix``);
+        ``kv_swap_dir``: with a KV budget, running rows are preempted into a private spill file there, at most
+        ``kv_swap_bytes``, instead of a request waiting for blocks (``runtime.engine.kv_swap``)."""
         if not hasattr(engine, "fork"):
             raise ValueError(f"{type(engine).__name__} cannot be shared between requests; serve runs the onnxruntime backend")
         self.engine, self.tokenizer, self.trusted_keys, self.max_bytes = engine, tokenizer, trusted_keys, max_bytes
@@ -95,10 +98,15 @@ class AdapterServer:
         self.metrics = ServerMetrics(self.residents.listing)
         self._loads = 0
         self._load_lock = threading.Lock()
+        pool = getattr(engine, "pool", None)
+        if kv_swap_dir is not None and (pool is None or not pool.fixed):
+            raise ValueError("a KV swap directory needs a paged engine with a KV budget")
+        spill = (SpillFile(kv_swap_dir, kv_swap_bytes, max(p.block_bytes for p in pool.block_pools))
+                 if kv_swap_dir is not None else None)
         # One scheduler for every release's batch; None where the backend cannot merge caches (``merges_caches``).
-        self.batcher = (Batcher(tokenizer.stop_ids, tokenizer.pad_id, self.metrics, pool=getattr(engine, "pool", None),
+        self.batcher = (Batcher(tokenizer.stop_ids, tokenizer.pad_id, self.metrics, pool=pool,
                                 kv_wait_s=kv_wait_s, stacked=engine.interface.stacked, prefill_chunk=prefill_chunk,
-                                share_prefixes=share_prefixes)
+                                share_prefixes=share_prefixes, spill=spill)
                         if getattr(engine, "merges_caches", False) else None)
         # set by runtime.serve.health.ReleaseGate: per product, the state directory and its trials
         self.gates: dict[str, ReleaseGate] = {}

@@ -12,7 +12,11 @@ import concurrent.futures
 import json
 import logging
 import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import openai
@@ -29,6 +33,7 @@ from runtime.engine.generate import greedy_generate, left_padded, prefill
 from runtime.engine.interface import LOGIT_POSITIONS_INTERFACE_VERSION, SUPPORTED_VERSIONS, read_interface
 from runtime.engine.kv_blocks import BlockPool, KVBudgetExceeded, PagedCache, PoolTensor
 from runtime.engine.kv_prefix import release_scope
+from runtime.engine.kv_swap import SPILL_PREFIX, SpillFile
 from runtime.engine.tokenizer import DeviceTokenizer
 from tasks.stages.compile import CompileError, compile_engine
 
@@ -438,3 +443,94 @@ def test_serve_refuses_a_kv_prefix_sharing_that_is_not_a_boolean_naming_the_file
                          str(w["b"]), "--trusted-key", str(w["trusted_key"]), "--tokenizer", str(w["tokenizer"])])
     err = capsys.readouterr().err
     assert code == 2 and "kv_prefix_sharing 'no': true or false" in err
+
+
+# ---------------------------------------------------------------- rows swapped to local storage instead of refused
+
+LONG_ANSWER, SHORT_ANSWER = 150, 8
+
+
+def one_request_budget(engine_dir, tokenizer) -> int:
+    """A KV budget that holds the worst case of either request of the swap tests, never both."""
+    pool = OrtEngine(engine_dir, threads=1, kv_budget_bytes=1 << 30).pool
+    worst = [pool.row_bytes(len(tokenizer.encode(p)) + n - 1) for p, n in ((PROMPT, LONG_ANSWER), (OTHER_PROMPT, SHORT_ANSWER))]
+    assert sum(worst) > max(worst) + pool.sealed.block_bytes
+    return max(worst) + pool.sealed.block_bytes
+
+
+def stream_with_a_second_request(client, second: dict) -> tuple[str, object]:
+    """A long greedy stream of PROMPT; once it has its first chunk, ``second`` is sent beside it: (the stream's
+    text, the second's answer)."""
+    stream = client.completions.create(model="champion", prompt=PROMPT, max_tokens=LONG_ANSWER, temperature=0,
+                                       stream=True)
+    chunks = iter(stream)
+    text = next(c.choices[0].text for c in chunks if c.choices)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        other = pool.submit(client.completions.create, model="champion", temperature=0, **second)
+        text += "".join(c.choices[0].text for c in chunks if c.choices)
+        return text, other.result()
+
+
+def test_a_request_the_budget_cannot_admit_preempts_a_running_stream_which_resumes_as_if_never_preempted(
+        w, pages_world_engine, tmp_path):
+    tokenizer = DeviceTokenizer(w["tokenizer"])
+    second = {"prompt": OTHER_PROMPT, "max_tokens": SHORT_ANSWER}
+    with running_server(w, engine=pages_world_engine) as (app, background):
+        app.load(w["b"])
+        client = sdk(background)
+        alone = client.completions.create(model="champion", prompt=PROMPT, max_tokens=LONG_ANSWER, temperature=0)
+        alone_second = client.completions.create(model="champion", temperature=0, **second).choices[0].text
+    assert alone.usage.completion_tokens == LONG_ANSWER  # the stream runs long enough for the second to arrive
+
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    with running_server(w, engine=pages_world_engine, kv_budget_bytes=one_request_budget(pages_world_engine, tokenizer),
+                        kv_wait_s=60, kv_swap_dir=swap, kv_swap_bytes=1 << 20) as (app, background):
+        app.load(w["b"])
+        text, other = stream_with_a_second_request(sdk(background), second)
+        out, back = (app.metrics.value(f"adapter_kv_pages_swapped_{d}_total") for d in ("out", "in"))
+        assert app.metrics.value("adapter_kv_preemptions_total") == 1 and out == back > 0
+        assert app.engine.pool.used_bytes == 0 and app.batcher.spill.used_bytes == 0
+        assert list(swap.iterdir()) == []  # the spill file has no name: private, and gone with the process
+    assert text == alone.choices[0].text and other.choices[0].text == alone_second
+
+
+class CorruptingDisk(SpillFile):
+    """A spill file whose first slot written loses a byte on the disk after it is written (a failing disk)."""
+
+    def write(self, pages):
+        slots = super().write(pages)
+        os.pwrite(self.fd, bytes([pages[0][0] ^ 0xFF]), slots[0] * self.slot_bytes)
+        return slots
+
+
+def test_a_spilled_page_that_does_not_read_back_fails_its_row_with_a_500_never_a_wrong_answer(
+        w, pages_world_engine, tmp_path):
+    tokenizer = DeviceTokenizer(w["tokenizer"])
+    with running_server(w, engine=pages_world_engine, kv_budget_bytes=one_request_budget(pages_world_engine, tokenizer),
+                        kv_wait_s=60, kv_swap_dir=tmp_path, kv_swap_bytes=1 << 20) as (app, background):
+        app.load(w["b"])
+        spill = app.batcher.spill
+        app.batcher.spill = CorruptingDisk(tmp_path, 1 << 20, spill.slot_bytes)
+        with pytest.raises(openai.APIError, match="SpillCorrupted: KV page in spill slot"):
+            stream_with_a_second_request(sdk(background), {"prompt": OTHER_PROMPT, "max_tokens": SHORT_ANSWER})
+        assert app.metrics.value("adapter_kv_preemptions_total") == 1
+        answer = sdk(background).completions.create(model="champion", prompt=OTHER_PROMPT, max_tokens=4, temperature=0)
+        assert answer.usage.completion_tokens == 4 and app.engine.pool.used_bytes == 0  # the device serves on
+
+
+def test_the_spill_file_is_private_and_gone_after_a_clean_exit_and_after_a_kill(tmp_path):
+    spill = SpillFile(tmp_path, 1 << 16, 4096)
+    assert list(tmp_path.iterdir()) == [] and os.stat(spill.fd).st_mode & 0o777 == 0o600
+    slots = spill.write([b"k" * 4096, b"v" * 100])
+    assert spill.read(slots[1], 100) == b"v" * 100 and spill.used_bytes == 2 * 4096
+    spill.close()
+    killed = subprocess.run([sys.executable, "-c", "import os, signal, sys; from runtime.engine.kv_swap import SpillFile; "
+                             "SpillFile(sys.argv[1], 1 << 16, 4096).write([b'x' * 4096]); os.kill(os.getpid(), signal.SIGKILL)",
+                             str(tmp_path)], cwd=Path(__file__).parents[2])
+    assert killed.returncode == -signal.SIGKILL and list(tmp_path.iterdir()) == []
+    leftover, users = tmp_path / f"{SPILL_PREFIX}123-abcd.spill", tmp_path / "notes.spill"
+    leftover.write_bytes(b"x")  # a process killed between making its file and unlinking it
+    users.write_bytes(b"mine")
+    SpillFile(tmp_path, 1 << 16, 4096).close()
+    assert list(tmp_path.iterdir()) == [users] and users.read_bytes() == b"mine"

@@ -426,6 +426,13 @@ class OrtEngine:
             return PagesCache.with_pages(self.pool, self.page_spec, rows)
         return PagedCache.with_pages(self.pool, rows)
 
+    def cache_of_blocks(self, rows: list[list[list[int]]], lengths: np.ndarray):
+        """A paged cache of rows that hold ``rows[b]`` (blocks per pool of ``pool.block_pools``, as ``row_blocks``
+        gives them) and ``lengths[b]`` tokens: a row read back from the spill file."""
+        if isinstance(self.pool, PagePool):
+            return PagesCache(self.pool, self.page_spec, [r[0] for r in rows], [r[1] for r in rows], lengths)
+        return PagedCache(self.pool, [r[0] for r in rows], lengths)
+
     def forward(self, input_ids, position_ids, attention_mask, past=None, logit_positions=None, slots=None):
         """``slots`` (B,) int: the slot each row decodes with (stacked engine; None: every row slot 0).
         ``logit_positions`` (B, K) int64: the new tokens whose logits come back, (B, K, V); None = all of
