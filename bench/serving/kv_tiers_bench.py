@@ -1,20 +1,21 @@
-"""KV memory tiers on the device (issue 42): prefix pages shared between requests, measured against the same server
-with sharing off, interleaved.
+"""KV memory tiers on the device (issue 42): prefix pages shared between requests, and rows swapped to local storage
+instead of refused, each measured against the same server with the feature off.
 
-    python -m bench.serving.kv_tiers_bench [--shape 0.5b|tiny] [--clients 8] [--system-tokens 512]
-        [--question-tokens 64] [--answer-tokens 16] [--rounds 3] [--threads 2] [--prefill-chunk 128]
+    python -m bench.serving.kv_tiers_bench [--shape 0.5b|tiny] [--parts prefix,swap] [--clients 8]
+        [--system-tokens 512] [--question-tokens 64] [--answer-tokens 16] [--rounds 3] [--swap-clients 16]
+        [--swap-context 2048] [--swap-answer 32] [--swap-fits 8] [--swap-wait 30] [--threads 2] [--prefill-chunk 128]
         [--workdir DIR] [--out bench/results/kv_tiers_bench.json]
 
 Not in CI nor in ``make bench`` (the 0.5B world takes minutes to build). The model is
 ``bench.serving.device_memory_bench``'s (``bench.lib.worlds.build_int4_world``: Qwen2-0.5B's shape with random
-weights, int4, the 4-bit quantized pages; ``tiny`` for a quick look), served by ``python -m runtime serve`` twice at
-once, one with ``kv_prefix_sharing: false``: both servers start before any request and each is measured while the
-other idles, the order alternating by round.
+weights, int4, the 4-bit quantized pages; ``tiny`` for a quick look), served by ``python -m runtime serve``. Requests
+go through the official ``openai`` SDK, greedy.
 
-The load: ``--clients`` prompts that share a system turn of ``--system-tokens`` and differ in a question of
-``--question-tokens`` (inspection rows cut to exact lengths by our tokenizer), all sent at once through the official
-``openai`` SDK, greedy. Each server first answers one prompt of the same system turn and another question (a
-device that has served the system turn before; the pages it leaves are idle until the round).
+**Prefix** (sharing off and on, two servers started before any request, each measured while the other idles, the
+order alternating by round): ``--clients`` prompts that share a system turn of ``--system-tokens`` and differ in a
+question of ``--question-tokens`` (inspection rows cut to exact lengths by our tokenizer), sent at once. Each server
+first answers one prompt of the same system turn and another question (a device that has served the system turn
+before; the pages it leaves are idle until the round).
 
 * time to first token: each request of a round asks for one token (``max_tokens: 1``), so its latency is the wait for
   admission, the prefill and the first token (a stream would not do: the random backbone's ids above the tokenizer's
@@ -23,13 +24,19 @@ device that has served the system turn before; the pages it leaves are idle unti
 * KV bytes allocated: ``adapter_kv_cache_bytes`` (the blocks rows hold, a shared page once) sampled from ``/metrics``
   every ``--sample-s`` while the round's requests run with ``--answer-tokens`` each; ``prefix_kv_ratio`` = on's peak
   over off's;
-* answers: the texts and token counts of that second pass, equal between the two servers (``outputs_identical``),
-  with how many carry any text (random weights: few); then each prompt alone on each server
-  (``outputs_identical_alone``), and whether sharing off answers the same together and alone
-  (``off_together_equals_off_alone``: the batch's own rounding, which sharing does not cause);
-* the prefix counters (``adapter_kv_prefix_hit_tokens_total``, ``..._miss_tokens_total``) of the sharing server.
+* answers: the texts and token counts of that second pass, equal between the two servers
+  (``prefix_outputs_identical``), with how many carry any text (random weights: few); then each prompt alone on each
+  server (``outputs_identical_alone``), and whether sharing off answers the same together and alone
+  (``off_together_equals_off_alone``: the batch's own rounding, which sharing does not cause).
 
-Swap to local storage (the issue's second item) is not built: its keys are written as null with a note.
+**Swap** (one server at a time): ``--swap-clients`` prompts of ``--swap-context`` tokens with their answers, sent at
+once to a server whose KV budget holds them all (``unbudgeted``), to one whose budget holds ``--swap-fits`` of them
+(``budget``: the others wait ``--swap-wait`` seconds, then 503) and to that budget with a spill file
+(``budget+swap``). ``swap_refused`` and ``swap_failed`` count the 503s and other errors with swap,
+``swap_tokens_per_s_ratio`` is its generated tokens per wall second over the unbudgeted server's, and
+``swap_outputs_identical`` compares the answers.
+
+``outputs_identical`` is both comparisons together.
 """
 
 from __future__ import annotations
@@ -53,7 +60,6 @@ from runtime.serve.residents import CHAMPION
 SHAPES = ("0.5b", "tiny")
 MODES = {"off": {"kv_prefix_sharing": False}, "on": {"kv_prefix_sharing": True}}
 REQUEST_TIMEOUT_S = 1800.0
-SWAP_NOTE = "not measured: swap to local storage (issue 42, item 2) is not built"
 
 
 def metric_values(port: int) -> dict[str, float]:
@@ -127,7 +133,7 @@ def prompts_for(tokenizer: DeviceTokenizer, args) -> tuple[list[str], str, int]:
     return prompts[1:], prompts[0], common
 
 
-def measure(world: dict, args, work: Path) -> dict:
+def measure_prefix(world: dict, args, work: Path) -> dict:
     tokenizer = DeviceTokenizer(world["tokenizer"])
     prompts, warm_up, common = prompts_for(tokenizer, args)
     progress(f"{len(prompts)} prompts of {args.system_tokens} + {args.question_tokens} tokens, {common} in common")
@@ -176,11 +182,57 @@ def summarize(runs: dict, alone: dict, counters: dict, common: int) -> dict:
         "prefix_counters": counters,
         "prefix_ttft_speedup": ttft["off"] / ttft["on"],
         "prefix_kv_ratio": kv["on"] / kv["off"] if kv["off"] else None,
-        "outputs_identical": texts["on"] == texts["off"],
+        "prefix_outputs_identical": texts["on"] == texts["off"],
         "outputs_identical_alone": answer_pairs(alone["on"]) == answer_pairs(alone["off"]),
         "off_together_equals_off_alone": all(run == answer_pairs(alone["off"]) for run in texts["off"]),
-        "swap_refused": None, "swap_failed": None, "swap_tokens_per_s_ratio": None, "swap_note": SWAP_NOTE,
     }
+
+
+def swap_budget_bytes(world: dict, context: int, rows: int) -> int:
+    """A KV budget that holds ``rows`` rows of ``context`` tokens at their worst case (the scheduler's count)."""
+    from runtime.engine.backends.onnxruntime import OrtEngine
+
+    pool = OrtEngine(world["engine"], threads=1, kv_budget_bytes=1 << 30).pool
+    return rows * pool.row_bytes(context - 1) + pool.sealed.block_bytes
+
+
+def measure_swap(world: dict, args, work: Path) -> dict:
+    """``--swap-clients`` prompts of ``--swap-context`` tokens (answer included) sent at once to: a server whose KV
+    budget holds them all, one whose budget holds ``--swap-fits`` of them (the others wait ``kv_wait_s``, then 503),
+    and the same budget with a spill file. Each server alone, one after the other."""
+    tokenizer = DeviceTokenizer(world["tokenizer"])
+    prompts = [prompt_text(tokenizer, args.swap_context - args.swap_answer, row) for row in range(args.swap_clients)]
+    budget_mb = swap_budget_bytes(world, args.swap_context, args.swap_fits) / (1 << 20)
+    (work / "spill").mkdir(exist_ok=True)
+    modes = {"unbudgeted": {}, "budget": {"kv_budget_mb": budget_mb, "kv_wait_s": args.swap_wait},
+             "budget+swap": {"kv_budget_mb": budget_mb, "kv_wait_s": args.swap_wait, "kv_swap_dir": str(work / "spill"),
+                             "kv_swap_mb": 4 * budget_mb}}
+    out = {}
+    for mode, extra in modes.items():
+        (work / mode).mkdir(exist_ok=True)
+        server = our_server(world, (args.swap_context,), args.swap_answer, args.threads, work / mode, f"ours {mode}",
+                            {"prefill_chunk": args.prefill_chunk} | extra)
+        try:
+            send_together(server.port, [prompt_text(tokenizer, 16, len(prompts))], 1)  # the session's first run
+            t0 = time.perf_counter()
+            answers = send_together(server.port, prompts, args.swap_answer)
+            wall = time.perf_counter() - t0
+            metrics = metric_values(server.port)
+        finally:
+            server.stop()
+        refused = sum(a["error"] is not None and "503" in a["error"] for a in answers)
+        out[mode] = {"wall_s": wall, "tokens": sum(a["tokens"] for a in answers),
+                     "tokens_per_s": sum(a["tokens"] for a in answers) / wall, "refused": refused,
+                     "failed": sum(a["error"] is not None for a in answers) - refused,
+                     "preemptions": metrics.get("adapter_kv_preemptions_total", 0.0),
+                     "pages_swapped_out": metrics.get("adapter_kv_pages_swapped_out_total", 0.0),
+                     "answers": answer_pairs(answers), "errors": [a["error"] for a in answers if a["error"]][:3]}
+        progress(f"swap, {mode}: {wall:.0f} s, {out[mode]['tokens_per_s']:.1f} tokens/s, {refused} refused, "
+                 f"{out[mode]['failed']} failed, {out[mode]['preemptions']:.0f} preemptions")
+    swap, whole = out["budget+swap"], out["unbudgeted"]
+    return {"swap_runs": out, "swap_budget_mb": budget_mb, "swap_refused": swap["refused"], "swap_failed": swap["failed"],
+            "swap_tokens_per_s_ratio": swap["tokens_per_s"] / whole["tokens_per_s"],
+            "swap_outputs_identical": swap["answers"] == whole["answers"]}
 
 
 def answer_pairs(answers: list[dict]) -> list[tuple]:
@@ -188,58 +240,96 @@ def answer_pairs(answers: list[dict]) -> list[tuple]:
 
 
 def print_results(p: dict) -> None:
-    rows = [[mode, f"{p['ttft_p50_s'][mode] * 1e3:.0f}",
-             " ".join(f"{t * 1e3:.0f}" for t in p["ttft_by_round_s"][mode]), f"{p['kv_peak_bytes'][mode] / 1e6:.2f}",
-             p["errors"][mode]] for mode in MODES]
-    print(table(["sharing", "TTFT p50 ms", "by round", "KV peak MB", "errors"], rows))
-    print(f"prefix_ttft_speedup={p['prefix_ttft_speedup']:.2f} prefix_kv_ratio={p['prefix_kv_ratio']:.3f} "
-          f"outputs_identical={p['outputs_identical']} ({p['answers_with_text']}/{p['answers']} answers with text; "
-          f"each prompt alone: {p['outputs_identical_alone']}; sharing off, together = alone: "
-          f"{p['off_together_equals_off_alone']})")
+    if "prefix_ttft_speedup" in p:
+        rows = [[mode, f"{p['ttft_p50_s'][mode] * 1e3:.0f}",
+                 " ".join(f"{t * 1e3:.0f}" for t in p["ttft_by_round_s"][mode]), f"{p['kv_peak_bytes'][mode] / 1e6:.2f}",
+                 p["errors"][mode]] for mode in MODES]
+        print(table(["sharing", "TTFT p50 ms", "by round", "KV peak MB", "errors"], rows))
+        print(f"prefix_ttft_speedup={p['prefix_ttft_speedup']:.2f} prefix_kv_ratio={p['prefix_kv_ratio']:.3f} "
+              f"prefix_outputs_identical={p['prefix_outputs_identical']} ({p['answers_with_text']}/{p['answers']} "
+              f"answers with text; each prompt alone: {p['outputs_identical_alone']}; sharing off, together = alone: "
+              f"{p['off_together_equals_off_alone']})")
+    if "swap_runs" in p:
+        rows = [[mode, f"{r['wall_s']:.0f}", f"{r['tokens_per_s']:.1f}", r["refused"], r["failed"], f"{r['preemptions']:.0f}",
+                 f"{r['pages_swapped_out']:.0f}"] for mode, r in p["swap_runs"].items()]
+        print(table(["server", "wall s", "tokens/s", "refused", "failed", "preemptions", "pages out"], rows))
+        print(f"swap_refused={p['swap_refused']} swap_failed={p['swap_failed']} "
+              f"swap_tokens_per_s_ratio={p['swap_tokens_per_s_ratio']:.2f} swap_outputs_identical={p['swap_outputs_identical']}")
 
 
 def figures(p: dict) -> list[Figure]:
-    load = (f"{p['clients']} clients, {p['system_tokens']}-token system turn + {p['question_tokens']}-token question "
-            f"({p['common_prompt_tokens']} tokens in common), {p['shape']} shape, int4, 4-bit KV pages")
-    return [
-        Figure(f"{load}: time to first token p50, sharing off / on", p["prefix_ttft_speedup"],
-               f"{p['prefix_ttft_speedup']:.2f}x ({p['ttft_p50_s']['off'] * 1e3:.0f} ms / "
-               f"{p['ttft_p50_s']['on'] * 1e3:.0f} ms)"),
-        Figure(f"{load}: KV bytes allocated, sharing on / off (peak)", p["prefix_kv_ratio"],
-               f"{p['prefix_kv_ratio']:.3f}x ({p['kv_peak_bytes']['on'] / 1e6:.2f} MB / "
-               f"{p['kv_peak_bytes']['off'] / 1e6:.2f} MB)"),
-        Figure(f"{load}: answers identical ({p['answers_with_text']}/{p['answers']} with text)",
-               None, f"together: {p['outputs_identical']}; each prompt alone: {p['outputs_identical_alone']} (sharing "
-               f"off, together equal to alone: {p['off_together_equals_off_alone']})"),
-        Figure("swap", None, p["swap_note"]),
-    ]
+    rows = []
+    if "prefix_ttft_speedup" in p:
+        load = (f"{p['clients']} clients, {p['system_tokens']}-token system turn + {p['question_tokens']}-token question "
+                f"({p['common_prompt_tokens']} tokens in common), {p['shape']} shape, int4, 4-bit KV pages")
+        rows += [
+            Figure(f"{load}: time to first token p50, sharing off / on", p["prefix_ttft_speedup"],
+                   f"{p['prefix_ttft_speedup']:.2f}x ({p['ttft_p50_s']['off'] * 1e3:.0f} ms / "
+                   f"{p['ttft_p50_s']['on'] * 1e3:.0f} ms)"),
+            Figure(f"{load}: KV bytes allocated, sharing on / off (peak)", p["prefix_kv_ratio"],
+                   f"{p['prefix_kv_ratio']:.3f}x ({p['kv_peak_bytes']['on'] / 1e6:.2f} MB / "
+                   f"{p['kv_peak_bytes']['off'] / 1e6:.2f} MB)"),
+            Figure(f"{load}: answers identical ({p['answers_with_text']}/{p['answers']} with text)", None,
+                   f"together: {p['prefix_outputs_identical']}; each prompt alone: {p['outputs_identical_alone']} "
+                   f"(sharing off, together equal to alone: {p['off_together_equals_off_alone']})"),
+        ]
+    if "swap_runs" in p:
+        load = (f"{p['swap_clients']} clients of {p['swap_context']} tokens at once, a KV budget that holds "
+                f"{p['swap_fits']} ({p['swap_budget_mb']:.1f} MiB), {p['shape']} shape")
+        runs = p["swap_runs"]
+        rows += [
+            Figure(f"{load}: refused / failed with swap", p["swap_refused"] + p["swap_failed"],
+                   f"{p['swap_refused']} refused, {p['swap_failed']} failed (without swap: {runs['budget']['refused']} "
+                   f"refused)"),
+            Figure(f"{load}: tokens/s with swap over the unbudgeted server's", p["swap_tokens_per_s_ratio"],
+                   f"{p['swap_tokens_per_s_ratio']:.2f}x ({runs['budget+swap']['tokens_per_s']:.1f} / "
+                   f"{runs['unbudgeted']['tokens_per_s']:.1f})"),
+            Figure(f"{load}: answers identical to the unbudgeted server's", None, str(p["swap_outputs_identical"])),
+        ]
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=SHAPES, default="0.5b")
+    ap.add_argument("--parts", default="prefix,swap", help="prefix, swap, or both")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--system-tokens", type=int, default=512)
     ap.add_argument("--question-tokens", type=int, default=64)
     ap.add_argument("--answer-tokens", type=int, default=16, help="tokens each answer of the second pass generates")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--swap-clients", type=int, default=16)
+    ap.add_argument("--swap-context", type=int, default=2048, help="each swap client's prompt and answer, in tokens")
+    ap.add_argument("--swap-answer", type=int, default=32, help="tokens each swap client generates")
+    ap.add_argument("--swap-fits", type=int, default=8, help="swap clients the budgeted servers' KV budget holds")
+    ap.add_argument("--swap-wait", type=float, default=30.0, help="the budgeted servers' kv_wait_s")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prefill-chunk", type=int, default=128, help="both servers' prefill_chunk (a shared prefix on "
+    ap.add_argument("--prefill-chunk", type=int, default=128, help="every server's prefill_chunk (a shared prefix on "
                     "quantized pages is a multiple of it)")
     ap.add_argument("--sample-s", type=float, default=0.05, help="seconds between KV gauge samples")
     ap.add_argument("--workdir", type=Path, default=None, help="where the model is built and kept (default: a "
                     "temporary directory, removed at the end)")
     ap.add_argument("--out", type=Path, default=RESULTS / "kv_tiers_bench.json")
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if unknown := sorted(parts - {"prefix", "swap"}):
+        ap.error(f"--parts: unknown {unknown}; prefix, swap")
     before = os.getloadavg()[0]
+    result = {"loadavg_1m_before": before, "shape": args.shape, "threads": args.threads,
+              "prefill_chunk": args.prefill_chunk}
     with tempfile.TemporaryDirectory(prefix="kv-tiers-") as tmp:
         work = args.workdir or Path(tmp)
         world = build_int4_world(args.shape, work / f"{args.shape}-quantized_pages", args.threads)
-        result = measure(world, args, work)
-    result = {"loadavg_1m_before": before, "shape": args.shape, "clients": args.clients,
-              "system_tokens": args.system_tokens, "question_tokens": args.question_tokens,
-              "answer_tokens": args.answer_tokens, "rounds": args.rounds, "threads": args.threads,
-              "prefill_chunk": args.prefill_chunk, **result, "loadavg_1m_after": os.getloadavg()[0]}
+        if "prefix" in parts:
+            result |= {"clients": args.clients, "system_tokens": args.system_tokens,
+                       "question_tokens": args.question_tokens, "answer_tokens": args.answer_tokens,
+                       "rounds": args.rounds} | measure_prefix(world, args, work)
+        if "swap" in parts:
+            result |= {"swap_clients": args.swap_clients, "swap_context": args.swap_context,
+                       "swap_answer": args.swap_answer, "swap_fits": args.swap_fits,
+                       "swap_wait_s": args.swap_wait} | measure_swap(world, args, work)
+    result["outputs_identical"] = all(result.get(k, True) for k in ("prefix_outputs_identical", "swap_outputs_identical"))
+    result["loadavg_1m_after"] = os.getloadavg()[0]
     print_results(result)
     write_report(args.out, result)
     return 0

@@ -31,7 +31,11 @@ pages of two sizes). A request is admitted only when the worst case of every adm
 tokens each) fits the pool together with its own, so no row ever runs out of blocks mid-decode
 (TensorRT-LLM's ``GUARANTEED_NO_EVICT`` policy; vLLM instead preempts and recomputes). A request that
 does not fit waits, first come first served, at most ``kv_wait_s``; then, or at once if it could never
-fit, it fails with ``KVBudgetExceeded`` (the HTTP API answers 503 with ``Retry-After``).
+fit, it fails with ``KVBudgetExceeded`` (the HTTP API answers 503 with ``Retry-After``). With a spill file
+(``runtime.engine.kv_swap``) it first preempts the newest running rows whose worst cases make room: their pages go
+to the file, byte for byte, and come back into fresh blocks when the budget has room again, first preempted first
+and before any new request, so a preempted row decodes what it would have. A prompt that starts with the full pages
+of an earlier one on the same release reuses them (``runtime.engine.kv_prefix``).
 
 The thread runs while there is work and ends once there has been none for ``IDLE_S``; the next request
 starts another. An engine whose caches cannot be merged (a backend without ``concat_caches``: TensorRT, eager) is
