@@ -7,9 +7,10 @@ back into fresh blocks when the pool has room again, byte for byte, so a resumed
 The file is the process's own: created with mode 0600 and removed from its directory at once (``O_TMPFILE`` where
 the filesystem has it, else a fresh name unlinked right after it is made), so nothing else opens it, and it is gone
 whenever the process ends, killed or not. A named leftover of a process killed between the two steps is removed at
-the next start (``STALE_GLOB``). Space: fixed slots of one page each (the largest page kind's bytes), at most
-``budget_bytes``; a slot's blake2b digest is kept in memory and checked on reading, so a page that does not read
-back intact raises ``SpillCorrupted`` (the row fails; it never decodes from wrong K/V).
+the next start (``STALE_GLOB``). Space: at most ``budget_bytes``, each row's pages in one extent of their exact bytes
+(a float page is ~13 sealed ones at the 0.5B shape: slots of one size would waste most of the file); each page's
+blake2b digest is kept in memory and checked on reading, so a page that does not read back intact raises
+``SpillCorrupted`` (the row fails; it never decodes from wrong K/V).
 """
 
 from __future__ import annotations
@@ -36,22 +37,36 @@ class SpillCorrupted(RuntimeError):
     """A spilled page did not read back as written."""
 
 
-class SpillFile:
-    """Fixed-size page slots in one private, unnamed file under ``directory``, at most ``budget_bytes`` of them."""
+@dataclass(frozen=True)
+class SpilledRow:
+    """A row's pages in the spill file: one extent from ``offset``, its pages' sizes and digests in order (blocks of
+    each of the pool's ``block_pools`` in turn, ``counts`` of each), and the row's length."""
+    counts: tuple[int, ...]
+    offset: int
+    sizes: tuple[int, ...]
+    digests: tuple[bytes, ...]
+    length: int
 
-    def __init__(self, directory: str | Path, budget_bytes: int, slot_bytes: int):
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
+
+
+class SpillFile:
+    """Rows' pages in one private, unnamed file under ``directory``, at most ``budget_bytes``: each row one extent of
+    its exact bytes, placed first fit among the free ranges (adjacent ranges merge when freed)."""
+
+    def __init__(self, directory: str | Path, budget_bytes: int):
         directory = Path(directory)
         if not directory.is_dir():
             raise FileNotFoundError(f"kv swap directory {directory} does not exist")
-        self.directory, self.slot_bytes = directory, slot_bytes
-        self.capacity = budget_bytes // slot_bytes
-        if self.capacity < 1:
-            raise ValueError(f"a kv swap budget of {budget_bytes} bytes holds no page of {slot_bytes} bytes")
+        if budget_bytes < 1:
+            raise ValueError(f"a kv swap budget of {budget_bytes} bytes holds nothing")
+        self.directory, self.budget_bytes = directory, budget_bytes
         for stale in directory.glob(STALE_GLOB):  # only this module's names: a leftover of a killed process
             stale.unlink(missing_ok=True)
         self.fd = self._open_private(directory)
-        self._free = list(range(self.capacity - 1, -1, -1))
-        self._digests: dict[int, bytes] = {}
+        self._free = [(0, budget_bytes)]  # (offset, length), by offset
         self._lock = threading.Lock()
 
     @staticmethod
@@ -67,39 +82,59 @@ class SpillFile:
         return fd
 
     @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
-    @property
     def used_bytes(self) -> int:
-        return (self.capacity - len(self._free)) * self.slot_bytes
+        return self.budget_bytes - sum(length for _, length in self._free)
 
-    def write(self, pages: list[bytes]) -> list[int]:
-        """Each page into a slot of its own (``SwapFull`` before anything is written when they do not all fit)."""
+    def holds(self, extents: list[int]) -> bool:
+        """Whether extents of these sizes, placed one after another, fit beside what the file holds now."""
+        free = list(self._free)
+        for size in extents:
+            i = next((i for i, (_, length) in enumerate(free) if length >= size), None)
+            if i is None:
+                return False
+            offset, length = free[i]
+            free[i] = (offset + size, length - size)
+        return True
+
+    def write(self, pages: list[bytes], counts: tuple[int, ...], length: int) -> SpilledRow:
+        """A row's ``pages`` into one extent (``SwapFull`` before anything is written when no free range holds it)."""
+        size = sum(map(len, pages))
         with self._lock:
-            if len(pages) > len(self._free):
-                raise SwapFull(f"{len(pages)} pages to spill, {len(self._free)} of {self.capacity} slots free")
-            slots = [self._free.pop() for _ in pages]
-        for slot, page in zip(slots, pages):
-            if len(page) > self.slot_bytes:
-                raise ValueError(f"a page of {len(page)} bytes is larger than a slot ({self.slot_bytes})")
-            os.pwrite(self.fd, page, slot * self.slot_bytes)
-            self._digests[slot] = hashlib.blake2b(page, digest_size=DIGEST_BYTES).digest()
-        return slots
+            i = next((i for i, (_, free) in enumerate(self._free) if free >= size), None)
+            if i is None:
+                raise SwapFull(f"a row of {size} bytes of KV pages: no free range of the spill file holds it "
+                               f"({self.used_bytes} of {self.budget_bytes} bytes used)")
+            offset, free = self._free[i]
+            self._free[i : i + 1] = [(offset + size, free - size)] if free > size else []
+        os.pwrite(self.fd, b"".join(pages), offset)
+        return SpilledRow(counts, offset, tuple(map(len, pages)),
+                          tuple(hashlib.blake2b(p, digest_size=DIGEST_BYTES).digest() for p in pages), length)
 
-    def read(self, slot: int, size: int) -> bytes:
-        """The page in ``slot`` (``size`` bytes); ``SpillCorrupted`` when it is not what was written."""
-        page = os.pread(self.fd, size, slot * self.slot_bytes)
-        if len(page) != size or hashlib.blake2b(page, digest_size=DIGEST_BYTES).digest() != self._digests.get(slot):
-            raise SpillCorrupted(f"KV page in spill slot {slot} did not read back as written ({len(page)} of {size} "
-                                 "bytes, digest differs)")
-        return page
+    def read(self, row: SpilledRow) -> list[bytes]:
+        """The row's pages, each checked against its digest: ``SpillCorrupted`` naming the first that is not."""
+        data = os.pread(self.fd, row.nbytes, row.offset)
+        pages, start = [], 0
+        for n, (size, digest) in enumerate(zip(row.sizes, row.digests)):
+            page = data[start : start + size]
+            if len(page) != size or hashlib.blake2b(page, digest_size=DIGEST_BYTES).digest() != digest:
+                raise SpillCorrupted(f"KV page {n} of a preempted row (spill file bytes {row.offset + start}-"
+                                     f"{row.offset + start + size}) did not read back as written")
+            pages.append(page)
+            start += size
+        return pages
 
-    def release(self, slots: list[int]) -> None:
+    def release(self, row: SpilledRow) -> None:
+        """The row's extent is free again (merged with free neighbours)."""
         with self._lock:
-            for slot in slots:
-                self._digests.pop(slot, None)
-                self._free.append(slot)
+            free = sorted(self._free + [(row.offset, row.nbytes)])
+            merged = [free[0]]
+            for offset, length in free[1:]:
+                last_offset, last_length = merged[-1]
+                if last_offset + last_length == offset:
+                    merged[-1] = (last_offset, last_length + length)
+                else:
+                    merged.append((offset, length))
+            self._free = merged
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -107,34 +142,31 @@ class SpillFile:
             self.fd = -1
 
 
-@dataclass(frozen=True)
-class SpilledRow:
-    """A row's pages in the spill file: how many blocks of each of the pool's ``block_pools``, their slots in order,
-    and its length."""
-    counts: tuple[int, ...]
-    slots: tuple[int, ...]
-    length: int
-
-
-def spill_row(cache, row: int, spill: SpillFile) -> SpilledRow:
-    """Row ``row`` of a paged cache into ``spill`` (its blocks stay the cache's: the caller drops the row after)."""
+def row_pages(cache, row: int) -> tuple[list[bytes], tuple[int, ...]]:
+    """Row ``row`` of a paged cache as bytes, one page per block (every layer's tensors of it), and how many blocks of
+    each of the pool's ``block_pools``."""
     pool = cache.pool
     blocks = cache.row_blocks(row)
     with pool.lock:
         pages = [b"".join(array[block].tobytes() for array in owner.arrays.values())
                  for owner, held in zip(pool.block_pools, blocks) for block in held]
-    return SpilledRow(tuple(map(len, blocks)), tuple(spill.write(pages)), int(cache.lengths[row]))
+    return pages, tuple(map(len, blocks))
+
+
+def spill_row(cache, row: int, spill: SpillFile) -> SpilledRow:
+    """Row ``row`` of a paged cache into ``spill`` (its blocks stay the cache's: the caller drops the row after)."""
+    pages, counts = row_pages(cache, row)
+    return spill.write(pages, counts, int(cache.lengths[row]))
 
 
 def read_back(engine, spilled: SpilledRow, spill: SpillFile):
-    """A one-row cache of ``engine``'s pool holding ``spilled``'s pages in fresh blocks; its slots freed. Every page is
-    read and checked before a block is taken: ``SpillCorrupted`` leaves the pool as it was (and frees the slots)."""
+    """A one-row cache of ``engine``'s pool holding ``spilled``'s pages in fresh blocks; its extent freed. Every page
+    is read and checked before a block is taken: ``SpillCorrupted`` leaves the pool as it was."""
     pool = engine.pool
-    sizes = [owner.block_bytes for owner, count in zip(pool.block_pools, spilled.counts) for _ in range(count)]
     try:
-        pages = iter([spill.read(slot, size) for slot, size in zip(spilled.slots, sizes)])
+        pages = iter(spill.read(spilled))
     finally:
-        spill.release(list(spilled.slots))
+        spill.release(spilled)
     with pool.lock:
         blocks = pool.take_blocks(list(spilled.counts))
         for owner, held in zip(pool.block_pools, blocks):

@@ -318,9 +318,9 @@ class Batcher:
         request of a release waits for rows, the later ones of that release wait too, and once one waits for KV
         blocks, every later one does: first come, first served. A request that waited ``kv_wait_s`` for blocks fails
         with ``KVBudgetExceeded``; a cancelled one is dropped. With a spill file, swapped rows resume first, first
-        preempted first, as their worst cases fit, and while one still waits every arrival waits behind it; else an
-        arrival that does not fit preempts the newest running rows whose worst cases make room for it, when the spill
-        file holds their pages (``_victims``)."""
+        preempted first, as their worst cases fit; an arrival that does not fit preempts the newest running rows whose
+        worst cases make room for it, when the spill file holds their pages (``_victims``): a request waits, and gets
+        its 503, only past both budgets."""
         rows = {id(b.key): len(b.rows) for b in self._batches}
         free = self.pool.capacity_bytes - sum(r.kv_bytes for b in self._batches for r in b.rows) \
             if self.pool is not None and self.pool.fixed else None  # bytes no admitted row may come to need
@@ -369,24 +369,24 @@ class Batcher:
 
     def _victims(self, need: int, chosen: list) -> list:
         """The newest running rows not in ``chosen`` whose worst cases add up to ``need`` bytes and whose pages the
-        spill file holds beside ``chosen``'s, as (batch, row) pairs; none when they cannot."""
+        spill file holds after ``chosen``'s, as (batch, row) pairs; none when they cannot."""
         taken = {id(row) for _, row in chosen}
         running = sorted(((b, r) for b in self._batches for r in b.rows if id(r) not in taken),
                          key=lambda pair: pair[1].admitted, reverse=True)
-        slots = self.spill.free_slots - sum(self._pages(b, r) for b, r in chosen)
         victims, freed = [], 0
         for batch, row in running:
             if freed >= need:
                 break
-            slots -= self._pages(batch, row)
             victims.append((batch, row))
             freed += row.kv_bytes
-        return victims if freed >= need and slots >= 0 else []
+        extents = [self._held_bytes(b, r) for b, r in chosen + victims]
+        return victims if freed >= need and self.spill.holds(extents) else []
 
     @staticmethod
-    def _pages(batch: ReleaseBatch, row: Row) -> int:
-        """The blocks a running row holds now (the spill slots it would take)."""
-        return sum(map(len, batch.cache.row_blocks(batch.rows.index(row))))
+    def _held_bytes(batch: ReleaseBatch, row: Row) -> int:
+        """The bytes of the blocks a running row holds now (its extent in the spill file)."""
+        pools = batch.cache.pool.block_pools
+        return sum(len(held) * p.block_bytes for p, held in zip(pools, batch.cache.row_blocks(batch.rows.index(row))))
 
     def _preempt(self, victims: list) -> None:
         """Write each victim row's pages to the spill file and take it out of its batch; it waits in ``_swapped``."""
@@ -397,7 +397,7 @@ class Batcher:
                     spilled = spill_row(batch.cache, i, self.spill)
                     self._swapped.append(SwappedRow(row, spilled, int(batch.tokens[i])))
                     self.metrics.preemptions.inc()
-                    self.metrics.pages_swapped_out.inc(len(spilled.slots))
+                    self.metrics.pages_swapped_out.inc(len(spilled.sizes))
             self._keep(batch, [id(r) not in leaving for r in batch.rows])
         if victims:
             log.info("preempted %d row(s) to the KV spill file (%d bytes used)", len(victims), self.spill.used_bytes)
@@ -421,7 +421,7 @@ class Batcher:
                 if not batch.rows:
                     self._drop(batch)
                 continue
-            self.metrics.pages_swapped_in.inc(len(swapped.spilled.slots))
+            self.metrics.pages_swapped_in.inc(len(swapped.spilled.sizes))
             slot = batch.bind([g.release])
             batch.cache = cache if batch.cache is None else batch.engine.concat_caches([batch.cache, cache])
             batch.rows.append(swapped.row)

@@ -101,8 +101,7 @@ class AdapterServer:
         pool = getattr(engine, "pool", None)
         if kv_swap_dir is not None and (pool is None or not pool.fixed):
             raise ValueError("a KV swap directory needs a paged engine with a KV budget")
-        spill = (SpillFile(kv_swap_dir, kv_swap_bytes, max(p.block_bytes for p in pool.block_pools))
-                 if kv_swap_dir is not None else None)
+        spill = SpillFile(kv_swap_dir, kv_swap_bytes) if kv_swap_dir is not None else None
         # One scheduler for every release's batch; None where the backend cannot merge caches (``merges_caches``).
         self.batcher = (Batcher(tokenizer.stop_ids, tokenizer.pad_id, self.metrics, pool=pool,
                                 kv_wait_s=kv_wait_s, stacked=engine.interface.stacked, prefill_chunk=prefill_chunk,

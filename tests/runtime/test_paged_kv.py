@@ -496,12 +496,12 @@ def test_a_request_the_budget_cannot_admit_preempts_a_running_stream_which_resum
 
 
 class CorruptingDisk(SpillFile):
-    """A spill file whose first slot written loses a byte on the disk after it is written (a failing disk)."""
+    """A spill file whose rows' first byte changes on the disk after it is written (a failing disk)."""
 
-    def write(self, pages):
-        slots = super().write(pages)
-        os.pwrite(self.fd, bytes([pages[0][0] ^ 0xFF]), slots[0] * self.slot_bytes)
-        return slots
+    def write(self, pages, counts, length):
+        row = super().write(pages, counts, length)
+        os.pwrite(self.fd, bytes([pages[0][0] ^ 0xFF]), row.offset)
+        return row
 
 
 def test_a_spilled_page_that_does_not_read_back_fails_its_row_with_a_500_never_a_wrong_answer(
@@ -511,8 +511,8 @@ def test_a_spilled_page_that_does_not_read_back_fails_its_row_with_a_500_never_a
                         kv_wait_s=60, kv_swap_dir=tmp_path, kv_swap_bytes=1 << 20) as (app, background):
         app.load(w["b"])
         spill = app.batcher.spill
-        app.batcher.spill = CorruptingDisk(tmp_path, 1 << 20, spill.slot_bytes)
-        with pytest.raises(openai.APIError, match="SpillCorrupted: KV page in spill slot"):
+        app.batcher.spill = CorruptingDisk(tmp_path, spill.budget_bytes)
+        with pytest.raises(openai.APIError, match="SpillCorrupted: KV page 0 of a preempted row"):
             stream_with_a_second_request(sdk(background), {"prompt": OTHER_PROMPT, "max_tokens": SHORT_ANSWER})
         assert app.metrics.value("adapter_kv_preemptions_total") == 1
         answer = sdk(background).completions.create(model="champion", prompt=OTHER_PROMPT, max_tokens=4, temperature=0)
@@ -520,17 +520,22 @@ def test_a_spilled_page_that_does_not_read_back_fails_its_row_with_a_500_never_a
 
 
 def test_the_spill_file_is_private_and_gone_after_a_clean_exit_and_after_a_kill(tmp_path):
-    spill = SpillFile(tmp_path, 1 << 16, 4096)
+    spill = SpillFile(tmp_path, 1 << 16)
     assert list(tmp_path.iterdir()) == [] and os.stat(spill.fd).st_mode & 0o777 == 0o600
-    slots = spill.write([b"k" * 4096, b"v" * 100])
-    assert spill.read(slots[1], 100) == b"v" * 100 and spill.used_bytes == 2 * 4096
+    first, second = spill.write([b"k" * 4096, b"v" * 100], (1, 1), 20), spill.write([b"q" * 50], (1,), 3)
+    assert spill.read(first) == [b"k" * 4096, b"v" * 100] and spill.used_bytes == 4246
+    spill.release(first)
+    assert spill.read(second) == [b"q" * 50] and not spill.holds([1 << 16]) and spill.holds([4196, (1 << 16) - 4246])
+    spill.release(second)
+    assert spill.used_bytes == 0 and spill.holds([1 << 16])  # the freed ranges merged again
     spill.close()
     killed = subprocess.run([sys.executable, "-c", "import os, signal, sys; from runtime.engine.kv_swap import SpillFile; "
-                             "SpillFile(sys.argv[1], 1 << 16, 4096).write([b'x' * 4096]); os.kill(os.getpid(), signal.SIGKILL)",
+                             "SpillFile(sys.argv[1], 1 << 16).write([b'x' * 4096], (1,), 16); "
+                             "os.kill(os.getpid(), signal.SIGKILL)",
                              str(tmp_path)], cwd=Path(__file__).parents[2])
     assert killed.returncode == -signal.SIGKILL and list(tmp_path.iterdir()) == []
     leftover, users = tmp_path / f"{SPILL_PREFIX}123-abcd.spill", tmp_path / "notes.spill"
     leftover.write_bytes(b"x")  # a process killed between making its file and unlinking it
     users.write_bytes(b"mine")
-    SpillFile(tmp_path, 1 << 16, 4096).close()
+    SpillFile(tmp_path, 1 << 16).close()
     assert list(tmp_path.iterdir()) == [users] and users.read_bytes() == b"mine"
