@@ -54,10 +54,8 @@ def last_positions(ids: np.ndarray) -> np.ndarray:
     return np.full((B, 1), T - 1, dtype=np.int64)
 
 
-def prefill(engine: Engine, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, chunk: int | None = None, cache=None,
-            **forward_args):
-    """The left-padded prompts ``ids``, ``pos``, ``mask`` (B, T) through ``engine`` into a new cache, or after what
-    ``cache`` holds (a paged cache whose rows start with shared pages; ``pos`` counts from there): (logits of the
+def prefill(engine: Engine, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, chunk: int | None = None, **forward_args):
+    """The left-padded prompts ``ids``, ``pos``, ``mask`` (B, T) through ``engine`` into a new cache: (logits of the
     last position (B, 1, V), cache). With ``chunk``, at most that many tokens per forward, each chunk through the
     cache the earlier ones left: a forward's activations (attention scores (B, heads, chunk, P + chunk) instead of
     (B, heads, T, T)) bound the peak memory of a long prompt, for the weights read once per chunk. ``forward_args``
@@ -66,11 +64,51 @@ def prefill(engine: Engine, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, 
         raise ValueError(f"prefill chunk must be >= 1 token, got {chunk}")
     T = ids.shape[1]
     step = chunk or T
+    cache = None
     for a in range(0, T, step):
         b = min(a + step, T)
         logits, cache = engine.forward(ids[:, a:b], pos[:, a:b], mask[:, :b], cache,
                                        logit_positions=last_positions(ids[:, a:b]), **forward_args)
     return logits, cache
+
+
+def prefill_by_position(engine: Engine, prompts: Sequence[Sequence[int]], starts: np.ndarray, chunk: int, cache=None,
+                        **forward_args):
+    """Whole prompts through a paged engine into ``cache``, whose row b holds the first ``starts[b]`` tokens of
+    ``prompts[b]`` already (shared pages; None: an empty cache, every start 0), in chunks fixed by absolute position:
+    forward k takes every row's tokens at positions [k chunk, (k + 1) chunk). So a row's chunks, and with them which
+    of its tokens read each other in float and which read earlier ones through the cache (sealed pages), are the ones
+    it has alone, whatever its company and wherever its shared prefix ends on a chunk boundary; a left-padded batch
+    would cut each row at other positions. In a forward a row's tokens are padded on either side (a row that starts
+    later, one that ends sooner) or the row is all padding; a paged cache stores only the real tokens. (logits of each
+    row's last token (B, 1, V), cache)."""
+    B = len(prompts)
+    ends = np.array([len(p) for p in prompts], dtype=np.int64)
+    if np.any(starts >= ends):
+        raise ValueError("every prompt needs at least one token after what its cache holds")
+    last_logits = None
+    for k in range(int(starts.min()) // chunk, (int(ends.max()) - 1) // chunk + 1):
+        first, last = np.clip(starts, k * chunk, (k + 1) * chunk), np.clip(ends, k * chunk, (k + 1) * chunk)  # (B,)
+        has = last > first
+        if not has.any():
+            continue
+        offset = int(first[has].min())  # the chunk's first column is this position
+        T = int(last[has].max()) - offset
+        ids, pos, real = (np.zeros((B, T), dtype=np.int64) for _ in range(3))
+        for b in np.flatnonzero(has):
+            cols = slice(first[b] - offset, last[b] - offset)
+            ids[b, cols] = prompts[b][first[b] : last[b]]
+            pos[b, cols] = np.arange(first[b], last[b])
+            real[b, cols] = 1
+        ending = has & (last == ends)  # rows whose last token is in this chunk
+        at = np.where(ending, last - 1 - offset, 0)[:, None]  # (B, 1)
+        logits, cache = engine.forward(ids, pos, real, cache, logit_positions=at, **forward_args)
+        if logits.shape[1] > 1:  # an engine without logit_positions returns every position's
+            logits = np.take_along_axis(logits, at[:, :, None], axis=1)
+        if last_logits is None:
+            last_logits = np.empty((B, 1, logits.shape[-1]), dtype=logits.dtype)
+        last_logits[ending] = logits[ending]
+    return last_logits, cache
 
 
 def decode_steps(

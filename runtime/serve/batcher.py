@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.engine.generate import left_padded, prefill
+from runtime.engine.generate import left_padded, prefill, prefill_by_position
 from runtime.engine.kv_blocks import BlockPool, KVBudgetExceeded
 from runtime.engine.kv_pages import PagePool
 from runtime.engine.kv_prefix import PrefixCounters, release_scope
@@ -485,14 +485,20 @@ class Batcher:
         that fails alone fails, not the ones that arrived with it; the batch runs on."""
         try:
             prompts = [p for g in gens for p in g.prompts]
-            scopes = [release_scope(g.release.release_id, g.release.activation) for g in gens for _ in g.prompts]
-            start, shared = self._shared_pages(batch, prompts, scopes)  # (n,) tokens each row reads from shared pages
-            ids, pos, mask = left_padded([p[n:] for p, n in zip(prompts, shared.tolist())], self.pad_id)  # (n, L) each
-            pos = pos + shared[:, None]
             slots = batch.bind([g.release for g in gens for _ in g.prompts])  # (n,)
-            logits, cache = prefill(batch.engine, ids, pos, mask, self.prefill_chunk, start,
-                                    **self._slots(batch, slots))  # (n, 1, V)
-            self._index_pages(cache, prompts, scopes)
+            if self.pool is None:  # a padded cache: left-padded, the padding's slots dropped when rows leave
+                ids, pos, mask = left_padded(prompts, self.pad_id)  # (n, L) each
+                logits, cache = prefill(batch.engine, ids, pos, mask, self.prefill_chunk,
+                                        **self._slots(batch, slots))  # (n, 1, V)
+                width = ids.shape[1]
+            else:  # paged: each row in its own positions' chunks, after the shared pages it starts with
+                scopes = [release_scope(g.release.release_id, g.release.activation) for g in gens for _ in g.prompts]
+                start, shared = self._shared_pages(batch, prompts, scopes)  # (n,) tokens each row reads from shared pages
+                logits, cache = prefill_by_position(batch.engine, prompts, shared,
+                                                    self.prefill_chunk or max(map(len, prompts)), start,
+                                                    **self._slots(batch, slots))  # (n, 1, V)
+                self._index_pages(cache, prompts, scopes)
+                width = None
         except Exception as err:
             if len(gens) > 1:
                 log.warning("prefill of %d requests together failed (%s: %s); prefilling each alone",
@@ -504,7 +510,7 @@ class Batcher:
             self._deliver(gens[0], err)
             return
         try:
-            self._join(batch, gens, ids, mask, shared, logits, cache, slots)
+            self._join(batch, gens, np.array([len(p) for p in prompts]), width, logits, cache, slots)
         except Exception as err:  # a bug past the engine: these requests fail, the batch runs on
             log.exception("joining the prefilled rows failed")
             for g in gens:
@@ -532,18 +538,16 @@ class Batcher:
         """forward's ``slots`` argument: only a stacked batch passes one (other engines take none)."""
         return {"slots": slots} if batch.stacked else {}
 
-    def _join(self, batch: ReleaseBatch, gens: list[BatchedGeneration], ids, mask, shared, logits, cache, slots) -> None:
-        """Sample the first tokens of the prefilled ``gens`` (``shared`` (n,): the tokens before ``ids`` each row read
-        from shared pages) and merge their rows into ``batch``."""
+    def _join(self, batch: ReleaseBatch, gens: list[BatchedGeneration], lengths, width, logits, cache, slots) -> None:
+        """Sample the first tokens of the prefilled ``gens`` (``lengths`` (n,): their prompts' tokens; ``width``: a
+        padded cache's past, None for a paged one) and merge their rows into ``batch``."""
         rows = [Row(g, i, self._admitted + n) for n, (g, i) in enumerate((g, i) for g in gens for i in range(len(g.prompts)))]
         self._admitted += len(rows)
         tokens, decoding = self._emit(rows, logits[:, -1])
         if not any(decoding):
             return
         keep = np.array(decoding)
-        prefilled = mask.sum(axis=1)  # (n,)
-        lengths = shared + prefilled
-        drop = ids.shape[1] - int(prefilled[keep].max())
+        drop = 0 if width is None else width - int(lengths[keep].max())
         if drop or not keep.all():
             cache = batch.engine.take_cache_rows(cache, np.flatnonzero(keep), drop)
         batch.cache = cache if batch.cache is None else batch.engine.concat_caches([batch.cache, cache])

@@ -29,7 +29,7 @@ from kernels.kv_spec import PageQuantSpec
 from runtime.__main__ import main as runtime_main
 from runtime.engine.adapter import load_adapter
 from runtime.engine.backends.onnxruntime import OrtEngine
-from runtime.engine.generate import greedy_generate, left_padded, prefill
+from runtime.engine.generate import greedy_generate, prefill_by_position
 from runtime.engine.interface import LOGIT_POSITIONS_INTERFACE_VERSION, SUPPORTED_VERSIONS, read_interface
 from runtime.engine.kv_blocks import BlockPool, KVBudgetExceeded, PagedCache, PoolTensor
 from runtime.engine.kv_prefix import release_scope
@@ -342,9 +342,8 @@ SYSTEM_TURN = ("rules: a void above 15 percent fails; a lifted lead above 30 um 
 
 def prefill_alone(engine, prompt: list[int], start=None, chunk: int = 8):
     """``prompt`` prefilled alone in chunks (after the shared pages ``start`` holds, when given): (last logits, cache)."""
-    done = 0 if start is None else int(start.lengths[0])
-    ids, pos, mask = left_padded([prompt[done:]])
-    return prefill(engine, ids, pos + done, mask, chunk, start)
+    starts = np.zeros(1, dtype=np.int64) if start is None else start.lengths.copy()
+    return prefill_by_position(engine, [prompt], starts, chunk, start)
 
 
 @pytest.mark.parametrize("kind", ["float pages", "quantized pages"])
@@ -539,3 +538,19 @@ def test_the_spill_file_is_private_and_gone_after_a_clean_exit_and_after_a_kill(
     users.write_bytes(b"mine")
     SpillFile(tmp_path, 1 << 16).close()
     assert list(tmp_path.iterdir()) == [users] and users.read_bytes() == b"mine"
+
+
+def test_a_batched_prefill_cuts_each_row_at_its_own_positions_so_its_pages_are_those_it_gets_alone(
+        w, pages_world_engine):
+    engine = OrtEngine(pages_world_engine, threads=1)
+    tokenizer = DeviceTokenizer(w["tokenizer"])
+    prompts = [tokenizer.encode(SYSTEM_TURN + p) for p in (PROMPT, OTHER_PROMPT)] + [tokenizer.encode(OTHER_PROMPT)]
+    assert len({len(p) for p in prompts}) == 3  # different lengths: a left-padded batch would cut them elsewhere
+    logits, cache = prefill_by_position(engine, prompts, np.zeros(3, dtype=np.int64), 8)
+    together = cache.to_numpy()
+    for b, prompt in enumerate(prompts):
+        alone_logits, alone_cache = prefill_alone(engine, prompt)
+        assert np.array_equal(logits[b], alone_logits[0])
+        for name, pages in alone_cache.to_numpy().items():
+            width = pages.shape[2]
+            assert np.array_equal(together[name][b, :, :width], pages[0]), name  # byte for byte
