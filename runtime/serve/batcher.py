@@ -329,7 +329,7 @@ class Batcher:
             g = swapped.row.generation
             key = id(self._key(g.release))
             if g.cancelled:
-                self.spill.release(list(swapped.spilled.slots))
+                self.spill.release(swapped.spilled)
             elif waiting or swapped.row.kv_bytes > free or rows.get(key, 0) >= self.max_rows:
                 waiting.append(swapped)
             else:
@@ -337,7 +337,7 @@ class Batcher:
                 free -= swapped.row.kv_bytes
                 rows[key] = rows.get(key, 0) + 1
         self._swapped = waiting
-        admit, wait, full, kv_full, preempt = [], [], set(), bool(waiting), []
+        admit, wait, full, kv_full, preempt = [], [], set(), False, []
         now = time.monotonic()
         for g in arrivals:
             if g.cancelled:
