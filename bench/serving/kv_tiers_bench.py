@@ -183,6 +183,9 @@ def summarize(runs: dict, alone: dict, counters: dict, common: int) -> dict:
         "prefix_ttft_speedup": ttft["off"] / ttft["on"],
         "prefix_kv_ratio": kv["on"] / kv["off"] if kv["off"] else None,
         "prefix_outputs_identical": texts["on"] == texts["off"],
+        "prefix_answers_differing": sum(a != b for on, off in zip(texts["on"], texts["off"]) for a, b in zip(on, off)),
+        "off_together_differing_from_alone": sum(a != b for run in texts["off"]
+                                                 for a, b in zip(run, answer_pairs(alone["off"]))),
         "outputs_identical_alone": answer_pairs(alone["on"]) == answer_pairs(alone["off"]),
         "off_together_equals_off_alone": all(run == answer_pairs(alone["off"]) for run in texts["off"]),
     }
@@ -246,7 +249,8 @@ def print_results(p: dict) -> None:
                  p["errors"][mode]] for mode in MODES]
         print(table(["sharing", "TTFT p50 ms", "by round", "KV peak MB", "errors"], rows))
         print(f"prefix_ttft_speedup={p['prefix_ttft_speedup']:.2f} prefix_kv_ratio={p['prefix_kv_ratio']:.3f} "
-              f"prefix_outputs_identical={p['prefix_outputs_identical']} ({p['answers_with_text']}/{p['answers']} "
+              f"prefix_outputs_identical={p['prefix_outputs_identical']} ({p['prefix_answers_differing']} differ; "
+              f"{p['answers_with_text']}/{p['answers']} "
               f"answers with text; each prompt alone: {p['outputs_identical_alone']}; sharing off, together = alone: "
               f"{p['off_together_equals_off_alone']})")
     if "swap_runs" in p:
@@ -270,8 +274,9 @@ def figures(p: dict) -> list[Figure]:
                    f"{p['prefix_kv_ratio']:.3f}x ({p['kv_peak_bytes']['on'] / 1e6:.2f} MB / "
                    f"{p['kv_peak_bytes']['off'] / 1e6:.2f} MB)"),
             Figure(f"{load}: answers identical ({p['answers_with_text']}/{p['answers']} with text)", None,
-                   f"together: {p['prefix_outputs_identical']}; each prompt alone: {p['outputs_identical_alone']} "
-                   f"(sharing off, together equal to alone: {p['off_together_equals_off_alone']})"),
+                   f"together: {p['prefix_outputs_identical']} ({p['prefix_answers_differing']} of {p['answers']} "
+                   f"differ); each prompt alone: {p['outputs_identical_alone']} (sharing off, together against alone: "
+                   f"{p['off_together_differing_from_alone']} of {p['answers']} differ)"),
         ]
     if "swap_runs" in p:
         load = (f"{p['swap_clients']} clients of {p['swap_context']} tokens at once, a KV budget that holds "
