@@ -7,6 +7,7 @@ import json
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -66,3 +67,16 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+
+def our_server(world: dict, contexts: tuple[int, ...], max_tokens: int, threads: int, work: Path,
+               label: str, options: dict) -> ServerProcess:
+    """``python -m runtime serve`` on the release, its threads (and ``options``: device config keys such as
+    ``ort_memory``, ``prefill_chunk``) from a device config, as a device runs it."""
+    config = work / "device.json"
+    config.write_text(json.dumps({"trusted_keys": [str(world["trusted_key"])], "engine": str(world["engine"]),
+                                  "tokenizer": str(world["tokenizer"]), "threads": threads}
+                                 | options))
+    cmd = [sys.executable, "-m", "runtime", "serve", "--device-config", str(config), "--package", str(world["release"]),
+           "--port", "0", "--max-context-tokens", str(max(contexts)), "--max-tokens", str(max(max_tokens, 256)),
+           "--max-queue", str(max(len(contexts), 16))]
+    return ServerProcess(label, cmd, work / f"{label.replace(' ', '-')}.log")

@@ -57,7 +57,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -74,7 +73,7 @@ from bench.lib.llama_cpp_peer import (
     require_llama_cpp,
 )
 from bench.lib.report import RESULTS, Figure, progress, write_report
-from bench.lib.servers import ServerProcess, free_port
+from bench.lib.servers import ServerProcess, free_port, our_server
 from bench.lib.tables import table
 from bench.lib.worlds import build_int4_world, prompt_text
 from runtime.engine.backends.onnxruntime import DEFAULT_ORT_MEMORY, ORT_MEMORY_MODES
@@ -298,20 +297,6 @@ class MemoryWatch:
 
 
 # ---------------------------------------------------------------- one load on one server
-
-def our_server(world: dict, contexts: tuple[int, ...], max_tokens: int, threads: int, work: Path,
-               label: str, options: dict) -> ServerProcess:
-    """``python -m runtime serve`` on the release, its threads (and ``options``: device config keys such as
-    ``ort_memory``, ``prefill_chunk``) from a device config, as a device runs it."""
-    config = work / "device.json"
-    config.write_text(json.dumps({"trusted_keys": [str(world["trusted_key"])], "engine": str(world["engine"]),
-                                  "tokenizer": str(world["tokenizer"]), "threads": threads}
-                                 | options))
-    cmd = [sys.executable, "-m", "runtime", "serve", "--device-config", str(config), "--package", str(world["release"]),
-           "--port", "0", "--max-context-tokens", str(max(contexts)), "--max-tokens", str(max(max_tokens, 256)),
-           "--max-queue", str(max(len(contexts), 16))]
-    return ServerProcess(label, cmd, work / f"{label.replace(' ', '-')}.log")
-
 
 def llama_server(binary: Path, files: dict, contexts: tuple[int, ...], threads: int, work: Path,
                  label: str) -> ServerProcess:

@@ -51,9 +51,9 @@ import urllib.request
 from pathlib import Path
 
 from bench.lib.report import RESULTS, Figure, progress, write_report
+from bench.lib.servers import our_server
 from bench.lib.tables import table
 from bench.lib.worlds import build_int4_world, prompt_text
-from bench.serving.device_memory_bench import our_server
 from runtime.engine.tokenizer import DeviceTokenizer
 from runtime.serve.residents import CHAMPION
 

@@ -24,15 +24,20 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:  # kv_blocks imports this module
-    from runtime.engine.kv_blocks import BlockPool
-
 KEY_BYTES = 16
-Page = tuple["BlockPool", int]  # where a page lies: its pool, its block
+
+
+class BlockOwner(Protocol):
+    """What the index needs of a pool (``runtime.engine.kv_blocks.BlockPool``, which imports this module)."""
+
+    def give_back(self, blocks: list[int]) -> None: ...
+
+
+Page = tuple[BlockOwner, int]  # where a page lies: its pool, its block
 
 
 def release_scope(release_id: str, activation: int) -> str:
@@ -110,7 +115,7 @@ class PrefixPages:
             self.keys[slot] = key
             self.held[slot] = self.held.get(slot, 0) + 1
 
-    def released(self, pool: "BlockPool", blocks: Iterable[int]) -> list[int]:
+    def released(self, pool: BlockOwner, blocks: Iterable[int]) -> list[int]:
         """A row gave back ``blocks`` of ``pool``: those now free (its own, or indexed pages it held last that are
         forgotten); an indexed page it held last becomes idle, most recently used."""
         free = []
@@ -130,7 +135,7 @@ class PrefixPages:
                 free.append(block)
         return free
 
-    def evict(self, pool: "BlockPool | None", count: int) -> int:
+    def evict(self, pool: BlockOwner | None, count: int) -> int:
         """Give back up to ``count`` idle pages, least recently used first (only ``pool``'s, or any pool's when None),
         to their pools' free lists; how many went."""
         victims = []
@@ -146,7 +151,7 @@ class PrefixPages:
             owner.give_back([block])
         return len(victims)
 
-    def idle_blocks(self, pool: "BlockPool") -> int:
+    def idle_blocks(self, pool: BlockOwner) -> int:
         return self.idle_counts.get(id(pool), 0)
 
     def drop_scopes(self, keep: set[str]) -> None:
