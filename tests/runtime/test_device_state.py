@@ -72,6 +72,40 @@ def until(condition, what: str, timeout: float = 30.0) -> float:
     return time.monotonic() - t0
 
 
+class Clients:
+    """Two clients sending small requests without a model until ``stop_after``; each answer is kept with the
+    client and the moment it was sent. A request sent before a revert may be answered by the release it
+    reverted however late it ends (on a busy machine, seconds), so what a test checks is the answers sent
+    after a moment, never the last ones to arrive."""
+
+    def __init__(self, port: int):
+        self.answers: list[tuple[int, float, int, dict]] = []  # (client, when sent, status, body)
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._send, args=(port, i), daemon=True) for i in range(2)]
+        for t in self._threads:
+            t.start()
+
+    def _send(self, port: int, client: int) -> None:
+        while not self._stop.is_set():
+            sent = time.monotonic()
+            self.answers.append((client, sent, *call(port, "POST", "/v1/completions",
+                                                     {"prompt": PROMPT, "max_tokens": 6, "temperature": 0})))
+
+    def stop_after(self, moment: float) -> None:
+        """Stop once each client has been answered on a request sent after ``moment``."""
+        until(lambda: {c for c, sent, _, _ in list(self.answers) if sent > moment} == {0, 1}, "answers after it")
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+
+    def statuses(self) -> set[int]:
+        return {status for _, _, status, _ in self.answers}
+
+    def answered_after(self, moment: float) -> set[tuple[str, str]]:
+        """(model, text) of every answer to a request sent after ``moment``."""
+        return {(b["model"], b["choices"][0]["text"]) for _, sent, _, b in self.answers if sent > moment}
+
+
 # ---------------------------------------------------------------- the state file
 
 def test_a_crash_mid_write_leaves_the_old_or_the_new_state(tmp_path):
@@ -186,29 +220,18 @@ def test_probes_that_pass_commit_and_failing_probes_revert_to_the_previous_relea
             ("committed", good, manifest_id(w["a"]), good)
         assert state["last_check"]["result"] == "committed"
 
-        answers, stop = [], threading.Event()
-
-        def client():  # requests without model through the swap to BAD and the revert
-            while not stop.is_set():
-                answers.append(call(port, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}))
-
-        threads = [threading.Thread(target=client) for _ in range(2)]
-        for t in threads:
-            t.start()
+        clients = Clients(port)  # requests without model through the swap to BAD and the revert
         time.sleep(0.3)
         swapped = time.monotonic()
         status, body = load(port, w["bad"])
         app.gate.wait(30)
-        reverted_after = time.monotonic() - swapped
-        time.sleep(0.3)
-        stop.set()
-        for t in threads:
-            t.join()
+        reverted_at = time.monotonic()
+        clients.stop_after(reverted_at)
 
         assert status == 200 and body["release_id"] == manifest_id(w["bad"]), body  # verified and swapped in: then checked
-        assert reverted_after < 5, reverted_after
-        assert {s for s, _ in answers} == {200}  # no client saw the revert
-        assert {(b["model"], b["choices"][0]["text"]) for _, b in answers[-2:]} == {(good, text_good)}
+        assert reverted_at - swapped < 5, reverted_at - swapped
+        assert clients.statuses() == {200}  # no client saw the revert
+        assert clients.answered_after(reverted_at) == {(good, text_good)}
         assert complete(port)["text"] == text_good
         state = device_state(port)
         assert (state["state"], state["release_id"], state["reverted"]) == ("committed", good, [manifest_id(w["bad"])])
@@ -229,8 +252,8 @@ def test_probes_that_pass_commit_and_failing_probes_revert_to_the_previous_relea
     record = json.loads((state_dir / STATE_FILE).read_text())
     assert record["reverted"][manifest_id(w["bad"])]["reason"] == "probe_mismatch"
     assert sorted(p.name for p in (state_dir / "releases").iterdir()) == [manifest_id(w["a"]), good]
-    print(f"\nrevert of a release whose probe fails: {reverted_after:.3f} s after its swap, "
-          f"{len(answers)} requests during it, all 200")
+    print(f"\nrevert of a release whose probe fails: {reverted_at - swapped:.3f} s after its swap, "
+          f"{len(clients.answers)} requests during it, all 200")
 
 
 def test_the_operator_rolls_back_with_the_rollback_command(w, tmp_path, capsys):
@@ -285,15 +308,7 @@ def test_a_request_failing_on_a_new_champion_reverts_it(w, tmp_path, decode):
                                str(token), "--release-dir", str(w["root"])), log)
     try:
         text_a = complete(port)["text"]
-        answers, stop = [], threading.Event()
-
-        def client():  # requests without model through the swap, the failure and the revert
-            while not stop.is_set():
-                answers.append(call(port, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}))
-
-        threads = [threading.Thread(target=client) for _ in range(2)]
-        for t in threads:
-            t.start()
+        clients = Clients(port)  # requests without model through the swap, the failure and the revert
         assert load(port, w["good"])[0] == 200
         time.sleep(1.0)  # its probe (6 tokens, milliseconds) has passed: the cap below is for the big request only
         assert device_state(port)["state"] == "trial"
@@ -310,10 +325,8 @@ def test_a_request_failing_on_a_new_champion_reverts_it(w, tmp_path, decode):
         finally:
             resource.prlimit(proc.pid, resource.RLIMIT_AS, limits)
         reverted_after = until(lambda: device_state(port)["release_id"] == a, "revert after the 500")
-        time.sleep(0.3)
-        stop.set()
-        for t in threads:
-            t.join()
+        reverted_at = time.monotonic()
+        clients.stop_after(reverted_at)
         state, samples, models = device_state(port), scrape(port), call(port, "GET", "/v1/models")[1]
     finally:
         proc.terminate()
@@ -321,9 +334,9 @@ def test_a_request_failing_on_a_new_champion_reverts_it(w, tmp_path, decode):
 
     assert (status, failure["error"]["type"]) == (500, "server_error") and "alloc" in failure["error"]["message"], failure  # "Failed to allocate" or "std::bad_alloc"
     assert reverted_after < 30  # within the window
-    assert {s for s, _ in answers} == {200}, [b for s, b in answers if s != 200][:3]  # only the big request failed
-    assert {b["model"] for _, b in answers} == {a, good}  # the clients ran on the new champion, then on A again
-    assert {(b["model"], b["choices"][0]["text"]) for _, b in answers[-2:]} == {(a, text_a)}
+    assert clients.statuses() == {200}, [b for _, _, s, b in clients.answers if s != 200][:3]  # only the big request failed
+    assert {b["model"] for _, _, _, b in clients.answers} == {a, good}  # the clients ran on the new champion, then on A again
+    assert clients.answered_after(reverted_at) == {(a, text_a)}
     assert (state["state"], state["release_id"], state["previous"], state["reverted"]) == ("committed", a, None, [good])
     assert (state["last_check"]["release_id"], state["last_check"]["result"], state["last_check"]["reason"]) == \
         (good, "reverted", "generation_errors")
@@ -343,7 +356,7 @@ def test_a_request_failing_on_a_new_champion_reverts_it(w, tmp_path, decode):
     assert [(e["event"], e["release_id"], e.get("reason")) for e in events] == \
         [("release_reverted", good, "generation_errors")]
     print(f"\nrevert of a champion whose request failed (500): {reverted_after:.3f} s after the failure, "
-          f"{len(answers)} client requests through the swap, the failure and the revert, all 200")
+          f"{len(clients.answers)} client requests through the swap, the failure and the revert, all 200")
 
 
 # ---------------------------------------------------------------- restarts
