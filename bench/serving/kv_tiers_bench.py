@@ -2,7 +2,7 @@
 instead of refused, each measured against the same server with the feature off.
 
     python -m bench.serving.kv_tiers_bench [--shape 0.5b|tiny] [--parts prefix,swap] [--clients 8]
-        [--system-tokens 512] [--question-tokens 64] [--answer-tokens 16] [--rounds 3] [--swap-clients 16]
+        [--system-tokens 512] [--question-tokens 64] [--answer-tokens 16] [--rounds 3] [--prefix-fits N] [--swap-clients 16]
         [--swap-context 2048] [--swap-answer 32] [--swap-fits 8] [--swap-wait 30] [--threads 2] [--prefill-chunk 128]
         [--workdir DIR] [--out bench/results/kv_tiers_bench.json]
 
@@ -24,6 +24,9 @@ before; the pages it leaves are idle until the round).
 * KV bytes allocated: ``adapter_kv_cache_bytes`` (the blocks rows hold, a shared page once) sampled from ``/metrics``
   every ``--sample-s`` while the round's requests run with ``--answer-tokens`` each; ``prefix_kv_ratio`` = on's peak
   over off's;
+* with ``--prefix-fits N`` both servers get a KV budget that holds N of the clients' whole worst cases (prompt and
+  answer): without sharing at most N run at once and the rest wait; with it a shared page is counted once, so more
+  are admitted together. ``prefix_wall_speedup`` = off's wall time of the second pass over on's (p50 over rounds);
 * answers: the texts and token counts of that second pass, equal between the two servers
   (``prefix_outputs_identical``), with how many carry any text (random weights: few); then each prompt alone on each
   server (``outputs_identical_alone``), and whether sharing off answers the same together and alone
@@ -139,6 +142,11 @@ def measure_prefix(world: dict, args, work: Path) -> dict:
     progress(f"{len(prompts)} prompts of {args.system_tokens} + {args.question_tokens} tokens, {common} in common")
     options = {"prefill_chunk": args.prefill_chunk}
     contexts = (args.system_tokens + args.question_tokens + args.answer_tokens + 8,)
+    if args.prefix_fits:
+        worst = max(len(tokenizer.encode(p)) for p in prompts) + args.answer_tokens
+        options["kv_budget_mb"] = budget_for_rows(world, worst, args.prefix_fits) / (1 << 20)
+        options["kv_wait_s"] = REQUEST_TIMEOUT_S
+        progress(f"a KV budget of {options['kv_budget_mb']:.1f} MiB: {args.prefix_fits} whole worst cases of {worst} tokens")
     servers = {}
     for mode, extra in MODES.items():
         (work / mode).mkdir(exist_ok=True)
@@ -153,10 +161,15 @@ def measure_prefix(world: dict, args, work: Path) -> dict:
             for mode in order:
                 port = servers[mode].port
                 first = send_together(port, prompts, 1)
+                before, t0 = metric_values(port), time.perf_counter()
                 answers, kv_peak = kv_peak_while(port, lambda p=port: send_together(p, prompts, args.answer_tokens),
                                                  args.sample_s)
-                runs[mode].append({"ttft_s": [a["latency_s"] for a in first], "kv_peak_bytes": kv_peak,
-                                   "answers": answers, "errors": sum(a["error"] is not None for a in first + answers)})
+                wall, after = time.perf_counter() - t0, metric_values(port)
+                steps = {k: after[f"adapter_decode_batch_rows_{k}"] - before[f"adapter_decode_batch_rows_{k}"]
+                         for k in ("sum", "count")}
+                runs[mode].append({"ttft_s": [a["latency_s"] for a in first], "kv_peak_bytes": kv_peak, "wall_s": wall,
+                                   "rows_per_step": steps["sum"] / max(steps["count"], 1), "answers": answers,
+                                   "errors": sum(a["error"] is not None for a in first + answers)})
                 progress(f"round {r + 1}/{args.rounds} {mode}: TTFT p50 "
                          f"{statistics.median(runs[mode][-1]['ttft_s']) * 1e3:.0f} ms, KV peak {kv_peak / 1e6:.2f} MB")
         alone = {mode: [send_together(s.port, [p], args.answer_tokens)[0] for p in prompts] for mode, s in servers.items()}
@@ -165,16 +178,20 @@ def measure_prefix(world: dict, args, work: Path) -> dict:
     finally:
         for server in servers.values():
             server.stop()
-    return summarize(runs, alone, counters, common)
+    return summarize(runs, alone, counters, common) | ({"prefix_budget_mb": options["kv_budget_mb"]}
+                                                        if args.prefix_fits else {})
 
 
 def summarize(runs: dict, alone: dict, counters: dict, common: int) -> dict:
     ttft = {mode: statistics.median([t for run in rs for t in run["ttft_s"]]) for mode, rs in runs.items()}
     kv = {mode: statistics.median([run["kv_peak_bytes"] for run in rs]) for mode, rs in runs.items()}
+    wall = {mode: statistics.median([run["wall_s"] for run in rs]) for mode, rs in runs.items()}
+    rows = {mode: statistics.mean([run["rows_per_step"] for run in rs]) for mode, rs in runs.items()}
     texts = {mode: [answer_pairs(run["answers"]) for run in rs] for mode, rs in runs.items()}
     return {
         "common_prompt_tokens": common,
-        "ttft_p50_s": ttft, "kv_peak_bytes": kv,
+        "ttft_p50_s": ttft, "kv_peak_bytes": kv, "wall_p50_s": wall, "prefix_wall_speedup": wall["off"] / wall["on"],
+        "rows_per_step": rows,
         "ttft_by_round_s": {m: [statistics.median(run["ttft_s"]) for run in rs] for m, rs in runs.items()},
         "errors": {mode: sum(run["errors"] for run in rs) for mode, rs in runs.items()},
         "answers_with_text": sum(bool(t) for run in texts["on"] for t, _ in run),
@@ -191,7 +208,7 @@ def summarize(runs: dict, alone: dict, counters: dict, common: int) -> dict:
     }
 
 
-def swap_budget_bytes(world: dict, context: int, rows: int) -> int:
+def budget_for_rows(world: dict, context: int, rows: int) -> int:
     """A KV budget that holds ``rows`` rows of ``context`` tokens at their worst case (the scheduler's count)."""
     from runtime.engine.backends.onnxruntime import OrtEngine
 
@@ -205,7 +222,7 @@ def measure_swap(world: dict, args, work: Path) -> dict:
     and the same budget with a spill file. Each server alone, one after the other."""
     tokenizer = DeviceTokenizer(world["tokenizer"])
     prompts = [prompt_text(tokenizer, args.swap_context - args.swap_answer, row) for row in range(args.swap_clients)]
-    budget_mb = swap_budget_bytes(world, args.swap_context, args.swap_fits) / (1 << 20)
+    budget_mb = budget_for_rows(world, args.swap_context, args.swap_fits) / (1 << 20)
     (work / "spill").mkdir(exist_ok=True)
     modes = {"unbudgeted": {}, "budget": {"kv_budget_mb": budget_mb, "kv_wait_s": args.swap_wait},
              "budget+swap": {"kv_budget_mb": budget_mb, "kv_wait_s": args.swap_wait, "kv_swap_dir": str(work / "spill"),
@@ -247,7 +264,9 @@ def print_results(p: dict) -> None:
         rows = [[mode, f"{p['ttft_p50_s'][mode] * 1e3:.0f}",
                  " ".join(f"{t * 1e3:.0f}" for t in p["ttft_by_round_s"][mode]), f"{p['kv_peak_bytes'][mode] / 1e6:.2f}",
                  p["errors"][mode]] for mode in MODES]
-        print(table(["sharing", "TTFT p50 ms", "by round", "KV peak MB", "errors"], rows))
+        rows = [row[:4] + [f"{p['wall_p50_s'][mode]:.1f}", f"{p['rows_per_step'][mode]:.2f}"] + row[4:]
+                for row, mode in zip(rows, MODES)]
+        print(table(["sharing", "TTFT p50 ms", "by round", "KV peak MB", "answers wall s", "rows per step", "errors"], rows))
         print(f"prefix_ttft_speedup={p['prefix_ttft_speedup']:.2f} prefix_kv_ratio={p['prefix_kv_ratio']:.3f} "
               f"prefix_outputs_identical={p['prefix_outputs_identical']} ({p['prefix_answers_differing']} differ; "
               f"{p['answers_with_text']}/{p['answers']} "
@@ -264,8 +283,10 @@ def print_results(p: dict) -> None:
 def figures(p: dict) -> list[Figure]:
     rows = []
     if "prefix_ttft_speedup" in p:
+        budget = (f", a KV budget that holds {p['prefix_fits']} whole ({p['prefix_budget_mb']:.1f} MiB)"
+                  if p.get("prefix_fits") else "")
         load = (f"{p['clients']} clients, {p['system_tokens']}-token system turn + {p['question_tokens']}-token question "
-                f"({p['common_prompt_tokens']} tokens in common), {p['shape']} shape, int4, 4-bit KV pages")
+                f"({p['common_prompt_tokens']} tokens in common), {p['shape']} shape, int4, 4-bit KV pages{budget}")
         rows += [
             Figure(f"{load}: time to first token p50, sharing off / on", p["prefix_ttft_speedup"],
                    f"{p['prefix_ttft_speedup']:.2f}x ({p['ttft_p50_s']['off'] * 1e3:.0f} ms / "
@@ -273,6 +294,9 @@ def figures(p: dict) -> list[Figure]:
             Figure(f"{load}: KV bytes allocated, sharing on / off (peak)", p["prefix_kv_ratio"],
                    f"{p['prefix_kv_ratio']:.3f}x ({p['kv_peak_bytes']['on'] / 1e6:.2f} MB / "
                    f"{p['kv_peak_bytes']['off'] / 1e6:.2f} MB)"),
+            Figure(f"{load}: wall time of {p['answer_tokens']}-token answers, sharing off / on", p["prefix_wall_speedup"],
+                   f"{p['prefix_wall_speedup']:.2f}x ({p['wall_p50_s']['off']:.1f} s / {p['wall_p50_s']['on']:.1f} s; "
+                   f"rows per decode step {p['rows_per_step']['off']:.2f} / {p['rows_per_step']['on']:.2f})"),
             Figure(f"{load}: answers identical ({p['answers_with_text']}/{p['answers']} with text)", None,
                    f"together: {p['prefix_outputs_identical']} ({p['prefix_answers_differing']} of {p['answers']} "
                    f"differ); each prompt alone: {p['outputs_identical_alone']} (sharing off, together against alone: "
@@ -303,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--question-tokens", type=int, default=64)
     ap.add_argument("--answer-tokens", type=int, default=16, help="tokens each answer of the second pass generates")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prefix-fits", type=int, default=0, help="give the prefix servers a KV budget that holds this "
+                    "many of the clients' whole worst cases (0: none)")
     ap.add_argument("--swap-clients", type=int, default=16)
     ap.add_argument("--swap-context", type=int, default=2048, help="each swap client's prompt and answer, in tokens")
     ap.add_argument("--swap-answer", type=int, default=32, help="tokens each swap client generates")
@@ -328,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         if "prefix" in parts:
             result |= {"clients": args.clients, "system_tokens": args.system_tokens,
                        "question_tokens": args.question_tokens, "answer_tokens": args.answer_tokens,
-                       "rounds": args.rounds} | measure_prefix(world, args, work)
+                       "rounds": args.rounds, "prefix_fits": args.prefix_fits} | measure_prefix(world, args, work)
         if "swap" in parts:
             result |= {"swap_clients": args.swap_clients, "swap_context": args.swap_context,
                        "swap_answer": args.swap_answer, "swap_fits": args.swap_fits,

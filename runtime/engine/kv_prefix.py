@@ -34,6 +34,8 @@ KEY_BYTES = 16
 class BlockOwner(Protocol):
     """What the index needs of a pool (``runtime.engine.kv_blocks.BlockPool``, which imports this module)."""
 
+    block_bytes: int
+
     def give_back(self, blocks: list[int]) -> None: ...
 
 
@@ -82,10 +84,9 @@ class PrefixPages:
     def cached_pages(self) -> int:
         return len(self.pages)
 
-    def lookup(self, scope: str, tokens: Sequence[int], unit: int = 1) -> list[Page]:
+    def peek(self, scope: str, tokens: Sequence[int], unit: int = 1) -> list[Page]:
         """The longest chain of indexed pages, a multiple of ``unit`` pages, that starts ``tokens`` under ``scope``,
-        leaving at least one token to prefill (its logits are the first answer); each page now held once more by the
-        caller's row."""
+        leaving at least one token to prefill (its logits are the first answer); nothing changes."""
         found = []
         for key in page_keys(scope, tokens[: len(tokens) - 1], self.block_size):
             page = self.pages.get(key)
@@ -93,6 +94,11 @@ class PrefixPages:
                 break
             found.append(page)
         del found[len(found) - len(found) % unit :]
+        return found
+
+    def lookup(self, scope: str, tokens: Sequence[int], unit: int = 1) -> list[Page]:
+        """``peek``'s pages, each now held once more by the caller's row."""
+        found = self.peek(scope, tokens, unit)
         for pool, block in found:
             slot = (id(pool), block)
             self.held[slot] += 1
@@ -114,6 +120,21 @@ class PrefixPages:
             self.scopes.setdefault(scope, set()).add(key)
             self.keys[slot] = key
             self.held[slot] = self.held.get(slot, 0) + 1
+
+    def indexed(self, pool: BlockOwner, block: int) -> bool:
+        """Whether ``block`` of ``pool`` is an indexed page (a row holding it may share it with others)."""
+        return (id(pool), block) in self.keys
+
+    def is_idle(self, pool: BlockOwner, block: int) -> bool:
+        return (id(pool), block) in self.idle
+
+    def holders(self, pool: BlockOwner, block: int) -> int:
+        """Rows holding ``block`` of ``pool``, an indexed page (0: idle)."""
+        return self.held[(id(pool), block)]
+
+    def held_bytes(self) -> int:
+        """Bytes of the indexed pages rows hold, each once however many rows hold it."""
+        return sum(pool.block_bytes for pool, block in self.pages.values() if self.held[(id(pool), block)])
 
     def released(self, pool: BlockOwner, blocks: Iterable[int]) -> list[int]:
         """A row gave back ``blocks`` of ``pool``: those now free (its own, or indexed pages it held last that are

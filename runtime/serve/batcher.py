@@ -35,7 +35,8 @@ fit, it fails with ``KVBudgetExceeded`` (the HTTP API answers 503 with ``Retry-A
 (``runtime.engine.kv_swap``) it first preempts the newest running rows whose worst cases make room: their pages go
 to the file, byte for byte, and come back into fresh blocks when the budget has room again, first preempted first
 and before any new request, so a preempted row decodes what it would have. A prompt that starts with the full pages
-of an earlier one on the same release reuses them (``runtime.engine.kv_prefix``).
+of an earlier one on the same release reuses them (``runtime.engine.kv_prefix``), and the budget counts each such
+page once (``Batcher._promised_bytes``).
 
 The thread runs while there is work and ends once there has been none for ``IDLE_S``; the next request
 starts another. An engine whose caches cannot be merged (a backend without ``concat_caches``: TensorRT, eager) is
@@ -45,6 +46,7 @@ served per request instead (``runtime.serve.generation.ForkedGeneration``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import threading
@@ -106,6 +108,7 @@ class BatchedGeneration(Generation):
         self.row_kv_bytes = worst_case_kv_bytes(batcher.pool, prompts, max_tokens)  # per row (0: no budget)
         self.submitted = 0.0  # time.monotonic() when submitted: how long it has waited for KV blocks
         self.cancelled = False  # set by the event loop (the client left), read by the scheduler thread
+        self.shared: list[list] | None = None  # per prompt, the shared pages it holds from admission to its prefill
         self.loop: asyncio.AbstractEventLoop | None = None
         # Each step's choices, None once every choice has finished, or the error that ended the decode:
         # what the scheduler handed over and the consumer has not taken yet. A list and a future, not an
@@ -233,6 +236,7 @@ class Batcher:
         self._counted = PrefixCounters()  # the prefix counters as the metrics last read them
         self.spill = spill if pool is not None and pool.fixed else None
         self._swapped: list[SwappedRow] = []  # the scheduler thread's alone, first preempted first
+        self._admitting: list[BatchedGeneration] = []  # the scheduler thread's alone: this turn's admissions
         self._admitted = 0  # rows admitted so far
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # notified when a request arrives for a waiting thread
@@ -259,8 +263,9 @@ class Batcher:
                 pass
         except Exception as err:  # a bug here must fail the requests, not leave them waiting forever
             log.exception("the batch scheduler failed")
-            failed = [r.generation for b in self._batches for r in b.rows] + [s.row.generation for s in self._swapped]
-            self._batches, self._swapped = [], []
+            failed = ([r.generation for b in self._batches for r in b.rows] + [s.row.generation for s in self._swapped]
+                      + self._admitting)
+            self._batches, self._swapped, self._admitting = [], [], []
             self._count_kv()
             with self._lock:  # the next submit starts a fresh thread once this one has handed over
                 failed, self._arrivals = failed + self._arrivals, []
@@ -278,9 +283,11 @@ class Batcher:
                 self._thread = None
                 return False
             arrivals, self._arrivals, resume, preempt = self._fitting(self._arrivals)
+        self._admitting = arrivals  # taken from the arrivals, not yet in a batch: a bug now must fail them too
         self._preempt(preempt)
         self._resume(resume)
         self._admit(arrivals)
+        self._admitting = []
         self._hand_over()
         for batch in list(self._batches):
             self._step(batch)
@@ -321,8 +328,12 @@ class Batcher:
         preempted first, as their worst cases fit; an arrival that does not fit preempts the newest running rows whose
         worst cases make room for it, when the spill file holds their pages (``_victims``): a request waits, and gets
         its 503, only past both budgets."""
+        with self.pool.lock if self.pool is not None else contextlib.nullcontext():  # shared pages counted, then held
+            return self._fitting_locked(arrivals)
+
+    def _fitting_locked(self, arrivals: list[BatchedGeneration]) -> tuple[list, list, list[SwappedRow], list]:
         rows = {id(b.key): len(b.rows) for b in self._batches}
-        free = self.pool.capacity_bytes - sum(r.kv_bytes for b in self._batches for r in b.rows) \
+        free = self.pool.capacity_bytes - self._promised_bytes() \
             if self.pool is not None and self.pool.fixed else None  # bytes no admitted row may come to need
         resume, waiting = [], []
         for swapped in self._swapped:
@@ -342,12 +353,12 @@ class Batcher:
         for g in arrivals:
             if g.cancelled:
                 continue
-            key, need = id(self._key(g.release)), sum(g.row_kv_bytes)
+            key, need = id(self._key(g.release)), self._arrival_bytes(g)
             if self.spill is not None and not kv_full and need > free:
                 victims = self._victims(need - free, preempt)
                 preempt += victims
                 for batch, row in victims:
-                    free += row.kv_bytes
+                    free += self._reserved_bytes(batch, row, alone=True)
                     rows[id(batch.key)] -= 1
             taken = rows.get(key, 0)
             if kv_full or (free is not None and need > free):
@@ -364,8 +375,48 @@ class Batcher:
             else:  # an empty batch takes any request (its prompts are capped far below MAX_BATCH)
                 rows[key] = taken + len(g.prompts)
                 free = None if free is None else free - need
+                if free is not None and self.prefix is not None:
+                    g.shared = [self.prefix.lookup(scope, p, self.share_unit) for scope, p in zip(self._scopes([g]), g.prompts)]
                 admit.append(g)
         return admit, wait, resume, preempt
+
+    # What the budget has promised. A shared page counts once, however many rows hold it: each running row promises
+    # its worst case less the indexed pages it holds (``_reserved_bytes``), and the indexed pages rows hold count once
+    # (``PrefixPages.held_bytes``). So the pages rows hold, each once, plus what every row may still take never exceed
+    # the budget, and rows that share a prefix are admitted beside each other where their whole worst cases would not
+    # be. A page that leaves the index (its release left the device) counts again in each row's whole worst case.
+
+    def _promised_bytes(self) -> int:
+        """Bytes the running rows hold or may come to take (the pool's lock held when pages are shared)."""
+        rows = sum(self._reserved_bytes(b, r) for b in self._batches for r in b.rows)
+        return rows + (self.prefix.held_bytes() if self.prefix is not None else 0)
+
+    def _reserved_bytes(self, batch: ReleaseBatch, row: Row, alone: bool = False) -> int:
+        """A running row's worst case less the indexed pages it holds (counted once, by ``_promised_bytes``). With
+        ``alone``, less only those another row holds too: what preempting it surely frees (a page it alone holds goes
+        idle, and an idle page is the pool's to take)."""
+        if self.prefix is None:
+            return row.kv_bytes
+        blocks = batch.cache.row_blocks(batch.rows.index(row))
+        shared = sum(pool.block_bytes for pool, held in zip(batch.cache.pool.block_pools, blocks) for block in held
+                     if self.prefix.indexed(pool, block) and not (alone and self.prefix.holders(pool, block) == 1))
+        return row.kv_bytes - shared
+
+    def _arrival_bytes(self, g: BatchedGeneration) -> int:
+        """What admitting ``g`` promises: each row's worst case less the indexed pages its prompt starts with, plus
+        those of them no row holds (idle: they count once held)."""
+        if self.prefix is None or not self.pool.fixed:
+            return sum(g.row_kv_bytes)
+        need = 0
+        for scope, prompt, worst in zip(self._scopes([g]), g.prompts, g.row_kv_bytes):
+            pages = self.prefix.peek(scope, prompt, self.share_unit)
+            need += worst - sum(pool.block_bytes for pool, block in pages if not self.prefix.is_idle(pool, block))
+        return need
+
+    @staticmethod
+    def _scopes(gens: list[BatchedGeneration]) -> list[str]:
+        """The prefix scope of each row of ``gens`` (their release as loaded)."""
+        return [release_scope(g.release.release_id, g.release.activation) for g in gens for _ in g.prompts]
 
     def _victims(self, need: int, chosen: list) -> list:
         """The newest running rows not in ``chosen`` whose worst cases add up to ``need`` bytes and whose pages the
@@ -378,7 +429,7 @@ class Batcher:
             if freed >= need:
                 break
             victims.append((batch, row))
-            freed += row.kv_bytes
+            freed += self._reserved_bytes(batch, row, alone=True)
         extents = [self._held_bytes(b, r) for b, r in chosen + victims]
         return victims if freed >= need and self.spill.holds(extents) else []
 
@@ -492,8 +543,8 @@ class Batcher:
                                         **self._slots(batch, slots))  # (n, 1, V)
                 width = ids.shape[1]
             else:  # paged: each row in its own positions' chunks, after the shared pages it starts with
-                scopes = [release_scope(g.release.release_id, g.release.activation) for g in gens for _ in g.prompts]
-                start, shared = self._shared_pages(batch, prompts, scopes)  # (n,) tokens each row reads from shared pages
+                scopes = self._scopes(gens)
+                start, shared = self._shared_pages(batch, gens, scopes)  # (n,) tokens each row reads from shared pages
                 logits, cache = prefill_by_position(batch.engine, prompts, shared,
                                                     self.prefill_chunk or max(map(len, prompts)), start,
                                                     **self._slots(batch, slots))  # (n, 1, V)
@@ -507,6 +558,7 @@ class Batcher:
                     self._prefill(batch, [g])
                 return
             log.exception("prefill failed")
+            self._unshare(gens[0])
             self._deliver(gens[0], err)
             return
         try:
@@ -516,15 +568,29 @@ class Batcher:
             for g in gens:
                 self._deliver(g, err)
 
-    def _shared_pages(self, batch: ReleaseBatch, prompts: list[list[int]], scopes: list[str]):
-        """(a cache whose rows start with the longest chain of shared pages each prompt begins with, or None
-        without sharing; (n,) the tokens those pages hold)."""
+    def _shared_pages(self, batch: ReleaseBatch, gens: list[BatchedGeneration], scopes: list[str]):
+        """(a cache whose rows start with the longest chain of shared pages each prompt of ``gens`` begins with, or
+        None without sharing; (n,) the tokens those pages hold). The pages a request was admitted with (``shared``,
+        held since) pass to the cache; a request prefilled again after a failed batch looks them up again."""
         if self.prefix is None:
-            return None, np.zeros(len(prompts), dtype=np.int64)
+            return None, np.zeros(sum(len(g.prompts) for g in gens), dtype=np.int64)
         with self.pool.lock:
-            pages = [self.prefix.lookup(scope, prompt, self.share_unit) for scope, prompt in zip(scopes, prompts)]
+            pages = []
+            for g in gens:
+                held, g.shared = g.shared, None
+                pages += held or [self.prefix.lookup(scope, prompt, self.share_unit)
+                                  for scope, prompt in zip(self._scopes([g]), g.prompts)]
             start = batch.engine.cache_with_pages(pages)
         return start, start.lengths.copy()
+
+    def _unshare(self, g: BatchedGeneration) -> None:
+        """Let go of the shared pages ``g`` was admitted with when it fails before its prefill took them."""
+        held, g.shared = g.shared, None
+        if held is None:
+            return
+        with self.pool.lock:
+            for pool, block in (page for pages in held for page in pages):
+                pool.give_back(self.prefix.released(pool, [block]))
 
     def _index_pages(self, cache, prompts: list[list[int]], scopes: list[str]) -> None:
         """Index the full pages of each prefilled prompt (row b of ``cache`` holds ``prompts[b]``) for the next."""

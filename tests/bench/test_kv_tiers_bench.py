@@ -21,3 +21,14 @@ def test_the_bench_measures_prefix_sharing_and_swap_on_the_tiny_world_and_writes
     assert p["prefix_kv_ratio"] < 1 and p["outputs_identical_alone"] is True
     assert (p["swap_refused"], p["swap_failed"]) == (0, 0) and p["swap_runs"]["unbudgeted"]["refused"] == 0
     assert p["swap_budget_mb"] > 0 and p["errors"] == {"off": 0, "on": 0}
+
+
+def test_under_a_kv_budget_sharing_admits_more_rows_than_the_budget_holds_whole(tmp_path):
+    out = tmp_path / "kv_tiers_budget.json"
+    assert bench.main(["--shape", "tiny", "--workdir", str(tmp_path), "--parts", "prefix", "--rounds", "1",
+                       "--clients", "4", "--system-tokens", "64", "--question-tokens", "16", "--answer-tokens", "24",
+                       "--prefill-chunk", "16", "--prefix-fits", "2", "--out", str(out)]) == 0
+    p = json.loads(out.read_text())
+    assert p["errors"] == {"off": 0, "on": 0} and p["prefix_budget_mb"] > 0
+    assert p["rows_per_step"]["off"] <= 2  # the budget holds two whole worst cases: never more rows without sharing
+    assert p["prefix_counters"]["on"]["hit_tokens_total"] >= 4 * 48

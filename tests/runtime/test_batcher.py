@@ -288,6 +288,19 @@ def test_a_request_the_engine_refuses_fails_alone(release, tokenizer):
     assert asyncio.run(scenario()) == alone(release, tokenizer, prompt, 30)
 
 
+def test_a_bug_in_the_scheduler_while_it_admits_fails_the_request_never_leaves_it_waiting(release, tokenizer, monkeypatch):
+    batcher = Batcher(tokenizer.stop_ids, tokenizer.pad_id, ServerMetrics())
+
+    def broken(arrivals):
+        raise RuntimeError("a bug in admission")
+
+    monkeypatch.setattr(batcher, "_admit", broken)
+    admitted = batched(batcher, release, tokenizer, [tokenizer.encode(PROMPT)], 5)
+    with pytest.raises(RuntimeError, match="a bug in admission"):
+        asyncio.run(asyncio.wait_for(consume(admitted), 30))
+    assert scheduler_ends(batcher)
+
+
 # ---------------------------------------------------------------- through the HTTP app
 
 

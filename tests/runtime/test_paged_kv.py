@@ -9,10 +9,12 @@ Engines are compiled from the tiny test backbone (``engine_testkit``) and the ti
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -434,6 +436,49 @@ def test_prompts_with_a_shared_system_turn_reuse_its_pages_and_answer_as_without
     assert hits[False] == 0 and hits[True] >= 3 * (system_tokens // 8 * 8)  # three requests read the system turn
 
 
+@pytest.mark.parametrize("kind", ["float pages", "quantized pages"])
+def test_the_budget_counts_a_shared_prefix_once_so_a_request_that_shares_it_runs_beside_the_one_that_wrote_it(
+        w, paged_world_engine, pages_world_engine, kind):
+    engine = paged_world_engine if kind == "float pages" else pages_world_engine
+    tokenizer, long = DeviceTokenizer(w["tokenizer"]), 1000  # the first request's worst case
+    first, second = SYSTEM_TURN + PROMPT, SYSTEM_TURN + OTHER_PROMPT
+    a, b = (tokenizer.encode(p) for p in (first, second))
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    pool = OrtEngine(engine, threads=1, kv_budget_bytes=1 << 30).pool
+    if kind == "float pages":  # any number of pages is shared
+        pages = common // BLOCK
+        shared = pages * pool.block_bytes
+    else:  # whole prefill chunks of 8 tokens: the sink page float, the others sealed
+        pages = common // 8 * 2
+        shared = pool.float.block_bytes + (pages - 1) * pool.sealed.block_bytes
+    budget = pool.row_bytes(len(a) + long - 1) + pool.row_bytes(len(b) + SHORT_ANSWER - 1) - shared  # the prefix once
+    with running_server(w, engine=engine, prefill_chunk=8, max_tokens=long) as (app, background):
+        app.load(w["b"])
+        client = sdk(background)
+        alone = [client.completions.create(model="champion", prompt=p, max_tokens=n, temperature=0)
+                 for p, n in ((first, long), (second, SHORT_ANSWER))]
+    assert alone[0].usage.completion_tokens > 20 * SHORT_ANSWER  # the first decodes long after the second could end
+
+    for sharing in (False, True):
+        with running_server(w, engine=engine, kv_budget_bytes=budget, kv_wait_s=60, prefill_chunk=8, max_tokens=long,
+                            share_prefixes=sharing) as (app, background):
+            app.load(w["b"])
+            with concurrent.futures.ThreadPoolExecutor(2) as threads:
+                running = threads.submit(sdk(background).completions.create, model="champion", prompt=first,
+                                         max_tokens=long, temperature=0)
+                while app.metrics.value("adapter_generated_tokens_total") < 2:  # the first one holds its pages
+                    time.sleep(0.01)
+                beside = threads.submit(sdk(background).completions.create, model="champion", prompt=second,
+                                        max_tokens=SHORT_ANSWER, temperature=0)
+                ended_first, _ = concurrent.futures.wait([running, beside], return_when=concurrent.futures.FIRST_COMPLETED)
+                assert [f.result().choices[0].text for f in (running, beside)] == [c.choices[0].text for c in alone]
+            # Sharing: admitted at once, its worst case less the pages it shares, and done long before the first.
+            # Without: both whole worst cases exceed the budget, so it waits for the first to end.
+            assert ended_first == ({beside} if sharing else {running})
+            assert app.metrics.value("adapter_kv_prefix_hit_tokens_total") == (pages * BLOCK if sharing else 0)
+            assert app.engine.pool.used_bytes == 0
+
+
 def test_serve_refuses_a_kv_prefix_sharing_that_is_not_a_boolean_naming_the_file_and_key(w, tmp_path, capsys,
                                                                                         root_logging_restored):
     config = tmp_path / "device.json"
@@ -449,12 +494,21 @@ def test_serve_refuses_a_kv_prefix_sharing_that_is_not_a_boolean_naming_the_file
 LONG_ANSWER, SHORT_ANSWER = 150, 8
 
 
-def one_request_budget(engine_dir, tokenizer) -> int:
-    """A KV budget that holds the worst case of either request of the swap tests, never both."""
+def one_request_budget(engine_dir, tokenizer, second_answer: int = SHORT_ANSWER) -> int:
+    """A KV budget that holds the worst case of either request of the swap tests (PROMPT for ``LONG_ANSWER`` tokens,
+    OTHER_PROMPT for ``second_answer``), never both."""
     pool = OrtEngine(engine_dir, threads=1, kv_budget_bytes=1 << 30).pool
-    worst = [pool.row_bytes(len(tokenizer.encode(p)) + n - 1) for p, n in ((PROMPT, LONG_ANSWER), (OTHER_PROMPT, SHORT_ANSWER))]
+    worst = [pool.row_bytes(len(tokenizer.encode(p)) + n - 1) for p, n in ((PROMPT, LONG_ANSWER), (OTHER_PROMPT, second_answer))]
     assert sum(worst) > max(worst) + pool.sealed.block_bytes
     return max(worst) + pool.sealed.block_bytes
+
+
+def waited_for(condition, what: str, timeout: float = 60.0) -> None:
+    """Poll ``condition`` every 5 ms until it holds; fails naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.005)
 
 
 def stream_with_a_second_request(client, second: dict) -> tuple[str, object]:
@@ -492,6 +546,38 @@ def test_a_request_the_budget_cannot_admit_preempts_a_running_stream_which_resum
         assert app.engine.pool.used_bytes == 0 and app.batcher.spill.used_bytes == 0
         assert list(swap.iterdir()) == []  # the spill file has no name: private, and gone with the process
     assert text == alone.choices[0].text and other.choices[0].text == alone_second
+
+
+def test_a_client_that_leaves_while_its_row_is_swapped_out_frees_its_spill_extent_and_the_row_never_resumes(
+        w, pages_world_engine, tmp_path):
+    tokenizer = DeviceTokenizer(w["tokenizer"])
+    second = {"prompt": OTHER_PROMPT, "max_tokens": LONG_ANSWER}  # long: the first stays swapped out while it decodes
+    with running_server(w, engine=pages_world_engine) as (app, background):
+        app.load(w["b"])
+        alone_second = sdk(background).completions.create(model="champion", temperature=0, **second)
+    assert alone_second.usage.completion_tokens > 4 * SHORT_ANSWER
+
+    budget = one_request_budget(pages_world_engine, tokenizer, LONG_ANSWER)
+    with running_server(w, engine=pages_world_engine, kv_budget_bytes=budget, kv_wait_s=60, kv_swap_dir=tmp_path,
+                        kv_swap_bytes=1 << 20) as (app, background):
+        app.load(w["b"])
+        leaving = http.client.HTTPConnection("127.0.0.1", background.port, timeout=60)  # a client that will hang up
+        leaving.request("POST", "/v1/completions", json.dumps({"model": "champion", "prompt": PROMPT,
+                                                               "max_tokens": LONG_ANSWER, "temperature": 0}),
+                        {"Content-Type": "application/json"})
+        waited_for(lambda: app.metrics.value("adapter_generated_tokens_total") >= 2, "the first request's tokens")
+        with concurrent.futures.ThreadPoolExecutor(1) as threads:
+            other = threads.submit(sdk(background).completions.create, model="champion", temperature=0, **second)
+            waited_for(lambda: app.metrics.value("adapter_kv_preemptions_total") >= 1, "the first row's preemption")
+            assert app.batcher.spill.used_bytes > 0
+            leaving.sock.shutdown(socket.SHUT_RDWR)  # gone while its row is in the spill file
+            leaving.close()
+            assert other.result().choices[0].text == alone_second.choices[0].text
+        waited_for(lambda: not app.batcher.spill.used_bytes and not app.engine.pool.used_bytes,
+                   "the left row's spill extent and pages back")  # the scheduler's next turn drops it
+        assert app.metrics.value("adapter_kv_pages_swapped_out_total") > 0
+        assert app.metrics.value("adapter_kv_pages_swapped_in_total") == 0  # never read back, never decoded on
+        assert app.metrics.value("adapter_requests_total", endpoint="/v1/completions", status="499") == 1
 
 
 class CorruptingDisk(SpillFile):
