@@ -2,7 +2,7 @@
 instead of refused, each measured against the same server with the feature off.
 
     python -m bench.serving.kv_tiers_bench [--shape 0.5b|tiny] [--parts prefix,swap] [--clients 8]
-        [--system-tokens 512] [--question-tokens 64] [--answer-tokens 16] [--rounds 3] [--prefix-fits N] [--swap-clients 16]
+        [--system-tokens 512] [--question-tokens 64] [--answer-tokens 16] [--rounds 3] [--prefix-fits 2] [--swap-clients 16]
         [--swap-context 2048] [--swap-answer 32] [--swap-fits 8] [--swap-wait 30] [--threads 2] [--prefill-chunk 128]
         [--workdir DIR] [--out bench/results/kv_tiers_bench.json]
 
@@ -24,9 +24,8 @@ before; the pages it leaves are idle until the round).
 * KV bytes allocated: ``adapter_kv_cache_bytes`` (the blocks rows hold, a shared page once) sampled from ``/metrics``
   every ``--sample-s`` while the round's requests run with ``--answer-tokens`` each; ``prefix_kv_ratio`` = on's peak
   over off's;
-* with ``--prefix-fits N`` both servers get a KV budget that holds N of the clients' whole worst cases (prompt and
-  answer): without sharing at most N run at once and the rest wait; with it a shared page is counted once, so more
-  are admitted together. ``prefix_wall_speedup`` = off's wall time of the second pass over on's (p50 over rounds);
+* ``prefix_wall_speedup``: off's wall time of the second pass over on's (p50 over rounds), with the rows decoded
+  per step (``adapter_decode_batch_rows``) beside it;
 * answers: the texts and token counts of that second pass, equal between the two servers
   (``prefix_outputs_identical``), with how many carry any text (random weights: few); then each prompt alone on each
   server (``outputs_identical_alone``), and whether sharing off answers the same together and alone
@@ -38,6 +37,10 @@ once to a server whose KV budget holds them all (``unbudgeted``), to one whose b
 (``budget+swap``). ``swap_refused`` and ``swap_failed`` count the 503s and other errors with swap,
 ``swap_tokens_per_s_ratio`` is its generated tokens per wall second over the unbudgeted server's, and
 ``swap_outputs_identical`` compares the answers.
+
+Then the same again (``prefix_budgeted``) with both servers under a KV budget that holds ``--prefix-fits`` of the
+clients' whole worst cases (prompt and answer; 0 skips it): without sharing at most that many run at once and the rest
+wait; with it a shared page is counted once, so more are admitted together.
 
 ``outputs_identical`` is both comparisons together.
 """
@@ -136,17 +139,18 @@ def prompts_for(tokenizer: DeviceTokenizer, args) -> tuple[list[str], str, int]:
     return prompts[1:], prompts[0], common
 
 
-def measure_prefix(world: dict, args, work: Path) -> dict:
+def measure_prefix(world: dict, args, work: Path, fits: int = 0) -> dict:
+    """Sharing off against on; with ``fits``, both under a KV budget that holds that many whole worst cases."""
     tokenizer = DeviceTokenizer(world["tokenizer"])
     prompts, warm_up, common = prompts_for(tokenizer, args)
     progress(f"{len(prompts)} prompts of {args.system_tokens} + {args.question_tokens} tokens, {common} in common")
     options = {"prefill_chunk": args.prefill_chunk}
     contexts = (args.system_tokens + args.question_tokens + args.answer_tokens + 8,)
-    if args.prefix_fits:
+    if fits:
         worst = max(len(tokenizer.encode(p)) for p in prompts) + args.answer_tokens
-        options["kv_budget_mb"] = budget_for_rows(world, worst, args.prefix_fits) / (1 << 20)
+        options["kv_budget_mb"] = budget_for_rows(world, worst, fits) / (1 << 20)
         options["kv_wait_s"] = REQUEST_TIMEOUT_S
-        progress(f"a KV budget of {options['kv_budget_mb']:.1f} MiB: {args.prefix_fits} whole worst cases of {worst} tokens")
+        progress(f"a KV budget of {options['kv_budget_mb']:.1f} MiB: {fits} whole worst cases of {worst} tokens")
     servers = {}
     for mode, extra in MODES.items():
         (work / mode).mkdir(exist_ok=True)
@@ -178,8 +182,8 @@ def measure_prefix(world: dict, args, work: Path) -> dict:
     finally:
         for server in servers.values():
             server.stop()
-    return summarize(runs, alone, counters, common) | ({"prefix_budget_mb": options["kv_budget_mb"]}
-                                                        if args.prefix_fits else {})
+    return summarize(runs, alone, counters, common) | ({"prefix_fits": fits, "prefix_budget_mb": options["kv_budget_mb"]}
+                                                        if fits else {})
 
 
 def summarize(runs: dict, alone: dict, counters: dict, common: int) -> dict:
@@ -259,19 +263,25 @@ def answer_pairs(answers: list[dict]) -> list[tuple]:
     return [(a["text"], a["tokens"]) for a in answers]
 
 
+def kv_ratio(q: dict) -> str:
+    """The KV peak ratio, or why there is none (no sample caught a row of the pass without sharing)."""
+    return "none sampled" if q["prefix_kv_ratio"] is None else f"{q['prefix_kv_ratio']:.3f}x"
+
+
 def print_results(p: dict) -> None:
-    if "prefix_ttft_speedup" in p:
-        rows = [[mode, f"{p['ttft_p50_s'][mode] * 1e3:.0f}",
-                 " ".join(f"{t * 1e3:.0f}" for t in p["ttft_by_round_s"][mode]), f"{p['kv_peak_bytes'][mode] / 1e6:.2f}",
-                 p["errors"][mode]] for mode in MODES]
-        rows = [row[:4] + [f"{p['wall_p50_s'][mode]:.1f}", f"{p['rows_per_step'][mode]:.2f}"] + row[4:]
-                for row, mode in zip(rows, MODES)]
+    for name, q in (("", p), ("under a KV budget: ", p.get("prefix_budgeted"))):
+        if q is None or "prefix_ttft_speedup" not in q:
+            continue
+        rows = [[name + mode, f"{q['ttft_p50_s'][mode] * 1e3:.0f}",
+                 " ".join(f"{t * 1e3:.0f}" for t in q["ttft_by_round_s"][mode]), f"{q['kv_peak_bytes'][mode] / 1e6:.2f}",
+                 f"{q['wall_p50_s'][mode]:.1f}", f"{q['rows_per_step'][mode]:.2f}", q["errors"][mode]] for mode in MODES]
         print(table(["sharing", "TTFT p50 ms", "by round", "KV peak MB", "answers wall s", "rows per step", "errors"], rows))
-        print(f"prefix_ttft_speedup={p['prefix_ttft_speedup']:.2f} prefix_kv_ratio={p['prefix_kv_ratio']:.3f} "
-              f"prefix_outputs_identical={p['prefix_outputs_identical']} ({p['prefix_answers_differing']} differ; "
-              f"{p['answers_with_text']}/{p['answers']} "
-              f"answers with text; each prompt alone: {p['outputs_identical_alone']}; sharing off, together = alone: "
-              f"{p['off_together_equals_off_alone']})")
+        print(f"{name}prefix_ttft_speedup={q['prefix_ttft_speedup']:.2f} prefix_kv_ratio={kv_ratio(q)} "
+              f"prefix_wall_speedup={q['prefix_wall_speedup']:.2f} "
+              f"prefix_outputs_identical={q['prefix_outputs_identical']} ({q['prefix_answers_differing']} differ; "
+              f"{q['answers_with_text']}/{q['answers']} "
+              f"answers with text; each prompt alone: {q['outputs_identical_alone']}; sharing off, together = alone: "
+              f"{q['off_together_equals_off_alone']})")
     if "swap_runs" in p:
         rows = [[mode, f"{r['wall_s']:.0f}", f"{r['tokens_per_s']:.1f}", r["refused"], r["failed"], f"{r['preemptions']:.0f}",
                  f"{r['pages_swapped_out']:.0f}"] for mode, r in p["swap_runs"].items()]
@@ -282,25 +292,27 @@ def print_results(p: dict) -> None:
 
 def figures(p: dict) -> list[Figure]:
     rows = []
-    if "prefix_ttft_speedup" in p:
-        budget = (f", a KV budget that holds {p['prefix_fits']} whole ({p['prefix_budget_mb']:.1f} MiB)"
-                  if p.get("prefix_fits") else "")
+    for q in (p, p.get("prefix_budgeted")):
+        if q is None or "prefix_ttft_speedup" not in q:
+            continue
+        budget = (f", a KV budget that holds {q['prefix_fits']} whole ({q['prefix_budget_mb']:.1f} MiB)"
+                  if q.get("prefix_fits") else "")
         load = (f"{p['clients']} clients, {p['system_tokens']}-token system turn + {p['question_tokens']}-token question "
-                f"({p['common_prompt_tokens']} tokens in common), {p['shape']} shape, int4, 4-bit KV pages{budget}")
+                f"({q['common_prompt_tokens']} tokens in common), {p['shape']} shape, int4, 4-bit KV pages{budget}")
         rows += [
-            Figure(f"{load}: time to first token p50, sharing off / on", p["prefix_ttft_speedup"],
-                   f"{p['prefix_ttft_speedup']:.2f}x ({p['ttft_p50_s']['off'] * 1e3:.0f} ms / "
-                   f"{p['ttft_p50_s']['on'] * 1e3:.0f} ms)"),
-            Figure(f"{load}: KV bytes allocated, sharing on / off (peak)", p["prefix_kv_ratio"],
-                   f"{p['prefix_kv_ratio']:.3f}x ({p['kv_peak_bytes']['on'] / 1e6:.2f} MB / "
-                   f"{p['kv_peak_bytes']['off'] / 1e6:.2f} MB)"),
-            Figure(f"{load}: wall time of {p['answer_tokens']}-token answers, sharing off / on", p["prefix_wall_speedup"],
-                   f"{p['prefix_wall_speedup']:.2f}x ({p['wall_p50_s']['off']:.1f} s / {p['wall_p50_s']['on']:.1f} s; "
-                   f"rows per decode step {p['rows_per_step']['off']:.2f} / {p['rows_per_step']['on']:.2f})"),
-            Figure(f"{load}: answers identical ({p['answers_with_text']}/{p['answers']} with text)", None,
-                   f"together: {p['prefix_outputs_identical']} ({p['prefix_answers_differing']} of {p['answers']} "
-                   f"differ); each prompt alone: {p['outputs_identical_alone']} (sharing off, together against alone: "
-                   f"{p['off_together_differing_from_alone']} of {p['answers']} differ)"),
+            Figure(f"{load}: time to first token p50, sharing off / on", q["prefix_ttft_speedup"],
+                   f"{q['prefix_ttft_speedup']:.2f}x ({q['ttft_p50_s']['off'] * 1e3:.0f} ms / "
+                   f"{q['ttft_p50_s']['on'] * 1e3:.0f} ms)"),
+            Figure(f"{load}: KV bytes allocated, sharing on / off (peak)", q["prefix_kv_ratio"],
+                   f"{kv_ratio(q)} ({q['kv_peak_bytes']['on'] / 1e6:.2f} MB / "
+                   f"{q['kv_peak_bytes']['off'] / 1e6:.2f} MB)"),
+            Figure(f"{load}: wall time of {p['answer_tokens']}-token answers, sharing off / on", q["prefix_wall_speedup"],
+                   f"{q['prefix_wall_speedup']:.2f}x ({q['wall_p50_s']['off']:.1f} s / {q['wall_p50_s']['on']:.1f} s; "
+                   f"rows per decode step {q['rows_per_step']['off']:.2f} / {q['rows_per_step']['on']:.2f})"),
+            Figure(f"{load}: answers identical ({q['answers_with_text']}/{q['answers']} with text)", None,
+                   f"together: {q['prefix_outputs_identical']} ({q['prefix_answers_differing']} of {q['answers']} "
+                   f"differ); each prompt alone: {q['outputs_identical_alone']} (sharing off, together against alone: "
+                   f"{q['off_together_differing_from_alone']} of {q['answers']} differ)"),
         ]
     if "swap_runs" in p:
         load = (f"{p['swap_clients']} clients of {p['swap_context']} tokens at once, a KV budget that holds "
@@ -327,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--question-tokens", type=int, default=64)
     ap.add_argument("--answer-tokens", type=int, default=16, help="tokens each answer of the second pass generates")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--prefix-fits", type=int, default=0, help="give the prefix servers a KV budget that holds this "
-                    "many of the clients' whole worst cases (0: none)")
+    ap.add_argument("--prefix-fits", type=int, default=2, help="measure the prefix part again under a KV budget that "
+                    "holds this many of the clients' whole worst cases (0: not)")
     ap.add_argument("--swap-clients", type=int, default=16)
     ap.add_argument("--swap-context", type=int, default=2048, help="each swap client's prompt and answer, in tokens")
     ap.add_argument("--swap-answer", type=int, default=32, help="tokens each swap client generates")
@@ -354,7 +366,10 @@ def main(argv: list[str] | None = None) -> int:
         if "prefix" in parts:
             result |= {"clients": args.clients, "system_tokens": args.system_tokens,
                        "question_tokens": args.question_tokens, "answer_tokens": args.answer_tokens,
-                       "rounds": args.rounds, "prefix_fits": args.prefix_fits} | measure_prefix(world, args, work)
+                       "rounds": args.rounds} | measure_prefix(world, args, work)
+            if args.prefix_fits:
+                (work / "budgeted").mkdir(exist_ok=True)
+                result["prefix_budgeted"] = measure_prefix(world, args, work / "budgeted", args.prefix_fits)
         if "swap" in parts:
             result |= {"swap_clients": args.swap_clients, "swap_context": args.swap_context,
                        "swap_answer": args.swap_answer, "swap_fits": args.swap_fits,

@@ -6,7 +6,7 @@ import json
 from bench.serving import kv_tiers_bench as bench
 
 
-def test_the_bench_measures_prefix_sharing_and_swap_on_the_tiny_world_and_writes_the_issues_keys(tmp_path):
+def test_the_bench_measures_prefix_sharing_with_and_without_a_budget_and_swap_on_the_tiny_world(tmp_path):
     out = tmp_path / "kv_tiers.json"
     assert bench.main(["--shape", "tiny", "--workdir", str(tmp_path), "--rounds", "1", "--clients", "3",
                        "--system-tokens", "64", "--question-tokens", "16", "--answer-tokens", "4",
@@ -21,14 +21,7 @@ def test_the_bench_measures_prefix_sharing_and_swap_on_the_tiny_world_and_writes
     assert p["prefix_kv_ratio"] < 1 and p["outputs_identical_alone"] is True
     assert (p["swap_refused"], p["swap_failed"]) == (0, 0) and p["swap_runs"]["unbudgeted"]["refused"] == 0
     assert p["swap_budget_mb"] > 0 and p["errors"] == {"off": 0, "on": 0}
+    budgeted = p["prefix_budgeted"]  # a KV budget that holds two whole worst cases
+    assert budgeted["prefix_budget_mb"] > 0 and budgeted["errors"] == {"off": 0, "on": 0}
+    assert budgeted["rows_per_step"]["off"] <= 2  # never more rows than the budget holds whole without sharing
 
-
-def test_under_a_kv_budget_sharing_admits_more_rows_than_the_budget_holds_whole(tmp_path):
-    out = tmp_path / "kv_tiers_budget.json"
-    assert bench.main(["--shape", "tiny", "--workdir", str(tmp_path), "--parts", "prefix", "--rounds", "1",
-                       "--clients", "4", "--system-tokens", "64", "--question-tokens", "16", "--answer-tokens", "24",
-                       "--prefill-chunk", "16", "--prefix-fits", "2", "--out", str(out)]) == 0
-    p = json.loads(out.read_text())
-    assert p["errors"] == {"off": 0, "on": 0} and p["prefix_budget_mb"] > 0
-    assert p["rows_per_step"]["off"] <= 2  # the budget holds two whole worst cases: never more rows without sharing
-    assert p["prefix_counters"]["on"]["hit_tokens_total"] >= 4 * 48
