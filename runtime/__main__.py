@@ -30,7 +30,7 @@ relative paths are relative to the file); flags add to it or override it:
      "admin_token_file": "admin.token", "release_dirs": ["releases"], "max_resident": 3, "canary_share": 0.0,
      "state_dir": "/var/lib/adapter", "health_window": 30,
      "tuf_url": "http://updates.example:8000", "trusted_root": "1.root.json", "metadata_dir": "tuf-metadata",
-     "tuf_interval": 300, "kv_budget_mb": 512, "kv_wait_s": 30, "products": ["default"], "ort_memory": "arena", "prefill_chunk": 128,
+     "tuf_interval": 300, "kv_budget_mb": 512, "kv_wait_s": 30, "products": ["default"], "ort_memory": "arena", "prefill_chunk": 64,
      "kv_prefix_sharing": true, "kv_swap_dir": "/var/cache/adapter-kv", "kv_swap_mb": 1024}
 
 Exit codes: 0 success, 1 crash (a bug), 2 bad usage or device configuration, 30 the registry

@@ -70,7 +70,12 @@ from runtime.serve.generation import Choice, Generation, StopText
 # interleaved run on 2 shared cores): a chunk's attention scores are (heads, chunk, past + chunk), not (heads, T, T).
 # 128 once a decode step's transient fell below a 256-token chunk's (14 x 256 x 2,048 fp32 scores, 29 MB a layer):
 # 0.636 -> 0.615 GB (two runs of 128 at 0.615), the load's wall time the same (96.9 s both); 64: 0.615 GB.
-DEFAULT_PREFILL_CHUNK = 128
+# 64 since the 4-bit quantized pages serve (a chunk also reads the row's sealed pages back per layer), measured
+# 2026-12-07 with ``bench.serving.device_memory_bench --shape 0.5b --servers ours --kv-cache quantized_pages``,
+# one after the other, load ~2: 8 x 2,048 peak 0.67 GB at 128 (two runs), 0.62 GB at 64 (two), 0.60 GB at 32, at
+# 12.9-13.5 / 13.2-13.9 / 11.6 tokens/s; 1 x 8,192 peak 0.90 -> 0.71 GB, its wall time 37 -> 39 s. A shared prefix
+# on quantized pages is a multiple of the chunk, so 64 also shares in finer steps.
+DEFAULT_PREFILL_CHUNK = 64
 
 log = logging.getLogger(__name__)
 # The scheduler thread waits this long for a request once it has no work, then ends (the next request
