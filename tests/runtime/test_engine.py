@@ -515,3 +515,38 @@ def test_a_graph_with_its_outputs_computed_when_ready_frees_each_layers_tensor_a
 
     assert peak("ORT's saved order") > 40 << 20  # all 24 tensors of 2 MiB alive at the end
     assert peak("outputs when ready") < 8 << 20  # one or two at a time
+
+
+@pytest.mark.parametrize("accuracy_level", [0, 4])
+def test_an_int4_matmul_row_rounds_the_same_in_any_company_unless_it_is_left_unpaired(accuracy_level):
+    """ONNX Runtime's MatMulNBits (every projection of the int4 and int8 engines) gives a row the same floats in any
+    company and at any position, with one exception: at accuracy level 4 (int8 compute, the serving default) rows go
+    through the kernel in pairs, and the row left over by an odd row count (a lone row included) takes a single-row
+    kernel whose sums round otherwise. At level 0 only a lone row does. So a batched decode on an int4 engine can
+    differ from the same row decoded alone in a near tie, by which rows happen to share its steps (kv_tiers_bench's
+    batched answers, docs/device.md). Padding every odd batch to even would remove that, at about twice a lone row's
+    matmul time (measured 29 against 72 us at 896 x 4,864, 2 threads)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    K, N, block = 256, 192, 128
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 256, size=(N, K // block, block // 2), dtype=np.uint8)
+    scales = (rng.random(N * K // block, dtype=np.float32) * 0.01).astype(np.float32)
+    node = helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=K, N=N, bits=4,
+                            block_size=block, accuracy_level=accuracy_level)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", N])],
+                              [helper.make_tensor("w", TensorProto.UINT8, codes.shape, codes.tobytes(), raw=True),
+                               helper.make_tensor("s", TensorProto.FLOAT, scales.shape, scales)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((8, K), dtype=np.float32)
+    company = session.run(None, {"x": x})[0]  # (8, N): every row paired
+    for start, stop in ((0, 2), (3, 5), (1, 7), (5, 8), (1, 8)):
+        out = session.run(None, {"x": x[start:stop]})[0]
+        unpaired = (stop - start) % 2 if accuracy_level == 4 else 0
+        assert np.array_equal(out[: stop - start - unpaired], company[start : stop - unpaired])  # bit for bit
+    alone = np.stack([session.run(None, {"x": x[i : i + 1]})[0][0] for i in range(8)])
+    assert not np.array_equal(alone, company)  # summed in another order...
+    np.testing.assert_allclose(alone, company, rtol=0, atol=1e-4)  # ...the same products
