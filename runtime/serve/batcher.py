@@ -333,6 +333,8 @@ class Batcher:
         preempted first, as their worst cases fit; an arrival that does not fit preempts the newest running rows whose
         worst cases make room for it, when the spill file holds their pages (``_victims``): a request waits, and gets
         its 503, only past both budgets."""
+        if not arrivals and not self._swapped:  # most turns: nothing to count (the promise walks every row's pages)
+            return [], [], [], []
         with self.pool.lock if self.pool is not None else contextlib.nullcontext():  # shared pages counted, then held
             return self._fitting_locked(arrivals)
 
@@ -381,7 +383,7 @@ class Batcher:
                 rows[key] = taken + len(g.prompts)
                 free = None if free is None else free - need
                 if free is not None and self.prefix is not None:
-                    g.shared = [self.prefix.lookup(scope, p, self.share_unit) for scope, p in zip(self._scopes([g]), g.prompts)]
+                    g.shared = self._lookup(g)
                 admit.append(g)
         return admit, wait, resume, preempt
 
@@ -417,6 +419,10 @@ class Batcher:
             pages = self.prefix.peek(scope, prompt, self.share_unit)
             need += worst - sum(pool.block_bytes for pool, block in pages if not self.prefix.is_idle(pool, block))
         return need
+
+    def _lookup(self, g: BatchedGeneration) -> list[list]:
+        """Per prompt of ``g``, the shared pages it starts with, now held by its row (the pool's lock held)."""
+        return [self.prefix.lookup(scope, prompt, self.share_unit) for scope, prompt in zip(self._scopes([g]), g.prompts)]
 
     @staticmethod
     def _scopes(gens: list[BatchedGeneration]) -> list[str]:
@@ -583,8 +589,7 @@ class Batcher:
             pages = []
             for g in gens:
                 held, g.shared = g.shared, None
-                pages += held or [self.prefix.lookup(scope, prompt, self.share_unit)
-                                  for scope, prompt in zip(self._scopes([g]), g.prompts)]
+                pages += held or self._lookup(g)
             start = batch.engine.cache_with_pages(pages)
         return start, start.lengths.copy()
 
@@ -593,9 +598,8 @@ class Batcher:
         held, g.shared = g.shared, None
         if held is None:
             return
-        with self.pool.lock:
-            for pool, block in (page for pages in held for page in pages):
-                pool.give_back(self.prefix.released(pool, [block]))
+        for pool, block in (page for pages in held for page in pages):
+            pool.release([[block]])
 
     def _index_pages(self, cache, prompts: list[list[int]], scopes: list[str]) -> None:
         """Index the full pages of each prefilled prompt (row b of ``cache`` holds ``prompts[b]``) for the next."""

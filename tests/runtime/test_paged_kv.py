@@ -551,18 +551,20 @@ def test_a_request_the_budget_cannot_admit_preempts_a_running_stream_which_resum
 def test_a_client_that_leaves_while_its_row_is_swapped_out_frees_its_spill_extent_and_the_row_never_resumes(
         w, pages_world_engine, tmp_path):
     tokenizer = DeviceTokenizer(w["tokenizer"])
-    second = {"prompt": OTHER_PROMPT, "max_tokens": LONG_ANSWER}  # long: the first stays swapped out while it decodes
+    second = {"prompt": PROMPT, "max_tokens": LONG_ANSWER}  # long: the first stays swapped out while it decodes
     with running_server(w, engine=pages_world_engine) as (app, background):
         app.load(w["b"])
         alone_second = sdk(background).completions.create(model="champion", temperature=0, **second)
-    assert alone_second.usage.completion_tokens > 4 * SHORT_ANSWER
+        first_tokens = sdk(background).completions.create(model="champion", prompt=OTHER_PROMPT, max_tokens=LONG_ANSWER,
+                                                          temperature=0).usage.completion_tokens
+    assert alone_second.usage.completion_tokens == LONG_ANSWER and first_tokens > 4 * SHORT_ANSWER
 
     budget = one_request_budget(pages_world_engine, tokenizer, LONG_ANSWER)
     with running_server(w, engine=pages_world_engine, kv_budget_bytes=budget, kv_wait_s=60, kv_swap_dir=tmp_path,
                         kv_swap_bytes=1 << 20) as (app, background):
         app.load(w["b"])
         leaving = http.client.HTTPConnection("127.0.0.1", background.port, timeout=60)  # a client that will hang up
-        leaving.request("POST", "/v1/completions", json.dumps({"model": "champion", "prompt": PROMPT,
+        leaving.request("POST", "/v1/completions", json.dumps({"model": "champion", "prompt": OTHER_PROMPT,
                                                                "max_tokens": LONG_ANSWER, "temperature": 0}),
                         {"Content-Type": "application/json"})
         waited_for(lambda: app.metrics.value("adapter_generated_tokens_total") >= 2, "the first request's tokens")
