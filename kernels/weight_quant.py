@@ -174,3 +174,49 @@ def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
     if q.shape[-1] % 2:
         q = np.concatenate([q, np.zeros(q.shape[:-1] + (1,), np.uint8)], axis=-1)
     return np.ascontiguousarray(q[..., 0::2] | (q[..., 1::2] << 4), dtype=np.uint8)
+
+
+def bits_per_weight(bits: int, block_size: int, symmetric: bool = False) -> float:
+    """Stored bits per weight of MatMulNBits' layout: the code, plus an fp32 scale and (asymmetric) a zero point of
+    ``bits`` per group of ``block_size`` (int4 at 128: 4.28, at 64: 4.56, at 32: 5.13; int8 at 128: 8.31)."""
+    return bits + (32 + (0 if symmetric else bits)) / block_size
+
+
+def row_output_error(w_nk, w_quantized_nk, hessian) -> torch.Tensor:
+    """(N,) float64: each output row's squared error over the calibration inputs, (dW H dW^T)_jj, with H the
+    inputs' second moments (K, K) and dW the quantized weight less the float one."""
+    d = (torch.as_tensor(w_quantized_nk).double() - torch.as_tensor(w_nk).double())
+    return ((d @ torch.as_tensor(hessian, dtype=torch.float64)) * d).sum(1)
+
+
+def mixed_precision_plan(losses: dict[str, dict[tuple[int, int], float]], sizes: dict[str, int],
+                         budget_bits: float) -> dict[str, tuple[int, int]]:
+    """A (bits, block_size) option per part under an average of ``budget_bits`` stored bits per weight.
+
+    ``losses[part][option]``: what quantizing that part with that option costs the model (any common scale; here
+    ``tasks.weights.mixed``'s gradient-weighted output error); ``sizes[part]``: its number of weights. Every part
+    starts at its cheapest option; the upgrade that removes the most loss per added bit is taken while the budget
+    holds (a greedy knapsack, as mixed-precision searches by sensitivity do: HAWQ-V2, Dong et al. 2020).
+    Raises ValueError when even the cheapest options do not fit the budget."""
+    cost = {part: {o: bits_per_weight(*o) * sizes[part] for o in options} for part, options in losses.items()}
+    plan = {part: min(options, key=lambda o: cost[part][o]) for part, options in losses.items()}
+    limit = budget_bits * sum(sizes[p] for p in losses)
+    used = sum(cost[p][plan[p]] for p in plan)
+    if used > limit * (1 + 1e-12):
+        raise ValueError(f"a budget of {budget_bits} bits per weight is below the cheapest option's "
+                         f"{used / sum(sizes[p] for p in losses):.3f}")
+    while True:
+        best = None  # (loss removed per added bit, part, option)
+        for part, options in losses.items():
+            now = plan[part]
+            for option, loss in options.items():
+                added = cost[part][option] - cost[part][now]
+                if added > 0 and used + added <= limit and loss < options[now]:
+                    gain = (options[now] - loss) / added
+                    if best is None or gain > best[0]:
+                        best = (gain, part, option)
+        if best is None:
+            return plan
+        _, part, option = best
+        used += cost[part][option] - cost[part][plan[part]]
+        plan[part] = option

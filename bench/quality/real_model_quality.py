@@ -30,8 +30,9 @@ stored bits per value at the row's length, everything counted) and ``served`` (t
 
 Rows:
 * ours, weights fp32 / int8 / int4 (the serving recipe: MatMulNBits at ``engine.weight_block_size``, LM head and
-  embedding int8, codes by ``engine.weight_method``: GPTQ on the calib split by default) with the float cache, int4 by
-  round to nearest beside it (``int4/rtn``), int4 with a 4-bit LM head, and int4 at other block sizes (below); each
+  embedding int8, codes by ``engine.weight_method``: GPTQ on the calib split by default, int4 mixed under
+  ``engine.weight_mixed_bits``) with the float cache, int4 uniform at the served block beside it (``int4/uniform``), by
+  round to nearest (``int4/rtn``), with a 4-bit LM head, and at other block sizes (below); each
   row carries ``method`` and ``bits_per_weight`` (codes, scales and zero points over the quantized parameters);
 * ours, the served KV cache, run by ONNX Runtime (``kv_read: engine``): the serving engine's quantized pages
   (``kernels.kv_spec.PageQuantSpec``, sealed by the runtime as the pages fill);
@@ -80,7 +81,7 @@ ROW_KEYS = ("engine", "weights", "kv", "ppl", "ppl_increase_pct", "kl_mean")  # 
 LLAMA_KV_TYPES = ("f16", "q8_0", "q4_0")
 LLAMA_KV_BITS = {"f16": 16.0, "q8_0": 8.5, "q4_0": 4.5}  # stored bits per value: blocks of 32 with one fp16 scale
 LLAMA_KV_WIDTH = {"f16": 16, "q8_0": 8, "q4_0": 4}
-INT4_BLOCKS = (32, 256)  # besides the served block size: aligned with the Q4_1 grid, and coarser
+INT4_BLOCKS = (32, 64, 256)  # besides the served block size: aligned with the Q4_1 grid, 4.56 bits, and coarser
 WEIGHT_GRID_NOTE = ("the checkpoint's weights sit on a Q4_1 grid (blocks of 32; make real-model dequantizes a Q4_1 "
                     "GGUF): 8-bit weights are near lossless on it, and a 4-bit quantizer with blocks aligned to it "
                     "looks better than on a float checkpoint; MatMulNBits takes power-of-two blocks only, so int4 is "
@@ -192,10 +193,12 @@ def kv_bits(spec, cfg, context_len: int, block_size: int) -> float:
 
 
 def weight_engines(float_dir: Path, work: Path, block_size: int, calibration_ids: list[list[int]] | None,
-                   threads: int) -> dict[str, Path]:
+                   threads: int, mixed_bits: float | None = None, model_dir: Path | None = None) -> dict[str, Path]:
     """The float engine and its int8 / int4 copies, the serving recipe (LM head and embedding int8; GPTQ on
-    ``calibration_ids`` when the profile's ``engine.weight_method`` is gptq, else round to nearest), int4 also at
-    ``INT4_BLOCKS``, with a 4-bit LM head, and by round to nearest (``int4/rtn``: what the calibration is worth)."""
+    ``calibration_ids`` when the profile's ``engine.weight_method`` is gptq, else round to nearest; int4 mixed under
+    ``mixed_bits``, ``tasks.weights.mixed``), int4 also at ``INT4_BLOCKS``, with a 4-bit LM head, by round to nearest
+    (``int4/rtn``: what the calibration is worth) and, beside a mixed int4, uniform at the served block
+    (``int4/uniform``: what the mix is worth)."""
     from tasks.artifacts import atomic_output_dir
     from tasks.weights.engines import (
         SERVING_EMBED_BITS,
@@ -210,13 +213,16 @@ def weight_engines(float_dir: Path, work: Path, block_size: int, calibration_ids
     dirs = {"fp32": float_dir}
     for weights in ("int8", "int4"):
         out = work / f"{weights}-b{block_size}"
-        ensure_quantized_engine(float_dir, out, weights, block_size, calibration_ids=calibration_ids, threads=threads)
+        ensure_quantized_engine(float_dir, out, weights, block_size, calibration_ids=calibration_ids, threads=threads,
+                                mixed_bits=mixed_bits, model_dir=model_dir)
         dirs[weights] = out
     calibrated = calibration_ids is not None
     variants = {f"int4/b{block}": (block, SERVING_HEAD_BITS, calibrated) for block in INT4_BLOCKS}
     variants["int4/head4"] = (block_size, 4, calibrated)  # the served int4 engine with its LM head at 4 bits too
     if calibrated:
         variants["int4/rtn"] = (block_size, SERVING_HEAD_BITS, False)
+    if mixed_bits is not None and calibrated:
+        variants["int4/uniform"] = (block_size, SERVING_HEAD_BITS, True)
     hessians = None
     for name, (block, head_bits, gptq) in variants.items():
         out = work / (name.replace("/", "-") + ("-gptq" if gptq else ""))
@@ -404,6 +410,8 @@ def measure_served(run: QualityRun, cfg, engines: dict[str, Path], threads: int,
         return
     weight_row(run, engines, "int8", threads)
     weight_row(run, engines, "int4", threads)
+    if "int4/uniform" in engines:
+        weight_row(run, engines, "int4/uniform", threads)  # every part at the served block: what the mix is worth
     if "int4/rtn" in engines:
         weight_row(run, engines, "int4/rtn", threads)  # the served block by round to nearest: what GPTQ is worth
     weight_row(run, engines, "int4/head4", threads)  # what 4 bits in the LM head add (0.5B shape: 147 -> 80 MB resident)
@@ -483,7 +491,7 @@ def measure(args, cfg) -> dict:
     built = compile_profile_engines(cfg)  # the compile stage's engines, reused when the flow built them
     engines = ({"fp32": cfg.layout.engine_dir} if args.kv_only
                else weight_engines(cfg.layout.engine_dir, work, cfg.engine.weight_block_size, weight_calibration_ids(cfg),
-                                   args.threads))
+                                   args.threads, cfg.engine.weight_mixed_bits, model_dir))
     print(f"engines ready in {time.perf_counter() - t0:.0f} s (compile stage builds: {built['engine_builds']})", flush=True)
 
     # Measured rows are kept in --work, keyed by the token ids and by what each row's numbers depend on (the

@@ -30,6 +30,8 @@ from tasks.weights.graph import (
     quantize_engine_weights,
 )
 
+log = logging.getLogger(__name__)
+
 # engine.weights -> bits per weight (None = the float export, untouched)
 WEIGHT_BITS = {"fp32": None, "int8": 8, "int4": 4}
 WEIGHTS_FILE = "weights.json"  # written next to interface.json: how the engine's weights were stored
@@ -55,18 +57,21 @@ SERVING_EMBED_BITS = 8
 def weights_key_fields(weights: str, block_size: int = DEFAULT_BLOCK_SIZE, fold_norms: bool = False,
                        keep: tuple[str, ...] = ("lm_head", "embed"), accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
                        fmt: str = "matmulnbits", head_bits: int | None = None, embed_bits: int | None = None,
-                       calibration: dict | None = None) -> dict:
+                       calibration: dict | None = None, mixed_bits: float | None = None) -> dict:
     """The part of the engine cache key (and of the interface) that says how weights are stored:
     two engines that differ in any of these must never be taken for one another. Empty for
     fp32: a float engine keeps the key (and the cached build) it had before this option existed.
     The accuracy level is MatMulNBits' own; a Q/DQ graph has none. ``calibration`` (``gptq_calibration``'s record,
-    or a digest of the statistics a clip search read) is absent for round to nearest, as before it existed."""
+    or a digest of the statistics a clip search read) is absent for round to nearest, as before it existed; so is
+    ``mixed_bits`` (``tasks.weights.mixed``) for a uniform engine."""
     if weights == "fp32":
         return {}
     fields = {"weights": weights, "weights_block_size": block_size, "weights_fold_norms": fold_norms,
               "weights_keep": sorted(keep), "weights_format": fmt}
     if calibration is not None:
         fields["weights_calibration"] = calibration
+    if mixed_bits is not None:
+        fields["weights_mixed_bits"] = mixed_bits
     if fmt == "matmulnbits":
         fields["weights_accuracy_level"] = accuracy_level
     if "lm_head" not in keep and head_bits not in (None, WEIGHT_BITS[weights]):  # absent with the body's bits, as before
@@ -89,11 +94,13 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
                         fold_norms: bool = False, keep: tuple[str, ...] = ("lm_head", "embed"),
                         accuracy_level: int = DEFAULT_ACCURACY_LEVEL, act_sq: dict | None = None,
                         fmt: str = "matmulnbits", head_bits: int | None = None, embed_bits: int | None = None,
-                        hessians: dict | None = None, calibration: dict | None = None) -> dict:
+                        hessians: dict | None = None, calibration: dict | None = None,
+                        mixed: tuple[dict, dict] | None = None) -> dict:
     """A copy of a compiled engine directory whose model.onnx has ``weights`` precision, in graph
     form ``fmt`` (``WEIGHT_FORMATS``): round to nearest, with the clip search given ``act_sq``, or GPTQ given
     ``hessians`` (``tasks.weights.graph.quantize_engine_weights``). ``calibration`` names the statistics in the
-    cache key (``gptq_calibration``); without it they are hashed.
+    cache key (``gptq_calibration``); without it they are hashed. ``mixed``: (part codes, record) of
+    ``tasks.weights.mixed.mixed_codes``, the body's projections written at their parts' widths.
 
     Writes ``model.onnx``, ``interface.json`` (the same inputs and hash, plus the weight precision) and
     ``weights.json`` (precision + quantizer settings + summary). The ORT-optimized graph is
@@ -115,7 +122,8 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
     else:
         summary = quantize_engine_weights(engine_dir / ENGINE_ONNX, out_dir / ENGINE_ONNX, bits, block_size,
                                           fold_norms, keep, accuracy_level, act_sq=act_sq, fmt=fmt, head_bits=head_bits,
-                                          embed_bits=embed_bits, hessians=hessians)
+                                          embed_bits=embed_bits, hessians=hessians,
+                                          part_codes=None if mixed is None else mixed[0])
     stats = hessians if hessians is not None else act_sq
     if calibration is None and stats is not None and bits is not None:  # the codes depend on the calibration data
         digest = hashlib.sha256()
@@ -123,8 +131,9 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
             digest.update(name.encode() + np.asarray(stats[name]).tobytes())
         calibration = digest.hexdigest()
     fields = weights_key_fields(weights, block_size, fold_norms, keep, accuracy_level, fmt, head_bits, embed_bits,
-                                calibration if bits is not None else None)
-    record = {**summary, **fields, "weights": weights}
+                                calibration if bits is not None else None,
+                                None if mixed is None else mixed[1]["budget_bits"])
+    record = {**summary, **fields, "weights": weights} | ({} if mixed is None else {"mixed": mixed[1]})
     (out_dir / WEIGHTS_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     iface = read_interface(engine_dir)
     stored = None if bits is None else {"precision": weights, "format": fmt, "block_size": block_size}
@@ -143,22 +152,35 @@ def gptq_calibration(windows: list[list[int]]) -> dict:
     return {"method": "gptq", "windows": len(windows), "tokens": sum(map(len, windows)), "ids_sha256": digest}
 
 
+def mixed_applies(weights: str, fmt: str, calibrated: bool) -> bool:
+    """Whether ``engine.weight_mixed_bits`` shapes an engine: int4 by GPTQ, as MatMulNBits (a mixed plan is read from
+    GPTQ's statistics and written as one MatMulNBits per part); int8 and TensorRT's form keep one width."""
+    return weights == "int4" and fmt == "matmulnbits" and calibrated
+
+
 def ensure_quantized_engine(float_dir: Path, out_dir: Path, weights: str, block_size: int = DEFAULT_BLOCK_SIZE,
                             fmt: str = "matmulnbits", calibration_ids: list[list[int]] | None = None,
-                            threads: int = 2) -> dict:
+                            threads: int = 2, mixed_bits: float | None = None, model_dir: Path | None = None) -> dict:
     """``quantize_engine_dir`` unless ``out_dir`` already holds the build for this float engine and
     these settings; written to a temporary sibling and renamed, like the float engine. The LM head
     is quantized too, at ``SERVING_HEAD_BITS``, and the embedding table at ``SERVING_EMBED_BITS``.
     With ``calibration_ids`` (``tasks.stages.compile.calibration_windows``) by GPTQ, the second moments read on
     those tokens from the graph being quantized (its projections' inputs by name); else round to nearest (the
-    benchmarks' random-weight backbones, whose codes nobody scores)."""
+    benchmarks' random-weight backbones, whose codes nobody scores). ``mixed_bits`` (int4 by GPTQ as MatMulNBits
+    only: ``mixed_applies``): the body's parts get int4 or int8 under that many stored bits per weight
+    (``tasks.weights.mixed``), their sensitivities read on the same tokens through ``model_dir``'s PyTorch
+    backbone."""
     from tasks.artifacts import atomic_output_dir
     from tasks.weights.graph import calibrate_activations
 
     keep, head_bits, embed_bits = SERVING_KEEP, SERVING_HEAD_BITS, SERVING_EMBED_BITS
     calibration = None if calibration_ids is None else gptq_calibration(calibration_ids)
+    if mixed_bits is not None and not mixed_applies(weights, fmt, calibration_ids is not None):
+        log.info("engine.weight_mixed_bits does not apply to %s weights (%s, %s): one width for every projection",
+                 weights, fmt, "gptq" if calibration_ids is not None else "rtn")
+        mixed_bits = None
     fields = weights_key_fields(weights, block_size, keep=keep, fmt=fmt, head_bits=head_bits, embed_bits=embed_bits,
-                                calibration=calibration)
+                                calibration=calibration, mixed_bits=mixed_bits)
     expected = quantized_cache_key(json.loads((Path(float_dir) / CACHE_KEY_FILE).read_text()), fields)["key"]
     key_file = Path(out_dir) / CACHE_KEY_FILE
     if key_file.exists() and json.loads(key_file.read_text()).get("key") == expected:
@@ -166,9 +188,19 @@ def ensure_quantized_engine(float_dir: Path, out_dir: Path, weights: str, block_
     hessians = None
     if calibration_ids is not None:
         hessians = calibrate_activations(Path(float_dir) / ENGINE_ONNX, calibration_ids, threads, second_moments=True)
+    mixed = None
+    if mixed_bits is not None:
+        from tasks.weights.graph import projection_weights
+        from tasks.weights.mixed import mixed_codes, output_gradient_energy
+
+        if model_dir is None:
+            raise WeightQuantError("engine.weight_mixed_bits needs the base checkpoint (model_dir) for its gradients")
+        sensitivity = output_gradient_energy(Path(model_dir), calibration_ids, threads)
+        mixed = mixed_codes(projection_weights(Path(float_dir) / ENGINE_ONNX, hessians), sensitivity, block_size,
+                            mixed_bits)
     with atomic_output_dir(Path(out_dir)) as tmp:
         record = quantize_engine_dir(Path(float_dir), tmp, weights, block_size, keep=keep, fmt=fmt, head_bits=head_bits,
-                                     embed_bits=embed_bits, hessians=hessians, calibration=calibration)
+                                     embed_bits=embed_bits, hessians=hessians, calibration=calibration, mixed=mixed)
     return {"weights": weights, "weights_builds": 1, "weights_dir": str(out_dir), "weights_record": record}
 
 

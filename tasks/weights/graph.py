@@ -172,13 +172,17 @@ def _folded_norm_scale(node, K: int, inits: dict, producer: dict, rewrite: _Rewr
 
 def _quantize_projection(node, w_kn: np.ndarray, n_bits: int, is_head: bool, block_size: int, symmetric: bool,
                          accuracy_level: int, fmt: str, fold_norms: bool, act_sq: dict | None, hessians: dict | None,
-                         inits: dict, producer: dict, rewrite: _Rewrite) -> None:
+                         inits: dict, producer: dict, rewrite: _Rewrite, parts: list | None = None) -> None:
     """One MatMul/Gemm with a constant (K, N) weight as MatMulNBits (or Q/DQ), its bias as an Add; by GPTQ when
-    ``hessians`` holds its input's second moments, else round to nearest (with the clip search given ``act_sq``)."""
+    ``hessians`` holds its input's second moments, else round to nearest (with the clip search given ``act_sq``).
+    ``parts`` (``tasks.weights.mixed.PartCodes``, row order): codes chosen beforehand, one MatMulNBits per part."""
     import torch
     from onnx import helper
 
     K, N = w_kn.shape
+    if parts is not None:
+        _write_parts(node, K, N, parts, symmetric, accuracy_level, rewrite)
+        return
     a_sq = None if act_sq is None else act_sq.get(node.input[0])
     hessian = None
     if hessians is not None:
@@ -214,6 +218,46 @@ def _quantize_projection(node, w_kn: np.ndarray, n_bits: int, is_head: bool, blo
     rewrite.add(nodes, tensors, w_kn.nbytes, n_bytes,
                 f"{node.name} K={K} N={N}" + (" (norm folded)" if g is not None else "")
                 + (f" (lm_head, {n_bits} bits)" if is_head else "") + (f" in {slices} slices" if slices > 1 else ""))
+
+
+def _write_parts(node, K: int, N: int, parts: list, symmetric: bool, accuracy_level: int, rewrite: _Rewrite) -> None:
+    """A projection whose output rows are stored at different widths: a MatMulNBits per part, joined by a Concat."""
+    from onnx import helper
+
+    has_bias = node.op_type == "Gemm" and len(node.input) > 2 and node.input[2]
+    out = node.output[0] + "_nobias" if has_bias else node.output[0]
+    nodes, tensors, n_bytes, outs = [], [], 0, []
+    for part in parts:
+        base = f"{node.name}_w{part.bits}b{part.block_size}_r{part.lo}"
+        outs.append(out if len(parts) == 1 else base + "_out")
+        n, t, b = matmulnbits_nodes(base, node.input[0], outs[-1], part.q, part.scale, part.zp, part.bits, K,
+                                    part.block_size, symmetric, accuracy_level)
+        nodes, tensors, n_bytes = nodes + n, tensors + t, n_bytes + b
+    if len(parts) > 1:
+        nodes.append(helper.make_node("Concat", outs, [out], name=f"{node.name}_parts", axis=-1))
+    if has_bias:
+        nodes.append(helper.make_node("Add", [out, node.input[2]], [node.output[0]], name=f"{node.name}_bias"))
+    widths = ", ".join(f"rows {p.lo}-{p.hi} int{p.bits}/b{p.block_size}" for p in parts)
+    rewrite.add(nodes, tensors, K * N * 4, n_bytes, f"{node.name} K={K} N={N} ({widths})")
+
+
+def projection_weights(onnx_path: str | Path, hessians: dict) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """[(node name, (K, N) float32 weight, (K, K) second moments of its input)] of every projection of an engine
+    graph but the LM head: what ``tasks.weights.mixed.mixed_codes`` plans."""
+    import onnx
+
+    graph = onnx.load(str(onnx_path)).graph
+    inits = {i.name: i for i in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+    head = _lm_head_nodes(graph)
+    found = []
+    for node in graph.node:
+        w_kn = _const_weight(node, inits, producer) if node.op_type in ("MatMul", "Gemm") else None
+        if w_kn is not None and node.name not in head:
+            if node.input[0] not in hessians:
+                raise WeightQuantError(f"{node.name}: no calibration statistics for its input {node.input[0]!r}")
+            found.append((node.name, w_kn, hessians[node.input[0]]))
+    return found
 
 
 def _set_opsets(model, fmt: str) -> None:
@@ -259,6 +303,7 @@ def quantize_engine_weights(
     head_bits: int | None = None,
     embed_bits: int | None = None,
     hessians: dict | None = None,
+    part_codes: dict | None = None,
 ) -> dict:
     """Rewrite every constant-weight MatMul/Gemm of ``onnx_in`` into MatMulNBits (or, with ``fmt``
     qdq / qdq_fp16, a DequantizeLinear + MatMul, always symmetric); return a summary.
@@ -272,6 +317,8 @@ def quantize_engine_weights(
     ``hessians``: {name of a projection's input: (K, K) second moments} (``calibrate_activations(...,
     second_moments=True)``); each projection whose input is there is quantized by GPTQ (``gptq_groups``, with
     the clip search on their diagonal), under a progress bar.
+    ``part_codes``: {node name: its parts' codes} of a mixed-precision plan (``tasks.weights.mixed.mixed_codes``;
+    MatMulNBits, unfolded norms): those projections are written as given, at their parts' widths.
     """
     import resource
 
@@ -280,6 +327,8 @@ def quantize_engine_weights(
     from tasks.progress import Progress
 
     _check_settings(bits, head_bits, embed_bits, block_size, fmt, keep)
+    if part_codes is not None and (fmt != "matmulnbits" or fold_norms):
+        raise WeightQuantError("mixed-precision parts are written as MatMulNBits over unfolded norms only")
     symmetric = symmetric or fmt != "matmulnbits"
     t0 = time.perf_counter()
     model = onnx.load(str(onnx_in))
@@ -308,8 +357,9 @@ def quantize_engine_weights(
                 rewrite.kept_fp32.append(f"{node.name} {list(w_kn.shape)} (lm_head)")
             rewrite.nodes.append(node)
             continue
+        parts = None if part_codes is None or is_head else part_codes[node.name]
         _quantize_projection(node, w_kn, (head_bits or bits) if is_head else bits, is_head, block_size, symmetric,
-                             accuracy_level, fmt, fold_norms, act_sq, hessians, inits, producer, rewrite)
+                             accuracy_level, fmt, fold_norms, act_sq, hessians, inits, producer, rewrite, parts)
     bar.close()
 
     new_nodes = _unit_scale_norms(rewrite.nodes, rewrite.folded, inits, rewrite.initializers)

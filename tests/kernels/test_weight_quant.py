@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.weight_quant import dequantize_groups, fake_quantize, gptq_groups, pack_codes, quantize_groups
+from kernels.weight_quant import (
+    bits_per_weight,
+    dequantize_groups,
+    fake_quantize,
+    gptq_groups,
+    mixed_precision_plan,
+    pack_codes,
+    quantize_groups,
+    row_output_error,
+)
 from runtime.engine.model import rms_norm
 
 
@@ -113,3 +122,36 @@ def test_gptq_quantizes_a_channel_the_calibration_never_moved():
     deq = dequantize_groups(q, scale, zp, 80)
     assert q.shape == (8, 3, 32) and torch.isfinite(deq).all() and int(q.max()) <= 15
     assert torch.corrcoef(torch.stack([deq[:, 70:].flatten(), w[:, 70:].flatten()]))[0, 1] > 0.9
+
+
+def test_bits_per_weight_counts_codes_scales_and_zero_points():
+    assert [round(bits_per_weight(b, bs), 4) for b, bs in ((4, 128), (4, 64), (4, 32), (8, 128))] == [4.2812, 4.5625, 5.125, 8.3125]
+    assert bits_per_weight(4, 32, symmetric=True) == 5.0
+
+
+def test_mixed_plan_spends_the_budget_where_loss_falls_most_per_bit():
+    # given a small sensitive part (v), a large insensitive one (up) and a large sensitive one (down)
+    int4, int4_b32, int8 = (4, 128), (4, 32), (8, 128)
+    losses = {"v": {int4: 10.0, int4_b32: 4.0, int8: 0.1},
+              "up": {int4: 1.0, int4_b32: 0.6, int8: 0.01},
+              "down": {int4: 8.0, int4_b32: 3.0, int8: 0.1}}
+    sizes = {"v": 1000, "up": 10000, "down": 10000}
+    # when the budget allows about int8 for the small part and smaller blocks for one large one
+    plan = mixed_precision_plan(losses, sizes, budget_bits=bits_per_weight(*int4) + 0.6)
+    # then the small sensitive part is int8 and the spare bits go to the large sensitive part's smaller blocks
+    assert plan == {"v": int8, "up": int4, "down": int4_b32}
+    used = sum(bits_per_weight(*plan[p]) * n for p, n in sizes.items()) / sum(sizes.values())
+    assert used <= bits_per_weight(*int4) + 0.6
+    # the cheapest budget is uniform int4; a lower one is refused
+    assert set(mixed_precision_plan(losses, sizes, bits_per_weight(*int4)).values()) == {int4}
+    with pytest.raises(ValueError, match="below the cheapest"):
+        mixed_precision_plan(losses, sizes, 4.0)
+
+
+def test_row_output_error_is_the_output_error_on_the_calibration_inputs():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 64, generator=gen, dtype=torch.float64)
+    w = torch.randn(8, 64, generator=gen, dtype=torch.float64)
+    wq = dequantize_groups(*quantize_groups(w.float(), 4, 32), K=64).double()
+    direct = ((x @ wq.T - x @ w.T) ** 2).sum(0)
+    assert torch.allclose(row_output_error(w, wq, x.T @ x), direct, rtol=1e-9)

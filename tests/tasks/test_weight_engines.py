@@ -148,3 +148,41 @@ def test_copy_of_a_large_engine_keeps_its_weights_in_a_data_file(tiny_engine, tm
     args = (ids, np.arange(6)[None], np.ones((1, 6), np.int64), None)
     want = OrtEngine(tmp_path / "inline").forward(*args)[0]
     np.testing.assert_array_equal(OrtEngine(tmp_path / "large").forward(*args)[0], want)
+
+
+def test_a_mixed_int4_engine_spends_its_bit_budget_where_it_brings_the_engine_nearest_float(tiny_engine, tiny_qwen,
+                                                                                            tmp_path):
+    from weight_testkit import prefill_and_decode
+
+    from kernels.weight_quant import bits_per_weight
+
+    # given GPTQ's calibration tokens and a budget of 4.9 stored bits per weight (uniform int4 at 128: 4.28)
+    rng = np.random.default_rng(0)
+    calibration = [rng.integers(0, 96, 96).tolist() for _ in range(4)]
+    mixed = ensure_quantized_engine(tiny_engine, tmp_path / "mixed", "int4", calibration_ids=calibration, threads=1,
+                                    mixed_bits=4.9, model_dir=tiny_qwen)
+    uniform = ensure_quantized_engine(tiny_engine, tmp_path / "uniform", "int4", calibration_ids=calibration, threads=1)
+    # then every part of every layer took an option, within the budget, some of them int8
+    plan = mixed["weights_record"]["mixed"]
+    assert bits_per_weight(4, 128) < plan["bits_per_weight"] <= 4.9
+    assert len(plan["parts"]) == 7 * 2 and plan["options"]["int8/b128"] > 0
+    widths = {a.i for n in onnx.load(str(tmp_path / "mixed" / "model.onnx")).graph.node if n.op_type == "MatMulNBits"
+              for a in n.attribute if a.name == "bits"}
+    assert widths == {4, 8}
+    assert "mixed" not in uniform["weights_record"]
+    # and the engine, its parts joined back in row order, is nearer the float engine than uniform int4
+    ids = rng.integers(0, 96, (2, 24))
+    reference = prefill_and_decode(OrtEngine(tiny_engine, threads=1), ids)
+
+    def kl(engine_dir):
+        logits = prefill_and_decode(OrtEngine(engine_dir, threads=1), ids)
+        p, q = (np.exp(x - x.max(-1, keepdims=True)) for x in (reference, logits))
+        p, q = p / p.sum(-1, keepdims=True), q / q.sum(-1, keepdims=True)
+        return float((p * np.log(p / q)).sum(-1).mean())
+
+    assert kl(tmp_path / "mixed") < 0.8 * kl(tmp_path / "uniform")
+    # The budget is part of the cache key: the same settings reuse the build, another budget is another build.
+    assert ensure_quantized_engine(tiny_engine, tmp_path / "mixed", "int4", calibration_ids=calibration, threads=1,
+                                   mixed_bits=4.9, model_dir=tiny_qwen)["weights_builds"] == 0
+    assert ensure_quantized_engine(tiny_engine, tmp_path / "mixed", "int4", calibration_ids=calibration, threads=1,
+                                   mixed_bits=4.5, model_dir=tiny_qwen)["weights_builds"] == 1
