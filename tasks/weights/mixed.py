@@ -33,9 +33,11 @@ log = logging.getLogger(__name__)
 
 
 def mixed_options(block_size: int) -> list[tuple[int, int]]:
-    """The (bits, block_size) a part may take: int4 at the engine's block size (the cheapest), at a half and a
-    quarter of it (MatMulNBits takes blocks of 16 and up), and int8 at the block size."""
-    return [(4, block_size)] + [(4, b) for b in (block_size // 2, block_size // 4) if b >= 16] + [(8, block_size)]
+    """The (bits, block_size) a part may take: int4 at the engine's block size, a half and a quarter of it, and int8
+    at the block size and a half of it (MatMulNBits takes blocks of 16 and up). Which is cheapest depends on the
+    part's input width: a block that does not divide it stores padding (``kernels.weight_quant.bits_per_weight``)."""
+    halves = [b for b in (block_size, block_size // 2, block_size // 4) if b >= 16]
+    return [(4, b) for b in halves] + [(8, b) for b in halves[:2]]
 
 
 def weight_fingerprint(w_kn: np.ndarray) -> str:
@@ -133,6 +135,7 @@ def mixed_codes(projections: list[tuple[str, np.ndarray, np.ndarray]], sensitivi
 
     options = mixed_options(block_size)
     losses: dict[str, dict[tuple[int, int], float]] = {}
+    costs: dict[str, dict[tuple[int, int], float]] = {}
     sizes: dict[str, int] = {}
     codes: dict[str, dict[tuple[int, int], tuple]] = {}
     spans: dict[str, list[tuple[str, int, int]]] = {}
@@ -149,6 +152,7 @@ def mixed_codes(projections: list[tuple[str, np.ndarray, np.ndarray]], sensitivi
             spans[name].append((part, lo, lo + rows))
             sizes[part] = rows * K
             losses[part] = {}
+            costs[part] = {o: bits_per_weight(*o, K, symmetric) * rows * K for o in options}
             lo += rows
         codes[name] = {}
         for option in options:
@@ -159,7 +163,7 @@ def mixed_codes(projections: list[tuple[str, np.ndarray, np.ndarray]], sensitivi
             codes[name][option] = (q, scale, zp)
             bar.advance()
     bar.close()
-    plan = mixed_precision_plan(losses, sizes, budget_bits)
+    plan = mixed_precision_plan(losses, costs, sizes, budget_bits)
     chosen: dict[str, list[PartCodes]] = {}
     for name, parts in spans.items():
         chosen[name] = []
@@ -174,7 +178,7 @@ def mixed_codes(projections: list[tuple[str, np.ndarray, np.ndarray]], sensitivi
     total = sum(sizes.values())
     record = {
         "budget_bits": budget_bits,
-        "bits_per_weight": round(sum(bits_per_weight(*plan[p], symmetric) * n for p, n in sizes.items()) / total, 4),
+        "bits_per_weight": round(sum(costs[p][plan[p]] for p in plan) / total, 4),  # stored, padding included
         "options": {f"int{b}/b{bs}": sum(plan[p] == (b, bs) for p in plan) for b, bs in options},
         "parts": {p: f"int{plan[p][0]}/b{plan[p][1]}" for p in plan},
     }

@@ -124,9 +124,11 @@ def test_gptq_quantizes_a_channel_the_calibration_never_moved():
     assert torch.corrcoef(torch.stack([deq[:, 70:].flatten(), w[:, 70:].flatten()]))[0, 1] > 0.9
 
 
-def test_bits_per_weight_counts_codes_scales_and_zero_points():
-    assert [round(bits_per_weight(b, bs), 4) for b, bs in ((4, 128), (4, 64), (4, 32), (8, 128))] == [4.2812, 4.5625, 5.125, 8.3125]
-    assert bits_per_weight(4, 32, symmetric=True) == 5.0
+def test_bits_per_weight_counts_codes_scales_zero_points_and_padding():
+    assert [round(bits_per_weight(b, bs, 1536), 4) for b, bs in ((4, 128), (4, 64), (4, 32), (8, 128))] == [4.2812, 4.5625, 5.125, 8.3125]
+    assert bits_per_weight(4, 32, 1536, symmetric=True) == 5.0
+    # 576 channels (SmolLM2's width) are 4.5 blocks of 128: the padded half block makes 128 dearer than 64
+    assert round(bits_per_weight(4, 128, 576), 4) == 4.7639 > round(bits_per_weight(4, 64, 576), 4) == 4.5694
 
 
 def test_mixed_plan_spends_the_budget_where_loss_falls_most_per_bit():
@@ -136,16 +138,17 @@ def test_mixed_plan_spends_the_budget_where_loss_falls_most_per_bit():
               "up": {int4: 1.0, int4_b32: 0.6, int8: 0.01},
               "down": {int4: 8.0, int4_b32: 3.0, int8: 0.1}}
     sizes = {"v": 1000, "up": 10000, "down": 10000}
+    costs = {p: {o: bits_per_weight(*o, 1024) * n for o in losses[p]} for p, n in sizes.items()}
+    base = bits_per_weight(*int4, 1024)
     # when the budget allows about int8 for the small part and smaller blocks for one large one
-    plan = mixed_precision_plan(losses, sizes, budget_bits=bits_per_weight(*int4) + 0.6)
+    plan = mixed_precision_plan(losses, costs, sizes, budget_bits=base + 0.6)
     # then the small sensitive part is int8 and the spare bits go to the large sensitive part's smaller blocks
     assert plan == {"v": int8, "up": int4, "down": int4_b32}
-    used = sum(bits_per_weight(*plan[p]) * n for p, n in sizes.items()) / sum(sizes.values())
-    assert used <= bits_per_weight(*int4) + 0.6
+    assert sum(costs[p][plan[p]] for p in plan) / sum(sizes.values()) <= base + 0.6
     # the cheapest budget is uniform int4; a lower one is refused
-    assert set(mixed_precision_plan(losses, sizes, bits_per_weight(*int4)).values()) == {int4}
+    assert set(mixed_precision_plan(losses, costs, sizes, base).values()) == {int4}
     with pytest.raises(ValueError, match="below the cheapest"):
-        mixed_precision_plan(losses, sizes, 4.0)
+        mixed_precision_plan(losses, costs, sizes, 4.0)
 
 
 def test_row_output_error_is_the_output_error_on_the_calibration_inputs():
