@@ -7,8 +7,8 @@ import json
 import numpy as np
 import onnx
 import pytest
-from onnx import numpy_helper
 from engine_testkit import tiny_engine, tiny_qwen  # noqa: F401  (fixtures)
+from onnx import numpy_helper
 from weight_testkit import external_copy
 
 from runtime.engine.backends.onnxruntime import OrtEngine
@@ -153,8 +153,9 @@ def test_copy_of_a_large_engine_keeps_its_weights_in_a_data_file(tiny_engine, tm
 
 def test_a_mixed_int4_engine_keeps_its_bit_budget_in_stored_bytes_and_runs_its_parts_in_row_order(tiny_engine, tiny_qwen,
                                                                                                    tmp_path):
-    from kernels.weight_quant import bits_per_weight
     from weight_testkit import prefill_and_decode
+
+    from kernels.weight_quant import bits_per_weight
 
     # given GPTQ's calibration tokens and a budget of 4.7 stored bits per weight (uniform int4 at 64: 4.57)
     rng = np.random.default_rng(0)
