@@ -141,6 +141,11 @@ def render_release_notes(cfg: ReleaseConfig, root: Path, report: dict, outcome: 
         drops = ", ".join(f"{k} {_lost(v)}" for k, v in weights["drops"].items())
         lines.append(f"- Weights {weights['weights']}: {drops} against the float adapter (limit {100 * weights['max_drop']:.2f})"
                      + (f"; perplexity x{weights['perplexity_ratio']:.4f}." if weights.get("perplexity_ratio") else "."))
+        if weights.get("mixed"):
+            mix = weights["mixed"]
+            parts = ", ".join(f"{n} {option}" for option, n in mix["options"].items() if n)
+            lines.append(f"  Stored at {mix['bits_per_weight']:.2f} bits per weight (budget {mix['budget_bits']}): "
+                         f"parts {parts}.")
     else:
         lines.append(f"- Weights: {cfg.engine.weights} (not quantized).")
 

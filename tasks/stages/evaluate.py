@@ -341,6 +341,7 @@ def evaluate(
             # Quantized weights cannot match float logits to 1e-4; what must hold is accuracy.
             metrics["weights_gate"] = weights_accuracy_gate(adapter_report, metrics["adapter_on_engine"], engine.weights,
                                                             max_weight_accuracy_drop)
+            metrics["weights_gate"]["mixed"] = _mixed_storage(Path(engine.serving_engine_dir))
         progress.advance(accuracy_engine=metrics["adapter_on_engine"]["accuracy"])
     if pages is not None:
         from tasks.checks.page_quality import heldout_sequences, release_page_quality
@@ -373,6 +374,15 @@ def evaluate(
                     row["adapter_on_engine"] = engine_predictions[i]
                 fh.write(json.dumps(row, sort_keys=True) + "\n")
     return Path(out_dir) / METRICS_FILE
+
+
+def _mixed_storage(engine_dir: Path) -> dict | None:
+    """A mixed-precision engine's storage (``tasks.weights.mixed``): its stored bits per weight and how many parts
+    took each option; None for one width everywhere."""
+    from tasks.weights.engines import WEIGHTS_FILE
+
+    mixed = json.loads((engine_dir / WEIGHTS_FILE).read_text()).get("mixed")
+    return None if mixed is None else {k: mixed[k] for k in ("budget_bits", "bits_per_weight", "options")}
 
 
 def run_stage(cfg: ReleaseConfig) -> Path:

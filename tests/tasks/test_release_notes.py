@@ -111,3 +111,16 @@ def test_the_summary_artifact_carries_the_notes_as_its_last_section(cfg, tmp_pat
     assert summary.startswith("# Monthly release 2026-12: FAILED: a gate did not pass\n")
     notes_section = summary[summary.index("## Release notes 2026-12"):]
     assert "### Against the champion" in notes_section and "Refused by the gates: decode_p95_ms = 2.5" in notes_section
+
+
+def test_the_notes_say_how_a_mixed_int4_engine_stores_its_weights(cfg, tmp_path):
+    import json
+
+    metrics = json.loads(cfg.layout.metrics_file.read_text())
+    metrics["weights_gate"] = {"weights": "int4", "max_drop": 0.02, "drops": {"accuracy": 0.0}, "perplexity_ratio": 1.05,
+                               "mixed": {"budget_bits": 4.6, "bits_per_weight": 4.5981,
+                                         "options": {"int4/b128": 60, "int4/b64": 80, "int4/b32": 0, "int8/b64": 70}}}
+    write(cfg.layout.metrics_file, metrics)
+    notes = render_release_notes(cfg, tmp_path, gates(True), "published", TRIGGER, None, "deadbeef")
+    assert "- Weights int4: accuracy +0.00 points against the float adapter (limit 2.00); perplexity x1.0500." in notes
+    assert ("  Stored at 4.60 bits per weight (budget 4.6): parts 60 int4/b128, 80 int4/b64, 70 int8/b64." in notes)
