@@ -195,11 +195,6 @@ class EngineConfig(_Section):
     # int8, where its loss (GPTQ's output error weighted by the loss gradient) falls most per bit. null: int4 at
     # weight_block_size everywhere (4.28 bits at 128).
     weight_mixed_bits: float | None = Field(4.6, ge=4.0, le=8.5)
-    # int8/int4 as MatMulNBits: every quantized matmul reads an even number of rows (an odd count padded with a zero
-    # row), so a request's tokens are the same alone as in any batch or prefix sharing (``tasks.weights.graph
-    # ._paired_rows``); a lone decoding row then costs two rows' matmul work. Off: an unpaired row (a lone one, the
-    # last of an odd batch) rounds its int8 activations through another kernel, so its greedy tokens can differ.
-    weight_row_pairs: bool = False
     # quantized_pages (the served cache) = each full page of the paged cache quantized with its own scales when it
     # fills, the first and the open page float (``kernels.kv_spec.PageQuantSpec``: kv.k_bits, kv.v_bits,
     # kv.v_group_size); or float. (The static per-channel scheme, "quantized", was removed: it cost +39.6%

@@ -166,12 +166,11 @@ def serving_world(root: Path, tiny: bool) -> dict:
 
 # ---------------------------------------------------------------- the int4 world: the default serving form, int4 weights
 
-def int4_serving_engine(base: Path, export: Path, out: Path, threads: int, kv_cache: str = "quantized_pages",
-                        row_pairs: bool = False, **form) -> Path:
+def int4_serving_engine(base: Path, export: Path, out: Path, threads: int, kv_cache: str = "quantized_pages", **form) -> Path:
     """``base`` compiled into ``export`` in the default serving form (``tasks.stages.compile.serving_form``: the ``kv``
     section's 4-bit cache as ``engine.kv_cache`` serves it, paged, adapters stacked; ``form`` overrides its keywords),
-    then copied into ``out`` with int4 weights as the compile stage does (``engine.weights: int4``; ``row_pairs``:
-    ``engine.weight_row_pairs``); each reused when built."""
+    then copied into ``out`` with int4 weights as the compile stage does (``engine.weights: int4``); each reused when
+    built."""
     from runtime.engine.model import read_config
     from tasks.config import EngineConfig, KVConfig
     from tasks.stages.compile import compile_engine, serving_form
@@ -180,8 +179,7 @@ def int4_serving_engine(base: Path, export: Path, out: Path, threads: int, kv_ca
     engine_cfg = EngineConfig(weights="int4", kv_cache=kv_cache)
     compile_engine(base, export, INT4_WORLD_RANK, engine_cfg.target_modules, ort_threads=threads,
                    **serving_form(engine_cfg, KVConfig(), read_config(base).head_dim) | form)
-    ensure_quantized_engine(export, out, engine_cfg.weights, engine_cfg.weight_block_size, engine_cfg.weights_format(),
-                            row_pairs=row_pairs)
+    ensure_quantized_engine(export, out, engine_cfg.weights, engine_cfg.weight_block_size, engine_cfg.weights_format())
     return out
 
 

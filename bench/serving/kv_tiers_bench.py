@@ -4,7 +4,7 @@ instead of refused, each measured against the same server with the feature off.
     python -m bench.serving.kv_tiers_bench [--shape 0.5b|tiny] [--parts prefix,swap] [--clients 8]
         [--system-tokens 512] [--question-tokens 64] [--answer-tokens 16] [--rounds 3] [--prefix-fits 2] [--swap-clients 16]
         [--swap-context 2048] [--swap-answer 32] [--swap-fits 8] [--swap-wait 30] [--threads 2] [--prefill-chunk 128]
-        [--row-pairs] [--workdir DIR] [--out bench/results/kv_tiers_bench.json]
+        [--workdir DIR] [--out bench/results/kv_tiers_bench.json]
 
 Not in CI nor in ``make bench`` (the 0.5B world takes minutes to build). The model is
 ``bench.serving.device_memory_bench``'s (``bench.lib.worlds.build_int4_world``: Qwen2-0.5B's shape with random
@@ -42,9 +42,7 @@ Then the same again (``prefix_budgeted``) with both servers under a KV budget th
 clients' whole worst cases (prompt and answer; 0 skips it): without sharing at most that many run at once and the rest
 wait; with it a shared page is counted once, so more are admitted together.
 
-``outputs_identical`` is both comparisons together. ``--row-pairs`` serves the same backbone and release from an int4
-engine built with ``engine.weight_row_pairs`` (every matmul reads an even number of rows, so a row rounds the same
-alone and in any batch): what the answers' equality costs in time.
+``outputs_identical`` is both comparisons together.
 """
 
 from __future__ import annotations
@@ -61,7 +59,7 @@ from pathlib import Path
 from bench.lib.report import RESULTS, Figure, progress, write_report
 from bench.lib.servers import our_server
 from bench.lib.tables import table
-from bench.lib.worlds import build_int4_world, int4_serving_engine, prompt_text
+from bench.lib.worlds import build_int4_world, prompt_text
 from runtime.engine.tokenizer import DeviceTokenizer
 from runtime.serve.residents import CHAMPION
 
@@ -349,8 +347,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--swap-fits", type=int, default=8, help="swap clients the budgeted servers' KV budget holds")
     ap.add_argument("--swap-wait", type=float, default=30.0, help="the budgeted servers' kv_wait_s")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--row-pairs", action="store_true", help="serve an int4 engine built with engine.weight_row_pairs "
-                    "(every matmul reads rows in pairs: answers the same alone and batched)")
     ap.add_argument("--prefill-chunk", type=int, default=128, help="every server's prefill_chunk (a shared prefix on "
                     "quantized pages is a multiple of it)")
     ap.add_argument("--sample-s", type=float, default=0.05, help="seconds between KV gauge samples")
@@ -363,14 +359,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--parts: unknown {unknown}; prefix, swap")
     before = os.getloadavg()[0]
     result = {"loadavg_1m_before": before, "shape": args.shape, "threads": args.threads,
-              "prefill_chunk": args.prefill_chunk, "row_pairs": args.row_pairs}
+              "prefill_chunk": args.prefill_chunk}
     with tempfile.TemporaryDirectory(prefix="kv-tiers-") as tmp:
         work = args.workdir or Path(tmp)
-        root = work / f"{args.shape}-quantized_pages"
-        world = build_int4_world(args.shape, root, args.threads)
-        if args.row_pairs:  # the same backbone and release on an engine whose matmuls read rows in pairs
-            world = world | {"engine": int4_serving_engine(world["base"], root / "engine-kv", root / "engine-row-pairs",
-                                                           args.threads, row_pairs=True)}
+        world = build_int4_world(args.shape, work / f"{args.shape}-quantized_pages", args.threads)
         if "prefix" in parts:
             result |= {"clients": args.clients, "system_tokens": args.system_tokens,
                        "question_tokens": args.question_tokens, "answer_tokens": args.answer_tokens,

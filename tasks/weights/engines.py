@@ -57,13 +57,13 @@ SERVING_EMBED_BITS = 8
 def weights_key_fields(weights: str, block_size: int = DEFAULT_BLOCK_SIZE, fold_norms: bool = False,
                        keep: tuple[str, ...] = ("lm_head", "embed"), accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
                        fmt: str = "matmulnbits", head_bits: int | None = None, embed_bits: int | None = None,
-                       calibration: dict | None = None, mixed_bits: float | None = None, row_pairs: bool = False) -> dict:
+                       calibration: dict | None = None, mixed_bits: float | None = None) -> dict:
     """The part of the engine cache key (and of the interface) that says how weights are stored:
     two engines that differ in any of these must never be taken for one another. Empty for
     fp32: a float engine keeps the key (and the cached build) it had before this option existed.
     The accuracy level is MatMulNBits' own; a Q/DQ graph has none. ``calibration`` (``gptq_calibration``'s record,
     or a digest of the statistics a clip search read) is absent for round to nearest, as before it existed; so is
-    ``mixed_bits`` (``tasks.weights.mixed``) for a uniform engine, and ``row_pairs`` when off."""
+    ``mixed_bits`` (``tasks.weights.mixed``) for a uniform engine."""
     if weights == "fp32":
         return {}
     fields = {"weights": weights, "weights_block_size": block_size, "weights_fold_norms": fold_norms,
@@ -72,8 +72,6 @@ def weights_key_fields(weights: str, block_size: int = DEFAULT_BLOCK_SIZE, fold_
         fields["weights_calibration"] = calibration
     if mixed_bits is not None:
         fields["weights_mixed_bits"] = mixed_bits
-    if row_pairs and fmt == "matmulnbits":
-        fields["weights_row_pairs"] = True
     if fmt == "matmulnbits":
         fields["weights_accuracy_level"] = accuracy_level
     if "lm_head" not in keep and head_bits not in (None, WEIGHT_BITS[weights]):  # absent with the body's bits, as before
@@ -97,13 +95,12 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
                         accuracy_level: int = DEFAULT_ACCURACY_LEVEL, act_sq: dict | None = None,
                         fmt: str = "matmulnbits", head_bits: int | None = None, embed_bits: int | None = None,
                         hessians: dict | None = None, calibration: dict | None = None,
-                        mixed: tuple[dict, dict] | None = None, row_pairs: bool = False) -> dict:
+                        mixed: tuple[dict, dict] | None = None) -> dict:
     """A copy of a compiled engine directory whose model.onnx has ``weights`` precision, in graph
     form ``fmt`` (``WEIGHT_FORMATS``): round to nearest, with the clip search given ``act_sq``, or GPTQ given
     ``hessians`` (``tasks.weights.graph.quantize_engine_weights``). ``calibration`` names the statistics in the
     cache key (``gptq_calibration``); without it they are hashed. ``mixed``: (part codes, record) of
-    ``tasks.weights.mixed.mixed_codes``, the body's projections written at their parts' widths. ``row_pairs``: every
-    MatMulNBits reads an even number of rows (``tasks.weights.graph._paired_rows``).
+    ``tasks.weights.mixed.mixed_codes``, the body's projections written at their parts' widths.
 
     Writes ``model.onnx``, ``interface.json`` (the same inputs and hash, plus the weight precision) and
     ``weights.json`` (precision + quantizer settings + summary). The ORT-optimized graph is
@@ -126,7 +123,7 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
         summary = quantize_engine_weights(engine_dir / ENGINE_ONNX, out_dir / ENGINE_ONNX, bits, block_size,
                                           fold_norms, keep, accuracy_level, act_sq=act_sq, fmt=fmt, head_bits=head_bits,
                                           embed_bits=embed_bits, hessians=hessians,
-                                          part_codes=None if mixed is None else mixed[0], row_pairs=row_pairs)
+                                          part_codes=None if mixed is None else mixed[0])
     stats = hessians if hessians is not None else act_sq
     if calibration is None and stats is not None and bits is not None:  # the codes depend on the calibration data
         digest = hashlib.sha256()
@@ -135,7 +132,7 @@ def quantize_engine_dir(engine_dir: Path, out_dir: Path, weights: str, block_siz
         calibration = digest.hexdigest()
     fields = weights_key_fields(weights, block_size, fold_norms, keep, accuracy_level, fmt, head_bits, embed_bits,
                                 calibration if bits is not None else None,
-                                None if mixed is None else mixed[1]["budget_bits"], row_pairs)
+                                None if mixed is None else mixed[1]["budget_bits"])
     record = {**summary, **fields, "weights": weights} | ({} if mixed is None else {"mixed": mixed[1]})
     (out_dir / WEIGHTS_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     iface = read_interface(engine_dir)
@@ -163,8 +160,7 @@ def mixed_applies(weights: str, fmt: str, calibrated: bool) -> bool:
 
 def ensure_quantized_engine(float_dir: Path, out_dir: Path, weights: str, block_size: int = DEFAULT_BLOCK_SIZE,
                             fmt: str = "matmulnbits", calibration_ids: list[list[int]] | None = None,
-                            threads: int = 2, mixed_bits: float | None = None, model_dir: Path | None = None,
-                            row_pairs: bool = False) -> dict:
+                            threads: int = 2, mixed_bits: float | None = None, model_dir: Path | None = None) -> dict:
     """``quantize_engine_dir`` unless ``out_dir`` already holds the build for this float engine and
     these settings; written to a temporary sibling and renamed, like the float engine. The LM head
     is quantized too, at ``SERVING_HEAD_BITS``, and the embedding table at ``SERVING_EMBED_BITS``.
@@ -173,7 +169,7 @@ def ensure_quantized_engine(float_dir: Path, out_dir: Path, weights: str, block_
     benchmarks' random-weight backbones, whose codes nobody scores). ``mixed_bits`` (int4 by GPTQ as MatMulNBits
     only: ``mixed_applies``): the body's parts get int4 or int8 under that many stored bits per weight
     (``tasks.weights.mixed``), their sensitivities read on the same tokens through ``model_dir``'s PyTorch
-    backbone. ``row_pairs``: ``engine.weight_row_pairs``."""
+    backbone."""
     from tasks.artifacts import atomic_output_dir
     from tasks.weights.graph import calibrate_activations
 
@@ -184,7 +180,7 @@ def ensure_quantized_engine(float_dir: Path, out_dir: Path, weights: str, block_
                  weights, fmt, "gptq" if calibration_ids is not None else "rtn")
         mixed_bits = None
     fields = weights_key_fields(weights, block_size, keep=keep, fmt=fmt, head_bits=head_bits, embed_bits=embed_bits,
-                                calibration=calibration, mixed_bits=mixed_bits, row_pairs=row_pairs)
+                                calibration=calibration, mixed_bits=mixed_bits)
     expected = quantized_cache_key(json.loads((Path(float_dir) / CACHE_KEY_FILE).read_text()), fields)["key"]
     key_file = Path(out_dir) / CACHE_KEY_FILE
     if key_file.exists() and json.loads(key_file.read_text()).get("key") == expected:
@@ -204,8 +200,7 @@ def ensure_quantized_engine(float_dir: Path, out_dir: Path, weights: str, block_
                             mixed_bits)
     with atomic_output_dir(Path(out_dir)) as tmp:
         record = quantize_engine_dir(Path(float_dir), tmp, weights, block_size, keep=keep, fmt=fmt, head_bits=head_bits,
-                                     embed_bits=embed_bits, hessians=hessians, calibration=calibration, mixed=mixed,
-                                     row_pairs=row_pairs)
+                                     embed_bits=embed_bits, hessians=hessians, calibration=calibration, mixed=mixed)
     return {"weights": weights, "weights_builds": 1, "weights_dir": str(out_dir), "weights_record": record}
 
 

@@ -241,43 +241,6 @@ def _write_parts(node, K: int, N: int, parts: list, symmetric: bool, accuracy_le
     rewrite.add(nodes, tensors, K * N * 4, n_bytes, f"{node.name} K={K} N={N} ({widths})")
 
 
-def _paired_rows(nodes: list, new_inits: list) -> list:
-    """Each MatMulNBits fed an even number of rows: an odd count gets a zero row after its last, sliced off the output.
-
-    At accuracy level 4 ONNX Runtime's kernel computes rows two at a time, and the unpaired last row of an odd count
-    (a lone decoding row included) goes through another kernel that rounds differently; a paired row's result does
-    not depend on its partner (tests/runtime/test_engine.py). So with every row paired, a request's tokens are the
-    same alone, in any batch and however its prompt was shared or chunked, at the price of computing a zero row
-    where the count is odd (a lone decoding row: two rows' work)."""
-    from onnx import helper, numpy_helper
-
-    # pads of a 2-D input: [rows before, columns before, rows after (0 or 1), columns after]
-    two, nothing_before, zero = "row_pairs_two", "row_pairs_nothing_before", "row_pairs_zero"
-    new_inits += [numpy_helper.from_array(np.array([2], np.int64), two),
-                  numpy_helper.from_array(np.array([0, 0], np.int64), nothing_before),
-                  numpy_helper.from_array(np.array([0], np.int64), zero)]
-    out, padded = [], {}  # input name -> (its even copy, its row count)
-    for node in nodes:
-        if node.op_type != "MatMulNBits":
-            out.append(node)
-            continue
-        a = node.input[0]
-        if a not in padded:
-            p = f"{a}_paired"
-            out += [helper.make_node("Shape", [a], [p + "_rows"], name=p + "_shape", start=0, end=1),
-                    helper.make_node("Mod", [p + "_rows", two], [p + "_odd"], name=p + "_mod"),
-                    helper.make_node("Concat", [nothing_before, p + "_odd", zero], [p + "_pads"], name=p + "_pads", axis=0),
-                    helper.make_node("Pad", [a, p + "_pads"], [p], name=p + "_pad")]
-            padded[a] = (p, p + "_rows")
-        even, rows = padded[a]
-        y = node.output[0]
-        node.input[0] = even
-        node.output[0] = y + "_paired"
-        # rows [0, rows) of axis 0: the zero row's output dropped
-        out += [node, helper.make_node("Slice", [y + "_paired", zero, rows, zero], [y], name=y + "_unpaired")]
-    return out
-
-
 def projection_weights(onnx_path: str | Path, hessians: dict) -> list[tuple[str, np.ndarray, np.ndarray]]:
     """[(node name, (K, N) float32 weight, (K, K) second moments of its input)] of every projection of an engine
     graph but the LM head: what ``tasks.weights.mixed.mixed_codes`` plans."""
@@ -341,7 +304,6 @@ def quantize_engine_weights(
     embed_bits: int | None = None,
     hessians: dict | None = None,
     part_codes: dict | None = None,
-    row_pairs: bool = False,
 ) -> dict:
     """Rewrite every constant-weight MatMul/Gemm of ``onnx_in`` into MatMulNBits (or, with ``fmt``
     qdq / qdq_fp16, a DequantizeLinear + MatMul, always symmetric); return a summary.
@@ -357,8 +319,6 @@ def quantize_engine_weights(
     the clip search on their diagonal), under a progress bar.
     ``part_codes``: {node name: its parts' codes} of a mixed-precision plan (``tasks.weights.mixed.mixed_codes``;
     MatMulNBits, unfolded norms): those projections are written as given, at their parts' widths.
-    ``row_pairs``: every MatMulNBits reads an even number of rows (``_paired_rows``), so a row's result is the same
-    alone as in any batch.
     """
     import resource
 
@@ -403,8 +363,6 @@ def quantize_engine_weights(
     bar.close()
 
     new_nodes = _unit_scale_norms(rewrite.nodes, rewrite.folded, inits, rewrite.initializers)
-    if row_pairs and fmt == "matmulnbits":
-        new_nodes = _paired_rows(new_nodes, rewrite.initializers)
     # Drop what the rewrite orphaned: float weights, a Transpose feeding only a quantized head,
     # a norm-scale Mul whose only consumer was a folded projection.
     del graph.node[:]
@@ -431,7 +389,6 @@ def quantize_engine_weights(
         "embed_bits": embed_bits or bits if quantized_table else None,
         "quantized_weight_bytes_fp32": int(rewrite.bytes_before),
         "quantized_weight_bytes": int(rewrite.bytes_after),
-        "row_pairs": row_pairs and fmt == "matmulnbits",
         "seconds": round(time.perf_counter() - t0, 2),
     }
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

@@ -191,19 +191,3 @@ def test_a_mixed_int4_engine_keeps_its_bit_budget_in_stored_bytes_and_runs_its_p
     again = dict(calibration_ids=calibration, threads=1, model_dir=tiny_qwen)
     assert ensure_quantized_engine(tiny_engine, tmp_path / "mixed", "int4", 64, mixed_bits=4.7, **again)["weights_builds"] == 0
     assert ensure_quantized_engine(tiny_engine, tmp_path / "mixed", "int4", 64, mixed_bits=4.9, **again)["weights_builds"] == 1
-
-
-def test_row_pairs_make_a_rows_logits_the_same_alone_and_in_an_odd_batch(tiny_engine, tmp_path):
-    from weight_testkit import prefill_and_decode
-
-    ids = np.random.default_rng(3).integers(0, 96, (3, 20))
-    for row_pairs in (False, True):
-        out = tmp_path / f"int4-{row_pairs}"
-        record = ensure_quantized_engine(tiny_engine, out, "int4", row_pairs=row_pairs)["weights_record"]
-        assert record["row_pairs"] is row_pairs and record.get("weights_row_pairs", False) is row_pairs
-        engine = OrtEngine(out, threads=1)
-        batched = prefill_and_decode(engine, ids)  # 3 rows: the last one unpaired in every matmul without row pairs
-        alone = [prefill_and_decode(engine, ids[b : b + 1])[0] for b in range(3)]
-        same = [np.array_equal(alone[b], batched[b]) for b in range(3)]
-        # without pairs a lone row and the last of three go through the unpaired kernel, the first two the paired one
-        assert same == ([True] * 3 if row_pairs else [False, False, True])
