@@ -6,7 +6,8 @@
 Not in CI nor in ``make bench``. One decoded token after a past of P, batch 1, ``--threads`` threads:
 * ours: the compile stage's serving engine with quantized pages (the shipped 4-bit cache, ``kv`` section;
   ``tasks.config.EngineConfig.cache_engine_dir``) at fp32 weights and its int8 / int4 copies (the serving recipe
-  of ``tasks.weights.engines.ensure_quantized_engine``, as ``engine.weights`` would build them), no adapter bound
+  of ``tasks.weights.engines.ensure_quantized_engine``, as ``engine.weights`` would build them: GPTQ, int4 mixed under
+  ``engine.weight_mixed_bits``, each cached in ``--work``), no adapter bound
   (``bench.lib.real_checkpoint.served_engine``: the LoRA inputs are zeros, the same compute as with an adapter);
 * llama.cpp (the ``peer`` extra): F16, Q8_0 and Q4_0 (``bench.lib.llama_cpp_peer.checkpoint_ggufs``), each
   with a q4_0 and an f16 KV cache, flash attention on. One llama.cpp context is loaded at a time: each
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from runtime.engine.model import read_config
     from tasks.config import load_config
-    from tasks.stages.compile import compile_profile_engines
+    from tasks.stages.compile import compile_profile_engines, weight_calibration_ids
     from tasks.weights.engines import ensure_quantized_engine
 
     cfg = load_config(args.params)
@@ -137,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     dirs = {"fp32": pages_dir}
     for weights in OUR_WEIGHTS[1:]:
         dirs[weights] = work / f"{pages_dir.name}-{weights}-b{cfg.engine.weight_block_size}"
-        ensure_quantized_engine(pages_dir, dirs[weights], weights, cfg.engine.weight_block_size)
+        ensure_quantized_engine(pages_dir, dirs[weights], weights, cfg.engine.weight_block_size, cfg.engine.weights_format(),
+                                weight_calibration_ids(cfg), threads=args.threads, mixed_bits=cfg.engine.weight_mixed_bits,
+                                model_dir=model_dir)
     ours = {f"ours_{w}_kv4": served_engine(d, args.threads) for w, d in dirs.items()}
     ggufs = checkpoint_ggufs(llama_cpp, converter_dir(args.llama_cpp_src), model_dir, work / "gguf", args.threads)
     peers = {f"llama_{t}_kv_{kv}": (ggufs[t], kv) for t in PEERS.values() for kv in LLAMA_KV}

@@ -185,16 +185,19 @@ def ensure_quantized_engine(float_dir: Path, out_dir: Path, weights: str, block_
     key_file = Path(out_dir) / CACHE_KEY_FILE
     if key_file.exists() and json.loads(key_file.read_text()).get("key") == expected:
         return {"weights": weights, "weights_builds": 0, "weights_dir": str(out_dir)}
+    if mixed_bits is not None:
+        from tasks.weights.graph import projection_weights
+        from tasks.weights.mixed import check_budget, mixed_codes, output_gradient_energy
+
+        if model_dir is None:
+            raise WeightQuantError("engine.weight_mixed_bits needs the base checkpoint (model_dir) for its gradients")
+        check_budget([w.shape for _, w, _ in projection_weights(Path(float_dir) / ENGINE_ONNX, None)], block_size,
+                     mixed_bits)
     hessians = None
     if calibration_ids is not None:
         hessians = calibrate_activations(Path(float_dir) / ENGINE_ONNX, calibration_ids, threads, second_moments=True)
     mixed = None
     if mixed_bits is not None:
-        from tasks.weights.graph import projection_weights
-        from tasks.weights.mixed import mixed_codes, output_gradient_energy
-
-        if model_dir is None:
-            raise WeightQuantError("engine.weight_mixed_bits needs the base checkpoint (model_dir) for its gradients")
         sensitivity = output_gradient_energy(Path(model_dir), calibration_ids, threads)
         mixed = mixed_codes(projection_weights(Path(float_dir) / ENGINE_ONNX, hessians), sensitivity, block_size,
                             mixed_bits)

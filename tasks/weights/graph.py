@@ -241,9 +241,9 @@ def _write_parts(node, K: int, N: int, parts: list, symmetric: bool, accuracy_le
     rewrite.add(nodes, tensors, K * N * 4, n_bytes, f"{node.name} K={K} N={N} ({widths})")
 
 
-def projection_weights(onnx_path: str | Path, hessians: dict) -> list[tuple[str, np.ndarray, np.ndarray]]:
-    """[(node name, (K, N) float32 weight, (K, K) second moments of its input)] of every projection of an engine
-    graph but the LM head: what ``tasks.weights.mixed.mixed_codes`` plans."""
+def projection_weights(onnx_path: str | Path, hessians: dict | None) -> list[tuple[str, np.ndarray, np.ndarray | None]]:
+    """[(node name, (K, N) float32 weight, (K, K) second moments of its input, None without ``hessians``)] of every
+    projection of an engine graph but the LM head: what ``tasks.weights.mixed.mixed_codes`` plans."""
     import onnx
 
     graph = onnx.load(str(onnx_path)).graph
@@ -254,9 +254,9 @@ def projection_weights(onnx_path: str | Path, hessians: dict) -> list[tuple[str,
     for node in graph.node:
         w_kn = _const_weight(node, inits, producer) if node.op_type in ("MatMul", "Gemm") else None
         if w_kn is not None and node.name not in head:
-            if node.input[0] not in hessians:
+            if hessians is not None and node.input[0] not in hessians:
                 raise WeightQuantError(f"{node.name}: no calibration statistics for its input {node.input[0]!r}")
-            found.append((node.name, w_kn, hessians[node.input[0]]))
+            found.append((node.name, w_kn, None if hessians is None else hessians[node.input[0]]))
     return found
 
 

@@ -12,10 +12,10 @@ what each costs the model is estimated as its output error weighted by how much 
 (a second-order estimate of the loss increase, Fisher-weighted: dW the option's codes less the float weight, H the
 inputs' second moments GPTQ already reads, dL/dy_j the gradient of the next-token loss with respect to the row's
 output on the same calibration text, through the PyTorch backbone). ``kernels.weight_quant.mixed_precision_plan``
-then spends the budget where it removes the most loss per bit. Measured on SmolLM2-135M-Instruct (8 eval documents x
-512 tokens after 1,024, weights fake-quantized in PyTorch, 2026-12-07): uniform int4 at block 64 (4.56 bits) KL 0.088,
-+8.43% perplexity; this plan at 4.56 bits KL 0.061, +5.76% (at block 32 everywhere, 5.13 bits: KL 0.069, +5.65%);
-docs/engine.md has the engine's figures.
+then spends the budget where it removes the most loss per bit. Measured on SmolLM2-135M-Instruct's engine (8 eval
+documents x 512 tokens after 1,024 of context, ``bench.quality.real_model_quality``, 2026-12-07): at 4.60 stored bits
+per weight KL 0.073 and +6.00% perplexity, against 0.121 and +11.47% for GPTQ int4 at block 128 everywhere (4.64
+bits as stored); docs/engine.md.
 
 Everything here runs once per backbone, in the compile stage, and the plan is part of the engine's cache key.
 """
@@ -38,6 +38,20 @@ def mixed_options(block_size: int) -> list[tuple[int, int]]:
     part's input width: a block that does not divide it stores padding (``kernels.weight_quant.bits_per_weight``)."""
     halves = [b for b in (block_size, block_size // 2, block_size // 4) if b >= 16]
     return [(4, b) for b in halves] + [(8, b) for b in halves[:2]]
+
+
+def check_budget(shapes: list[tuple[int, int]], block_size: int, budget_bits: float) -> None:
+    """Refuse, before any calibration runs, a budget below what the projections of ``shapes`` ((K, N) each) store at
+    their cheapest options."""
+    from kernels.weight_quant import bits_per_weight
+    from tasks.weights.graph import WeightQuantError
+
+    weights = sum(K * N for K, N in shapes)
+    cheapest = sum(min(bits_per_weight(*o, K) for o in mixed_options(block_size)) * K * N for K, N in shapes) / weights
+    if cheapest > budget_bits * (1 + 1e-12):
+        raise WeightQuantError(f"engine.weight_mixed_bits {budget_bits}: below the {cheapest:.3f} stored bits per weight "
+                               f"of the cheapest options (int4 at the blocks of {mixed_options(block_size)} that fit "
+                               "each input width best)")
 
 
 def weight_fingerprint(w_kn: np.ndarray) -> str:

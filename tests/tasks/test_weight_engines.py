@@ -191,3 +191,28 @@ def test_a_mixed_int4_engine_keeps_its_bit_budget_in_stored_bytes_and_runs_its_p
     again = dict(calibration_ids=calibration, threads=1, model_dir=tiny_qwen)
     assert ensure_quantized_engine(tiny_engine, tmp_path / "mixed", "int4", 64, mixed_bits=4.7, **again)["weights_builds"] == 0
     assert ensure_quantized_engine(tiny_engine, tmp_path / "mixed", "int4", 64, mixed_bits=4.9, **again)["weights_builds"] == 1
+
+
+def test_the_compile_stage_builds_int4_mixed_under_the_configured_budget_and_names_one_too_small(tiny_llama_dir,
+                                                                                                  tmp_path):
+    import yaml
+
+    from tasks.config import load_config
+    from tasks.stages import compile as compile_stage
+
+    def stage(budget: float) -> dict:
+        params = tmp_path / "params.yaml"
+        params.write_text(yaml.safe_dump({
+            "base_model": {"source": "local", "path": str(tiny_llama_dir)},
+            "train": {"output_dir": str(tmp_path / "artifacts")},
+            "engine": {"dir": str(tmp_path / "engine"), "weights": "int4", "weight_mixed_bits": budget,
+                       "weight_calibration_tokens": 512, "mixed_adapters": False, "threads": 1},
+        }))
+        return compile_stage.run_stage(load_config(params))
+
+    # 32 and 64 channels wide: int4 at block 32 stores 5.13 bits per weight, at 64 4.56, so nothing fits 4.9
+    with pytest.raises(WeightQuantError, match=r"engine.weight_mixed_bits 4.9: below the 5.111 stored bits per weight"):
+        stage(4.9)
+    record = stage(5.5)["weights_record"]
+    assert record["method"] == "gptq" and record["weights_mixed_bits"] == 5.5
+    assert 5.111 < record["mixed"]["bits_per_weight"] <= 5.5 and len(record["mixed"]["parts"]) == 7 * 2
