@@ -239,8 +239,9 @@ def weight_engines(float_dir: Path, work: Path, block_size: int, calibration_ids
 
 
 def weight_storage(engine_dir: Path) -> dict:
-    """How an engine's weights are stored (its ``weights.json``): the method, and ``bits_per_weight`` over the
-    quantized projections' parameters (codes, scales and zero points), the LM head and embedding table included."""
+    """How an engine's weights are stored (its ``weights.json``): the method (``gptq mixed 4.60``: a mixed plan and
+    its body's stored bits per weight), and ``bits_per_weight`` over the quantized projections' parameters (codes,
+    scales and zero points), the LM head and embedding table included."""
     from tasks.weights.engines import WEIGHTS_FILE
 
     file = Path(engine_dir) / WEIGHTS_FILE
@@ -248,7 +249,9 @@ def weight_storage(engine_dir: Path) -> dict:
         return {"method": None, "bits_per_weight": 32.0}
     record = json.loads(file.read_text())
     bits = 8 * record["quantized_weight_bytes"] / (record["quantized_weight_bytes_fp32"] / 4)
-    return {"method": record.get("method", "rtn"), "bits_per_weight": round(bits, 3)}
+    mixed = record.get("mixed")
+    method = record.get("method", "rtn") + (f" mixed {mixed['bits_per_weight']:.2f}" if mixed else "")
+    return {"method": method, "bits_per_weight": round(bits, 3)}
 
 
 def release_task_accuracy(cfg) -> dict:
