@@ -58,10 +58,16 @@ class PageQuantSpec:
     # per value at 2,048 tokens (32: 5.24); measured on SmolLM2 (K4/V4, keys on their 8-bit grid): KL to the float
     # cache 4.72e-3 at 64, 4.01e-3 at 32 (keys in fp16), Δppl +0.10% and +0.28% (bench/quality/real_model_quality.py's text).
     v_group_size: int = 64
+    # Per layer (k_bits, v_bits), where calibration widened some layers (``tasks.page_widths``); empty: every layer
+    # at k_bits/v_bits. The widths shape the page pools and the graph's read, so they are compiled into the engine.
+    layer_bits: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_bits", tuple(tuple(int(b) for b in pair) for pair in self.layer_bits))
         problems = [f"{name}={getattr(self, name)} is not one of {PAGE_BITS}" for name in ("k_bits", "v_bits")
                     if getattr(self, name) not in PAGE_BITS]
+        problems += [f"layer_bits[{i}]={list(pair)} is not a (k_bits, v_bits) pair of {PAGE_BITS}"
+                     for i, pair in enumerate(self.layer_bits) if len(pair) != 2 or not set(pair) <= set(PAGE_BITS)]
         if self.v_group_size < 1:
             problems.append(f"v_group_size={self.v_group_size} is not a positive number of channels")
         if problems:
@@ -69,8 +75,22 @@ class PageQuantSpec:
 
     @property
     def name(self) -> str:
-        """Short label for tables: K4/V4 pages g32."""
-        return f"K{self.k_bits}/V{self.v_bits} pages g{self.v_group_size}"
+        """Short label for tables: K4/V4 pages g32; with per-layer widths, how many layers are wider."""
+        name = f"K{self.k_bits}/V{self.v_bits} pages g{self.v_group_size}"
+        wider = sum(pair != (self.k_bits, self.v_bits) for pair in self.layer_bits)
+        return f"{name}, {wider} of {len(self.layer_bits)} layers wider" if self.layer_bits else name
+
+    def layer(self, i: int) -> "PageQuantSpec":
+        """The pages of layer ``i``: this scheme at that layer's widths, with no per-layer table."""
+        k_bits, v_bits = self.layer_bits[i] if self.layer_bits else (self.k_bits, self.v_bits)
+        return PageQuantSpec(k_bits=k_bits, v_bits=v_bits, v_group_size=self.v_group_size)
+
+    def with_layer_bits(self, layer_bits) -> "PageQuantSpec":
+        """This scheme with per-layer widths ``layer_bits`` ((k_bits, v_bits) per layer); none wider: no table."""
+        layer_bits = tuple(tuple(pair) for pair in layer_bits)
+        uniform = all(pair == (self.k_bits, self.v_bits) for pair in layer_bits)
+        return PageQuantSpec(k_bits=self.k_bits, v_bits=self.v_bits, v_group_size=self.v_group_size,
+                             layer_bits=() if uniform else layer_bits)
 
     def problems(self, head_dim: int) -> list[str]:
         """Why pages of this scheme cannot hold a head of ``head_dim`` channels (empty: they can)."""
@@ -80,7 +100,11 @@ class PageQuantSpec:
         return problems
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """JSON-ready; ``layer_bits`` only where a layer differs, so a uniform scheme's dict (and the interface hash
+        of an engine compiled before per-layer widths) is what it always was."""
+        d = asdict(self)
+        d["layer_bits"] = [list(pair) for pair in self.layer_bits]
+        return d if self.layer_bits else {k: v for k, v in d.items() if k != "layer_bits"}
 
     @classmethod
     def from_dict(cls, d: dict) -> "PageQuantSpec":
@@ -89,9 +113,18 @@ class PageQuantSpec:
             raise ValueError(f"invalid PageQuantSpec: unknown fields {unknown}")
         return cls(**d)
 
+    def layer_problems(self, num_layers: int) -> list[str]:
+        """Why this scheme cannot be a backbone of ``num_layers`` layers (empty: it can)."""
+        if self.layer_bits and len(self.layer_bits) != num_layers:
+            return [f"layer_bits names {len(self.layer_bits)} layers, the backbone has {num_layers}"]
+        return []
+
     def sealed_page_bytes(self, head_dim: int, block_size: int) -> int:
         """Bytes of one sealed page of one kv head and layer, K and V: codes, then the keys' grid (two 8-bit codes
-        per channel and the page's key_base) and the values' fp16 scales and minima (one pair per token and group)."""
+        per channel and the page's key_base) and the values' fp16 scales and minima (one pair per token and group).
+        One layer's: a scheme with per-layer widths asks ``layer(i)``."""
+        if self.layer_bits:
+            raise ValueError(f"{self.name}: a page's bytes depend on its layer; ask layer(i).sealed_page_bytes")
         d, bs = head_dim, block_size
         keys = bs * packed_size(d, self.k_bits) + 2 * d + KEY_BASE_WIDTH * PAGE_SCALE_BYTES
         values = bs * packed_size(d, self.v_bits) + 2 * bs * (d // self.v_group_size) * PAGE_SCALE_BYTES
@@ -100,6 +133,9 @@ class PageQuantSpec:
     def stored_bits_per_value(self, head_dim: int, block_size: int, context_len: int) -> float:
         """Bits a row of ``context_len`` tokens stores per K or V value, everything counted: whole pages as they
         are allocated (the open page's empty slots too), codes, scales, minima, and the float sink and open pages."""
+        if self.layer_bits:  # every layer the same length of cache: the mean of theirs
+            layers = [self.layer(i) for i in range(len(self.layer_bits))]
+            return sum(s.stored_bits_per_value(head_dim, block_size, context_len) for s in layers) / len(layers)
         d, bs, n = head_dim, block_size, context_len
         pages = -(-n // bs)
         open_page = n % bs != 0 and pages > 1

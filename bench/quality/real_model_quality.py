@@ -457,18 +457,36 @@ def own_float_cache_increase(rows: list[dict]) -> None:
 
 
 def measure_other_widths(run: QualityRun, cfg, engines: dict[str, Path], base: BaseModel, threads: int,
-                         kv_only: bool) -> None:
+                         kv_only: bool, work: Path, calibrated: list[tuple[int, float]]) -> None:
     """Unless ``kv_only``, int4 at the coarser block sizes; the served pages at other widths (and the shipped one
-    beside them) in PyTorch."""
+    beside them) in PyTorch, and for each (bits, KL budget) of ``calibrated`` the pages at those widths with the
+    per-layer widths calibration chooses under that budget."""
     from tasks.checks.page_quality import GRID_BITS
     from tasks.stages.compile import graph_source_hash
 
     for block in () if kv_only else INT4_BLOCKS[1:]:
         weight_row(run, engines, f"int4/b{block}", threads)
+    source = graph_source_hash() + build_key(cfg.layout.engine_dir)
     for bits in GRID_BITS:
-        spec = replace(run.served, k_bits=bits, v_bits=bits)
-        measure_row(run, "ours", "fp32", spec, graph_source_hash() + build_key(cfg.layout.engine_dir),
+        spec = replace(run.served, k_bits=bits, v_bits=bits, layer_bits=())
+        measure_row(run, "ours", "fp32", spec, source,
                     partial(page_reference_logits, base, spec, run.context, run.block_size), kv_read="reference")
+    for bits, budget in calibrated:
+        spec = calibrated_widths(cfg, work, replace(run.served, k_bits=bits, v_bits=bits, layer_bits=()),
+                                 run.block_size, budget)
+        measure_row(run, "ours", "fp32", spec, source,
+                    partial(page_reference_logits, base, spec, run.context, run.block_size), kv_read="reference",
+                    layer_kl_budget=budget)
+
+
+def calibrated_widths(cfg, work: Path, spec, block_size: int, budget: float):
+    """``spec`` with the per-layer widths calibration chooses under ``budget`` (``tasks.page_widths``, on the calib
+    split: never the eval documents), cached in ``work``."""
+    from tasks.page_widths import ensure_layer_widths
+
+    cache = work / "kv_widths" / f"K{spec.k_bits}V{spec.v_bits}-{budget:g}"
+    return ensure_layer_widths(Path(cfg.base_model.path), cache, spec, block_size, budget,
+                               cfg.kv.layer_calibration_tokens)[0]
 
 
 def measure(args, cfg) -> dict:
@@ -476,6 +494,7 @@ def measure(args, cfg) -> dict:
 
     from runtime.engine.model import read_config
     from tasks.models import load_tokenizer
+    from tasks.page_widths import served_pages
     from tasks.stages.compile import compile_profile_engines, weight_calibration_ids
 
     model_dir = Path(cfg.base_model.path)
@@ -501,7 +520,7 @@ def measure(args, cfg) -> dict:
     # engine's build key, the graph sources, the GGUF file), so a second run measures only what changed.
     cache = work / "rows" / hashlib.sha256(json.dumps([[ids for _, ids in rows_ids], args.context]).encode()).hexdigest()[:16]
     cache.mkdir(parents=True, exist_ok=True)
-    served = cfg.kv.page_spec(read_config(model_dir).head_dim)
+    served = served_pages(cfg)  # the serving engine's: compile_profile_engines built it above
     run = QualityRun(rows_ids, args.context, cache, time.monotonic() + 60.0 * args.time_budget, read_config(model_dir),
                      cfg.engine.kv_block_size or 16, served)
     base = BaseModel(model_dir)
@@ -512,7 +531,7 @@ def measure(args, cfg) -> dict:
     ggufs, types = {}, {}
     if not args.no_llama_cpp:
         ggufs, types = measure_llama_cpp(run, model_dir, work, args.llama_cpp_src, args.threads, args.kv_only)
-    measure_other_widths(run, cfg, engines, base, args.threads, args.kv_only)
+    measure_other_widths(run, cfg, engines, base, args.threads, args.kv_only, work, args.calibrated)
     return {"rows": run.rows, "not_measured": run.not_measured, "documents": [n for n, _ in rows_ids],
             "gguf_files": {t: str(p) for t, p in ggufs.items()}, "gguf_tensor_types": types,
             "engines": {k: str(v) for k, v in engines.items()},
@@ -543,6 +562,15 @@ def figures(p: dict) -> list[Figure]:
     return rows
 
 
+def calibrated_arg(text: str) -> list[tuple[int, float]]:
+    """``2:0.05,3:0.01`` -> [(2, 0.05), (3, 0.01)]."""
+    try:
+        pairs = [item.split(":") for item in text.split(",") if item]
+        return [(int(bits), float(budget)) for bits, budget in pairs]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected BITS:BUDGET pairs, e.g. 2:0.05,3:0.01") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Perplexity and KL of our engines and llama.cpp on a real checkpoint.")
     ap.add_argument("--params", type=Path, required=True, help="the real-model profile (base_model.path: the checkpoint)")
@@ -558,6 +586,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-llama-cpp", action="store_true", help="our rows only (without the peer extra)")
     ap.add_argument("--kv-only", action="store_true",
                     help="the KV comparison alone: no weight-quantized rows; llama.cpp's F16 weights only")
+    ap.add_argument("--calibrated", type=calibrated_arg, default=[],
+                    help="BITS:BUDGET,...: also the pages at K/V BITS with per-layer widths calibrated under that KL "
+                         "budget (kv.layer_kl_budget), e.g. 2:0.05")
     ap.add_argument("--llama-cpp-src", default=None, help="llama-cpp-python sdist or llama.cpp directory (the converter)")
     args = ap.parse_args(argv)
     from tasks.config import load_config

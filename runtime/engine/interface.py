@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels.kv_spec import KEY_BASE_WIDTH, packed_size
+from kernels.kv_spec import KEY_BASE_WIDTH, PageQuantSpec, packed_size
 from runtime.engine.backbone_config import BackboneConfig
 from runtime.engine.errors import RefusedInput
 
@@ -267,12 +267,17 @@ def quantized_pages_tensors(num_layers: int, num_kv_heads: int, head_dim: int, b
       pool_value_scale.i  float16 (.., bs, d / group): per token and group of channels
       pool_value_min.i    float16 (.., bs, d / group)
     """
-    nkv, d, bs, groups = num_kv_heads, head_dim, block_size, head_dim // spec["v_group_size"]
-    per_layer = {"key_codes": ("uint8", bs, packed_size(d, spec["k_bits"])), "key_scale": ("uint8", 1, d),
-                 "key_min": ("uint8", 1, d), "key_base": ("float16", 1, KEY_BASE_WIDTH),
-                 "value_codes": ("uint8", bs, packed_size(d, spec["v_bits"])), "value_scale": ("float16", bs, groups),
-                 "value_min": ("float16", bs, groups)}
-    return [TensorSpec(f"pool_{role}.{i}", per_layer[role][0], (SEALED_BLOCKS_AXIS, nkv, *per_layer[role][1:]))
+    pages = PageQuantSpec.from_dict(spec)
+    nkv, d, bs, groups = num_kv_heads, head_dim, block_size, head_dim // pages.v_group_size
+
+    def roles(layer: PageQuantSpec) -> dict:
+        return {"key_codes": ("uint8", bs, packed_size(d, layer.k_bits)), "key_scale": ("uint8", 1, d),
+                "key_min": ("uint8", 1, d), "key_base": ("float16", 1, KEY_BASE_WIDTH),
+                "value_codes": ("uint8", bs, packed_size(d, layer.v_bits)), "value_scale": ("float16", bs, groups),
+                "value_min": ("float16", bs, groups)}
+
+    per_layer = [roles(pages.layer(i)) for i in range(num_layers)]
+    return [TensorSpec(f"pool_{role}.{i}", per_layer[i][role][0], (SEALED_BLOCKS_AXIS, nkv, *per_layer[i][role][1:]))
             for i in range(num_layers) for role in SEALED_ROLES]
 
 

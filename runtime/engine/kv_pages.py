@@ -40,7 +40,7 @@ def page_scheme(iface: EngineInterface) -> PageQuantSpec:
     except (TypeError, ValueError) as err:
         raise InterfaceError(f"the engine's quantized pages {iface.kv_pages} are not a scheme this runtime seals "
                              f"({err}); update the runtime or recompile the engine") from None
-    problems = spec.problems(iface.head_dim)
+    problems = spec.problems(iface.head_dim) + spec.layer_problems(iface.num_layers)
     want = quantized_pages_tensors(iface.num_layers, iface.num_kv_heads, iface.head_dim, iface.kv_block_size, iface.kv_pages)
     if not problems and [t for t in iface.inputs if SEALED_BLOCKS_AXIS in t.shape] != want:
         problems.append("its sealed pools are not the ones this scheme stores (an engine compiled before the keys' "
@@ -322,7 +322,8 @@ class PagesCache:
             for name, new_kv in outputs.items():
                 pool.float.arrays[name][block, :, float_offsets] = new_kv[float_rows, :, float_steps]  # (K, nkv, d)
             for layer in range(len(outputs) // 2 if sealing else 0):
-                pages = seal_pages(staging[f"pool_key.{layer}"], staging[f"pool_value.{layer}"], self.spec)
+                pages = seal_pages(staging[f"pool_key.{layer}"], staging[f"pool_value.{layer}"],
+                                   self.spec.layer(layer))
                 for role, stored in pages.items():
                     pool.sealed.arrays[f"pool_{role}.{layer}"][taken_sealed] = stored
         self.lengths = new

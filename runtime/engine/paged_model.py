@@ -138,7 +138,7 @@ class QuantizedPagesBackbone(nn.Module):
 
     def __init__(self, backbone: nn.Module, spec: PageQuantSpec, block_size: int):
         super().__init__()
-        problems = spec.problems(backbone.cfg.head_dim)
+        problems = spec.problems(backbone.cfg.head_dim) + spec.layer_problems(backbone.cfg.num_layers)
         if problems:
             raise ValueError(f"{spec.name} cannot hold this backbone's heads: " + "; ".join(problems))
         self.backbone, self.spec, self.block_size = backbone, spec, block_size
@@ -157,8 +157,9 @@ class QuantizedPagesBackbone(nn.Module):
             k_codes, k_scale, k_min, k_base, v_codes, v_scale, v_min = (
                 gathered_blocks(p, block_table) for p in sealed_pools[roles * i : roles * (i + 1)])
             k_scale, k_min = key_scale_minimum(k_scale, k_min, k_base)  # (B, nkv, M, 1, d) float32: small beside the codes
-            sealed = PastSegment(M * bs, lambda qg: sealed_key_scores(qg, k_codes, k_scale, k_min, spec.k_bits),
-                                 lambda a: sealed_value_mix(a, v_codes, v_scale, v_min, spec.v_bits))
+            layer = spec.layer(i)  # its widths: calibration may have widened some layers
+            sealed = PastSegment(M * bs, lambda qg: sealed_key_scores(qg, k_codes, k_scale, k_min, layer.k_bits),
+                                 lambda a: sealed_value_mix(a, v_codes, v_scale, v_min, layer.v_bits))
             float_k, float_v = (gathered(p, float_block_table) for p in float_pools[2 * i : 2 * i + 2])  # (B, nkv, F bs, d)
             return [float_segment(float_k, float_v), sealed]
 

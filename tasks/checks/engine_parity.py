@@ -134,8 +134,8 @@ def pages_parity(engine, backbone, tokenizer, prompts: list[str | ChatPrompt]) -
         differing = 0
         for layer in range(iface.num_layers):
             handed = [torch.from_numpy(cache.handed[f"pool_{kv}.{layer}"]) for kv in ("key", "value")]
-            ours = sealed_reference(handed, spec, bs, sealed)
-            theirs = sealed_reference(present[2 * layer : 2 * layer + 2], spec, bs, sealed)
+            ours = sealed_reference(handed, spec.layer(layer), bs, sealed)
+            theirs = sealed_reference(present[2 * layer : 2 * layer + 2], spec.layer(layer), bs, sealed)
             got = {role: stored[f"pool_{role}.{layer}"][0] for role in ours}  # (nkv, S slots, w) each
             counts["sealer_differing"] += sum(bytes_differing(got[role], want) for role, want in ours.items())
             differing += sum(bytes_differing(got[role], want) for role, want in theirs.items())

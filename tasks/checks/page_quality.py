@@ -49,36 +49,53 @@ def sealed_reads(length: int, block_size: int, prefill: int) -> torch.Tensor:
     return (page[None, :] >= 1) & (page[None, :] < page[:, None]) & (position[:, None] >= prefill)
 
 
+PAGED_ROLES = ("keys", "values")
+
+
 @torch.no_grad()
 def page_read_logits(backbone, input_ids: torch.Tensor, spec: PageQuantSpec | None, block_size: int, prefill: int,
-                     lora: tuple = ()) -> torch.Tensor:
+                     lora: tuple = (), paged: dict[int, tuple[str, ...]] | None = None,
+                     start: tuple[int, torch.Tensor] | None = None, inputs: list | None = None,
+                     logit_positions: torch.Tensor | None = None) -> torch.Tensor:
     """Logits (B, T, V) of rows ``input_ids`` (B, T) (no padding: positions 0..T-1) as a device computes them with
     ``spec``'s pages of ``block_size`` tokens, ``prefill`` tokens prefilled in one chunk and the rest decoded one by
-    one. ``spec`` None: the float cache (one plain forward)."""
+    one. ``spec`` None: the float cache (one plain forward).
+
+    For calibration (``tasks.page_widths``): ``paged`` {layer: roles of ``PAGED_ROLES``} reads only those from pages,
+    everything else in float; ``start`` (layer i, its input hidden state) skips the layers before i, whose input a
+    float run recorded into ``inputs`` (one (B, T, D) per layer); ``logit_positions`` (B, K): logits (B, K, V) of
+    those positions only."""
     B, T = input_ids.shape
     cfg = backbone.cfg
     nkv, d = cfg.num_kv_heads, cfg.head_dim
     g = cfg.num_heads // nkv
     x, cos, sin, mask = backbone.prepare(input_ids, torch.arange(T).expand(B, T), torch.ones(B, T, dtype=torch.long), 0)
+    first, x = start if start is not None else (0, x)
     sealed = sealed_reads(T, block_size, prefill)
     sealed = sealed[None].expand(g, T, T).reshape(1, 1, g * T, T)  # Block.forward's GQA fold: g query heads per row
     loras = backbone.layer_loras(tuple(lora), T)
     for i, block in enumerate(backbone.blocks):
+        if i < first:
+            continue
+        if inputs is not None:
+            inputs.append(x)
         q, k, v = block.project_qkv(x, B, T, cos, sin, loras[i])  # (B, nh, T, d), (B, nkv, T, d) x 2
         qg = q.reshape(B, nkv, g * T, d)
-        if spec is None:
+        roles = () if spec is None else PAGED_ROLES if paged is None else paged.get(i, ())
+        if not roles:
             scores = qg @ k.transpose(-1, -2)
             att = torch.softmax(scores * (1.0 / math.sqrt(d)) + mask, dim=-1)
             y = att @ v
         else:
             # Every row's pages at once: read_back takes (heads, n, d), and a page's scales are per head.
             k_read, v_read = (t.reshape(B, nkv, T, d) for t in
-                              read_back(k.reshape(B * nkv, T, d), v.reshape(B * nkv, T, d), spec, block_size))
+                              read_back(k.reshape(B * nkv, T, d), v.reshape(B * nkv, T, d), spec.layer(i), block_size))
+            k_read, v_read = (k_read if "keys" in roles else k), (v_read if "values" in roles else v)
             scores = torch.where(sealed, qg @ k_read.transpose(-1, -2), qg @ k.transpose(-1, -2))
             att = torch.softmax(scores * (1.0 / math.sqrt(d)) + mask, dim=-1)
             y = (att * sealed) @ v_read + (att * ~sealed) @ v
         x = block.finish(x, y, B, T, loras[i])
-    return backbone.head(x, B, T)
+    return backbone.head(x, B, T, logit_positions)
 
 
 @dataclass(frozen=True)
@@ -203,7 +220,7 @@ def greedy_through_pages(backbone, tokenizer, prompts: list[str | ChatPrompt], s
 
 def grid_widths(spec: PageQuantSpec) -> dict[str, PageQuantSpec]:
     """The release's pages and the same pages at every other width of ``GRID_BITS`` (K and V alike), by name."""
-    widths = {bits: replace(spec, k_bits=bits, v_bits=bits) for bits in GRID_BITS}
+    widths = {bits: replace(spec, k_bits=bits, v_bits=bits, layer_bits=()) for bits in GRID_BITS}
     return {"release": spec} | {f"K{b}/V{b}": s for b, s in widths.items() if s != spec}
 
 

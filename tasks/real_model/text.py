@@ -43,6 +43,27 @@ def real_documents(split: str, min_chars: int = 6000) -> list[tuple[str, str]]:
     return [(name, text) for name, text in prose + code if len(text) >= min_chars and _split_of(name) == split]
 
 
+def calibration_windows(model_dir: Path, tokens: int, window: int) -> list[list[int]]:
+    """About ``tokens`` token ids of the calib split under ``model_dir``'s tokenizer, as windows of ``window`` tokens
+    (at most the model's max_position_embeddings), cut from the documents in turn: the text GPTQ
+    (``tasks.stages.compile.weight_calibration_ids``) and the pages' per-layer widths (``tasks.page_widths``) read."""
+    from runtime.engine.model import read_hf_config
+    from tasks.config import StageError
+    from tasks.models import load_tokenizer
+
+    window = min(window, int(read_hf_config(model_dir).get("max_position_embeddings", window)))
+    tokenizer = load_tokenizer(Path(model_dir))
+    docs = [tokenizer(text)["input_ids"] for _, text in real_documents("calib")]
+    windows, depth = [], 0
+    while sum(map(len, windows)) < tokens:
+        cut = [ids[depth:depth + window] for ids in docs if len(ids) >= depth + window]
+        if not cut:
+            raise StageError(f"the calibration text holds fewer than {tokens} tokens in windows of {window}")
+        windows += cut
+        depth += window
+    return windows[: -(-tokens // window)]
+
+
 def write_heldout_text(path: Path, documents: int = 24, min_chars: int = 6000) -> Path:
     """The ``eval`` split as a text corpus: half prose, half code, one document per line."""
     docs = real_documents("eval", min_chars)

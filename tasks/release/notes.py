@@ -134,6 +134,13 @@ def render_release_notes(cfg: ReleaseConfig, root: Path, report: dict, outcome: 
                      + (f" (on the engine: {_lost(on_engine['accuracy_drop'])}, {on_engine['ppl_increase_pct']:+.2f}%)"
                         if on_engine else "")
                      + f"; {kv['bytes_per_token']:,.0f} bytes per token, {kv_size_vs_fp16(kv)}.")
+        widths = kv.get("layer_widths")
+        if widths:
+            wider = [f"{i} K{w['k_bits']}/V{w['v_bits']}" for i, w in widths["layers"].items()
+                     if [w["k_bits"], w["v_bits"]] != [kv["spec"]["k_bits"], kv["spec"]["v_bits"]]]
+            lines.append(f"  Widths per layer calibrated on {widths['tokens']:,} tokens of real text, KL budget "
+                         f"{widths['budget']:.2e} (each layer's keys and values {widths['share']:.2e} alone; summed "
+                         f"{widths['kl_sum']:.2e}): wider in layers {', '.join(wider) or 'none'}.")
     else:
         lines.append("- KV cache: float (not quantized).")
     weights = metrics.get("weights_gate")

@@ -256,7 +256,8 @@ def _checked_pages(model_dir: Path, engine_dir: Path, kv_pages: dict, kv_block_s
         spec = PageQuantSpec.from_dict(dict(kv_pages))
     except (TypeError, ValueError) as err:
         raise CompileError(f"{engine_dir}: {err}") from None
-    problems = spec.problems(read_config(model_dir).head_dim)
+    cfg = read_config(model_dir)
+    problems = spec.problems(cfg.head_dim) + spec.layer_problems(cfg.num_layers)
     problems += ["no kv_block_size (a page is a block of the paged cache)"] if not kv_block_size else []
     if problems:
         raise CompileError(f"{engine_dir}: quantized pages {spec.name}: " + "; ".join(problems))
@@ -280,31 +281,10 @@ def serving_form(engine: EngineConfig, kv: KVConfig, head_dim: int) -> dict:
     return {"kv_block_size": engine.kv_block_size or None, "stacked": engine.mixed_adapters, "kv_pages": pages}
 
 
-# GPTQ's calibration text (``engine.weight_method: gptq``): windows of real prose and code (``tasks.real_model.text``'s
-# calib split: the Python reference's topics and the standard library's sources), never the month's task rows, so
-# the one quantized backbone serves every monthly adapter. The windows are cut from the documents in turn, at most
-# GPTQ_WINDOW tokens each (the model's max_position_embeddings if shorter).
+# GPTQ's calibration text (``engine.weight_method: gptq``): windows of real prose and code
+# (``tasks.real_model.text.calibration_windows``), never the month's task rows, so the one quantized backbone serves
+# every monthly adapter.
 GPTQ_WINDOW = 512
-
-
-def calibration_windows(model_dir: Path, tokens: int, window: int = GPTQ_WINDOW) -> list[list[int]]:
-    """About ``tokens`` token ids of the calib split of ``tasks.real_model.text`` under ``model_dir``'s tokenizer, as
-    windows of ``window`` tokens (at most the model's max_position_embeddings), taken from the documents in turn."""
-    from runtime.engine.model import read_hf_config
-    from tasks.models import load_tokenizer
-    from tasks.real_model.text import real_documents
-
-    window = min(window, int(read_hf_config(model_dir).get("max_position_embeddings", window)))
-    tokenizer = load_tokenizer(Path(model_dir))
-    docs = [tokenizer(text)["input_ids"] for _, text in real_documents("calib")]
-    windows, depth = [], 0
-    while sum(map(len, windows)) < tokens:
-        cut = [ids[depth:depth + window] for ids in docs if len(ids) >= depth + window]
-        if not cut:
-            raise StageError(f"the calibration text holds fewer than {tokens} tokens in windows of {window}")
-        windows += cut
-        depth += window
-    return windows[: -(-tokens // window)]
 
 
 def weight_calibration_ids(cfg: ReleaseConfig) -> list[list[int]] | None:
@@ -312,7 +292,9 @@ def weight_calibration_ids(cfg: ReleaseConfig) -> list[list[int]] | None:
     nearest."""
     if cfg.engine.weight_method != "gptq":
         return None
-    return calibration_windows(Path(cfg.base_model.path), cfg.engine.weight_calibration_tokens)
+    from tasks.real_model.text import calibration_windows
+
+    return calibration_windows(Path(cfg.base_model.path), cfg.engine.weight_calibration_tokens, GPTQ_WINDOW)
 
 
 def compile_profile_engines(cfg: ReleaseConfig) -> dict:
@@ -336,6 +318,15 @@ def compile_profile_engines(cfg: ReleaseConfig) -> dict:
     from runtime.engine.model import read_config
 
     form = serving_form(cfg.engine, cfg.kv, read_config(model_dir).head_dim)
+    if form["kv_pages"] is not None and cfg.kv.layer_kl_budget is not None:
+        from kernels.kv_spec import PageQuantSpec
+        from tasks.page_widths import ensure_layer_widths
+
+        pages, record = ensure_layer_widths(model_dir, layout.engine_dir, PageQuantSpec.from_dict(form["kv_pages"]),
+                                            cfg.engine.kv_block_size, cfg.kv.layer_kl_budget,
+                                            cfg.kv.layer_calibration_tokens)
+        form["kv_pages"] = pages.to_dict()
+        metrics["kv_layer_widths"] = {k: record[k] for k in ("layer_bits", "budget", "share", "kl_sum", "tokens")}
     if cfg.engine.kv_block_size or cfg.engine.mixed_adapters:  # the serving form of that cache
         source = cfg.engine.cache_engine_dir
         serving = compile_engine(model_dir, source, *common, **form)

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Literal
 
 from runtime.engine.latency import percentile
-from runtime.engine.model import read_config
 from runtime.engine.tokenizer import ChatPrompt, encode_prompt
 from tasks.artifacts import atomic_output_dir, write_json
 from tasks.cli import stage_main
@@ -348,6 +347,9 @@ def evaluate(
 
         metrics["kv_cache"] = release_page_quality(release_backbone, tokenizer, test, heldout_sequences(tokenizer, texts),
                                                    pages, page_block_size, cfg.max_new_tokens)
+        widths = layer_widths_summary(engine.dir, pages) if engine is not None else None
+        if widths:
+            metrics["kv_cache"]["layer_widths"] = widths
         on_engine = (metrics.get("adapter_on_engine") or {})
         if "pages_heldout" in on_engine:
             # What the device's pages cost, measured on the device's engine: its greedy answers against float
@@ -385,8 +387,28 @@ def _mixed_storage(engine_dir: Path) -> dict | None:
     return None if mixed is None else {k: mixed[k] for k in ("budget_bits", "bits_per_weight", "options")}
 
 
+def layer_widths_summary(engine_root: Path, pages) -> dict | None:
+    """For the metrics, the release notes and MLflow: the calibration that chose ``pages``' per-layer widths
+    (``tasks.page_widths.LAYER_WIDTHS_FILE`` under ``engine_root``), each layer's widths and what its keys and values
+    cost alone at them; None for one width everywhere."""
+    from tasks.page_widths import LAYER_WIDTHS_FILE
+
+    path = Path(engine_root) / LAYER_WIDTHS_FILE
+    if not pages.layer_bits or not path.exists():
+        return None
+    record = json.loads(path.read_text())
+    if [tuple(pair) for pair in record["layer_bits"]] != list(pages.layer_bits):
+        return None
+    return {"budget": record["budget"], "share": record["share"], "kl_sum": record["kl_sum"], "tokens": record["tokens"],
+            "layers": {str(row["layer"]): {"k_bits": row["k_bits"], "v_bits": row["v_bits"],
+                                           "key_kl": row["key_kl"][str(row["k_bits"])],
+                                           "value_kl": row["value_kl"][str(row["v_bits"])]} for row in record["layers"]}}
+
+
 def run_stage(cfg: ReleaseConfig) -> Path:
     import torch
+
+    from tasks.page_widths import served_pages
 
     torch.set_num_threads(cfg.train.threads)
     return evaluate(
@@ -397,7 +419,7 @@ def run_stage(cfg: ReleaseConfig) -> Path:
         cfg=cfg.eval,
         month=cfg.data.month,
         engine=cfg.engine,
-        pages=cfg.kv.page_spec(read_config(cfg.base_model.path).head_dim) if cfg.kv.enabled else None,
+        pages=served_pages(cfg) if cfg.kv.enabled else None,
         page_block_size=cfg.engine.kv_block_size or DEFAULT_KV_BLOCK_SIZE,
         max_weight_accuracy_drop=cfg.gates.max_weight_accuracy_drop,
         device=cfg.train.device,

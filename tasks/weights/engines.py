@@ -164,7 +164,7 @@ def ensure_quantized_engine(float_dir: Path, out_dir: Path, weights: str, block_
     """``quantize_engine_dir`` unless ``out_dir`` already holds the build for this float engine and
     these settings; written to a temporary sibling and renamed, like the float engine. The LM head
     is quantized too, at ``SERVING_HEAD_BITS``, and the embedding table at ``SERVING_EMBED_BITS``.
-    With ``calibration_ids`` (``tasks.stages.compile.calibration_windows``) by GPTQ, the second moments read on
+    With ``calibration_ids`` (``tasks.real_model.text.calibration_windows``) by GPTQ, the second moments read on
     those tokens from the graph being quantized (its projections' inputs by name); else round to nearest (the
     benchmarks' random-weight backbones, whose codes nobody scores). ``mixed_bits`` (int4 by GPTQ as MatMulNBits
     only: ``mixed_applies``): the body's parts get int4 or int8 under that many stored bits per weight

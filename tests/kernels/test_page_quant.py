@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -206,3 +208,22 @@ def test_a_scheme_is_refused_with_every_problem_named():
         PageQuantSpec.from_dict({"k_bits": 4, "v_bits": 4, "v_group_size": 32, "rotation": "hadamard"})
     assert PageQuantSpec(v_group_size=48).problems(64) == ["v_group_size=48 does not divide head_dim=64"]
     assert PageQuantSpec(v_group_size=4).problems(12) == ["head_dim=12 (codes pack 8 channels at a time: needs a multiple of 8)"]
+
+
+def test_per_layer_widths_give_each_layer_its_own_pages_and_count_their_mean():
+    spec = PageQuantSpec(k_bits=2, v_bits=2).with_layer_bits([(2, 2), (4, 3), (2, 2)])
+    assert [(s.k_bits, s.v_bits) for s in map(spec.layer, range(3))] == [(2, 2), (4, 3), (2, 2)]
+    assert spec.name == "K2/V2 pages g64, 1 of 3 layers wider"
+    # the table travels as JSON and reads back the same; a uniform scheme's dict has no table at all
+    assert spec.to_dict()["layer_bits"] == [[2, 2], [4, 3], [2, 2]]
+    assert PageQuantSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    assert PageQuantSpec(k_bits=2, v_bits=2).with_layer_bits([(2, 2)] * 3) == PageQuantSpec(k_bits=2, v_bits=2)
+    assert "layer_bits" not in PageQuantSpec().to_dict()
+    # stored bits: the mean over layers, each at its own widths
+    layers = [PageQuantSpec(k_bits=k, v_bits=v).stored_bits_per_value(64, 16, 2048) for k, v in [(2, 2), (4, 3), (2, 2)]]
+    assert spec.stored_bits_per_value(64, 16, 2048) == pytest.approx(sum(layers) / 3)
+    with pytest.raises(ValueError, match="a page's bytes depend on its layer"):
+        spec.sealed_page_bytes(64, 16)
+    assert spec.layer_problems(3) == [] and spec.layer_problems(30) == ["layer_bits names 3 layers, the backbone has 30"]
+    with pytest.raises(ValueError, match=r"layer_bits\[1\]=\[4, 5\] is not a \(k_bits, v_bits\) pair"):
+        PageQuantSpec(layer_bits=((4, 4), (4, 5)))

@@ -55,6 +55,11 @@ def spec_of(k_bits: int, v_bits: int) -> PageQuantSpec:
     return PageQuantSpec(k_bits=k_bits, v_bits=v_bits, v_group_size=GROUP)
 
 
+# Per-layer widths, as calibration writes them (``tasks.page_widths``): layer 0 keys at 8 bits and values at 3, layer 1
+# keys at 2 and values at 4. Its pools and its graph's read differ per layer.
+LAYERED = spec_of(2, 2).with_layer_bits([(8, 3), (2, 4)])
+
+
 def compiled(model_dir, engine_dir, spec: PageQuantSpec | None, stacked: bool = False):
     compile_engine(model_dir, engine_dir, max_rank=8, target_modules=TARGETS, kv_block_size=BLOCK, stacked=stacked,
                    kv_pages=None if spec is None else spec.to_dict())
@@ -68,6 +73,7 @@ def engines(tiny_qwen, qwen_adapter, tmp_path_factory):
     root = tmp_path_factory.mktemp("pages")
     dirs = {bits: compiled(tiny_qwen, root / f"k{bits[0]}v{bits[1]}", spec_of(*bits), stacked=bits == (4, 4))
             for bits in WIDTHS}
+    dirs["layered"] = compiled(tiny_qwen, root / "layered", LAYERED)
     dirs["float"] = compiled(tiny_qwen, root / "float", None)
     out = {}
     for name, engine_dir in dirs.items():
@@ -98,7 +104,8 @@ class RecordedKV:
 
 def test_the_engine_stores_the_pytorch_references_codes_and_its_float_pages_as_given(engines, monkeypatch):
     ids = np.random.default_rng(3).integers(0, 96, (2, 75))
-    for bits in WIDTHS:
+    for bits in [*WIDTHS, "layered"]:
+        spec = engines[bits].page_spec
         recorded = RecordedKV(monkeypatch)
         _, cache = engine_run(engines[bits], ids, split=21)  # a prefill across page 1, then one token a step
         stored = cache.to_numpy()
@@ -109,7 +116,7 @@ def test_the_engine_stores_the_pytorch_references_codes_and_its_float_pages_as_g
             for layer in range(2):
                 k, v = (torch.from_numpy(kv[f"pool_{kind}.{layer}"]) for kind in ("key", "value"))  # (nkv, 75, d)
                 pages = [t[:, BLOCK : 4 * BLOCK].unflatten(1, (3, BLOCK)).transpose(0, 1) for t in (k, v)]  # (3, nkv, bs, d)
-                for role, want in seal_packed(*pages, spec_of(*bits)).items():  # (3, nkv, slots, w) -> (nkv, 3 slots, w)
+                for role, want in seal_packed(*pages, spec.layer(layer)).items():  # (3, nkv, slots, w) -> (nkv, 3 slots, w)
                     got = stored[f"pool_{role}.{layer}"][b]
                     assert np.array_equal(got, want.transpose(0, 1).flatten(1, 2).numpy()), (bits, role)
                 for kind, t in (("key", k), ("value", v)):  # float pages: the sink, and the open page (11 tokens)
@@ -207,8 +214,10 @@ def test_the_sink_and_open_pages_are_read_in_float(engines):
     assert [len(b) for b in cache.blocks] == [1, 1]
 
 
-def test_the_engines_logits_are_the_float_backbone_reading_the_references_pages(engines, tiny_qwen, qwen_adapter, monkeypatch):
-    engine = engines[(4, 4)]
+@pytest.mark.parametrize("name", [(4, 4), "layered"])
+def test_the_engines_logits_are_the_float_backbone_reading_the_references_pages(engines, tiny_qwen, qwen_adapter,
+                                                                                monkeypatch, name):
+    engine = engines[name]
     ids = np.random.default_rng(7).integers(0, 96, (1, 70))
     recorded = RecordedKV(monkeypatch)
     got, _ = engine_run(engine, ids, split=12)
@@ -222,7 +231,7 @@ def test_the_engines_logits_are_the_float_backbone_reading_the_references_pages(
         past = []
         for layer in range(2):
             k, v = read_back(*(torch.from_numpy(kv[f"pool_{kind}.{layer}"][:, :t]) for kind in ("key", "value")),
-                             spec_of(4, 4), BLOCK)
+                             engine.page_spec.layer(layer), BLOCK)
             past += [k[None], v[None]]
         with torch.no_grad():
             want, _ = model(torch.from_numpy(ids[:, t : t + 1]), torch.tensor([[t]]), torch.ones(1, t + 1, dtype=torch.long),

@@ -66,7 +66,7 @@ def test_one_forward_of_the_engine_backbone_equals_transformers_on_the_chat_prom
 def test_gptq_on_real_text_beats_round_to_nearest_on_the_real_layers_output_error(real_model_dir):
     from kernels.weight_quant import dequantize_groups, gptq_groups, quantize_groups
     from runtime.engine.model import Block, float_linear
-    from tasks.stages.compile import calibration_windows
+    from tasks.real_model.text import calibration_windows
 
     # Given the checkpoint's middle layer, and the inputs its projections read on calibration text and on other text
     backbone = load_backbone(real_model_dir)

@@ -124,3 +124,18 @@ def test_the_notes_say_how_a_mixed_int4_engine_stores_its_weights(cfg, tmp_path)
     notes = render_release_notes(cfg, tmp_path, gates(True), "published", TRIGGER, None, "deadbeef")
     assert "- Weights int4: accuracy +0.00 points against the float adapter (limit 2.00); perplexity x1.0500." in notes
     assert ("  Stored at 4.60 bits per weight (budget 4.6): parts 60 int4/b128, 80 int4/b64, 70 int8/b64." in notes)
+
+
+def test_the_notes_name_the_layers_whose_kv_widths_calibration_widened(cfg, tmp_path):
+    import json
+
+    metrics = json.loads(cfg.layout.metrics_file.read_text())
+    metrics["kv_cache"] |= {"spec": {"k_bits": 2, "v_bits": 2, "v_group_size": 64, "layer_bits": [[2, 2], [4, 2], [2, 3]]},
+                            "layer_widths": {"budget": 0.06, "share": 0.01, "kl_sum": 0.021, "tokens": 2048,
+                                             "layers": {"0": {"k_bits": 2, "v_bits": 2, "key_kl": 0.004, "value_kl": 0.003},
+                                                        "1": {"k_bits": 4, "v_bits": 2, "key_kl": 0.002, "value_kl": 0.006},
+                                                        "2": {"k_bits": 2, "v_bits": 3, "key_kl": 0.001, "value_kl": 0.005}}}}
+    write(cfg.layout.metrics_file, metrics)
+    notes = render_release_notes(cfg, tmp_path, gates(True), "published", TRIGGER, None, "deadbeef")
+    assert ("  Widths per layer calibrated on 2,048 tokens of real text, KL budget 6.00e-02 (each layer's keys and values "
+            "1.00e-02 alone; summed 2.10e-02): wider in layers 1 K4/V2, 2 K2/V3.") in notes
