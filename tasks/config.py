@@ -193,7 +193,7 @@ class EngineConfig(_Section):
     # int4 by GPTQ only (``tasks.weights.mixed``): the average stored bits per weight of the body's projections; each
     # part (q, k, v, o, gate, up, down of each layer) takes int4 at weight_block_size, a half or a quarter of it, or
     # int8, where its loss (GPTQ's output error weighted by the loss gradient) falls most per bit. null: int4 at
-    # weight_block_size everywhere (4.28 bits at 128).
+    # weight_block_size everywhere (4.28 bits at 128 where the block divides the width; 4.76 on 576 channels).
     weight_mixed_bits: float | None = Field(4.6, ge=4.0, le=8.5)
     # quantized_pages (the served cache) = each full page of the paged cache quantized with its own scales when it
     # fills, the first and the open page float (``kernels.kv_spec.PageQuantSpec``: kv.k_bits, kv.v_bits,
