@@ -2,6 +2,7 @@
 
     python -m bench.quality.real_model_quality --params PROFILE.yaml [--docs 8] [--context 1024] [--score 512]
         [--out bench/results/real_model_quality.json] [--work bench/results/real_model] [--no-llama-cpp] [--kv-only]
+        [--calibrated BITS:BUDGET,...]
 
 Not in CI nor in ``make bench``. ``PROFILE.yaml`` names the real checkpoint (``base_model.path``, e.g.
 ``real-models/SmolLM2-135M-Instruct`` from ``make real-model``) and serves ``engine.kv_cache: quantized_pages``; the
@@ -39,6 +40,9 @@ Rows:
 * the same scheme at the other widths in PyTorch (``kv_read: reference``): quantized pages at 8, 3 and 2 bits through
   ``tasks.checks.page_quality.page_read_logits`` (the decode above in one forward), the shipped width beside them.
   ``kv_bits`` counts every stored byte per value at the row's length (``PageQuantSpec.stored_bits_per_value``);
+* ``--calibrated 2:0.12``: the same read at K2/V2 with the per-layer widths calibration chooses under a KL budget of
+  0.12 (``kv.layer_kl_budget``, ``tasks.page_widths``: on the calib split, cached in ``--work``), its row carrying
+  ``layer_kl_budget`` and the stored bits of those widths;
 * llama.cpp (the ``peer`` extra) at F16 and Q8_0 (its converter, ``convert_hf_to_gguf.py``, from the
   bf16 checkpoint), Q4_0 and Q4_K_M (``llama_model_quantize`` from the F16 file, its defaults: it keeps
   some tensors at other types; ``gguf_tensor_types`` lists them), each with an f16, q8_0 and q4_0 KV
