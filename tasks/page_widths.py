@@ -146,3 +146,19 @@ def served_pages(cfg) -> PageQuantSpec:
     if cfg.engine.kv_cache == "quantized_pages" and cfg.engine.kv_block_size:
         return PageQuantSpec.from_dict(read_interface(cfg.engine.cache_engine_dir).kv_pages)
     return cfg.kv.page_spec(read_config(cfg.base_model.path).head_dim)
+
+
+def widths_summary(engine_root: Path, pages: PageQuantSpec) -> dict | None:
+    """For the metrics, the release notes and MLflow: the calibration that chose ``pages``' per-layer widths
+    (``LAYER_WIDTHS_FILE`` under ``engine_root``), each layer's widths and what its keys and values
+    cost alone at them; None for one width everywhere."""
+    path = Path(engine_root) / LAYER_WIDTHS_FILE
+    if not pages.layer_bits or not path.exists():
+        return None
+    record = json.loads(path.read_text())
+    if [tuple(pair) for pair in record["layer_bits"]] != list(pages.layer_bits):
+        return None
+    return {"budget": record["budget"], "share": record["share"], "kl_sum": record["kl_sum"], "tokens": record["tokens"],
+            "layers": {str(row["layer"]): {"k_bits": row["k_bits"], "v_bits": row["v_bits"],
+                                           "key_kl": row["key_kl"][str(row["k_bits"])],
+                                           "value_kl": row["value_kl"][str(row["v_bits"])]} for row in record["layers"]}}

@@ -347,7 +347,9 @@ def evaluate(
 
         metrics["kv_cache"] = release_page_quality(release_backbone, tokenizer, test, heldout_sequences(tokenizer, texts),
                                                    pages, page_block_size, cfg.max_new_tokens)
-        widths = layer_widths_summary(engine.dir, pages) if engine is not None else None
+        from tasks.page_widths import widths_summary
+
+        widths = widths_summary(engine.dir, pages) if engine is not None else None
         if widths:
             metrics["kv_cache"]["layer_widths"] = widths
         on_engine = (metrics.get("adapter_on_engine") or {})
@@ -385,24 +387,6 @@ def _mixed_storage(engine_dir: Path) -> dict | None:
 
     mixed = json.loads((engine_dir / WEIGHTS_FILE).read_text()).get("mixed")
     return None if mixed is None else {k: mixed[k] for k in ("budget_bits", "bits_per_weight", "options")}
-
-
-def layer_widths_summary(engine_root: Path, pages) -> dict | None:
-    """For the metrics, the release notes and MLflow: the calibration that chose ``pages``' per-layer widths
-    (``tasks.page_widths.LAYER_WIDTHS_FILE`` under ``engine_root``), each layer's widths and what its keys and values
-    cost alone at them; None for one width everywhere."""
-    from tasks.page_widths import LAYER_WIDTHS_FILE
-
-    path = Path(engine_root) / LAYER_WIDTHS_FILE
-    if not pages.layer_bits or not path.exists():
-        return None
-    record = json.loads(path.read_text())
-    if [tuple(pair) for pair in record["layer_bits"]] != list(pages.layer_bits):
-        return None
-    return {"budget": record["budget"], "share": record["share"], "kl_sum": record["kl_sum"], "tokens": record["tokens"],
-            "layers": {str(row["layer"]): {"k_bits": row["k_bits"], "v_bits": row["v_bits"],
-                                           "key_kl": row["key_kl"][str(row["k_bits"])],
-                                           "value_kl": row["value_kl"][str(row["v_bits"])]} for row in record["layers"]}}
 
 
 def run_stage(cfg: ReleaseConfig) -> Path:

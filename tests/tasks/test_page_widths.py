@@ -15,9 +15,8 @@ from runtime.engine.interface import read_interface
 from runtime.engine.model import load_backbone
 from tasks import page_widths
 from tasks.config import parse_config
-from tasks.page_widths import LAYER_WIDTHS_FILE, WIDER, calibrate_layer_widths, role_kl, served_pages
+from tasks.page_widths import LAYER_WIDTHS_FILE, WIDER, calibrate_layer_widths, role_kl, served_pages, widths_summary
 from tasks.stages.compile import compile_profile_engines
-from tasks.stages.evaluate import layer_widths_summary
 
 BLOCK = 16
 
@@ -88,10 +87,10 @@ def test_the_compile_stage_serves_the_widths_calibration_chose_and_reuses_them(w
     assert served_pages(cfg) == PageQuantSpec.from_dict(iface.kv_pages)
     # what the evaluate stage puts in the metrics (and so in MLflow and the release notes): each layer's widths and
     # what its keys and values cost alone at them
-    summary = layer_widths_summary(cfg.engine.dir, served_pages(cfg))
+    summary = widths_summary(cfg.engine.dir, served_pages(cfg))
     assert [[w["k_bits"], w["v_bits"]] for w in summary["layers"].values()] == record["layer_bits"]
     assert summary["layers"]["0"]["key_kl"] == record["layers"][0]["key_kl"][str(record["layer_bits"][0][0])]
-    assert layer_widths_summary(cfg.engine.dir, PageQuantSpec(k_bits=2, v_bits=2, v_group_size=8)) is None
+    assert widths_summary(cfg.engine.dir, PageQuantSpec(k_bits=2, v_bits=2, v_group_size=8)) is None
 
     # a second compile finds the calibration and the engine under their keys: nothing is measured or built again
     monkeypatch.setattr(page_widths, "calibrate_layer_widths", lambda *a, **k: pytest.fail("calibrated again"))
