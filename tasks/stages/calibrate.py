@@ -35,8 +35,11 @@ def run_stage(cfg: ReleaseConfig) -> Path:
 
     pages = cfg.kv.page_spec(read_config(cfg.base_model.path).head_dim)
     return _note(cfg, KV_PAGES_FILE, {"kv_cache": cfg.engine.kv_cache, "pages": pages.to_dict(),
+                                      "layer_kl_budget": cfg.kv.layer_kl_budget,
                                       "why": "quantized pages take each page's scales from its own K/V on the "
-                                             "device: the release ships no KV scales"})
+                                             "device: the release ships no KV scales; per-layer widths "
+                                             "(kv.layer_kl_budget) are chosen once per backbone by the compile "
+                                             "stage (tasks/page_widths.py)"})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ def test_the_stage_notes_the_pages_of_the_release_and_their_group_on_this_backbo
     assert sorted(p.name for p in kv_dir.iterdir()) == [KV_PAGES_FILE]
     note = json.loads((kv_dir / KV_PAGES_FILE).read_text())
     assert note["kv_cache"] == "quantized_pages" and note["pages"] == {"k_bits": 3, "v_bits": 8, "v_group_size": 8}
+    assert note["layer_kl_budget"] is None  # one width everywhere unless the compile stage calibrates per layer
     assert "no KV scales to calibrate: quantized pages take each page's scales" in capsys.readouterr().out
 
 
