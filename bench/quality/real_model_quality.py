@@ -559,7 +559,10 @@ def figures(p: dict) -> list[Figure]:
     text = f"{len(p['documents'])} docs x {p['scored_per_document']} tokens at context {p['context']}"
     rows = [Figure(f"real model ({text}): {r['engine']} {weights_label(r)} weights, {r['kv']} KV ({r.get('kv_read', '-')}): "
                    "Δ perplexity vs ours fp32 float cache", r["ppl_increase_pct"],
-                   f"{r['ppl_increase_pct']:+.2f} % {ci_text(r)}(ppl {r['ppl']:.3f}, KL {r['kl_mean']:.2e})") for r in p["rows"]]
+                   f"{r['ppl_increase_pct']:+.2f} % {ci_text(r)}(ppl {r['ppl']:.3f}, KL {r['kl_mean']:.2e}"
+                   + (f", {r['kv_bits']:.2f} stored bits per KV value" if r.get("kv_bits") is not None else "")
+                   + (f", per-layer widths at KL budget {r['layer_kl_budget']:g}" if r.get("layer_kl_budget") else "") + ")")
+            for r in p["rows"]]
     if p.get("not_measured"):
         rows.append(Figure("real model: rows not measured (time budget spent)", len(p["not_measured"]),
                            "; ".join(p["not_measured"])))
