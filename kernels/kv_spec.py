@@ -58,7 +58,7 @@ class PageQuantSpec:
     # per value at 2,048 tokens (32: 5.24); measured on SmolLM2 (K4/V4, keys on their 8-bit grid): KL to the float
     # cache 4.72e-3 at 64, 4.01e-3 at 32 (keys in fp16), Δppl +0.10% and +0.28% (bench/quality/real_model_quality.py's text).
     v_group_size: int = 64
-    # Per layer (k_bits, v_bits), where calibration widened some layers (``tasks.page_widths``); empty: every layer
+    # Per layer (k_bits, v_bits), where calibration widened some layers (``tasks.checks.page_widths``); empty: every layer
     # at k_bits/v_bits. The widths shape the page pools and the graph's read, so they are compiled into the engine.
     layer_bits: tuple[tuple[int, int], ...] = ()
 

@@ -291,7 +291,7 @@ class KVConfig(_Section):
     k_bits: int = Field(_PAGES.k_bits, ge=2, le=8)
     v_bits: int = Field(_PAGES.v_bits, ge=2, le=8)
     v_group_size: int = Field(_PAGES.v_group_size, ge=1)  # channels per value scale of a sealed page
-    # Per-layer widths (``tasks.page_widths``): the KL to the float cache, per scored token of real text, that the
+    # Per-layer widths (``tasks.checks.page_widths``): the KL to the float cache, per scored token of real text, that the
     # pages may cost summed over layers; each layer's keys and values get an equal share, and one that exceeds it
     # alone gets more bits than k_bits/v_bits. Chosen once per backbone (the widths are compiled into the serving
     # engine) on layer_calibration_tokens tokens of real prose and code. null: every layer at k_bits/v_bits.

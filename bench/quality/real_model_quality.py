@@ -41,7 +41,7 @@ Rows:
   ``tasks.checks.page_quality.page_read_logits`` (the decode above in one forward), the shipped width beside them.
   ``kv_bits`` counts every stored byte per value at the row's length (``PageQuantSpec.stored_bits_per_value``);
 * ``--calibrated 2:0.12``: the same read at K2/V2 with the per-layer widths calibration chooses under a KL budget of
-  0.12 (``kv.layer_kl_budget``, ``tasks.page_widths``: on the calib split, cached in ``--work``), its row carrying
+  0.12 (``kv.layer_kl_budget``, ``tasks.checks.page_widths``: on the calib split, cached in ``--work``), its row carrying
   ``layer_kl_budget`` and the stored bits of those widths;
 * llama.cpp (the ``peer`` extra) at F16 and Q8_0 (its converter, ``convert_hf_to_gguf.py``, from the
   bf16 checkpoint), Q4_0 and Q4_K_M (``llama_model_quantize`` from the F16 file, its defaults: it keeps
@@ -484,21 +484,23 @@ def measure_other_widths(run: QualityRun, cfg, engines: dict[str, Path], base: B
 
 
 def calibrated_widths(cfg, work: Path, spec, block_size: int, budget: float):
-    """``spec`` with the per-layer widths calibration chooses under ``budget`` (``tasks.page_widths``, on the calib
+    """``spec`` with the per-layer widths calibration chooses under ``budget`` (``tasks.checks.page_widths``, on the calib
     split: never the eval documents), cached in ``work``."""
-    from tasks.page_widths import ensure_layer_widths
+    from tasks.checks.page_widths import CALIBRATION_WINDOW, ensure_layer_widths
+    from tasks.real_model.text import calibration_windows
 
     cache = work / "kv_widths" / f"K{spec.k_bits}V{spec.v_bits}-{budget:g}"
-    return ensure_layer_widths(Path(cfg.base_model.path), cache, spec, block_size, budget,
-                               cfg.kv.layer_calibration_tokens)[0]
+    model_dir = Path(cfg.base_model.path)
+    windows = calibration_windows(model_dir, cfg.kv.layer_calibration_tokens, CALIBRATION_WINDOW)
+    return ensure_layer_widths(model_dir, cache, spec, block_size, budget, windows)[0]
 
 
 def measure(args, cfg) -> dict:
     import torch
 
     from runtime.engine.model import read_config
+    from tasks.checks.page_widths import served_pages
     from tasks.models import load_tokenizer
-    from tasks.page_widths import served_pages
     from tasks.stages.compile import compile_profile_engines, weight_calibration_ids
 
     model_dir = Path(cfg.base_model.path)

@@ -61,7 +61,7 @@ def page_read_logits(backbone, input_ids: torch.Tensor, spec: PageQuantSpec | No
     ``spec``'s pages of ``block_size`` tokens, ``prefill`` tokens prefilled in one chunk and the rest decoded one by
     one. ``spec`` None: the float cache (one plain forward).
 
-    For calibration (``tasks.page_widths``): ``paged`` {layer: roles of ``PAGED_ROLES``} reads only those from pages,
+    For calibration (``tasks.checks.page_widths``): ``paged`` {layer: roles of ``PAGED_ROLES``} reads only those from pages,
     everything else in float; ``start`` (layer i, its input hidden state) skips the layers before i, whose input a
     float run recorded into ``inputs`` (one (B, T, D) per layer); ``logit_positions`` (B, K): logits (B, K, V) of
     those positions only."""

@@ -46,7 +46,7 @@ def real_documents(split: str, min_chars: int = 6000) -> list[tuple[str, str]]:
 def calibration_windows(model_dir: Path, tokens: int, window: int) -> list[list[int]]:
     """About ``tokens`` token ids of the calib split under ``model_dir``'s tokenizer, as windows of ``window`` tokens
     (at most the model's max_position_embeddings), cut from the documents in turn: the text GPTQ
-    (``tasks.stages.compile.weight_calibration_ids``) and the pages' per-layer widths (``tasks.page_widths``) read."""
+    (``tasks.stages.compile.weight_calibration_ids``) and the pages' per-layer widths (``tasks.checks.page_widths``) read."""
     from runtime.engine.model import read_hf_config
     from tasks.config import StageError
     from tasks.models import load_tokenizer

@@ -39,7 +39,7 @@ def run_stage(cfg: ReleaseConfig) -> Path:
                                       "why": "quantized pages take each page's scales from its own K/V on the "
                                              "device: the release ships no KV scales; per-layer widths "
                                              "(kv.layer_kl_budget) are chosen once per backbone by the compile "
-                                             "stage (tasks/page_widths.py)"})
+                                             "stage (tasks/checks/page_widths.py)"})
 
 
 def main(argv: list[str] | None = None) -> int:

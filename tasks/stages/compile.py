@@ -320,11 +320,12 @@ def compile_profile_engines(cfg: ReleaseConfig) -> dict:
     form = serving_form(cfg.engine, cfg.kv, read_config(model_dir).head_dim)
     if form["kv_pages"] is not None and cfg.kv.layer_kl_budget is not None:
         from kernels.kv_spec import PageQuantSpec
-        from tasks.page_widths import ensure_layer_widths
+        from tasks.checks.page_widths import CALIBRATION_WINDOW, ensure_layer_widths
+        from tasks.real_model.text import calibration_windows
 
+        windows = calibration_windows(model_dir, cfg.kv.layer_calibration_tokens, CALIBRATION_WINDOW)
         pages, record = ensure_layer_widths(model_dir, layout.engine_dir, PageQuantSpec.from_dict(form["kv_pages"]),
-                                            cfg.engine.kv_block_size, cfg.kv.layer_kl_budget,
-                                            cfg.kv.layer_calibration_tokens)
+                                            cfg.engine.kv_block_size, cfg.kv.layer_kl_budget, windows)
         form["kv_pages"] = pages.to_dict()
         metrics["kv_layer_widths"] = {k: record[k] for k in ("layer_bits", "budget", "share", "kl_sum", "tokens")}
     if cfg.engine.kv_block_size or cfg.engine.mixed_adapters:  # the serving form of that cache

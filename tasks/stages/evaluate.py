@@ -347,7 +347,7 @@ def evaluate(
 
         metrics["kv_cache"] = release_page_quality(release_backbone, tokenizer, test, heldout_sequences(tokenizer, texts),
                                                    pages, page_block_size, cfg.max_new_tokens)
-        from tasks.page_widths import widths_summary
+        from tasks.checks.page_widths import widths_summary
 
         widths = widths_summary(engine.dir, pages) if engine is not None else None
         if widths:
@@ -392,7 +392,7 @@ def _mixed_storage(engine_dir: Path) -> dict | None:
 def run_stage(cfg: ReleaseConfig) -> Path:
     import torch
 
-    from tasks.page_widths import served_pages
+    from tasks.checks.page_widths import served_pages
 
     torch.set_num_threads(cfg.train.threads)
     return evaluate(

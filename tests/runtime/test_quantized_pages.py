@@ -55,7 +55,7 @@ def spec_of(k_bits: int, v_bits: int) -> PageQuantSpec:
     return PageQuantSpec(k_bits=k_bits, v_bits=v_bits, v_group_size=GROUP)
 
 
-# Per-layer widths, as calibration writes them (``tasks.page_widths``): layer 0 keys at 8 bits and values at 3, layer 1
+# Per-layer widths, as calibration writes them (``tasks.checks.page_widths``): layer 0 keys at 8 bits and values at 3, layer 1
 # keys at 2 and values at 4. Its pools and its graph's read differ per layer.
 LAYERED = spec_of(2, 2).with_layer_bits([(8, 3), (2, 4)])
 

@@ -1,4 +1,4 @@
-"""Per-layer widths of the quantized pages (``kv.layer_kl_budget``, ``tasks.page_widths``): calibration widens exactly
+"""Per-layer widths of the quantized pages (``kv.layer_kl_budget``, ``tasks.checks.page_widths``): calibration widens exactly
 the layers' keys and values that cost more than their share of the budget, the compile stage builds the serving
 engine with the widths it chose and reuses them, and the evaluate stage measures the pages the engine serves."""
 
@@ -13,9 +13,16 @@ from engine_testkit import tiny_qwen  # noqa: F401  (fixture)
 from kernels.kv_spec import PageQuantSpec, packed_size
 from runtime.engine.interface import read_interface
 from runtime.engine.model import load_backbone
-from tasks import page_widths
+from tasks.checks import page_widths
+from tasks.checks.page_widths import (
+    LAYER_WIDTHS_FILE,
+    WIDER,
+    calibrate_layer_widths,
+    role_kl,
+    served_pages,
+    widths_summary,
+)
 from tasks.config import parse_config
-from tasks.page_widths import LAYER_WIDTHS_FILE, WIDER, calibrate_layer_widths, role_kl, served_pages, widths_summary
 from tasks.stages.compile import compile_profile_engines
 
 BLOCK = 16

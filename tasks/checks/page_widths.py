@@ -115,15 +115,13 @@ def widths_key(backbone_hash: str, spec: PageQuantSpec, block_size: int, budget:
 
 
 def ensure_layer_widths(model_dir: Path, cache_dir: Path, spec: PageQuantSpec, block_size: int, budget: float,
-                        tokens: int) -> tuple[PageQuantSpec, dict]:
+                        windows: list[list[int]]) -> tuple[PageQuantSpec, dict]:
     """``spec`` with the per-layer widths calibration chooses for ``model_dir``'s backbone under ``budget``, and the
-    record; calibrated on ``tokens`` tokens of the calib split (``tasks.real_model.text.calibration_windows``), or
-    read from ``cache_dir / LAYER_WIDTHS_FILE`` where the same key was calibrated before."""
+    record; calibrated on ``windows`` (token ids of real text: ``tasks.real_model.text.calibration_windows``), or read from ``cache_dir /
+    LAYER_WIDTHS_FILE`` where the same key was calibrated before."""
     from runtime.engine.hashing import backbone_hash
     from runtime.engine.model import load_backbone
-    from tasks.real_model.text import calibration_windows
 
-    windows = calibration_windows(model_dir, tokens, CALIBRATION_WINDOW)
     key = widths_key(backbone_hash(model_dir), spec, block_size, budget, windows)
     path = Path(cache_dir) / LAYER_WIDTHS_FILE
     if path.exists() and (record := json.loads(path.read_text())).get("key") == key:
