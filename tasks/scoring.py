@@ -22,6 +22,12 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
+def kl_sum(ref_logp, logp) -> float:
+    """Sum over positions of KL(reference || these) of log-probabilities (n, V), numpy arrays or CPU tensors."""
+    ref, logp = np.asarray(ref_logp, dtype=np.float64), np.asarray(logp, dtype=np.float64)
+    return float((np.exp(ref) * (ref - logp)).sum())
+
+
 def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int,
                        desc: str = "greedy decode") -> list[str]:
     """Greedy-decode each prompt (left-padded batches) and return the text before the first of the

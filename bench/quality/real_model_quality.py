@@ -79,7 +79,7 @@ from bench.lib.real_checkpoint import real_documents, served_engine
 from bench.lib.report import RESULTS, Figure, write_report
 from bench.lib.tables import table
 from runtime.engine.interface import CACHE_KEY_FILE
-from tasks.scoring import log_softmax
+from tasks.scoring import kl_sum, log_softmax
 
 ROW_KEYS = ("engine", "weights", "kv", "ppl", "ppl_increase_pct", "kl_mean")  # every row has these (issue 25)
 LLAMA_KV_TYPES = ("f16", "q8_0", "q4_0")
@@ -104,8 +104,7 @@ def score_logits(ref_logp: np.ndarray, logits: np.ndarray, targets: np.ndarray) 
     logp = log_softmax(logits)
     n = len(targets)
     nll = -float(logp[np.arange(n), targets].sum())
-    kl = float((np.exp(ref_logp) * (ref_logp - logp)).sum())
-    return nll, kl, n
+    return nll, kl_sum(ref_logp, logp), n
 
 
 def bootstrap_ppl_increase(doc_nll: list[float], ref_doc_nll: list[float], doc_tokens: list[int],

@@ -29,6 +29,7 @@ from kernels.kv_spec import PageQuantSpec
 from kernels.page_quant import read_back
 from runtime.engine.kv_pages import PagesCache
 from runtime.engine.tokenizer import ChatPrompt, encode_prompt, until_stop
+from tasks.scoring import kl_sum
 
 GRID_BITS = (8, 4, 3, 2)  # the widths the release's evaluation also measures (K and V alike), for the plot
 
@@ -114,7 +115,7 @@ def _document_score(float_logits: torch.Tensor, logits: torch.Tensor, targets: t
     cache's log-probabilities)."""
     float_logp, logp = (torch.log_softmax(x.double(), -1) for x in (float_logits, logits))
     at = torch.arange(len(targets))
-    kl = float((float_logp.exp() * (float_logp - logp)).sum())
+    kl = kl_sum(float_logp, logp)
     return DocumentScore(-float(float_logp[at, targets].sum()), -float(logp[at, targets].sum()), kl, len(targets)), float_logp
 
 

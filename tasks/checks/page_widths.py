@@ -28,6 +28,7 @@ import torch
 from kernels.kv_spec import PAGE_BITS, PageQuantSpec
 from tasks.artifacts import write_json
 from tasks.checks.page_quality import PAGED_ROLES, page_read_logits
+from tasks.scoring import kl_sum
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def role_kl(backbone, runs: list[tuple], spec: PageQuantSpec, block_size: int, l
         logits = page_read_logits(backbone, x, pages, block_size, prefill, paged={layer: (role,)},
                                   start=(layer, inputs[layer]), logit_positions=scored(x.shape[1], prefill))[0]
         logp = torch.log_softmax(logits.double(), -1)
-        total += float((float_logp.exp() * (float_logp - logp)).sum())
+        total += kl_sum(float_logp, logp)
         tokens += len(logp)
     return total / tokens
 
