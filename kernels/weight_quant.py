@@ -28,6 +28,16 @@ CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 # SmolLM2-135M's layers 3, 15 and 26 (int4, groups of 64, inputs of 8k tokens of real text, error on text GPTQ did
 # not see) the output error against round to nearest was 0.446x at 0.1 and 0.475x at 0.01.
 GPTQ_DAMP = 0.1
+# Input channels per quantization group, per width, where ``engine.weight_block_size`` leaves it to the width
+# (MatMulNBits' ``block_size``).
+# int4: 128 instead of 32 (measured on 2 cores, 0.5B width, ORT 1.32, one interleaved run): decode at past 512
+# 3.24 -> 2.59 ms, prefill of 128 107 -> 80 ms (fewer scales to read and apply); GPTQ and the mixed plan
+# (``tasks.weights.mixed``, which also takes 64 and 32 where they pay) recover the quality.
+# int8: 32. Its error is not the weights' but the activations': level 4 rounds them to int8 per block of the
+# weight's block size. On SmolLM2 (4,096 tokens, docs/engine.md) block 32 costs +0.18% perplexity against
+# +0.72-0.87% at 128, for 1.08-1.10x the decode time and 1.21x the prefill time at the 0.5B width (2026-12-07,
+# ``python -m bench.engine.weight_quant_bench --configs 0.5b-width --variants int8,int8_b128``).
+DEFAULT_BLOCK_SIZES = {"int8": 32, "int4": 128}
 
 
 def _grid(w, bits: int, symmetric: bool, ratio=1.0):

@@ -20,6 +20,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kernels.kv_spec import PAGE_BITS, PageQuantSpec
+from kernels.weight_quant import DEFAULT_BLOCK_SIZES
 from runtime.release.contract import DEFAULT_PRODUCT, check_product
 from tasks.layout import BASE_MODEL_STAGE_DIR, KV_PAGES_ENGINE, PAGED_ENGINE, STACKED_ENGINE, ArtifactLayout
 
@@ -184,7 +185,9 @@ class EngineConfig(_Section):
     parity_max_logit_error: float = Field(PARITY_MAX_LOGIT_ERROR, gt=0)
     parity_max_kl: float = Field(PARITY_MAX_KL, gt=0)
     weights: Literal["fp32", "int8", "int4"] = "fp32"
-    weight_block_size: int = Field(128, ge=16, le=4096)
+    # Input channels per int8/int4 scale; null: each width's own (``kernels.weight_quant.DEFAULT_BLOCK_SIZES``: int8 32,
+    # int4 128), read through ``weight_block``.
+    weight_block_size: int | None = Field(None, ge=16, le=4096)
     # How int8/int4 codes are chosen (``tasks.weights.engines``): gptq = GPTQ on weight_calibration_tokens tokens of
     # real prose and code (each column's rounding error spread over the columns after it, by the inverse of the
     # calibration's second moments), once per backbone and cached with the engine; rtn = round to nearest.
@@ -248,10 +251,15 @@ class EngineConfig(_Section):
                              "v_bits and v_group_size) or float")
         return v
 
+    def weight_block(self, weights: str | None = None) -> int:
+        """Input channels per scale of ``weights`` (int8 or int4; default ``weights``): ``weight_block_size``, or the
+        width's own block when it is null."""
+        return self.weight_block_size or DEFAULT_BLOCK_SIZES[weights or self.weights]
+
     @field_validator("weight_block_size")
     @classmethod
-    def _block_is_power_of_two(cls, v: int) -> int:
-        if v & (v - 1):
+    def _block_is_power_of_two(cls, v: int | None) -> int | None:
+        if v is not None and v & (v - 1):
             raise ValueError(f"must be a power of two (MatMulNBits), got {v}")
         return v
 

@@ -8,7 +8,7 @@ Not part of CI nor of ``make bench``. Per config of ``bench.lib.backbones.WEIGHT
 default widths and the Qwen2-0.5B widths with 6 layers, both vocabulary 512):
 
 * the random-weight Hugging Face backbone and LoRA adapter of ``bench.lib.backbones``, and our
-  engines fp32 / int8 / int4 (ONNX Runtime, ``MatMulNBits`` RTN at the release's block size, adapter
+  engines fp32 / int8 / int4 (ONNX Runtime, ``MatMulNBits`` RTN at each width's release block size, adapter
   bound as inputs) and int8 / int4 with the adapter merged into the weights before quantizing
   (``_merged``), built by ``bench.lib.backbones.build_weight_variants``;
 * the *same* backbone directory converted to GGUF with the converter that the llama-cpp-python
@@ -88,8 +88,8 @@ from bench.lib.llama_cpp_peer import (
 from bench.lib.report import RESULTS, Figure, write_report
 from bench.lib.tables import table
 from bench.lib.timing import engine_steps, interleaved
+from kernels.weight_quant import DEFAULT_BLOCK_SIZES
 from runtime.engine.interface import ENGINE_ONNX
-from tasks.weights.graph import DEFAULT_BLOCK_SIZE
 
 ORT_VARIANTS = ("fp32", "int8", "int4", "int8_merged", "int4_merged")  # _merged: the adapter folded into the weights
 GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0")
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "batch": 1, "threads": args.threads, "iters": args.iters, "pasts": pasts, "prefill": PREFILL,
         "flash_attn": args.flash_attn, "llama_cpp_kv_type": "f16", "ort_kv_type": "fp32",
-        "ort_variants": list(ORT_VARIANTS), "block_size": DEFAULT_BLOCK_SIZE,
+        "ort_variants": list(ORT_VARIANTS), "block_sizes": DEFAULT_BLOCK_SIZES,
         "gguf_types": list(GGUF_TYPES) + [f"{t}_lora" for t in LORA_GGUF_TYPES], "pre_tokenizer_fallback": PRE_TOKENIZER,
         "weight_bytes_rule": "stored weight tensors except the token embedding (gathered, not streamed); "
                              "ORT: initializers not read only by Gather + bound LoRA inputs; GGUF: tensors but token_embd.weight",

@@ -163,7 +163,7 @@ def pages_engines(shape: str, weights: str, block: int, threads: int, root: Path
         compile_engine(model_dir, engine_dir, RANK, TARGETS, ort_threads=threads, kv_block_size=block, kv_pages=pages)
         if weights != "fp32":
             engine_dir = Path(ensure_quantized_engine(engine_dir, root / f"engine-{i}-{weights}", weights,
-                                                      engine_cfg.weight_block_size, engine_cfg.weights_format())["weights_dir"])
+                                                      engine_cfg.weight_block(weights), engine_cfg.weights_format())["weights_dir"])
         engine = OrtEngine(engine_dir, threads=threads)
         engine.set_adapter(load_adapter(adapter_dir, engine.interface))
         engines[name] = engine

@@ -137,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     pages_dir = cfg.engine.cache_engine_dir
     dirs = {"fp32": pages_dir}
     for weights in OUR_WEIGHTS[1:]:
-        dirs[weights] = work / f"{pages_dir.name}-{weights}-b{cfg.engine.weight_block_size}"
-        ensure_quantized_engine(pages_dir, dirs[weights], weights, cfg.engine.weight_block_size, cfg.engine.weights_format(),
+        block = cfg.engine.weight_block(weights)
+        dirs[weights] = work / f"{pages_dir.name}-{weights}-b{block}"
+        ensure_quantized_engine(pages_dir, dirs[weights], weights, block, cfg.engine.weights_format(),
                                 weight_calibration_ids(cfg), threads=args.threads, mixed_bits=cfg.engine.weight_mixed_bits,
                                 model_dir=model_dir)
     ours = {f"ours_{w}_kv4": served_engine(d, args.threads) for w, d in dirs.items()}
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     write_report(args.out, {
         "model": cfg.base_model.path, "batch": 1, "threads": args.threads, "iters": args.iters, "rounds": args.rounds, "pasts": pasts,
         "kv_pages": cfg.kv.page_spec(backbone_cfg.head_dim).to_dict(), "kv_block_size": cfg.engine.kv_block_size,
-        "weight_block_size": cfg.engine.weight_block_size, "flash_attn": True,
+        "weight_block_size": {w: cfg.engine.weight_block(w) for w in OUR_WEIGHTS[1:]}, "flash_attn": True,
         "rows": rows, "comparisons": comparisons, "served_engine": served, "served_p95_ms": p95,
         "gguf_files": {t: str(p) for t, p in ggufs.items()},
         "versions": {"llama_cpp_python": llama_cpp.__version__, "torch": torch.__version__,

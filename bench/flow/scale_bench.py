@@ -215,7 +215,7 @@ def serving_dirs(project: Path, cfg) -> dict:
 
     float_dir = project / cfg.engine.cache_engine_dir
     dirs = {"fp32": float_dir, "int4": project / cfg.layout.serving_engine_dir}
-    ensure_quantized_engine(float_dir, Path(f"{float_dir}-int8"), "int8", cfg.engine.weight_block_size)
+    ensure_quantized_engine(float_dir, Path(f"{float_dir}-int8"), "int8", cfg.engine.weight_block("int8"))
     dirs["int8"] = Path(f"{float_dir}-int8")
     served_head = json.loads((dirs["int4"] / WEIGHTS_FILE).read_text()).get("head_bits")  # None: fp32
     for head in HEAD_BITS:
@@ -223,7 +223,7 @@ def serving_dirs(project: Path, cfg) -> dict:
             out = Path(f"{float_dir}-int4-head{head or 32}")
             if not (out / CACHE_KEY_FILE).exists():
                 keep = ("lm_head", "embed") if head is None else ("embed",)
-                quantize_engine_dir(float_dir, out, "int4", cfg.engine.weight_block_size, keep=keep, head_bits=head)
+                quantize_engine_dir(float_dir, out, "int4", cfg.engine.weight_block("int4"), keep=keep, head_bits=head)
             dirs[f"int4_head{head or 32}"] = out
     return dirs, served_head
 

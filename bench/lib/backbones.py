@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 
 from bench.lib.report import REPO
+from kernels.weight_quant import DEFAULT_BLOCK_SIZES
 from runtime.engine.interface import ENGINE_ONNX
-from tasks.weights.graph import DEFAULT_BLOCK_SIZE
 
 SHAPES = {
     # The default backbone of the foundation issue.
@@ -26,21 +26,21 @@ SHAPES = {
 WEIGHT_QUANT_SHAPES = SHAPES | {"0.5b-width": SHAPES["0.5b-width"] | {"num_hidden_layers": 6}}
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 RANK, ALPHA = 8, 16.0
-_B = DEFAULT_BLOCK_SIZE  # the release's block size, shorthand for the table below
+_B4, _B8 = DEFAULT_BLOCK_SIZES["int4"], DEFAULT_BLOCK_SIZES["int8"]  # each width's release block, for the table below
 # name -> (weights, fold_norms, accuracy_level, merged LoRA, block size)
 WEIGHT_VARIANTS = {
-    "fp32": ("fp32", False, 0, False, _B),
-    "fp32_merged": ("fp32", False, 0, True, _B),
-    "int8": ("int8", False, 4, False, _B),
-    "int8_merged": ("int8", False, 4, True, _B),
-    "int8_b32": ("int8", False, 4, False, 32),
-    "int8_acc0": ("int8", False, 0, False, _B),
-    "int4": ("int4", False, 4, False, _B),
-    "int4_merged": ("int4", False, 4, True, _B),
+    "fp32": ("fp32", False, 0, False, _B4),
+    "fp32_merged": ("fp32", False, 0, True, _B4),
+    "int8": ("int8", False, 4, False, _B8),
+    "int8_merged": ("int8", False, 4, True, _B8),
+    "int8_b128": ("int8", False, 4, False, 128),
+    "int8_acc0": ("int8", False, 0, False, _B8),
+    "int4": ("int4", False, 4, False, _B4),
+    "int4_merged": ("int4", False, 4, True, _B4),
     "int4_b32": ("int4", False, 4, False, 32),
     "int4_b64": ("int4", False, 4, False, 64),
-    "int4_acc0": ("int4", False, 0, False, _B),
-    "int4_fold": ("int4", True, 4, False, _B),
+    "int4_acc0": ("int4", False, 0, False, _B4),
+    "int4_fold": ("int4", True, 4, False, _B4),
 }
 # Qwen2-0.5B's config.json, but the weights are random (no model hub here): 494,032,768 parameters,
 # 988 MB in bf16 with the LM head tied to the embedding table.

@@ -179,7 +179,7 @@ def int4_serving_engine(base: Path, export: Path, out: Path, threads: int, kv_ca
     engine_cfg = EngineConfig(weights="int4", kv_cache=kv_cache)
     compile_engine(base, export, INT4_WORLD_RANK, engine_cfg.target_modules, ort_threads=threads,
                    **serving_form(engine_cfg, KVConfig(), read_config(base).head_dim) | form)
-    ensure_quantized_engine(export, out, engine_cfg.weights, engine_cfg.weight_block_size, engine_cfg.weights_format())
+    ensure_quantized_engine(export, out, engine_cfg.weights, engine_cfg.weight_block(), engine_cfg.weights_format())
     return out
 
 

@@ -30,10 +30,10 @@ cache type alone costs), with its interval. Rows with a KV cache carry ``k_bits`
 stored bits per value at the row's length, everything counted) and ``served`` (the scheme the profile's engine serves).
 
 Rows:
-* ours, weights fp32 / int8 / int4 (the serving recipe: MatMulNBits at ``engine.weight_block_size``, LM head and
+* ours, weights fp32 / int8 / int4 (the serving recipe: MatMulNBits at ``engine.weight_block``, LM head and
   embedding int8, codes by ``engine.weight_method``: GPTQ on the calib split by default, int4 mixed under
   ``engine.weight_mixed_bits``) with the float cache, int4 uniform at the served block beside it (``int4/uniform``), by
-  round to nearest (``int4/rtn``), with a 4-bit LM head, and at other block sizes (below); each
+  round to nearest (``int4/rtn``), with a 4-bit LM head, and at other block sizes (below; int8 too, ``int8/b128``); each
   row carries ``method`` and ``bits_per_weight`` (codes, scales and zero points over the quantized parameters);
 * ours, the served KV cache, run by ONNX Runtime (``kv_read: engine``): the serving engine's quantized pages
   (``kernels.kv_spec.PageQuantSpec``, sealed by the runtime as the pages fill);
@@ -86,6 +86,7 @@ LLAMA_KV_TYPES = ("f16", "q8_0", "q4_0")
 LLAMA_KV_BITS = {"f16": 16.0, "q8_0": 8.5, "q4_0": 4.5}  # stored bits per value: blocks of 32 with one fp16 scale
 LLAMA_KV_WIDTH = {"f16": 16, "q8_0": 8, "q4_0": 4}
 INT4_BLOCKS = (32, 64, 256)  # besides the served block size: aligned with the Q4_1 grid, 4.56 bits, and coarser
+INT8_BLOCKS = (32, 64, 128)  # besides the served one: what int8 compute's activation rounding per block costs
 WEIGHT_GRID_NOTE = ("the checkpoint's weights sit on a Q4_1 grid (blocks of 32; make real-model dequantizes a Q4_1 "
                     "GGUF): 8-bit weights are near lossless on it, and a 4-bit quantizer with blocks aligned to it "
                     "looks better than on a float checkpoint; MatMulNBits takes power-of-two blocks only, so int4 is "
@@ -195,11 +196,12 @@ def kv_bits(spec, cfg, context_len: int, block_size: int) -> float:
     return spec.stored_bits_per_value(cfg.head_dim, block_size, context_len)
 
 
-def weight_engines(float_dir: Path, work: Path, block_size: int, calibration_ids: list[list[int]] | None,
+def weight_engines(float_dir: Path, work: Path, blocks: dict[str, int], calibration_ids: list[list[int]] | None,
                    threads: int, mixed_bits: float | None = None, model_dir: Path | None = None) -> dict[str, Path]:
-    """The float engine and its int8 / int4 copies, the serving recipe (LM head and embedding int8; GPTQ on
-    ``calibration_ids`` when the profile's ``engine.weight_method`` is gptq, else round to nearest; int4 mixed under
-    ``mixed_bits``, ``tasks.weights.mixed``), int4 also at ``INT4_BLOCKS``, with a 4-bit LM head, by round to nearest
+    """The float engine and its int8 / int4 copies at their served ``blocks`` ({"int8": 32, "int4": 128}), the
+    serving recipe (LM head and embedding int8; GPTQ on ``calibration_ids`` when the profile's ``engine.weight_method``
+    is gptq, else round to nearest; int4 mixed under ``mixed_bits``, ``tasks.weights.mixed``), int8 also at the other
+    ``INT8_BLOCKS`` (``int8/b128``), int4 also at ``INT4_BLOCKS``, with a 4-bit LM head, by round to nearest
     (``int4/rtn``: what the calibration is worth) and, beside a mixed int4, uniform at the served block
     (``int4/uniform``: what the mix is worth)."""
     from tasks.artifacts import atomic_output_dir
@@ -214,11 +216,14 @@ def weight_engines(float_dir: Path, work: Path, block_size: int, calibration_ids
     from tasks.weights.graph import calibrate_activations
 
     dirs = {"fp32": float_dir}
-    for weights in ("int8", "int4"):
-        out = work / f"{weights}-b{block_size}"
-        ensure_quantized_engine(float_dir, out, weights, block_size, calibration_ids=calibration_ids, threads=threads,
+    served = [("int8", "int8", blocks["int8"]), ("int4", "int4", blocks["int4"])]
+    int8_others = [(f"int8/b{block}", "int8", block) for block in INT8_BLOCKS if block != blocks["int8"]]
+    for name, weights, block in served + int8_others:
+        out = work / f"{weights}-b{block}"
+        ensure_quantized_engine(float_dir, out, weights, block, calibration_ids=calibration_ids, threads=threads,
                                 mixed_bits=mixed_bits, model_dir=model_dir)
-        dirs[weights] = out
+        dirs[name] = out
+    block_size = blocks["int4"]
     calibrated = calibration_ids is not None
     variants = {f"int4/b{block}": (block, SERVING_HEAD_BITS, calibrated) for block in INT4_BLOCKS}
     variants["int4/head4"] = (block_size, 4, calibrated)  # the served int4 engine with its LM head at 4 bits too
@@ -469,6 +474,8 @@ def measure_other_widths(run: QualityRun, cfg, engines: dict[str, Path], base: B
 
     for block in () if kv_only else INT4_BLOCKS[1:]:
         weight_row(run, engines, f"int4/b{block}", threads)
+    for name in () if kv_only else [n for n in engines if n.startswith("int8/")]:
+        weight_row(run, engines, name, threads)
     source = graph_source_hash() + build_key(cfg.layout.engine_dir)
     for bits in GRID_BITS:
         spec = replace(run.served, k_bits=bits, v_bits=bits, layer_bits=())
@@ -517,7 +524,8 @@ def measure(args, cfg) -> dict:
     t0 = time.perf_counter()
     built = compile_profile_engines(cfg)  # the compile stage's engines, reused when the flow built them
     engines = ({"fp32": cfg.layout.engine_dir} if args.kv_only
-               else weight_engines(cfg.layout.engine_dir, work, cfg.engine.weight_block_size, weight_calibration_ids(cfg),
+               else weight_engines(cfg.layout.engine_dir, work, {w: cfg.engine.weight_block(w) for w in ("int8", "int4")},
+                                   weight_calibration_ids(cfg),
                                    args.threads, cfg.engine.weight_mixed_bits, model_dir))
     print(f"engines ready in {time.perf_counter() - t0:.0f} s (compile stage builds: {built['engine_builds']})", flush=True)
 
@@ -610,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "model": cfg.base_model.path, "context": args.context, "scored_per_document": args.score,
         "reference": "ours, fp32 weights, float cache (every ppl_increase_pct and kl_mean is against it)",
-        "weight_grid_note": WEIGHT_GRID_NOTE, "weight_block_size": cfg.engine.weight_block_size,
+        "weight_grid_note": WEIGHT_GRID_NOTE, "weight_block_size": {w: cfg.engine.weight_block(w) for w in ("int8", "int4")},
         "task_accuracy": release_task_accuracy(cfg), **result,
         "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
         "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": args.threads,

@@ -342,7 +342,7 @@ def compile_profile_engines(cfg: ReleaseConfig) -> dict:
         from tasks.weights.engines import ensure_quantized_engine
 
         metrics |= ensure_quantized_engine(source, layout.serving_engine_dir, cfg.engine.weights,
-                                            cfg.engine.weight_block_size, cfg.engine.weights_format(),
+                                            cfg.engine.weight_block(), cfg.engine.weights_format(),
                                             weight_calibration_ids(cfg), threads=cfg.engine.threads,
                                             mixed_bits=cfg.engine.weight_mixed_bits, model_dir=model_dir)
     return metrics

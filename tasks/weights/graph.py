@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels.weight_quant import gptq_groups, pack_codes, quantize_groups
+from kernels.weight_quant import DEFAULT_BLOCK_SIZES, gptq_groups, pack_codes, quantize_groups
 from runtime.engine.adapter import zero_lora_inputs
 from runtime.engine.interface import ADAPTER_MASK, BLOCK_TABLE, FLOAT_BLOCK_TABLE, LOGIT_POSITIONS, read_interface
 
@@ -55,12 +55,7 @@ QDQ_OPSET = 21  # blocked DequantizeLinear and int4 tensors
 # than at level 4. Level 0 is for exact parity tests only.
 INT8_COMPUTE_LEVEL = 4
 DEFAULT_ACCURACY_LEVEL = INT8_COMPUTE_LEVEL
-# Input channels per quantization group. 128 instead of 32 (measured on 2 cores, 0.5B width, ORT 1.32,
-# one interleaved run): decode at past 512 int4 3.24 -> 2.59 ms, int8 4.33 -> 3.61 ms; prefill of 128
-# int4 107 -> 80 ms (fewer scales to read and apply). On the default month both block sizes keep test
-# accuracy at 1.000 and held-out perplexity within 0.03% of the float engine (int4 RTN 2.1317 at
-# either size, float 2.1312); calib-split KL int4 6.8e-5 -> 8.5e-5 nats.
-DEFAULT_BLOCK_SIZE = 128
+DEFAULT_BLOCK_SIZE = DEFAULT_BLOCK_SIZES["int4"]  # the functions' default below, for either width
 # The LM head's codes, at most this many bytes to one MatMulNBits (its columns in slices, concatenated). ONNX
 # Runtime repacks each weight when a session opens and keeps the original's pages mapped until that weight is
 # done: one 136 MB head (Qwen2-0.5B's 151,936 x 896 at 8 bits) was the process's peak, 0.12 GB over its resident

@@ -58,6 +58,15 @@ def test_weight_block_size_must_be_a_power_of_two_for_matmulnbits():
     assert parse_config({"engine": {"weight_block_size": 32}}).engine.weight_block_size == 32
 
 
+def test_each_weight_width_takes_its_own_block_unless_one_is_set():
+    # int8's error is its activations' rounding per block, so it defaults to 32; int4 keeps 128
+    engine = parse_config({"engine": {"weights": "int8"}}).engine
+    assert engine.weight_block_size is None and engine.weight_block() == 32 and engine.weight_block("int4") == 128
+    assert parse_config({"engine": {"weights": "int4"}}).engine.weight_block() == 128
+    pinned = parse_config({"engine": {"weights": "int8", "weight_block_size": 64}}).engine
+    assert pinned.weight_block() == pinned.weight_block("int4") == 64
+
+
 def test_kv_block_size_is_zero_or_a_power_of_two_in_range_naming_the_key():
     assert ReleaseConfig().engine.kv_block_size == 16  # the paged cache is the default
     assert ReleaseConfig().layout.serving_engine_dir == Path("engine/kvpages-paged16-stacked")

@@ -79,7 +79,7 @@ def test_compile_stage_builds_the_int8_serving_engine_once_inside_the_float_ones
     assert read_interface(serving).interface_hash == read_interface(pages).interface_hash
     assert read_interface(serving).float_interface_hash == read_interface(tmp_path / "engine").lora_contract_hash
     # and the interface records what the device runs, outside the hash
-    assert read_interface(serving).weights == {"precision": "int8", "format": "matmulnbits", "block_size": 128}
+    assert read_interface(serving).weights == {"precision": "int8", "format": "matmulnbits", "block_size": 32}
     assert read_interface(serving).weight_precision == "int8" and read_interface(pages).weights is None
     # The codes are GPTQ's (the default method), on real prose and code, and the calibration is part of the key
     record = json.loads((serving / "weights.json").read_text())
