@@ -14,9 +14,23 @@ def test_each_precision_is_judged_against_its_llama_cpp_counterpart_and_each_of_
     case = lambda ms: {"decode_512": {"median": ms, "p10": ms, "p95": ms}}  # noqa: E731
     rows = {"ours_fp32_kv4": case(30.0), "ours_int4_kv4": case(9.0),
             "llama_f16_kv_q4_0": case(20.0), "llama_f16_kv_f16": case(40.0), "llama_q4_0_kv_q4_0": case(10.0)}
-    got = {(c["ours"], c["peer"]): (c["ratio"], c["pass"]) for c in speed.compare(rows, [512])}
+    got = {(c["ours"], c["peer"]): (c["ratio"], c["pass"]) for c in speed.compare(rows, ["decode_512"])}
     assert got == {("ours_fp32_kv4", "llama_f16_kv_q4_0"): (1.5, False), ("ours_fp32_kv4", "llama_f16_kv_f16"): (0.75, True),
                    ("ours_int4_kv4", "llama_q4_0_kv_q4_0"): (0.9, True)}  # int8 and q4_0/f16 absent: not compared
+
+
+def test_prefill_is_a_case_of_its_own_compared_like_the_decode_steps():
+    keys = speed.case_keys([512, 2048], 256)
+    assert keys == ["decode_512", "decode_2048", "prefill_256"] and speed.case_keys([512], 0) == ["decode_512"]
+    stats = lambda ms: {"median": ms, "p10": ms, "p95": ms}  # noqa: E731
+    rows = {"ours_int8_kv4": {"decode_512": stats(8.0), "prefill_256": stats(300.0)},
+            "llama_q8_0_kv_q4_0": {"decode_512": stats(10.0), "prefill_256": stats(200.0)}}
+    got = {c["case"]: (c["ratio"], c["pass"]) for c in speed.compare(rows, speed.case_keys([512], 256))}
+    assert got == {"decode_512": (0.8, True), "prefill_256": (1.5, False)}
+    figures = {f.name: f.text for f in speed.figures({"rows": rows, "comparisons": speed.compare(rows, ["prefill_256"])})}
+    assert figures["real model: ours_int8_kv4 prefill of 256 tokens, tokens/s (logits at every position)"] == \
+        "853 tokens/s (300.0 ms)"
+    assert figures["real model: ours_int8_kv4 / llama_q8_0_kv_q4_0 prefill of 256 median time"] == "1.50x (slower)"
 
 
 def test_interleaving_holds_one_per_round_step_open_at_a_time_and_opens_it_for_each_of_its_rounds():
@@ -57,7 +71,7 @@ def test_llama_cpp_cases_load_one_context_per_round_and_decode_the_same_token_ea
     model_dir, _ = make_backbone_and_adapter(tmp_path, SHAPES["tiny"])
     src = peer.gguf_source_dir(model_dir, embedded_tokenizer_dir(tmp_path), tmp_path / "gguf_src")
     gguf = peer.convert_to_gguf(llama_dir, src, tmp_path / "model-f32.gguf", "f32")
-    cases = {kv: speed.llama_case(llama_cpp, gguf, kv, 2, 512, 16) for kv in ("q4_0", "f16")}
+    cases = {kv: speed.llama_case(llama_cpp, gguf, kv, 2, 512, 16, 0) for kv in ("q4_0", "f16")}
     # when each is opened twice, one at a time, and its step called twice per opening
     logits = {kv: [] for kv in cases}
     for _ in range(2):
