@@ -233,9 +233,10 @@ def checkpoint_ggufs(llama_cpp, llama_dir: Path, model_dir: Path, out: Path, thr
 # ---------------------------------------------------------------- decoding, serving
 
 def load_llama(llama_cpp, path: Path, n_ctx: int, threads: int, flash_attn: bool, lora: Path | None = None,
-               kv_type: int | None = None, extra_bufts: bool = True):
+               kv_type: int | None = None, extra_bufts: bool = True, logits_all: bool = True):
     """llama.cpp's defaults (weights mapped, F16 KV cache) but threads and flash attention; logits
-    of every position, as our engine returns them. ``lora``: a GGUF adapter applied at run time
+    of every position, as our engine returns them (``logits_all`` False: of each batch's last token only,
+    as a server's prefill computes them). ``lora``: a GGUF adapter applied at run time
     (scale 1: the file carries alpha, llama.cpp applies alpha / r), the base weights untouched.
     ``kv_type``: a ``GGML_TYPE_*`` for K and V (a quantized V cache needs flash attention).
     ``extra_bufts`` False: quantized weights stay in plain CPU buffers (llama.cpp's
@@ -253,7 +254,7 @@ def load_llama(llama_cpp, path: Path, n_ctx: int, threads: int, flash_attn: bool
     lib.llama_model_default_params = model_params
     try:
         return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
-                               n_threads_batch=threads, n_gpu_layers=0, logits_all=True, flash_attn=flash_attn,
+                               n_threads_batch=threads, n_gpu_layers=0, logits_all=logits_all, flash_attn=flash_attn,
                                lora_path=str(lora) if lora else None, verbose=False, **cache)
     finally:
         lib.llama_model_default_params = default_params

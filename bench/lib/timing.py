@@ -55,13 +55,15 @@ def interleaved(steps: dict, iters: int, rounds: int = 20, warmup: int = 3, sett
     }
 
 
-def engine_steps(engine, cfg, P: int | None, prefill: int = 128):
-    """A zero-argument callable: one decode token after a cache of P, or a prefill (P=None)."""
+def engine_steps(engine, cfg, P: int | None, prefill: int = 128, last_logits: bool = False):
+    """A zero-argument callable: one decode token after a cache of P, or a prefill (P=None), with the logits of every
+    position or (``last_logits``, an engine with a ``logit_positions`` input) of the last one only, as a server's."""
     rng = np.random.default_rng(0)
     if P is None:
         ids = rng.integers(0, cfg.vocab_size, (1, prefill))
         pos, mask = np.arange(prefill)[None], np.ones((1, prefill), dtype=np.int64)
-        return lambda: engine.forward(ids, pos, mask, None)
+        last = np.array([[prefill - 1]], dtype=np.int64) if last_logits else None
+        return lambda: engine.forward(ids, pos, mask, None, logit_positions=last)
     ids = rng.integers(0, cfg.vocab_size, (1, P + 1))
     pos, mask = np.arange(P + 1)[None], np.ones((1, P + 1), dtype=np.int64)
     _, cache = engine.forward(ids[:, :P], pos[:, :P], mask[:, :P], None)
