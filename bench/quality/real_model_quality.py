@@ -67,7 +67,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from pathlib import Path
@@ -196,14 +196,43 @@ def kv_bits(spec, cfg, context_len: int, block_size: int) -> float:
     return spec.stored_bits_per_value(cfg.head_dim, block_size, context_len)
 
 
+class WeightEngines(Mapping):
+    """Engine directories by row name, each built (or found built) when its row first asks for it: a run stopped part
+    way, or one whose ``--time-budget`` is spent, has measured the rows before instead of building every engine up
+    front. ``builders``: name -> (directory, a callable that builds it there unless it is built)."""
+
+    def __init__(self, builders: dict[str, tuple[Path, Callable[[], None]]]):
+        self._builders, self._built = builders, set()
+
+    def __getitem__(self, name: str) -> Path:
+        out, build = self._builders[name]
+        if name not in self._built:
+            build()
+            self._built.add(name)
+        return out
+
+    def __iter__(self):
+        return iter(self._builders)
+
+    def __len__(self) -> int:
+        return len(self._builders)
+
+    def directory(self, name: str) -> Path:
+        """Where ``name``'s engine is (or will be) built, without building it."""
+        return self._builders[name][0]
+
+    def paths(self) -> dict[str, str]:
+        return {name: str(out) for name, (out, _) in self._builders.items()}
+
+
 def weight_engines(float_dir: Path, work: Path, blocks: dict[str, int], calibration_ids: list[list[int]] | None,
-                   threads: int, mixed_bits: float | None = None, model_dir: Path | None = None) -> dict[str, Path]:
+                   threads: int, mixed_bits: float | None = None, model_dir: Path | None = None) -> WeightEngines:
     """The float engine and its int8 / int4 copies at their served ``blocks`` ({"int8": 32, "int4": 128}), the
     serving recipe (LM head and embedding int8; GPTQ on ``calibration_ids`` when the profile's ``engine.weight_method``
     is gptq, else round to nearest; int4 mixed under ``mixed_bits``, ``tasks.weights.mixed``), int8 also at the other
     ``INT8_BLOCKS`` (``int8/b128``), int4 also at ``INT4_BLOCKS``, with a 4-bit LM head, by round to nearest
     (``int4/rtn``: what the calibration is worth) and, beside a mixed int4, uniform at the served block
-    (``int4/uniform``: what the mix is worth)."""
+    (``int4/uniform``: what the mix is worth); each built when its row asks for it."""
     from tasks.artifacts import atomic_output_dir
     from tasks.weights.engines import (
         SERVING_EMBED_BITS,
@@ -215,14 +244,14 @@ def weight_engines(float_dir: Path, work: Path, blocks: dict[str, int], calibrat
     )
     from tasks.weights.graph import calibrate_activations
 
-    dirs = {"fp32": float_dir}
+    builders: dict[str, tuple[Path, Callable[[], None]]] = {"fp32": (Path(float_dir), lambda: None)}
     served = [("int8", "int8", blocks["int8"]), ("int4", "int4", blocks["int4"])]
     int8_others = [(f"int8/b{block}", "int8", block) for block in INT8_BLOCKS if block != blocks["int8"]]
     for name, weights, block in served + int8_others:
         out = work / f"{weights}-b{block}"
-        ensure_quantized_engine(float_dir, out, weights, block, calibration_ids=calibration_ids, threads=threads,
-                                mixed_bits=mixed_bits, model_dir=model_dir)
-        dirs[name] = out
+        builders[name] = (out, partial(ensure_quantized_engine, float_dir, out, weights, block,
+                                       calibration_ids=calibration_ids, threads=threads, mixed_bits=mixed_bits,
+                                       model_dir=model_dir))
     block_size = blocks["int4"]
     calibrated = calibration_ids is not None
     variants = {f"int4/b{block}": (block, SERVING_HEAD_BITS, calibrated) for block in INT4_BLOCKS}
@@ -231,19 +260,23 @@ def weight_engines(float_dir: Path, work: Path, blocks: dict[str, int], calibrat
         variants["int4/rtn"] = (block_size, SERVING_HEAD_BITS, False)
     if mixed_bits is not None and calibrated:
         variants["int4/uniform"] = (block_size, SERVING_HEAD_BITS, True)
-    hessians = None
+    hessians: dict = {}  # read once, for the first variant by GPTQ that is built
+
+    def build_variant(out: Path, block: int, head_bits: int, gptq: bool) -> None:
+        if (out / "weights.json").is_file():
+            return
+        if gptq and not hessians:
+            hessians.update(calibrate_activations(Path(float_dir) / "model.onnx", calibration_ids, threads,
+                                                  second_moments=True))
+        with atomic_output_dir(out) as tmp:
+            quantize_engine_dir(float_dir, tmp, "int4", block, keep=SERVING_KEEP, head_bits=head_bits,
+                                embed_bits=SERVING_EMBED_BITS, hessians=hessians if gptq else None,
+                                calibration=gptq_calibration(calibration_ids) if gptq else None)
+
     for name, (block, head_bits, gptq) in variants.items():
         out = work / (name.replace("/", "-") + ("-gptq" if gptq else ""))
-        if not (out / "weights.json").is_file():
-            if gptq and hessians is None:
-                hessians = calibrate_activations(Path(float_dir) / "model.onnx", calibration_ids, threads,
-                                                 second_moments=True)
-            with atomic_output_dir(out) as tmp:
-                quantize_engine_dir(float_dir, tmp, "int4", block, keep=SERVING_KEEP, head_bits=head_bits,
-                                    embed_bits=SERVING_EMBED_BITS, hessians=hessians if gptq else None,
-                                    calibration=gptq_calibration(calibration_ids) if gptq else None)
-        dirs[name] = out
-    return dirs
+        builders[name] = (out, partial(build_variant, out, block, head_bits, gptq))
+    return WeightEngines(builders)
 
 
 def weight_storage(engine_dir: Path) -> dict:
@@ -398,7 +431,10 @@ def llama_logits(llama_cpp, path: Path, kv: str, run: QualityRun, threads: int) 
 
 # ---------------------------------------------------------------- the rows, in the order of what they tell
 
-def weight_row(run: QualityRun, engines: dict[str, Path], weights: str, threads: int) -> None:
+def weight_row(run: QualityRun, engines: WeightEngines, weights: str, threads: int) -> None:
+    if time.monotonic() > run.deadline and not (engines.directory(weights) / CACHE_KEY_FILE).is_file():
+        run.not_measured.append(f"ours {weights} (engine not built: the time budget was spent)")
+        return  # building it would spend minutes on a row the budget leaves out
     measure_row(run, "ours", weights, None, build_key(engines[weights]),
                 partial(weight_logits, engines[weights], run.context, run.block_size, threads), kv_read="engine",
                 **weight_storage(engines[weights]))
@@ -412,14 +448,17 @@ def served_kv_row(run: QualityRun, cfg, threads: int) -> None:
                 kv_read="engine", note="the served cache: the serving engine's quantized pages")
 
 
-def measure_served(run: QualityRun, cfg, engines: dict[str, Path], threads: int, kv_only: bool) -> None:
+def measure_served(run: QualityRun, cfg, engines: WeightEngines, threads: int, kv_only: bool) -> None:
     """The reference (ours, fp32 weights, float cache), the served cache, and unless ``kv_only`` the served weight
-    precisions, and int4 with a 4-bit LM head and with blocks aligned to the checkpoint's grid."""
+    precisions (int8 at its other blocks beside it), and int4 with a 4-bit LM head and with blocks aligned to the
+    checkpoint's grid."""
     weight_row(run, engines, "fp32", threads)
     served_kv_row(run, cfg, threads)
     if kv_only:
         return
     weight_row(run, engines, "int8", threads)
+    for name in [n for n in engines if n.startswith("int8/")]:  # int8 at the other blocks: what the served one buys
+        weight_row(run, engines, name, threads)
     weight_row(run, engines, "int4", threads)
     if "int4/uniform" in engines:
         weight_row(run, engines, "int4/uniform", threads)  # every part at the served block: what the mix is worth
@@ -464,7 +503,7 @@ def own_float_cache_increase(rows: list[dict]) -> None:
             r["own_float_cache_ppl_increase_ci95"] = bootstrap_ppl_increase(r["doc_nll"], base["doc_nll"], r["doc_tokens"])
 
 
-def measure_other_widths(run: QualityRun, cfg, engines: dict[str, Path], base: BaseModel, threads: int,
+def measure_other_widths(run: QualityRun, cfg, engines: WeightEngines, base: BaseModel, threads: int,
                          kv_only: bool, work: Path, calibrated: list[tuple[int, float]]) -> None:
     """Unless ``kv_only``, int4 at the coarser block sizes; the served pages at other widths (and the shipped one
     beside them) in PyTorch, and for each (bits, KL budget) of ``calibrated`` the pages at those widths with the
@@ -474,8 +513,6 @@ def measure_other_widths(run: QualityRun, cfg, engines: dict[str, Path], base: B
 
     for block in () if kv_only else INT4_BLOCKS[1:]:
         weight_row(run, engines, f"int4/b{block}", threads)
-    for name in () if kv_only else [n for n in engines if n.startswith("int8/")]:
-        weight_row(run, engines, name, threads)
     source = graph_source_hash() + build_key(cfg.layout.engine_dir)
     for bits in GRID_BITS:
         spec = replace(run.served, k_bits=bits, v_bits=bits, layer_bits=())
@@ -523,11 +560,12 @@ def measure(args, cfg) -> dict:
                          "quantized pages")
     t0 = time.perf_counter()
     built = compile_profile_engines(cfg)  # the compile stage's engines, reused when the flow built them
-    engines = ({"fp32": cfg.layout.engine_dir} if args.kv_only
+    engines = (WeightEngines({"fp32": (Path(cfg.layout.engine_dir), lambda: None)}) if args.kv_only
                else weight_engines(cfg.layout.engine_dir, work, {w: cfg.engine.weight_block(w) for w in ("int8", "int4")},
                                    weight_calibration_ids(cfg),
                                    args.threads, cfg.engine.weight_mixed_bits, model_dir))
-    print(f"engines ready in {time.perf_counter() - t0:.0f} s (compile stage builds: {built['engine_builds']})", flush=True)
+    print(f"the compile stage's engines ready in {time.perf_counter() - t0:.0f} s (builds: {built['engine_builds']}); "
+          "the weight copies are built as their rows come", flush=True)
 
     # Measured rows are kept in --work, keyed by the token ids and by what each row's numbers depend on (the
     # engine's build key, the graph sources, the GGUF file), so a second run measures only what changed.
@@ -547,7 +585,7 @@ def measure(args, cfg) -> dict:
     measure_other_widths(run, cfg, engines, base, args.threads, args.kv_only, work, args.calibrated)
     return {"rows": run.rows, "not_measured": run.not_measured, "documents": [n for n, _ in rows_ids],
             "gguf_files": {t: str(p) for t, p in ggufs.items()}, "gguf_tensor_types": types,
-            "engines": {k: str(v) for k, v in engines.items()},
+            "engines": engines.paths(),
             "served_kv": {"kv_cache": cfg.engine.kv_cache, "spec": served.to_dict(), "block_size": run.block_size}}
 
 

@@ -88,3 +88,23 @@ def test_the_bootstrap_interval_resamples_documents_and_holds_the_increase():
     assert rq.bootstrap_ppl_increase(uniform, ref, tokens) == pytest.approx([100 * math.expm1(0.01)] * 2)
     lo, hi = rq.bootstrap_ppl_increase([ref[0] + 8.0] + ref[1:], ref, tokens)  # one document carries it all
     assert lo == pytest.approx(0.0) and hi > 100 * math.expm1(8.0 / 400)  # draws holding it twice or more exceed the mean
+
+
+def test_a_weight_engine_is_built_when_its_row_asks_and_not_once_the_time_budget_is_spent(tmp_path):
+    # given two engines not built yet, each a builder that writes its directory's cache key
+    builds = []
+
+    def build(out):
+        builds.append(out.name)
+        out.mkdir()
+        (out / rq.CACHE_KEY_FILE).write_text('{"key": "k"}')
+
+    engines = rq.WeightEngines({name: (tmp_path / name, lambda name=name: build(tmp_path / name)) for name in ("a", "b")})
+    # when nothing asked: nothing is built; asking twice builds once
+    assert builds == [] and list(engines) == ["a", "b"] and engines.directory("b") == tmp_path / "b"
+    assert engines["a"] == tmp_path / "a" and engines["a"] == tmp_path / "a" and builds == ["a"]
+    # and past the deadline a row whose engine is not on disk is listed, not built
+    run = rq.QualityRun([("doc", [1, 2])], 1, tmp_path, deadline=0.0, backbone_cfg=None, block_size=16)
+    run.rows.append({"ppl": 1.0})  # the reference is measured
+    rq.weight_row(run, engines, "b", threads=1)
+    assert builds == ["a"] and run.not_measured == ["ours b (engine not built: the time budget was spent)"]
