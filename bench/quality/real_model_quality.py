@@ -450,8 +450,7 @@ def served_kv_row(run: QualityRun, cfg, threads: int) -> None:
 
 def measure_served(run: QualityRun, cfg, engines: WeightEngines, threads: int, kv_only: bool) -> None:
     """The reference (ours, fp32 weights, float cache), the served cache, and unless ``kv_only`` the served weight
-    precisions (int8 at its other blocks beside it), and int4 with a 4-bit LM head and with blocks aligned to the
-    checkpoint's grid."""
+    precisions (int8 at its other blocks beside it)."""
     weight_row(run, engines, "fp32", threads)
     served_kv_row(run, cfg, threads)
     if kv_only:
@@ -460,13 +459,18 @@ def measure_served(run: QualityRun, cfg, engines: WeightEngines, threads: int, k
     for name in [n for n in engines if n.startswith("int8/")]:  # int8 at the other blocks: what the served one buys
         weight_row(run, engines, name, threads)
     weight_row(run, engines, "int4", threads)
+
+
+def measure_int4_variants(run: QualityRun, engines: WeightEngines, threads: int) -> None:
+    """What the served int4 is made of: uniform at the served block, by round to nearest, with a 4-bit LM head, at
+    every block size (the first aligned with the checkpoint's grid)."""
     if "int4/uniform" in engines:
         weight_row(run, engines, "int4/uniform", threads)  # every part at the served block: what the mix is worth
     if "int4/rtn" in engines:
         weight_row(run, engines, "int4/rtn", threads)  # the served block by round to nearest: what GPTQ is worth
     weight_row(run, engines, "int4/head4", threads)  # what 4 bits in the LM head add (0.5B shape: 147 -> 80 MB resident)
-    # aligned with the checkpoint's Q4_1 grid: how much of int4's cost is the grid
-    weight_row(run, engines, f"int4/b{INT4_BLOCKS[0]}", threads)
+    for block in INT4_BLOCKS:  # the first aligned with the checkpoint's Q4_1 grid: how much of int4's cost is the grid
+        weight_row(run, engines, f"int4/b{block}", threads)
 
 
 def measure_llama_cpp(run: QualityRun, model_dir: Path, work: Path, llama_cpp_src: str | None,
@@ -505,14 +509,14 @@ def own_float_cache_increase(rows: list[dict]) -> None:
 
 def measure_other_widths(run: QualityRun, cfg, engines: WeightEngines, base: BaseModel, threads: int,
                          kv_only: bool, work: Path, calibrated: list[tuple[int, float]]) -> None:
-    """Unless ``kv_only``, int4 at the coarser block sizes; the served pages at other widths (and the shipped one
-    beside them) in PyTorch, and for each (bits, KL budget) of ``calibrated`` the pages at those widths with the
-    per-layer widths calibration chooses under that budget."""
+    """Unless ``kv_only``, the int4 variants (``measure_int4_variants``); the served pages at other widths (and the
+    shipped one beside them) in PyTorch, and for each (bits, KL budget) of ``calibrated`` the pages at those widths
+    with the per-layer widths calibration chooses under that budget."""
     from tasks.checks.page_quality import GRID_BITS
     from tasks.stages.compile import graph_source_hash
 
-    for block in () if kv_only else INT4_BLOCKS[1:]:
-        weight_row(run, engines, f"int4/b{block}", threads)
+    if not kv_only:
+        measure_int4_variants(run, engines, threads)
     source = graph_source_hash() + build_key(cfg.layout.engine_dir)
     for bits in GRID_BITS:
         spec = replace(run.served, k_bits=bits, v_bits=bits, layer_bits=())
@@ -576,7 +580,7 @@ def measure(args, cfg) -> dict:
                      cfg.engine.kv_block_size or 16, served)
     base = BaseModel(model_dir)
     # A slow machine may be stopped part way (measured rows are kept): the reference, the served cache, the served
-    # weight precisions, llama.cpp, then the other block sizes and KV widths.
+    # weight precisions, llama.cpp, then the int4 variants and the other KV widths.
     print(format_table([]), flush=True)
     measure_served(run, cfg, engines, args.threads, args.kv_only)
     ggufs, types = {}, {}
