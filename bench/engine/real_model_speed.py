@@ -72,8 +72,14 @@ def case_keys(pasts: list[int], prefill: int) -> list[str]:
     return [f"decode_{P}" for P in pasts] + ([f"prefill_{prefill}"] if prefill else [])
 
 
-def case_label(key: str) -> str:
+def parse_case(key: str) -> tuple[str, int]:
+    """A case key of ``case_keys`` -> (``"decode"`` or ``"prefill"``, its past or its prefill's tokens)."""
     kind, n = key.split("_")
+    return kind, int(n)
+
+
+def case_label(key: str) -> str:
+    kind, n = parse_case(key)
     return f"decode after {n}" if kind == "decode" else f"prefill of {n}"
 
 
@@ -108,12 +114,12 @@ def figures(p: dict) -> list[Figure]:
     rows = []
     for name, row in p["rows"].items():
         for key, s in row.items():
-            kind, n = key.split("_")
+            kind, n = parse_case(key)
             if kind == "decode":
                 rows.append(Figure(f"real model: {name} decode ms/token, past {n}, batch 1", s["median"],
                                    f"{format_ms(s['median'])} (p10 {format_ms(s['p10'])}, p95 {format_ms(s['p95'])})"))
             else:
-                rate = int(n) / (s["median"] / 1000.0)
+                rate = n / (s["median"] / 1000.0)
                 rows.append(Figure(f"real model: {name} prefill of {n} tokens, tokens/s (the last position's logits)",
                                    rate, f"{rate:.0f} tokens/s ({format_ms(s['median'])})"))
     for c in p["comparisons"]:
@@ -170,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     keys = case_keys(pasts, args.prefill)
     for key in keys:
         t0 = time.perf_counter()
-        P = int(key.split("_")[1]) if key.startswith("decode_") else None
+        kind, n = parse_case(key)
+        P = n if kind == "decode" else None
         steps = {name: engine_steps(e, vocab, P, args.prefill, last_logits=True) for name, e in ours.items()}
         steps |= {name: llama_case(llama_cpp, path, kv, args.threads, vocab.vocab_size, P, args.prefill)
                   for name, (path, kv) in peers.items()}

@@ -199,10 +199,15 @@ def kv_bits(spec, cfg, context_len: int, block_size: int) -> float:
 class WeightEngines(Mapping):
     """Engine directories by row name, each built (or found built) when its row first asks for it: a run stopped part
     way, or one whose ``--time-budget`` is spent, has measured the rows before instead of building every engine up
-    front. ``builders``: name -> (directory, a callable that builds it there unless it is built)."""
+    front. Each added row: its directory, and a callable that builds it there unless it is built."""
 
-    def __init__(self, builders: dict[str, tuple[Path, Callable[[], None]]]):
-        self._builders, self._built = builders, set()
+    def __init__(self, float_dir: Path):
+        """The compile stage's float engine (``fp32``, built before any row asks), and what ``add`` adds."""
+        self._builders: dict[str, tuple[Path, Callable[[], None]]] = {"fp32": (Path(float_dir), lambda: None)}
+        self._built: set[str] = set()
+
+    def add(self, name: str, out: Path, build: Callable[[], None]) -> None:
+        self._builders[name] = (out, build)
 
     def __getitem__(self, name: str) -> Path:
         out, build = self._builders[name]
@@ -244,12 +249,12 @@ def weight_engines(float_dir: Path, work: Path, blocks: dict[str, int], calibrat
     )
     from tasks.weights.graph import calibrate_activations
 
-    builders: dict[str, tuple[Path, Callable[[], None]]] = {"fp32": (Path(float_dir), lambda: None)}
+    engines = WeightEngines(float_dir)
     served = [("int8", "int8", blocks["int8"]), ("int4", "int4", blocks["int4"])]
     int8_others = [(f"int8/b{block}", "int8", block) for block in INT8_BLOCKS if block != blocks["int8"]]
     for name, weights, block in served + int8_others:
         out = work / f"{weights}-b{block}"
-        builders[name] = (out, partial(ensure_quantized_engine, float_dir, out, weights, block,
+        engines.add(name, out, partial(ensure_quantized_engine, float_dir, out, weights, block,
                                        calibration_ids=calibration_ids, threads=threads, mixed_bits=mixed_bits,
                                        model_dir=model_dir))
     block_size = blocks["int4"]
@@ -275,8 +280,8 @@ def weight_engines(float_dir: Path, work: Path, blocks: dict[str, int], calibrat
 
     for name, (block, head_bits, gptq) in variants.items():
         out = work / (name.replace("/", "-") + ("-gptq" if gptq else ""))
-        builders[name] = (out, partial(build_variant, out, block, head_bits, gptq))
-    return WeightEngines(builders)
+        engines.add(name, out, partial(build_variant, out, block, head_bits, gptq))
+    return engines
 
 
 def weight_storage(engine_dir: Path) -> dict:
@@ -435,9 +440,10 @@ def weight_row(run: QualityRun, engines: WeightEngines, weights: str, threads: i
     if time.monotonic() > run.deadline and not (engines.directory(weights) / CACHE_KEY_FILE).is_file():
         run.not_measured.append(f"ours {weights} (engine not built: the time budget was spent)")
         return  # building it would spend minutes on a row the budget leaves out
-    measure_row(run, "ours", weights, None, build_key(engines[weights]),
-                partial(weight_logits, engines[weights], run.context, run.block_size, threads), kv_read="engine",
-                **weight_storage(engines[weights]))
+    engine_dir = engines[weights]  # built here unless it is on disk
+    measure_row(run, "ours", weights, None, build_key(engine_dir),
+                partial(weight_logits, engine_dir, run.context, run.block_size, threads), kv_read="engine",
+                **weight_storage(engine_dir))
 
 
 def served_kv_row(run: QualityRun, cfg, threads: int) -> None:
@@ -564,7 +570,7 @@ def measure(args, cfg) -> dict:
                          "quantized pages")
     t0 = time.perf_counter()
     built = compile_profile_engines(cfg)  # the compile stage's engines, reused when the flow built them
-    engines = (WeightEngines({"fp32": (Path(cfg.layout.engine_dir), lambda: None)}) if args.kv_only
+    engines = (WeightEngines(cfg.layout.engine_dir) if args.kv_only
                else weight_engines(cfg.layout.engine_dir, work, {w: cfg.engine.weight_block(w) for w in ("int8", "int4")},
                                    weight_calibration_ids(cfg),
                                    args.threads, cfg.engine.weight_mixed_bits, model_dir))

@@ -99,9 +99,11 @@ def test_a_weight_engine_is_built_when_its_row_asks_and_not_once_the_time_budget
         out.mkdir()
         (out / rq.CACHE_KEY_FILE).write_text('{"key": "k"}')
 
-    engines = rq.WeightEngines({name: (tmp_path / name, lambda name=name: build(tmp_path / name)) for name in ("a", "b")})
+    engines = rq.WeightEngines(tmp_path / "float")
+    for name in ("a", "b"):
+        engines.add(name, tmp_path / name, lambda name=name: build(tmp_path / name))
     # when nothing asked: nothing is built; asking twice builds once
-    assert builds == [] and list(engines) == ["a", "b"] and engines.directory("b") == tmp_path / "b"
+    assert builds == [] and list(engines) == ["fp32", "a", "b"] and engines.directory("b") == tmp_path / "b"
     assert engines["a"] == tmp_path / "a" and engines["a"] == tmp_path / "a" and builds == ["a"]
     # and past the deadline a row whose engine is not on disk is listed, not built
     run = rq.QualityRun([("doc", [1, 2])], 1, tmp_path, deadline=0.0, backbone_cfg=None, block_size=16)
