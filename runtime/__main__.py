@@ -12,7 +12,7 @@
                             [--admin-token-file FILE --release-dir DIR ...]
                             [--state-dir DIR [--health-window S]] [--kv-budget-mb MB] [--kv-wait S] [--ort-memory MODE]
                             [--prefill-chunk N] [--no-kv-prefix-sharing] [--kv-swap-dir DIR [--kv-swap-mb MB]]
-                            [--tuf-url URL --trusted-root FILE --metadata-dir DIR [--tuf-interval S]]
+                            [--batch-invariant] [--tuf-url URL --trusted-root FILE --metadata-dir DIR [--tuf-interval S]]
                             [--product NAME ...]  (python -m runtime serve --help)
     python -m runtime state --state-dir DIR       the device state: active, previous, high-water mark, reverts
     python -m runtime rollback --state-dir DIR [--product NAME]
@@ -31,7 +31,7 @@ relative paths are relative to the file); flags add to it or override it:
      "state_dir": "/var/lib/adapter", "health_window": 30,
      "tuf_url": "http://updates.example:8000", "trusted_root": "1.root.json", "metadata_dir": "tuf-metadata",
      "tuf_interval": 300, "kv_budget_mb": 512, "kv_wait_s": 30, "products": ["default"], "ort_memory": "arena", "prefill_chunk": 64,
-     "kv_prefix_sharing": true, "kv_swap_dir": "/var/cache/adapter-kv", "kv_swap_mb": 1024}
+     "kv_prefix_sharing": true, "kv_swap_dir": "/var/cache/adapter-kv", "kv_swap_mb": 1024, "batch_invariant": false}
 
 Exit codes: 0 success, 1 crash (a bug), 2 bad usage or device configuration, 30 the registry
 could not give the release, 31-38 the update channel refused (``runtime.release.tuf_pull.EXIT_CODES``:
@@ -82,7 +82,7 @@ def device_settings(args) -> dict:
                 "tuf_url": None, "trusted_root": None, "metadata_dir": None, "tuf_interval": DEFAULT_TUF_INTERVAL_S,
                 "kv_budget_mb": None, "kv_wait_s": KV_WAIT_S, "products": [DEFAULT_PRODUCT], "ort_memory": None,
                 "prefill_chunk": DEFAULT_PREFILL_CHUNK, "kv_prefix_sharing": True, "kv_swap_dir": None,
-                "kv_swap_mb": DEFAULT_KV_SWAP_MB}
+                "kv_swap_mb": DEFAULT_KV_SWAP_MB, "batch_invariant": False}
     if args.device_config is not None:
         path = Path(args.device_config)
         try:
@@ -102,7 +102,7 @@ def device_settings(args) -> dict:
     settings["release_dirs"] = list(settings["release_dirs"]) + list(getattr(args, "release_dir", None) or [])
     for key in ("engine", "tokenizer", "admin_token_file", "max_resident", "canary_share", "state_dir", "health_window",
                 "tuf_url", "trusted_root", "metadata_dir", "tuf_interval", "kv_budget_mb", "kv_wait_s", "ort_memory",
-                "prefill_chunk", "kv_prefix_sharing", "kv_swap_dir", "kv_swap_mb"):
+                "prefill_chunk", "kv_prefix_sharing", "kv_swap_dir", "kv_swap_mb", "batch_invariant"):
         if getattr(args, key, None) is not None:
             settings[key] = getattr(args, key)
     if getattr(args, "product", None):
@@ -270,6 +270,13 @@ def cmd_serve(args, settings) -> int:
     kv_budget, kv_wait = _kv_settings(settings, _open_interface(settings["engine"]))
     keys = load_trusted_keys(settings["trusted_keys"])
     options = ({"kv_budget_bytes": kv_budget} if kv_budget is not None else {}) | _ort_memory_option(settings)
+    if type(settings["batch_invariant"]) is not bool:
+        raise DeviceConfigError(f"batch_invariant {settings['batch_invariant']!r}: true or false")
+    if settings["batch_invariant"]:
+        if kv_budget is None:
+            raise DeviceConfigError(f"batch_invariant (--batch-invariant): the engine {settings['engine']} has a padded "
+                                    "KV cache; pairing rows needs a paged one")
+        options["paired_rows"] = True
     engine = open_engine(settings["engine"], settings["backend"], threads=settings["threads"], **options)
     if kv_budget is not None:
         logging.getLogger(__name__).info("KV budget %d MiB: %d blocks of %d tokens", kv_budget >> 20,
@@ -476,6 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "free up (device config kv_swap_dir; default: no swap)")
     s.add_argument("--kv-swap-mb", dest="kv_swap_mb", type=float, default=argparse.SUPPRESS, metavar="MB",
                    help=f"the spill file's size at most (device config kv_swap_mb; default {DEFAULT_KV_SWAP_MB})")
+    s.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=argparse.SUPPRESS,
+                   help="every forward runs an even number of rows (an odd batch's last row twice), so a request's "
+                   "tokens are those it gets alone whatever shares its batch (device config batch_invariant: true; "
+                   "default off: a request decoding alone then costs a pair's step; docs/device.md)")
     s.set_defaults(run=cmd_serve)
 
     state_only = argparse.ArgumentParser(add_help=False)

@@ -30,7 +30,10 @@ fraction of the time); ``tiny``: ``SHAPES["tiny"]``. ``--workdir`` keeps the bac
 rebuilt only when its graph's sources changed).
 
     python -m bench.engine.paged_kv_bench --pages [--shape 0.5b] [--weights int4] [--past 2048] [--batches 1,8]
-        [--rounds 6] [--iters 48] [--workdir DIR] [--out bench/results/paged_kv_bench_pages.json]
+        [--rounds 6] [--iters 48] [--workdir DIR] [--paired] [--out bench/results/paged_kv_bench_pages.json]
+
+``--paired``: the pages engine again with its rows paired (``serve --batch-invariant``), interleaved with the others:
+what a batch-invariant device pays per step (an odd batch runs one row more; an even one nothing).
 """
 
 from __future__ import annotations
@@ -142,9 +145,13 @@ def run(iters: int, threads: int, block: int, work: Path) -> dict:
 
 # ---------------------------------------------------------------- --pages: quantized pages against the float paged cache
 
-def pages_engines(shape: str, weights: str, block: int, threads: int, root: Path) -> dict:
+PAIRED = "K4/V4 pages, rows paired"
+
+
+def pages_engines(shape: str, weights: str, block: int, threads: int, root: Path, paired: bool = False) -> dict:
     """{cache name: OrtEngine} for ``PAGES_CACHES`` on a random backbone of ``shape`` in ``root`` (reused when there),
-    its rank-8 adapter bound; with ``weights`` int4 each copied with the serving weights, as the compile stage does."""
+    its rank-8 adapter bound; with ``weights`` int4 each copied with the serving weights, as the compile stage does.
+    ``paired``: also ``PAIRED``, the pages engine opened with ``paired_rows`` (``serve --batch-invariant``)."""
     from runtime.engine.adapter import load_adapter
     from runtime.engine.backends.onnxruntime import OrtEngine
     from tasks.config import EngineConfig
@@ -164,9 +171,10 @@ def pages_engines(shape: str, weights: str, block: int, threads: int, root: Path
         if weights != "fp32":
             engine_dir = Path(ensure_quantized_engine(engine_dir, root / f"engine-{i}-{weights}", weights,
                                                       engine_cfg.weight_block(weights), engine_cfg.weights_format())["weights_dir"])
-        engine = OrtEngine(engine_dir, threads=threads)
-        engine.set_adapter(load_adapter(adapter_dir, engine.interface))
-        engines[name] = engine
+        for label, paired_rows in ((name, False), (PAIRED, True))[: 1 + (paired and pages is not None)]:
+            engine = OrtEngine(engine_dir, threads=threads, paired_rows=paired_rows)
+            engine.set_adapter(load_adapter(adapter_dir, engine.interface))
+            engines[label] = engine
     return engines
 
 
@@ -203,8 +211,8 @@ def pages_decode_rounds(engine, kv: dict[str, np.ndarray]) -> PerRound:
 
 
 def run_pages(shape: str, weights: str, past: int, batches: list[int], iters: int, rounds: int, threads: int, block: int,
-              root: Path) -> dict:
-    engines = pages_engines(shape, weights, block, threads, root)
+              root: Path, paired: bool = False) -> dict:
+    engines = pages_engines(shape, weights, block, threads, root, paired)
     rows = []
     for batch in batches:
         progress(f"[{shape}] batch {batch}, past {past}: {rounds} rounds ...")
@@ -213,7 +221,8 @@ def run_pages(shape: str, weights: str, past: int, batches: list[int], iters: in
         float_paged, pages = stats["float paged"], stats["K4/V4 pages"]
         rows.append({"batch": batch, "past": past, "steps": stats,
                      "pages_over_float_paged": pages["median"] / float_paged["median"],
-                     "pages_over_float_paged_p10": pages["p10"] / float_paged["p10"]})
+                     "pages_over_float_paged_p10": pages["p10"] / float_paged["p10"]}
+                    | ({"paired_over_pages": stats[PAIRED]["median"] / pages["median"]} if paired else {}))
     dims = {k: v for k, v in PAGES_SHAPES[shape].items() if isinstance(v, int)}
     return {"shape": shape, "dims": dims, "weights": weights, "caches": PAGES_CACHES, "rows": rows,
             "loadavg_1m_after": os.getloadavg()[0]}
@@ -222,10 +231,14 @@ def run_pages(shape: str, weights: str, past: int, batches: list[int], iters: in
 def print_pages(res: dict) -> None:
     print(f"\n== {res['shape']} {res['dims']}, {res['weights']} weights  "
           f"(1-min load average after: {res['loadavg_1m_after']:.2f})")
-    header = ["batch", "past", "float paged ms", "K4/V4 pages ms", "pages / float paged", "p10 ratio"]
+    paired = "paired_over_pages" in res["rows"][0]
+    header = ["batch", "past", "float paged ms", "K4/V4 pages ms", "pages / float paged", "p10 ratio",
+              *(["rows paired ms", "paired / pages"] if paired else [])]
     print(table(header, ([r["batch"], r["past"], format_ms(r["steps"]["float paged"]["median"]),
                           format_ms(r["steps"]["K4/V4 pages"]["median"]), f"{r['pages_over_float_paged']:.2f}x",
-                          f"{r['pages_over_float_paged_p10']:.2f}x"] for r in res["rows"])))
+                          f"{r['pages_over_float_paged_p10']:.2f}x",
+                          *([format_ms(r["steps"][PAIRED]["median"]), f"{r['paired_over_pages']:.2f}x"] if paired else [])]
+                         for r in res["rows"])))
 
 
 def pages_figures(res: dict) -> list[Figure]:
@@ -238,6 +251,12 @@ def pages_figures(res: dict) -> list[Figure]:
                           f"batch {r['batch']}, past {r['past']}", v,
                           f"{v:.2f}x ({format_ms(steps['K4/V4 pages']['median'])} vs "
                           f"{format_ms(steps['float paged']['median'])})"))
+        if "paired_over_pages" in r:
+            v = r["paired_over_pages"]
+            out.append(Figure(f"K4/V4 pages, rows paired (serve --batch-invariant) / unpaired decode step, {res['shape']} "
+                              f"shape ({res['weights']} weights), batch {r['batch']}, past {r['past']}", v,
+                              f"{v:.2f}x ({format_ms(steps[PAIRED]['median'])} vs "
+                              f"{format_ms(steps['K4/V4 pages']['median'])})"))
     return out
 
 
@@ -279,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8", help="--pages: the batch sizes, comma-separated")
     ap.add_argument("--rounds", type=int, default=6, help="--pages: interleaved rounds per batch size")
     ap.add_argument("--workdir", type=Path, default=None, help="--pages: where the backbone and engines are kept")
+    ap.add_argument("--paired", action="store_true", help="--pages: also the pages engine with its rows paired "
+                    "(serve --batch-invariant: an odd batch runs its last row twice)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
@@ -303,7 +324,8 @@ def pages_main(args, load_before: float) -> int:
     iters, batches = args.iters or 48, [int(b) for b in args.batches.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         root = (args.workdir or Path(tmp)) / args.shape
-        res = run_pages(args.shape, args.weights, args.past, batches, iters, args.rounds, args.threads, args.block, root)
+        res = run_pages(args.shape, args.weights, args.past, batches, iters, args.rounds, args.threads, args.block, root,
+                        args.paired)
     print_pages(res)
     import onnxruntime
 

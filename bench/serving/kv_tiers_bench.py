@@ -4,7 +4,7 @@ instead of refused, each measured against the same server with the feature off.
     python -m bench.serving.kv_tiers_bench [--shape 0.5b|tiny] [--parts prefix,swap] [--clients 8]
         [--system-tokens 512] [--question-tokens 64] [--answer-tokens 16] [--rounds 3] [--prefix-fits 2] [--swap-clients 16]
         [--swap-context 2048] [--swap-answer 32] [--swap-fits 8] [--swap-wait 30] [--threads 2] [--prefill-chunk 128]
-        [--workdir DIR] [--out bench/results/kv_tiers_bench.json]
+        [--batch-invariant] [--workdir DIR] [--out bench/results/kv_tiers_bench.json]
 
 Not in CI nor in ``make bench`` (the 0.5B world takes minutes to build). The model is
 ``bench.serving.device_memory_bench``'s (``bench.lib.worlds.build_int4_world``: Qwen2-0.5B's shape with random
@@ -139,12 +139,17 @@ def prompts_for(tokenizer: DeviceTokenizer, args) -> tuple[list[str], str, int]:
     return prompts[1:], prompts[0], common
 
 
+def server_options(args) -> dict:
+    """The device config keys every server of the run takes."""
+    return {"prefill_chunk": args.prefill_chunk, "batch_invariant": args.batch_invariant}
+
+
 def measure_prefix(world: dict, args, work: Path, fits: int = 0) -> dict:
     """Sharing off against on; with ``fits``, both under a KV budget that holds that many whole worst cases."""
     tokenizer = DeviceTokenizer(world["tokenizer"])
     prompts, warm_up, common = prompts_for(tokenizer, args)
     progress(f"{len(prompts)} prompts of {args.system_tokens} + {args.question_tokens} tokens, {common} in common")
-    options = {"prefill_chunk": args.prefill_chunk}
+    options = server_options(args)
     contexts = (args.system_tokens + args.question_tokens + args.answer_tokens + 8,)
     if fits:
         worst = max(len(tokenizer.encode(p)) for p in prompts) + args.answer_tokens
@@ -235,7 +240,7 @@ def measure_swap(world: dict, args, work: Path) -> dict:
     for mode, extra in modes.items():
         (work / mode).mkdir(exist_ok=True)
         server = our_server(world, (args.swap_context,), args.swap_answer, args.threads, work / mode, f"ours {mode}",
-                            {"prefill_chunk": args.prefill_chunk} | extra)
+                            server_options(args) | extra)
         try:
             send_together(server.port, [prompt_text(tokenizer, 16, len(prompts))], 1)  # the session's first run
             t0 = time.perf_counter()
@@ -292,13 +297,14 @@ def print_results(p: dict) -> None:
 
 def figures(p: dict) -> list[Figure]:
     rows = []
+    paired = ", rows paired (serve --batch-invariant)" if p.get("batch_invariant") else ""
     for q in (p, p.get("prefix_budgeted")):
         if q is None or "prefix_ttft_speedup" not in q:
             continue
         budget = (f", a KV budget that holds {q['prefix_fits']} whole ({q['prefix_budget_mb']:.1f} MiB)"
                   if q.get("prefix_fits") else "")
         load = (f"{p['clients']} clients, {p['system_tokens']}-token system turn + {p['question_tokens']}-token question "
-                f"({q['common_prompt_tokens']} tokens in common), {p['shape']} shape, int4, 4-bit KV pages{budget}")
+                f"({q['common_prompt_tokens']} tokens in common), {p['shape']} shape, int4, 4-bit KV pages{budget}{paired}")
         rows += [
             Figure(f"{load}: time to first token p50, sharing off / on", q["prefix_ttft_speedup"],
                    f"{q['prefix_ttft_speedup']:.2f}x ({q['ttft_p50_s']['off'] * 1e3:.0f} ms / "
@@ -316,7 +322,7 @@ def figures(p: dict) -> list[Figure]:
         ]
     if "swap_runs" in p:
         load = (f"{p['swap_clients']} clients of {p['swap_context']} tokens at once, a KV budget that holds "
-                f"{p['swap_fits']} ({p['swap_budget_mb']:.1f} MiB), {p['shape']} shape")
+                f"{p['swap_fits']} ({p['swap_budget_mb']:.1f} MiB), {p['shape']} shape{paired}")
         runs = p["swap_runs"]
         rows += [
             Figure(f"{load}: refused / failed with swap", p["swap_refused"] + p["swap_failed"],
@@ -349,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefill-chunk", type=int, default=128, help="every server's prefill_chunk (a shared prefix on "
                     "quantized pages is a multiple of it)")
+    ap.add_argument("--batch-invariant", action="store_true", help="every server pairs its rows (serve "
+                    "--batch-invariant): a request's tokens do not depend on its company")
     ap.add_argument("--sample-s", type=float, default=0.05, help="seconds between KV gauge samples")
     ap.add_argument("--workdir", type=Path, default=None, help="where the model is built and kept (default: a "
                     "temporary directory, removed at the end)")
@@ -359,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--parts: unknown {unknown}; prefix, swap")
     before = os.getloadavg()[0]
     result = {"loadavg_1m_before": before, "shape": args.shape, "threads": args.threads,
-              "prefill_chunk": args.prefill_chunk}
+              "prefill_chunk": args.prefill_chunk, "batch_invariant": args.batch_invariant}
     with tempfile.TemporaryDirectory(prefix="kv-tiers-") as tmp:
         work = args.workdir or Path(tmp)
         world = build_int4_world(args.shape, work / f"{args.shape}-quantized_pages", args.threads)

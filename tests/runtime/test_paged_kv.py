@@ -489,6 +489,18 @@ def test_serve_refuses_a_kv_prefix_sharing_that_is_not_a_boolean_naming_the_file
     assert code == 2 and "kv_prefix_sharing 'no': true or false" in err
 
 
+def test_serve_refuses_batch_invariance_on_a_padded_engine_or_as_a_non_boolean_naming_the_key(w, tmp_path, capsys,
+                                                                                           root_logging_restored):
+    base = ["serve", "--engine", str(w["engine"]), "--package", str(w["b"]), "--trusted-key", str(w["trusted_key"]),
+            "--tokenizer", str(w["tokenizer"])]
+    assert runtime_main([*base, "--batch-invariant"]) == 2
+    assert "batch_invariant (--batch-invariant): the engine" in capsys.readouterr().err
+    config = tmp_path / "device.json"
+    config.write_text(json.dumps({"batch_invariant": 1}))
+    assert runtime_main(["serve", "--device-config", str(config), *base[1:]]) == 2
+    assert "batch_invariant 1: true or false" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- rows swapped to local storage instead of refused
 
 LONG_ANSWER, SHORT_ANSWER = 150, 8

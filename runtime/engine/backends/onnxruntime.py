@@ -226,11 +226,15 @@ def _left_pad_concat(arrays: list[np.ndarray], axis: int) -> np.ndarray:
 class OrtEngine:
     def __init__(self, engine_dir: str | Path, threads: int = 2, onnx_file: str = ENGINE_ONNX, use_optimized: bool = True,
                  session_config: Mapping[str, str] | None = None, kv_budget_bytes: int | None = None,
-                 memory: str = DEFAULT_ORT_MEMORY):
+                 memory: str = DEFAULT_ORT_MEMORY, paired_rows: bool = False):
         """``session_config``: ORT session config entries (e.g. how Q/DQ weights are fused); the
         saved optimized graph bakes in one set of them, so with any given it is neither read nor written.
         ``kv_budget_bytes``: a paged engine's pool of KV blocks holds at most this (None: it grows).
-        ``memory``: one of ``ORT_MEMORY_MODES``, how intermediate tensors are allocated."""
+        ``memory``: one of ``ORT_MEMORY_MODES``, how intermediate tensors are allocated.
+        ``paired_rows`` (a paged engine): every forward runs an even number of rows, an odd batch's last row twice
+        (the copy's logits and K/V dropped), so a row's floats are the same in any company: ONNX Runtime's
+        MatMulNBits sums a row left over from its pairs (a lone row included) in another order, and nothing else
+        in the graph depends on the company (``tests/runtime/test_paired_rows.py``). A lone row then costs a pair's step."""
         if memory not in ORT_MEMORY_MODES:
             raise ValueError(f"memory={memory!r}: one of {', '.join(ORT_MEMORY_MODES)}")
         self.engine_dir = engine_dir = Path(engine_dir)
@@ -339,6 +343,10 @@ class OrtEngine:
         elif kv_budget_bytes is not None:
             raise ValueError(f"{engine_dir}: a KV budget needs a paged engine (interface version 6), this one is "
                              f"version {self.interface.version}")
+        if paired_rows and self.pool is None:
+            raise ValueError(f"{engine_dir}: paired rows need a paged engine (interface version 6), this one is "
+                             f"version {self.interface.version}")
+        self.paired_rows = paired_rows
         self._bind_lora([None])
 
     def set_adapter(self, lora: Mapping[str, np.ndarray] | None) -> None:
@@ -439,6 +447,11 @@ class OrtEngine:
         them, (B, T, V). An engine without the input (interface version < 8) returns all of them anyway."""
         if past is None:
             past = self.empty_cache(input_ids.shape[0])
+        batch = input_ids.shape[0]
+        if self.paired_rows and batch % 2:  # the last row again, so that it is paired like every other
+            input_ids, position_ids, attention_mask, logit_positions, slots = (
+                None if a is None else np.concatenate([np.asarray(a)[:batch], np.asarray(a)[-1:]])
+                for a in (input_ids, position_ids, attention_mask, logit_positions, slots))
         rows = self._bind_rows(input_ids.shape[0], slots)
         # The binding's and session's pybind objects directly: the Python wrappers' per-call checks,
         # OrtDevice objects and bookkeeping cost ~0.06 ms a step (6% of a batch-8 decode step on the
@@ -451,7 +464,7 @@ class OrtEngine:
             logit_positions = np.ascontiguousarray(logit_positions, dtype=np.int64)
             binding.bind_ortvalue_input(LOGIT_POSITIONS, _C.OrtValue.ortvalue_from_numpy(logit_positions, cpu))
         if self.pool is not None:
-            return self._forward_paged(input_ids, position_ids, attention_mask, past, rows, logit_positions)
+            return self._forward_paged(input_ids, position_ids, attention_mask, past, rows, logit_positions, batch)
         arrays = [np.ascontiguousarray(input_ids, dtype=np.int64), np.ascontiguousarray(position_ids, dtype=np.int64),
                   np.ascontiguousarray(attention_mask, dtype=np.int64)]
         for name, array in zip(self._array_inputs, arrays):
@@ -484,13 +497,18 @@ class OrtEngine:
         return [mask]
 
     def _forward_paged(self, input_ids, position_ids, attention_mask, past: PagedCache | PagesCache, rows: list,
-                       logit_positions):
+                       logit_positions, batch: int):
+        """``batch``: the cache's rows; the inputs may hold one more (``paired_rows``: the last row's copy), which
+        reads that row's blocks and whose outputs are dropped."""
         binding, cpu = self._binding._iobinding, self._cpu
         T = input_ids.shape[1]
         real = np.asarray(attention_mask)[:, -T:] > 0  # (B, T): the new tokens a row stores
-        tables = past.tables()  # (B, M) each
+        tables = past.tables()  # (batch, M) each
+        past_mask = past.past_mask(tables)
+        if input_ids.shape[0] > batch:
+            tables, past_mask = [np.concatenate([t, t[-1:]]) for t in tables], np.concatenate([past_mask, past_mask[-1:]])
         arrays = [np.ascontiguousarray(input_ids, dtype=np.int64), np.ascontiguousarray(position_ids, dtype=np.int64),
-                  np.concatenate([past.past_mask(tables), real], axis=1).astype(np.int64), *tables]
+                  np.concatenate([past_mask, real], axis=1).astype(np.int64), *tables]
         for name, array in zip(self._array_inputs, arrays):
             binding.bind_ortvalue_input(name, _C.OrtValue.ortvalue_from_numpy(array, cpu))
         for name, value in self.pool.values.items():  # read by the next step after the writes below: never copied
@@ -501,8 +519,9 @@ class OrtEngine:
         self.session._sess.run_with_iobinding(binding, self._run_options)
         outputs = binding.get_outputs()
         self._step_inputs = arrays, rows, logit_positions  # not the cache: a finished generation's blocks go back when it is dropped
-        past.append({"pool_" + n[len("new_"):]: outputs[i].numpy() for i, n in enumerate(self._outputs) if i}, real)
-        return outputs[0].numpy(), past
+        past.append({"pool_" + n[len("new_"):]: outputs[i].numpy()[:batch] for i, n in enumerate(self._outputs) if i},
+                    real[:batch])
+        return outputs[0].numpy()[:batch], past
 
     @property
     def merges_caches(self) -> bool:
