@@ -39,7 +39,7 @@ def pack_bits(u: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of ``pack_bits``: (..., ceil(n/8) * b) uint8 -> (..., n) uint8. The reference's unpacking (the graph
-    reads packed codes through ``unpack_parts_u8`` instead, never interleaving them back)."""
+    reads packed codes through ``unpack_parts_u8`` or ``prefix_parts_u8`` instead, never interleaving them back)."""
     if bits == 8:
         return packed[..., :n]
     p = packed.to(torch.int64)
@@ -102,3 +102,22 @@ def unpack_parts_u8(packed: torch.Tensor, bits: int, dim: int = -1) -> list[tupl
         parts.append((part, 2.0 ** (bits * j)))
         rest = rest - part
     return parts + [(rest, 2.0 ** (8 - bits))]
+
+
+def prefix_parts_u8(packed: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """Packed values of a width dividing 8 (2, 4 bits; every byte whole), bytes along the last axis -> per part j
+    (value j of every byte) the bytes times 2^(b (per - 1 - j)), uint8: multiplying wraps modulo 256, so the values
+    above j fall off the top, value j lands in the top b bits and the values before it stay below. Read with weight
+    2^(8 - b), part j is u_j + sum over i < j of 2^(-b (j - i)) u_i, which ``unmix_prefix_parts`` takes out on the
+    other side of any linear map (a dequantization whose scale the byte's values share, a product with weights).
+    The last part is the byte as it is. Instead of ``unpack_parts_u8``'s masks: ONNX Runtime's uint8 BitwiseAnd took
+    6x the time of its uint8 Mul or Sub (44.8 against 7.4 and 5.7 us on 131,072 bytes, 2 threads, ORT 1.32)."""
+    per = 8 // bits
+    return [packed * 2 ** (bits * (per - 1 - j)) for j in range(per - 1)] + [packed]
+
+
+def unmix_prefix_parts(mixed: list[torch.Tensor], bits: int) -> list[torch.Tensor]:
+    """``prefix_parts_u8``'s parts (or a linear map of each, the same map) -> the values': part j less 2^-b times
+    part j - 1 (which holds the values before j at the weights one place further down), exact but for one rounding."""
+    return [mixed[0]] + [mixed[j] - mixed[j - 1] * 2.0**-bits for j in range(1, len(mixed))]
+

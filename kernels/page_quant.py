@@ -22,7 +22,8 @@ compares the two code for code. Minima are kept as floats (fp16, or on their 8-b
 zero point: an integer zero point moves every value of the group by up to half a step on top of its rounding.
 
 The read (``dequantize_key_pages``, ``dequantize_value_pages``) is what the exported graph runs on the codes it
-gathers through a block table: unpack (``kernels.bit_packing.unpack_parts_u8``), multiply, add, in standard ONNX ops.
+gathers through a block table: unpack (``kernels.bit_packing.unpack_parts_u8``; values at 2 and 4 bits
+``prefix_parts_u8``), multiply, add, in standard ONNX ops.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  registers torch.ops.quantized_decomposed (DequantizeLinear)
 
-from kernels.bit_packing import pack_bits, unpack_parts_u8
+from kernels.bit_packing import pack_bits, prefix_parts_u8, unmix_prefix_parts, unpack_parts_u8
 from kernels.kv_spec import KEY_GRID_STEPS, MIN_PAGE_SCALE, PageQuantSpec
 
 
@@ -129,26 +130,40 @@ def sealed_keys_t(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.
     return _dequantized(u_t, s_t, bs).reshape(B, nkv, d, M * bs)
 
 
-def value_parts(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> list[torch.Tensor]:
+def value_parts(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> tuple[list[torch.Tensor], int | None]:
     """Value pages, codes (B, nkv, M, bs, packed d) uint8 and scale (B, nkv, M, bs, d / G) fp16 -> per part j of the
-    codes (channels j::per) the values less their group's minimum, u s: (B, nkv, M bs, d / per) float32.
+    codes (channels j::per) the values less their group's minimum as floats, (B, nkv, M bs, d / per) float32, and the
+    width to ``unmix_prefix_parts`` them with (None: each part holds its values alone).
 
-    A part's codes of one group lie side by side (group / per of them: one DequantizeLinear row each) when per
-    divides the group; a group narrower than the parts' stride (a scheme of tiny groups) gets its scale per code.
-    Not stacked into one tensor as the keys are: a group's parts would be copied in runs of group / per bytes
-    (16 at K4/V4 g32), measured slower than a second DequantizeLinear and MatMul."""
+    When each byte's channels share a group (per divides the group, at 2 and 4 bits), the parts are
+    ``kernels.bit_packing.prefix_parts_u8``'s, read under their group's scale as they stand, and the caller unmixes
+    them on the small side (``sealed_value_mix``: after the products with the weights). Otherwise the masked parts of
+    ``unpack_parts_u8`` (3 bits: their words; a group narrower than a byte's channels: its scale per code). A part's
+    codes of one group lie side by side (group / per of them: one DequantizeLinear row each). Not stacked into one
+    tensor as the keys are: a group's parts would be copied in runs of group / per bytes (16 at K4/V4 g32), measured
+    slower than a second DequantizeLinear and MatMul."""
     B, nkv, M, bs, _ = codes.shape
     groups = scale.shape[-1]
-    parts = unpack_parts_u8(codes, bits)
-    per = len(parts)
-    d = per * parts[0][0].shape[-1]
     s = scale.to(torch.float32)
+    per = 8 // bits if 8 % bits == 0 else 8
+    d = per * codes.shape[-1] // (bits if 8 % bits else 1)
+    run = d // groups // per  # a part's codes under one scale, side by side
+    if bits < 8 and 8 % bits == 0 and (d // groups) % per == 0:
+        weight = 2.0 ** (8 - bits)
+        return [_dequantized(u, s * (1 / weight), run).reshape(B, nkv, M * bs, d // per)
+                for u in prefix_parts_u8(codes, bits)], bits
+    parts = unpack_parts_u8(codes, bits)
     if (d // groups) % per == 0:
-        return [_dequantized(u, s if weight == 1 else s * (1 / weight), d // groups // per).reshape(B, nkv, M * bs, d // per)
-                for u, weight in parts]
+        return [_dequantized(u, s if weight == 1 else s * (1 / weight), run).reshape(B, nkv, M * bs, d // per)
+                for u, weight in parts], None
     per_channel = s.repeat_interleave(d // groups, dim=-1)  # (B, nkv, M, bs, d)
     return [_dequantized(u, per_channel[..., j::per] * (1 / weight), 1).reshape(B, nkv, M * bs, d // per)
-            for j, (u, weight) in enumerate(parts)]
+            for j, (u, weight) in enumerate(parts)], None
+
+
+def unmixed(parts: list[torch.Tensor], prefix_bits: int | None) -> list[torch.Tensor]:
+    """``value_parts``' parts, or a linear map of each, as the values' own (``unmix_prefix_parts`` where they mix)."""
+    return parts if prefix_bits is None else unmix_prefix_parts(parts, prefix_bits)
 
 
 def sealed_key_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
@@ -168,7 +183,8 @@ def sealed_value_mix(a: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, 
     sum_t a_t v_t (B, nkv, R, d), v = u s + m: per part a . (u_j s_j), interleaved back on the small side, plus
     a . m per group, one (R, M bs) x (M bs, d / G) product instead of an add over every value."""
     B, nkv, M, bs, groups = scale.shape
-    y = torch.stack([a @ v for v in value_parts(codes, scale, bits)], dim=-1).flatten(-2)  # (B, nkv, R, d)
+    parts, prefix_bits = value_parts(codes, scale, bits)
+    y = torch.stack(unmixed([a @ v for v in parts], prefix_bits), dim=-1).flatten(-2)  # (B, nkv, R, d)
     a_min = a @ minimum.to(torch.float32).reshape(B, nkv, M * bs, groups)  # (B, nkv, R, d / G)
     return (y.unflatten(-1, (groups, -1)) + a_min[..., None]).flatten(-2)
 
@@ -189,8 +205,8 @@ def dequantize_value_pages(codes: torch.Tensor, scale: torch.Tensor, minimum: to
     """A row's sealed values end to end, codes (B, nkv, S, packed d) uint8, scale and minimum (B, nkv, S, d / G) fp16
     -> values (B, nkv, S, d) float32: the values ``sealed_value_mix`` weighs, materialized."""
     B, nkv, S, groups = scale.shape
-    parts = value_parts(codes[:, :, None], scale[:, :, None], bits)  # (B, nkv, S, d / per) each
-    u_s = torch.stack(parts, dim=-1).reshape(B, nkv, S, groups, head_dim // groups)  # channel per k + j
+    parts, prefix_bits = value_parts(codes[:, :, None], scale[:, :, None], bits)  # (B, nkv, S, d / per) each
+    u_s = torch.stack(unmixed(parts, prefix_bits), dim=-1).reshape(B, nkv, S, groups, head_dim // groups)  # channel per k + j
     return (u_s + minimum.to(torch.float32)[..., None]).reshape(B, nkv, S, head_dim)
 
 

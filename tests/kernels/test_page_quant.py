@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.bit_packing import pack_bits, unpack_bits, unpack_parts_u8
+from kernels.bit_packing import pack_bits, prefix_parts_u8, unmix_prefix_parts, unpack_bits, unpack_parts_u8
 from kernels.kv_spec import MIN_PAGE_SCALE, PAGE_BITS, PageQuantSpec
 from kernels.page_quant import (
     dequantize_key_pages,
@@ -103,6 +103,18 @@ def test_the_codes_unpack_into_byte_parts_that_are_the_codes_channels_by_part(bi
     assert all(torch.equal(v, u[..., j::per].float()) for j, v in enumerate(values))  # channels j::per
     along_2 = unpack_parts_u8(packed.movedim(-1, 2), bits, dim=2)  # the bytes along another axis: the same parts
     assert all(torch.equal(a.movedim(2, -1), p) for (a, _), (p, _) in zip(along_2, parts))
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_prefix_parts_multiply_bytes_without_masking_and_unmix_into_the_codes_channels_by_part(bits):
+    u = torch.randint(0, 2**bits, (3, 2, 5, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    parts = prefix_parts_u8(pack_bits(u, bits), bits)
+    per = 8 // bits
+
+    assert len(parts) == per and all(p.dtype == torch.uint8 for p in parts)
+    mixed = [p.float() / 2 ** (8 - bits) for p in parts]  # part j: value j plus the ones before it, shifted down
+    assert not torch.equal(mixed[1], u[..., 1::per].float())  # mixed before unmixing
+    assert all(torch.equal(v, u[..., j::per].float()) for j, v in enumerate(unmix_prefix_parts(mixed, bits)))
 
 
 @pytest.mark.parametrize("k_bits,v_bits", WIDTHS)
