@@ -140,8 +140,8 @@ def evaluation_gates(metrics: dict, gates: GatesConfig, champion: dict | None, e
                 for n in ("kv_accuracy_drop", "kv_ppl_increase_pct")]
     else:
         kv = kv or {}
-        # An engine serving the pages is measured on itself (against float PyTorch), else the pages in PyTorch.
-        where = "on the quantized-pages engine vs float PyTorch" if "on_engine" in kv else "the pages in PyTorch"
+        # An engine serving the pages is measured on itself (its pages against float pages), else the pages in PyTorch.
+        where = "on the quantized-pages engine vs its float pages" if "on_engine" in kv else "the pages in PyTorch"
         kv = kv.get("on_engine", kv)
         out += [
             _compare("kv_accuracy_drop", kv.get("accuracy_drop"), "<=", gates.max_kv_accuracy_drop,

@@ -160,6 +160,14 @@ class FloatPages(PagesCache):
         self.lengths = new
 
 
+def float_pages_engine(engine):
+    """A fork of a quantized-pages engine (its session, pool and adapter) whose new caches are ``FloatPages``: greedy
+    answers through it are the engine's with a float cache, decoded on the same kernels as through its pages."""
+    twin = engine.fork()
+    twin.empty_cache = lambda batch: FloatPages.empty(engine.pool, engine.page_spec, batch)
+    return twin
+
+
 def _decoded_logits(engine, ids: np.ndarray, prefill: int, cache) -> np.ndarray:
     """(T - prefill, V): ``ids`` (1, T)'s first ``prefill`` tokens prefilled into ``cache`` (None: the engine's own),
     then one token per step; the logits predicting tokens prefill..T-1."""

@@ -192,9 +192,14 @@ def _score_on_engine(
     report = accuracy_report(test, on_engine)
     report["perplexity"] = engine_perplexity(engine, tokenizer, texts)
     if engine.interface.kv_pages:  # a prefill reads float: what the pages cost shows only in decoding
-        from tasks.checks.page_quality import engine_page_quality, heldout_sequences
+        from tasks.checks.page_quality import engine_page_quality, float_pages_engine, heldout_sequences
 
         report["pages_heldout"] = engine_page_quality(engine, heldout_sequences(tokenizer, texts))
+        # The same engine's answers with a float cache: what its pages cost the answers, apart from its weights
+        # (an int4 engine's answers differ from float PyTorch's by its weights too, the weights gate's measure).
+        float_pages = generate_text(float_pages_engine(engine), tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size)
+        report["pages_answers"] = {"accuracy_float_pages": accuracy_report(test, float_pages)["accuracy"],
+                                   "answers_differing": sum(a != b for a, b in zip(float_pages, on_engine))}
     if cfg.latency_threads != engine_cfg.threads:  # timed at their own thread count (EvalConfig.latency_threads)
         del engine
         engine = open_engine(engine_cfg.serving_engine_dir, backend=engine_cfg.backend, threads=cfg.latency_threads)
@@ -354,10 +359,11 @@ def evaluate(
             metrics["kv_cache"]["layer_widths"] = widths
         on_engine = (metrics.get("adapter_on_engine") or {})
         if "pages_heldout" in on_engine:
-            # What the device's pages cost, measured on the device's engine: its greedy answers against float
-            # PyTorch + PEFT's, and the held-out perplexity it decodes through the pages its runtime sealed.
-            metrics["kv_cache"]["on_engine"] = {"accuracy_drop": adapter_report["accuracy"] - on_engine["accuracy"],
-                                                **on_engine.pop("pages_heldout")}
+            # What the device's pages cost, measured on the device's engine: its greedy answers against its own with
+            # a float cache, and the held-out perplexity it decodes through the pages its runtime sealed.
+            answers = on_engine.pop("pages_answers")
+            metrics["kv_cache"]["on_engine"] = {"accuracy_drop": answers["accuracy_float_pages"] - on_engine["accuracy"],
+                                                **answers, **on_engine.pop("pages_heldout")}
         progress.advance(kv_ppl_increase_pct=metrics["kv_cache"]["ppl_increase_pct"])
     progress.close()
     with atomic_output_dir(Path(out_dir)) as tmp:

@@ -119,6 +119,9 @@ def test_the_evaluate_stage_measures_what_the_pages_cost_in_pytorch_and_on_the_e
     assert "kv_code_mismatch" not in gates  # reported, not gated: pages are held to the exact sealer parity above
     assert gates["kv_ppl_increase_pct"].value == on_engine["ppl_increase_pct"]
     assert gates["kv_accuracy_drop"].value == on_engine["accuracy_drop"]
+    # the answers' drop is the engine's own with a float cache less with its pages: its weights count in neither
+    assert on_engine["accuracy_drop"] == on_engine["accuracy_float_pages"] - metrics["adapter_on_engine"]["accuracy"]
+    assert 0 <= on_engine["answers_differing"] <= len(rows)
     assert (tmp_path / "eval" / "kv_bits.png").is_file()
 
 
