@@ -186,7 +186,10 @@ class Block(nn.Module):
         if first not in lora:
             return y
         a, b, mask = lora[first]  # (n r, in), (out, n r), None; or stacked (S n r, in), (out, S n r), (N, S n r)
-        h = x @ a.t()  # (N, n r) or (N, S n r)
+        # (A x^T)^T, not x A^T: ONNX Runtime splits x A^T (A an input, a few dozen columns) across its threads by
+        # the row count N, so a row's h depended on its batch's size ({1}, {2, 3}, {4 and more} at 896 x 24, 2
+        # threads); this order gives every row the same floats at any N (tests/runtime/test_paired_rows.py).
+        h = (a @ x.t()).t()  # (N, n r) or (N, S n r)
         return torch.addmm(y, h if mask is None else h * mask, b.t())  # (N, out)
 
     def forward(self, x, B: int, T: int, cos, sin, mask, past_k, past_v, lora: dict[str, tuple]):

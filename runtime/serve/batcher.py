@@ -544,7 +544,14 @@ class Batcher:
     def _prefill(self, batch: ReleaseBatch, gens: list[BatchedGeneration]) -> None:
         """Prefill ``gens`` together and join their rows to ``batch``. When the engine refuses them
         together (it cannot allocate the padded batch, say), each is prefilled alone: only a request
-        that fails alone fails, not the ones that arrived with it; the batch runs on."""
+        that fails alone fails, not the ones that arrived with it; the batch runs on. An engine that pairs its rows
+        (``serve --batch-invariant``) prefills each request apart: ONNX Runtime's fp32 matmuls give a row other floats
+        in a product of other row counts (the LoRA's, tens of rows and more), and a prefill's rows are its chunks'
+        tokens, which a request's company would change; a decode step has a row per request."""
+        if len(gens) > 1 and getattr(batch.engine, "paired_rows", False):
+            for g in gens:
+                self._prefill(batch, [g])
+            return
         try:
             prompts = [p for g in gens for p in g.prompts]
             slots = batch.bind([g.release for g in gens for _ in g.prompts])  # (n,)
