@@ -232,9 +232,11 @@ class OrtEngine:
         ``kv_budget_bytes``: a paged engine's pool of KV blocks holds at most this (None: it grows).
         ``memory``: one of ``ORT_MEMORY_MODES``, how intermediate tensors are allocated.
         ``paired_rows`` (a paged engine): every forward runs an even number of rows, an odd batch's last row twice
-        (the copy's logits and K/V dropped), so a row's floats are the same in any company: ONNX Runtime's
-        MatMulNBits sums a row left over from its pairs (a lone row included) in another order, and nothing else
-        in the graph depends on the company (``tests/runtime/test_paired_rows.py``). A lone row then costs a pair's step."""
+        (the copy's logits and K/V dropped), so a decode step gives a row the same floats in any company of up to 16
+        rows: ONNX Runtime's MatMulNBits sums a row left over from its pairs (a lone row included) in another order,
+        and the graph's other products give a row the same floats at 2 to 16 rows (the LoRA's computed for that,
+        ``runtime.engine.model.Block._lora``). A prefill's rows are its tokens: the batcher prefills each request apart
+        on such an engine (``tests/runtime/test_paired_rows.py``). A lone row costs a pair's step."""
         if memory not in ORT_MEMORY_MODES:
             raise ValueError(f"memory={memory!r}: one of {', '.join(ORT_MEMORY_MODES)}")
         self.engine_dir = engine_dir = Path(engine_dir)
