@@ -164,6 +164,7 @@ def test_two_products_and_a_candidate_decode_in_one_batch_and_answer_as_alone(se
     """Acceptance (issue 27): rows of alpha's champion, alpha's candidate and beta's champion decode in the same
     steps, and every answer (greedy and seeded sampling) equals the same request alone, through the openai SDK."""
     import concurrent.futures
+    import threading
 
     import openai
     from server_testkit import PROMPT, call, manifest_id, running_server, sample, scrape
@@ -179,14 +180,17 @@ def test_two_products_and_a_candidate_decode_in_one_batch_and_answer_as_alone(se
             assert status == 200, body
         client = openai.OpenAI(base_url=f"{bg.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
-        def ask(r):
+        def ask(r, start=None):
+            if start is not None:
+                start.wait()  # all sent at once: a loaded machine once started the threads apart, and no step held all three
             out = client.completions.create(prompt=PROMPT, max_tokens=24, **r)
             return out.model, out.choices[0].text
 
         alone = [ask(r) for r in requests]
         mixed_before = scrape(bg.port)
+        start = threading.Barrier(len(requests))
         with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
-            together = list(pool.map(ask, requests))
+            together = list(pool.map(lambda r: ask(r, start), requests))
         samples = scrape(bg.port)
 
     assert together == alone
