@@ -129,6 +129,7 @@ def export_backbone(
     """
     import torch
 
+    from kernels.page_quant import READ_OPSET, onnx_translations
     from runtime.engine.hashing import backbone_hash
     from runtime.engine.interface import build_interface
     from runtime.engine.model import load_backbone
@@ -143,6 +144,7 @@ def export_backbone(
         from runtime.engine.paged_model import QuantizedPagesBackbone
 
         model = QuantizedPagesBackbone(model, PageQuantSpec.from_dict(kv_pages), kv_block_size).eval()
+        opset = max(opset, READ_OPSET)  # the sealed keys' blocked DequantizeLinear
     elif kv_block_size is not None:
         from runtime.engine.paged_model import PagedKVBackbone
 
@@ -170,6 +172,7 @@ def export_backbone(
             output_names=iface.output_names,
             opset_version=opset,
             optimize=True,
+            custom_translation_table=onnx_translations(),
         )
     from runtime.engine.backends import onnxruntime as ort_backend
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels.kv_spec import PAGE_BITS, PageQuantSpec
-from kernels.page_quant import dequantize_key_pages, dequantize_value_pages, seal_packed
+from kernels.page_quant import READ_OPSET, dequantize_key_pages, dequantize_value_pages, onnx_translations, seal_packed
 
 
 class ReadPages(torch.nn.Module):
@@ -22,7 +22,8 @@ class ReadPages(torch.nn.Module):
 
 def _export(module, args, names, outputs, path, dynamic):
     torch.onnx.export(module.eval(), args, str(path), dynamo=True, input_names=names, output_names=outputs,
-                      dynamic_shapes=dynamic, optimize=True, verbose=False)
+                      dynamic_shapes=dynamic, optimize=True, verbose=False, opset_version=READ_OPSET,
+                      custom_translation_table=onnx_translations())
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
