@@ -125,7 +125,8 @@ def export_backbone(
     adapters (``runtime.engine.interface.stacked_interface``, version 7). Every export takes the
     ``logit_positions`` input (interface version 8): a server computes the LM head at the positions it samples only.
     ``kv_pages`` (a ``kernels.kv_spec.PageQuantSpec`` dict, with ``kv_block_size``) exports the paged cache with
-    quantized pages (``runtime.engine.paged_model.QuantizedPagesBackbone``, version 9).
+    quantized pages (``runtime.engine.paged_model.QuantizedPagesBackbone``, version 9), at opset
+    ``kernels.page_quant.READ_OPSET`` at least (its keys' blocked DequantizeLinear).
     """
     import torch
 
