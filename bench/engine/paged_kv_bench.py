@@ -171,7 +171,10 @@ def pages_engines(shape: str, weights: str, block: int, threads: int, root: Path
         if weights != "fp32":
             engine_dir = Path(ensure_quantized_engine(engine_dir, root / f"engine-{i}-{weights}", weights,
                                                       engine_cfg.weight_block(weights), engine_cfg.weights_format())["weights_dir"])
-        for label, paired_rows in ((name, False), (PAIRED, True))[: 1 + (paired and pages is not None)]:
+        forms = [(name, False)]
+        if paired and pages is not None:  # pairing rows needs the pages engine
+            forms.append((PAIRED, True))
+        for label, paired_rows in forms:
             engine = OrtEngine(engine_dir, threads=threads, paired_rows=paired_rows)
             engine.set_adapter(load_adapter(adapter_dir, engine.interface))
             engines[label] = engine

@@ -168,11 +168,11 @@ def float_pages_engine(engine):
     return twin
 
 
-def _decoded_logits(engine, ids: np.ndarray, prefill: int, cache) -> np.ndarray:
-    """(T - prefill, V): ``ids`` (1, T)'s first ``prefill`` tokens prefilled into ``cache`` (None: the engine's own),
-    then one token per step; the logits predicting tokens prefill..T-1."""
+def _decoded_logits(engine, ids: np.ndarray, prefill: int) -> np.ndarray:
+    """(T - prefill, V): ``ids`` (1, T)'s first ``prefill`` tokens prefilled into a new cache of the engine's, then
+    one token per step; the logits predicting tokens prefill..T-1."""
     T = ids.shape[1]
-    logits, cache = engine.forward(ids[:, :prefill], np.arange(prefill)[None], np.ones((1, prefill), np.int64), cache)
+    logits, cache = engine.forward(ids[:, :prefill], np.arange(prefill)[None], np.ones((1, prefill), np.int64), None)
     decoded = [logits[0, -1].copy()]
     for t in range(prefill, T - 1):
         logits, cache = engine.forward(ids[:, t : t + 1], np.array([[t]]), np.ones((1, t + 1), np.int64), cache)
@@ -187,11 +187,11 @@ def engine_page_quality(engine, documents: list[list[int]]) -> dict:
     the same engine. Decode against decode, not against one prefill of the whole document: a quantized backbone's
     prefill and decode run different kernels (MatMulNBits at one row: KL 0.010-0.013 between them on SmolLM2 int4,
     with no page sealed), which is the weights' cost, not the pages'."""
-    scores = []
+    scores, float_engine = [], float_pages_engine(engine)
     for ids in documents:
         x, prefill = np.asarray([ids], dtype=np.int64), len(ids) // 2
-        float_logits = _decoded_logits(engine, x, prefill, FloatPages.empty(engine.pool, engine.page_spec, 1))
-        logits = _decoded_logits(engine, x, prefill, None)
+        float_logits = _decoded_logits(float_engine, x, prefill)
+        logits = _decoded_logits(engine, x, prefill)
         scores.append(_document_score(torch.from_numpy(float_logits), torch.from_numpy(logits),
                                       torch.from_numpy(x[0, prefill:]))[0])
     return summarize(scores)

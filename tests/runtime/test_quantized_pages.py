@@ -261,13 +261,13 @@ def test_quantized_pages_track_the_float_paged_engine(engines):
 def test_float_pages_on_a_pages_engine_decode_what_the_float_paged_engine_does(engines):
     """The KV gate's reference on the device's own engine (``tasks.checks.page_quality.engine_page_quality``): the
     same graph decoding over float pages only, so that the pages alone differ from it, not the decode path."""
-    from tasks.checks.page_quality import FloatPages, _decoded_logits, engine_page_quality
+    from tasks.checks.page_quality import _decoded_logits, engine_page_quality, float_pages_engine
 
     ids = np.random.default_rng(5).integers(0, 96, (1, 83))  # 6 pages: 4 would be sealed by 83
     want, _ = engine_run(engines["float"], ids, split=20)
     pages = engines[(2, 2)]
-    got = _decoded_logits(pages, ids, 20, FloatPages.empty(pages.pool, pages.page_spec, 1))
-    sealed = _decoded_logits(pages, ids, 20, None)
+    got = _decoded_logits(float_pages_engine(pages), ids, 20)
+    sealed = _decoded_logits(pages, ids, 20)
 
     assert np.abs(got - want[0, 19:-1]).max() <= 1e-4
     assert np.abs(sealed[-30:] - want[0, -31:-1]).max() > 1e-2  # the same engine's sealed pages do move them
