@@ -64,6 +64,26 @@ def _pack_aligned(u: torch.Tensor, bits: int) -> torch.Tensor:
     return (x * _powers(per, bits, 1)).sum(-1).to(torch.uint8)  # (..., nbytes): sum of u_j 2^(j b) < 256
 
 
+def pack_token_runs(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes u (..., n, w) uint8 at a width dividing 8 (2, 4 bits), n a multiple of per = 8 / bits -> (..., n / per, w)
+    uint8, packed across the second-last axis in runs: byte (t, c) holds u[t + j n / per, c] in bits [j b, (j + 1) b),
+    j = 0 .. per - 1 (``kernels.kv_spec.key_token_rows``: a page's keys, one channel of per tokens a byte).
+    ``prefix_parts_u8`` reads it as it reads any byte, run j being value j."""
+    per = 8 // bits
+    runs = u.to(torch.float32).unflatten(-2, (per, -1))  # (..., per, n / per, w)
+    return (runs * _powers(per, bits, 1)[:, None, None]).sum(-3).to(torch.uint8)  # sum of u_j 2^(j b) < 256
+
+
+def prefix_runs_unmixing(bits: int, run: int) -> torch.Tensor:
+    """The (per run, per run) matrix that ``unmix_prefix_parts`` is on a last axis of ``prefix_parts_u8``'s parts laid
+    in runs of ``run`` side by side (per = 8 / bits): x @ it takes 2^-b times run j - 1 out of run j, in one product."""
+    n = (8 // bits) * run
+    unmix = torch.eye(n)
+    for i in range(run, n):
+        unmix[i - run, i] = -(2.0**-bits)
+    return unmix
+
+
 def _word_parts_f32(packed: torch.Tensor, bits: int, dim: int = -1) -> list[torch.Tensor]:
     """A width that straddles bytes, 3 bits: each 8 values fill ``bits`` bytes (along ``dim``), read as one
     little-endian integer below 2^24 (exact in float32), then peeled ``bits`` at a time as ``unpack_parts_f32`` peels

@@ -25,6 +25,24 @@ def packed_size(n: int, bits: int) -> int:
 
 
 
+def key_token_rows(bits: int, block_size: int) -> bool:
+    """Whether a sealed page packs its key codes across tokens (``key_code_shape``): at 2 and 4 bits, when the page's
+    tokens split into 8 / bits runs. Then a byte holds one channel of tokens t, t + r, t + 2r, ... (r = block_size
+    bits / 8), which share the channel's scale, so the graph reads each byte whole under that scale and takes the
+    tokens apart after the product with q (``kernels.page_quant.sealed_key_scores``), where the scores are few;
+    packed across channels, each byte's codes would need masking first (ONNX Runtime's uint8 BitwiseAnd: 6x the
+    time of a uint8 Mul). Otherwise (3 and 8 bits, odd page sizes) codes pack across channels, as values do."""
+    return bits < 8 and 8 % bits == 0 and block_size % (8 // bits) == 0
+
+
+def key_code_shape(bits: int, block_size: int, head_dim: int) -> tuple[int, int]:
+    """The (rows, bytes per row) of one sealed page's key codes, per head: (block_size bits / 8, head_dim) packed
+    across tokens (``key_token_rows``), else (block_size, head_dim packed): the same bytes either way."""
+    if key_token_rows(bits, block_size):
+        return block_size * bits // 8, head_dim
+    return block_size, packed_size(head_dim, bits)
+
+
 # Widths a quantized page stores: 2, 4 and 8 bits pack whole values into bytes; 3 bits are packed densely too
 # (8 values in 3 bytes, ``kernels.bit_packing.pack_bits``), so a 3-bit page stores 3 bits per code, not 4.
 PAGE_BITS = (2, 3, 4, 8)

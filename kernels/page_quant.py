@@ -33,8 +33,15 @@ from __future__ import annotations
 import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  registers torch.ops.quantized_decomposed (DequantizeLinear)
 
-from kernels.bit_packing import pack_bits, prefix_parts_u8, unmix_prefix_parts, unpack_parts_u8
-from kernels.kv_spec import KEY_GRID_STEPS, MIN_PAGE_SCALE, PageQuantSpec
+from kernels.bit_packing import (
+    pack_bits,
+    pack_token_runs,
+    prefix_parts_u8,
+    prefix_runs_unmixing,
+    unmix_prefix_parts,
+    unpack_parts_u8,
+)
+from kernels.kv_spec import KEY_GRID_STEPS, MIN_PAGE_SCALE, PageQuantSpec, key_code_shape, key_token_rows
 
 
 def _scale_minimum(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,11 +98,13 @@ def seal_values(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, t
 
 def seal_packed(k: torch.Tensor, v: torch.Tensor, spec: PageQuantSpec) -> dict[str, torch.Tensor]:
     """Full pages k, v (S, nkv, bs, d) float32 -> what the page pool stores, by role (``runtime.engine.interface.SEALED_ROLES``):
-    ``key_codes`` and ``value_codes`` bit-packed (``kernels.bit_packing.pack_bits``), the keys' 8-bit grid and its
+    ``key_codes`` bit-packed across tokens where ``kernels.kv_spec.key_token_rows`` (``pack_token_runs``), else across
+    channels as ``value_codes`` are (``kernels.bit_packing.pack_bits``), the keys' 8-bit grid and its
     ``key_base``, the values' fp16 scales and minima, as they are."""
     k_codes, k_scale, k_min, k_base = seal_keys(k, spec.k_bits)
     v_codes, v_scale, v_min = seal_values(v, spec.v_bits, spec.v_group_size)
-    return {"key_codes": pack_bits(k_codes, spec.k_bits), "key_scale": k_scale, "key_min": k_min, "key_base": k_base,
+    rows = key_token_rows(spec.k_bits, k.shape[-2])
+    return {"key_codes": pack_token_runs(k_codes, spec.k_bits) if rows else pack_bits(k_codes, spec.k_bits), "key_scale": k_scale, "key_min": k_min, "key_base": k_base,
             "value_codes": pack_bits(v_codes, spec.v_bits), "value_scale": v_scale, "value_min": v_min}
 
 
@@ -145,16 +154,27 @@ def onnx_translations() -> dict:
     return {torch.ops.page_quant.dequantize_pages.default: dequantize_pages_onnx}
 
 
-def key_parts(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> list[torch.Tensor]:
-    """Key pages, codes (B, nkv, M, bs, packed d) uint8 and scale (B, nkv, M, 1, d) float32 -> per part j of the codes
-    (``kernels.bit_packing.unpack_parts_u8``: channels j::per) the keys less their page's minimum, u s, as a row's
-    tokens (B, nkv, M bs, d / per) float32: one blocked dequantization per part, its weight folded into the scale."""
+def key_channels(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> tuple[torch.Tensor, list[int] | None]:
+    """Key pages, codes (B, nkv, M, bs, packed d) uint8 and scale (B, nkv, M, 1, d) float32 -> (the keys less their
+    page's minimum, u s, as a row's tokens (B, nkv, M bs, d) float32 with the channels in part order, that order):
+    the parts of ``kernels.bit_packing.unpack_parts_u8`` (part j: channels j::per) side by side, channels 0, per,
+    2 per, ..., 1, per + 1, ..., so that q's channels taken in the same order multiply them in one product. None:
+    one part (8 bits), the channels as they are.
+
+    One blocked dequantization of the parts' bytes laid side by side (a Concat of bytes, a quarter of the floats' size),
+    each part's weight folded into its channels' scales: not a product per part summed after, which holds per + 1
+    (B, nkv, R, M bs) score tensors at once (a prefill chunk of 64 tokens at the Qwen2-0.5B shape, 2,048 tokens
+    back: 6.7 MB each, the largest tensors of the forward) and an Add over them."""
     B, nkv, M, bs, _ = codes.shape
+    d = scale.shape[-1]  # not -1 below: a row may have no sealed page yet (M = 0)
     parts = unpack_parts_u8(codes, bits)
+    if len(parts) == 1:
+        return dequantize_pages(codes, scale, bs).reshape(B, nkv, M * bs, d), None
     per = len(parts)
-    width = scale.shape[-1] // per  # not -1: a row may have no sealed page yet (M = 0)
-    return [dequantize_pages(u, scale[..., j::per] * (1.0 / weight), bs).reshape(B, nkv, M * bs, width)
-            for j, (u, weight) in enumerate(parts)]
+    order = [c for j in range(per) for c in range(j, d, per)]
+    weights = torch.tensor([1.0 / weight for _, weight in parts for _ in range(d // per)])
+    u = torch.cat([part for part, _ in parts], dim=-1)  # (B, nkv, M, bs, d)
+    return dequantize_pages(u, scale[..., order] * weights, bs).reshape(B, nkv, M * bs, d), order
 
 
 def value_parts(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> tuple[list[torch.Tensor], int | None]:
@@ -196,18 +216,28 @@ def unmixed(parts: list[torch.Tensor], prefix_bits: int | None) -> list[torch.Te
 
 
 def sealed_key_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                      bits: int) -> torch.Tensor:
-    """q (B, nkv, R, d) against the key pages (``key_parts``'; minimum (B, nkv, M, 1, d) float32) -> q . k
-    (B, nkv, R, M bs), k = u s + m: per part j, q's channels j::per . (u_j s_j), plus q . m per page, one (R, d) x
-    (d, M) product instead of an add over every key. The same sums as q . k, reassociated."""
-    B, nkv, M, bs, _ = codes.shape
-    parts = key_parts(codes, scale, bits)
-    per = len(parts)
-    scores = q[..., 0::per] @ parts[0].transpose(-1, -2)  # (B, nkv, R, M bs)
-    for j in range(1, per):
-        scores = scores + q[..., j::per] @ parts[j].transpose(-1, -2)
+                      bits: int, block_size: int) -> torch.Tensor:
+    """q (B, nkv, R, d) against the key pages, codes (B, nkv, M, ``kernels.kv_spec.key_code_shape``) uint8, scale and
+    minimum (B, nkv, M, 1, d) float32 -> q . k (B, nkv, R, M bs), k = u s + m: q . (u s), plus q . m per page, one
+    (R, d) x (d, M) product instead of an add over every key. The same sums as q . k, reassociated.
+
+    Codes packed across tokens (``kernels.kv_spec.key_token_rows``) are read whole: ``prefix_parts_u8``'s parts of
+    the bytes, laid in the page's token order, under the channel's scale (which every code of a byte shares) in one
+    blocked dequantization; run j then holds its tokens' keys plus 2^-b times the runs before it, which one product of
+    the page's scores with ``prefix_runs_unmixing`` takes out. Otherwise q's channels in the order of
+    ``key_channels``."""
+    B, nkv, M, rows, _ = codes.shape
+    d, bs = scale.shape[-1], block_size  # not -1 in the reshapes: a row may have no sealed page yet (M = 0)
+    if key_token_rows(bits, bs):
+        u = torch.cat(prefix_parts_u8(codes, bits), dim=-2)  # (B, nkv, M, bs, d): each run mixed with those before
+        keys = dequantize_pages(u, scale * 2.0 ** (bits - 8), bs).reshape(B, nkv, M * bs, d)
+        mixed = (q @ keys.transpose(-1, -2)).unflatten(-1, (M, bs))  # (B, nkv, R, M, bs)
+        scores = mixed @ prefix_runs_unmixing(bits, rows)
+    else:
+        keys, order = key_channels(codes, scale, bits)
+        scores = ((q if order is None else q[..., order]) @ keys.transpose(-1, -2)).unflatten(-1, (M, bs))
     q_min = q @ minimum.squeeze(3).transpose(-1, -2)  # (B, nkv, R, M)
-    return (scores.unflatten(-1, (M, bs)) + q_min[..., None]).flatten(-2)
+    return (scores + q_min[..., None]).flatten(-2)
 
 
 def sealed_value_mix(a: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
@@ -224,13 +254,24 @@ def sealed_value_mix(a: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, 
 
 def dequantize_key_pages(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
                          block_size: int) -> torch.Tensor:
-    """A row's sealed keys end to end, codes (B, nkv, M bs, packed d) uint8, scale and minimum (B, nkv, M, d) float32 ->
-    keys (B, nkv, M bs, d) float32, each page's tokens read with its channels' scales: the keys
-    ``sealed_key_scores`` multiplies, materialized (the reference the tests hold it to)."""
+    """A row's sealed keys end to end, codes (B, nkv, M rows, w) uint8 (``kernels.kv_spec.key_code_shape``), scale and
+    minimum (B, nkv, M, d) float32 -> keys (B, nkv, M bs, d) float32, each page's tokens read with its channels'
+    scales: the keys ``sealed_key_scores`` multiplies, materialized (the reference the tests hold it to). Runs across
+    tokens are masked apart (``unpack_parts_u8``: exact, each under its weight's share of the scale)."""
     B, nkv, M, d = scale.shape
-    parts = key_parts(codes.unflatten(2, (M, block_size)), scale[:, :, :, None], bits)  # (B, nkv, M bs, d / per) each
-    u_s = torch.stack(parts, dim=-1).reshape(B, nkv, M, block_size, d)  # channel i per + j
-    return (u_s + minimum[:, :, :, None]).reshape(B, nkv, M * block_size, d)
+    bs = block_size
+    rows = key_code_shape(bits, bs, d)[0]
+    pages = codes.unflatten(2, (M, rows))  # (B, nkv, M, rows, w)
+    s = scale[:, :, :, None]  # (B, nkv, M, 1, d)
+    if key_token_rows(bits, bs):
+        keys = torch.cat([dequantize_pages(u, s * (1.0 / weight), rows) for u, weight in unpack_parts_u8(pages, bits)],
+                         dim=-2)  # (B, nkv, M, bs, d)
+    else:
+        keys, order = key_channels(pages, s, bits)
+        if order is not None:  # back to channel order
+            keys = keys[..., sorted(range(d), key=order.__getitem__)]
+        keys = keys.unflatten(2, (M, bs))
+    return (keys + minimum[:, :, :, None]).reshape(B, nkv, M * bs, d)
 
 
 def dequantize_value_pages(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,

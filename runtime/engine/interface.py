@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels.kv_spec import KEY_BASE_WIDTH, PageQuantSpec, packed_size
+from kernels.kv_spec import KEY_BASE_WIDTH, PageQuantSpec, key_code_shape, packed_size
 from runtime.engine.backbone_config import BackboneConfig
 from runtime.engine.errors import RefusedInput
 
@@ -259,7 +259,8 @@ def quantized_pages_tensors(num_layers: int, num_kv_heads: int, head_dim: int, b
     """The sealed pools of a version-9 engine, as TensorSpecs (``kernels.kv_spec.PageQuantSpec`` says what a page holds).
 
     Per layer i, each (sealed_blocks, nkv, ·, ·), in the order of ``SEALED_ROLES``:
-      pool_key_codes.i    uint8 (.., bs, packed d): keys' codes, bit-packed (kernels.bit_packing.pack_bits)
+      pool_key_codes.i    uint8 (.., kernels.kv_spec.key_code_shape): keys' codes, bit-packed across tokens at 2
+                          and 4 bits, else across channels (kernels.bit_packing.pack_bits)
       pool_key_scale.i    uint8 (.., 1, d): per channel over the page, in units of the page's scale unit
       pool_key_min.i      uint8 (.., 1, d): per channel, in minimum units above the page's minimum origin
       pool_key_base.i     float16 (.., 1, 3): the page's scale unit, minimum origin, minimum unit (kernels.page_quant.key_grid)
@@ -271,7 +272,7 @@ def quantized_pages_tensors(num_layers: int, num_kv_heads: int, head_dim: int, b
     nkv, d, bs, groups = num_kv_heads, head_dim, block_size, head_dim // pages.v_group_size
 
     def roles(layer: PageQuantSpec) -> dict:
-        return {"key_codes": ("uint8", bs, packed_size(d, layer.k_bits)), "key_scale": ("uint8", 1, d),
+        return {"key_codes": ("uint8", *key_code_shape(layer.k_bits, bs, d)), "key_scale": ("uint8", 1, d),
                 "key_min": ("uint8", 1, d), "key_base": ("float16", 1, KEY_BASE_WIDTH),
                 "value_codes": ("uint8", bs, packed_size(d, layer.v_bits)), "value_scale": ("float16", bs, groups),
                 "value_min": ("float16", bs, groups)}

@@ -11,8 +11,9 @@ codes however the tokens came in (one prefill, chunks, one by one, in any batch)
 
 Sealing runs here, in numpy (no torch on the serving path), with the float32 and fp16 operations of the PyTorch
 reference ``kernels.page_quant`` one for one: the same integers and the same fp16 scales
-(``tests/kernels/test_page_quant.py``). Codes are packed as ``kernels.bit_packing.pack_bits`` packs them (3 bits densely,
-8 codes in 3 bytes).
+(``tests/kernels/test_page_quant.py``). Codes are packed as ``kernels.page_quant.seal_packed`` packs them: values as
+``kernels.bit_packing.pack_bits`` does (3 bits densely, 8 codes in 3 bytes), keys at 2 and 4 bits across tokens
+(``kernels.kv_spec.key_token_rows``).
 
 Memory: two ``BlockPool``s, one per block shape, under one byte budget. With a budget both are mapped for the whole
 budget (``small_paged_zeros``: a page nobody wrote costs nothing), and the budget counts the bytes of the blocks held,
@@ -26,7 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kernels.kv_spec import KEY_GRID_STEPS, MIN_PAGE_SCALE, PageQuantSpec
+from kernels.kv_spec import KEY_GRID_STEPS, MIN_PAGE_SCALE, PageQuantSpec, key_token_rows
 from runtime.engine.interface import SEALED_BLOCKS_AXIS, EngineInterface, InterfaceError, quantized_pages_tensors
 from runtime.engine.kv_blocks import BlockPool, KVBudgetExceeded, PoolTensor
 from runtime.engine.kv_prefix import Page, PrefixPages
@@ -44,7 +45,7 @@ def page_scheme(iface: EngineInterface) -> PageQuantSpec:
     want = quantized_pages_tensors(iface.num_layers, iface.num_kv_heads, iface.head_dim, iface.kv_block_size, iface.kv_pages)
     if not problems and [t for t in iface.inputs if SEALED_BLOCKS_AXIS in t.shape] != want:
         problems.append("its sealed pools are not the ones this scheme stores (an engine compiled before the keys' "
-                        "8-bit grid: recompile it)")
+                        "8-bit grid or their codes packed across tokens: recompile it)")
     if problems:
         raise InterfaceError(f"the engine's quantized pages {spec.name}: " + "; ".join(problems))
     return spec
@@ -93,6 +94,15 @@ def pack_codes(u: np.ndarray, bits: int) -> np.ndarray:
     return words.astype("<u4").view(np.uint8).reshape(*lead, n // 8, 4)[..., :bits].reshape(*lead, n // 8 * bits)
 
 
+def pack_token_runs(u: np.ndarray, bits: int) -> np.ndarray:
+    """Codes u (..., n, w) uint8 -> (..., n / per, w), byte (t, c) holding u[t + j n / per, c] in bits [j b, (j + 1) b):
+    ``kernels.bit_packing.pack_token_runs`` (a page's keys where ``kernels.kv_spec.key_token_rows``)."""
+    per = 8 // bits
+    runs = u.reshape(*u.shape[:-2], per, u.shape[-2] // per, u.shape[-1])  # (..., per, n / per, w)
+    shifts = (bits * np.arange(per, dtype=np.uint8)).reshape(per, 1, 1)
+    return (runs << shifts).sum(axis=-3, dtype=np.uint8)  # disjoint bits: the sum is their OR
+
+
 def seal_pages(k: np.ndarray, v: np.ndarray, spec: PageQuantSpec) -> dict[str, np.ndarray]:
     """Full pages k, v (S, nkv, bs, d) float32 -> what the sealed pools store, by role (``runtime.engine.interface.SEALED_ROLES``):
     keys per (page, head, channel) over the page's tokens, on the page's 8-bit grid; values per (token, head, group of
@@ -103,7 +113,10 @@ def seal_pages(k: np.ndarray, v: np.ndarray, spec: PageQuantSpec) -> dict[str, n
     grouped = v.reshape(*lead, d // spec.v_group_size, spec.v_group_size)  # (S, nkv, bs, d / G, G)
     v_scale, v_min = _scale_minimum(grouped.min(axis=-1), grouped.max(axis=-1), spec.v_bits)  # (S, nkv, bs, d / G)
     v_codes = _codes(grouped, v_scale[..., None], v_min[..., None], spec.v_bits).reshape(v.shape)
-    return {"key_codes": pack_codes(_codes(k, k_scale, k_min, spec.k_bits), spec.k_bits), "key_scale": k_scale_codes,
+    k_codes = _codes(k, k_scale, k_min, spec.k_bits)
+    k_packed = (pack_token_runs(k_codes, spec.k_bits) if key_token_rows(spec.k_bits, k.shape[-2])
+                else pack_codes(k_codes, spec.k_bits))
+    return {"key_codes": k_packed, "key_scale": k_scale_codes,
             "key_min": k_min_codes, "key_base": k_base, "value_codes": pack_codes(v_codes, spec.v_bits),
             "value_scale": v_scale, "value_min": v_min}
 

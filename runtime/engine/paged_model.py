@@ -158,7 +158,7 @@ class QuantizedPagesBackbone(nn.Module):
                 gathered_blocks(p, block_table) for p in sealed_pools[roles * i : roles * (i + 1)])
             k_scale, k_min = key_scale_minimum(k_scale, k_min, k_base)  # (B, nkv, M, 1, d) float32: small beside the codes
             layer = spec.layer(i)  # its widths: calibration may have widened some layers
-            sealed = PastSegment(M * bs, lambda qg: sealed_key_scores(qg, k_codes, k_scale, k_min, layer.k_bits),
+            sealed = PastSegment(M * bs, lambda qg: sealed_key_scores(qg, k_codes, k_scale, k_min, layer.k_bits, bs),
                                  lambda a: sealed_value_mix(a, v_codes, v_scale, v_min, layer.v_bits))
             float_k, float_v = (gathered(p, float_block_table) for p in float_pools[2 * i : 2 * i + 2])  # (B, nkv, F bs, d)
             return [float_segment(float_k, float_v), sealed]

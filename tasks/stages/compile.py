@@ -54,6 +54,14 @@ def graph_source_hash() -> str:
     return digest.hexdigest()
 
 
+def export_opset(opset: int, kv_pages: dict | None) -> int:
+    """The opset an engine is exported at: the requested one, raised to ``kernels.page_quant.READ_OPSET`` for
+    quantized pages (the sealed keys' blocked DequantizeLinear). The cache key records this one: what was built."""
+    from kernels.page_quant import READ_OPSET
+
+    return opset if kv_pages is None else max(opset, READ_OPSET)
+
+
 def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...], opset: int,
               kv_block_size: int | None = None, stacked: bool = False, kv_pages: dict | None = None) -> dict:
     from runtime.engine.interface import LOGIT_POSITIONS_INTERFACE_VERSION
@@ -65,7 +73,7 @@ def cache_key(backbone_hash: str, max_rank: int, target_modules: tuple[str, ...]
         "graph_source": graph_source_hash(),
         "max_rank": max_rank,
         "target_modules": list(target_modules),
-        "opset": opset,
+        "opset": export_opset(opset, kv_pages),
     }
     if kv_block_size is not None:  # absent for padded engines: their key stays as it was
         key["kv_block_size"] = kv_block_size
@@ -130,7 +138,7 @@ def export_backbone(
     """
     import torch
 
-    from kernels.page_quant import READ_OPSET, onnx_translations
+    from kernels.page_quant import onnx_translations
     from runtime.engine.hashing import backbone_hash
     from runtime.engine.interface import build_interface
     from runtime.engine.model import load_backbone
@@ -145,11 +153,11 @@ def export_backbone(
         from runtime.engine.paged_model import QuantizedPagesBackbone
 
         model = QuantizedPagesBackbone(model, PageQuantSpec.from_dict(kv_pages), kv_block_size).eval()
-        opset = max(opset, READ_OPSET)  # the sealed keys' blocked DequantizeLinear
     elif kv_block_size is not None:
         from runtime.engine.paged_model import PagedKVBackbone
 
         model = PagedKVBackbone(model).eval()
+    opset = export_opset(opset, kv_pages)
     args = example_inputs(model.backbone if kv_block_size else model, iface, TRACE_BATCH, TRACE_SEQ, TRACE_PAST)
     # LoRA inputs have fixed shapes: (r_max, in), (out, r_max).
     dynamic_shapes = export_dynamic_shapes(iface, args, torch.export.Dim)

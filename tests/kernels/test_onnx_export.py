@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.kv_spec import PAGE_BITS, PageQuantSpec
+from kernels.kv_spec import PAGE_BITS, PageQuantSpec, key_code_shape
 from kernels.page_quant import (
     READ_OPSET,
     dequantize_key_pages,
@@ -45,9 +45,12 @@ def test_the_read_of_sealed_pages_matches_ort_bit_exactly_at_every_width(bits, t
     k, v = (torch.randn(5, 2, bs, d, generator=torch.Generator().manual_seed(i)) * 3 for i in (0, 1))
     stored = seal_packed(k, v, spec)  # 5 pages (S, nkv, ·, ·)
     roles = ("key_codes", "key_scale", "key_min", "value_codes", "value_scale", "value_min")
-    rows = [stored[r].transpose(0, 1).reshape(1, 2, -1, stored[r].shape[-1]) for r in roles]  # a row: (1, nkv, 5 ·, ·)
+    # a row: (1, nkv, 5 ·, ·); the keys' grid codes stand in for their float scales and minima, as the read takes them
+    rows = [stored[r].transpose(0, 1).reshape(1, 2, -1, stored[r].shape[-1]) for r in roles]
+    rows[1:3] = [t.float() for t in rows[1:3]]
     batch, pages = torch.export.Dim("batch"), torch.export.Dim("pages")
-    dynamic = [{0: batch, 2: pages * (1 if n in ("key_scale", "key_min") else bs)} for n in roles]
+    per_page = {"key_scale": 1, "key_min": 1, "key_codes": key_code_shape(bits, bs, d)[0]}  # the rest: bs rows a page
+    dynamic = [{0: batch, 2: pages * per_page.get(n, bs)} for n in roles]
     read = ReadPages(spec, bs, d)
     session = _export(read, tuple(rows), list(roles), ["keys", "values"], tmp_path / "read.onnx", dynamic)
     for ours, theirs in zip(read(*rows), session.run(None, {n: t.numpy() for n, t in zip(roles, rows)})):
@@ -62,10 +65,10 @@ class KeyScores(torch.nn.Module):
         self.bits = bits
 
     def forward(self, q, codes, scale, minimum):
-        return sealed_key_scores(q, codes, scale, minimum, self.bits)
+        return sealed_key_scores(q, codes, scale, minimum, self.bits, 16)
 
 
-@pytest.mark.parametrize("bits", [4, 3])
+@pytest.mark.parametrize("bits", [4, 3, 2])
 def test_the_exported_key_scores_of_rows_without_a_sealed_page_are_empty(bits, tmp_path):
     """Until a row fills its second page it has no sealed page: the graph's key scores run on M = 0 pages. A reshape to
     an inferred (-1) width made ONNX Runtime's products fail there (the width of zero elements is not inferable)."""

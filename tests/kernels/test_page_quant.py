@@ -135,7 +135,7 @@ def test_the_graphs_scores_and_mix_are_the_products_with_the_read_back_pages(k_b
     a = torch.softmax(torch.randn(1, 2, 7, 96, generator=g) * 3, dim=-1)
 
     scores = sealed_key_scores(q, pages["key_codes"], *key_scale_minimum(pages["key_scale"], pages["key_min"],
-                                                                         pages["key_base"]), k_bits)
+                                                                         pages["key_base"]), k_bits, 16)
     mix = sealed_value_mix(a, pages["value_codes"], pages["value_scale"], pages["value_min"], v_bits)
 
     want_scores, want_mix = q @ ref_k.transpose(-1, -2), a @ ref_v

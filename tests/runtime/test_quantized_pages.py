@@ -19,7 +19,7 @@ import pytest
 import torch
 from engine_testkit import TARGETS, engine_run, make_adapter
 
-from kernels.kv_spec import PageQuantSpec
+from kernels.kv_spec import PageQuantSpec, key_code_shape
 from kernels.page_quant import read_back, seal_packed
 from runtime.engine import interface as interface_module
 from runtime.engine.adapter import load_adapter
@@ -188,7 +188,8 @@ def test_sealing_is_deterministic_across_chunkings_and_batches():
         return pages_of(fed([row], [[(a, min(a + chunk, n))] for a in range(0, n, chunk)]), 0)
 
     want = alone(0, 70)
-    assert [want[f"pool_key_codes.{i}"].shape[1] for i in range(2)] == [3 * BLOCK] * 2  # pages 1-3 sealed, 4 open
+    rows_a_page = key_code_shape(spec.k_bits, BLOCK, d)[0]
+    assert [want[f"pool_key_codes.{i}"].shape[1] for i in range(2)] == [3 * rows_a_page] * 2  # pages 1-3 sealed, 4 open
     for got in (alone(0, 7), alone(0, 1), alone(0, 16)):
         assert got.keys() == want.keys() and all(np.array_equal(got[n], want[n]) for n in want)
 

@@ -128,3 +128,12 @@ def test_the_compile_stage_prints_each_line_once_and_keeps_warnings(tiny_qwen, t
     assert json.loads(done.stdout)["engine_builds"] == 2  # stdout: the stage's result alone
     assert sum(" engine built in " in line for line in output.splitlines()) == 2, output[-4000:]
     assert output.count("a warning from onnxscript") == 1, output[-4000:]
+
+
+def test_the_cache_key_of_a_pages_engine_records_the_opset_it_is_built_at():
+    from kernels.kv_spec import PageQuantSpec
+    from kernels.page_quant import READ_OPSET
+
+    pages = PageQuantSpec(k_bits=4, v_bits=4, v_group_size=16).to_dict()
+    assert compile_stage.cache_key("h", 8, ("q_proj",), 18, 16, kv_pages=pages)["opset"] == READ_OPSET == 21
+    assert compile_stage.cache_key("h", 8, ("q_proj",), 18, 16)["opset"] == 18  # a float paged engine: as asked
