@@ -74,16 +74,6 @@ def pack_token_runs(u: torch.Tensor, bits: int) -> torch.Tensor:
     return (runs * _powers(per, bits, 1)[:, None, None]).sum(-3).to(torch.uint8)  # sum of u_j 2^(j b) < 256
 
 
-def prefix_runs_unmixing(bits: int, run: int) -> torch.Tensor:
-    """The (per run, per run) matrix that ``unmix_prefix_parts`` is on a last axis of ``prefix_parts_u8``'s parts laid
-    in runs of ``run`` side by side (per = 8 / bits): x @ it takes 2^-b times run j - 1 out of run j, in one product."""
-    n = (8 // bits) * run
-    unmix = torch.eye(n)
-    for i in range(run, n):
-        unmix[i - run, i] = -(2.0**-bits)
-    return unmix
-
-
 def _word_parts_f32(packed: torch.Tensor, bits: int, dim: int = -1) -> list[torch.Tensor]:
     """A width that straddles bytes, 3 bits: each 8 values fill ``bits`` bytes (along ``dim``), read as one
     little-endian integer below 2^24 (exact in float32), then peeled ``bits`` at a time as ``unpack_parts_f32`` peels

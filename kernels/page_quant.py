@@ -21,11 +21,15 @@ seals in numpy (``runtime.engine.kv_pages``, no torch on the serving path) and `
 compares the two code for code. Minima are kept as floats (fp16, or on their 8-bit grid), not rounded to an integer
 zero point: an integer zero point moves every value of the group by up to half a step on top of its rounding.
 
-The read (``dequantize_key_pages``, ``dequantize_value_pages``) is what the exported graph runs on the codes it
-gathers through a block table: unpack (``kernels.bit_packing.unpack_parts_u8``; values at 2 and 4 bits
-``prefix_parts_u8``), multiply, add, in standard ONNX ops. The keys' multiply is a blocked DequantizeLinear (a scale
-per channel over a page's tokens), which needs opset ``READ_OPSET``: ``onnx_translations`` tells the exporter how to
-write it.
+Keys at 2 and 4 bits are packed across a page's tokens (``kernels.kv_spec.key_token_rows``: a byte holds one channel
+of tokens t, t + r, ...), values and the other key widths across channels (``kernels.bit_packing.pack_bits``).
+
+The read (``sealed_key_scores``, ``sealed_value_mix``; materialized for the tests by ``dequantize_key_pages``,
+``dequantize_value_pages``) is what the exported graph runs on the codes it gathers through a block table: bytes
+taken apart (``kernels.bit_packing.prefix_parts_u8`` at 2 and 4 bits, by a uint8 multiply; ``unpack_parts_u8``
+otherwise), multiplied by their scales as they become floats, in standard ONNX ops. The keys' multiply is a blocked
+DequantizeLinear (a scale per channel over a page's tokens), which needs opset ``READ_OPSET``: ``onnx_translations``
+tells the exporter how to write it.
 """
 
 from __future__ import annotations
@@ -37,7 +41,6 @@ from kernels.bit_packing import (
     pack_bits,
     pack_token_runs,
     prefix_parts_u8,
-    prefix_runs_unmixing,
     unmix_prefix_parts,
     unpack_parts_u8,
 )
@@ -155,7 +158,8 @@ def onnx_translations() -> dict:
 
 
 def key_channels(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> tuple[torch.Tensor, list[int] | None]:
-    """Key pages, codes (B, nkv, M, bs, packed d) uint8 and scale (B, nkv, M, 1, d) float32 -> (the keys less their
+    """Key pages packed across channels (3 and 8 bits, or a page size that ``kernels.kv_spec.key_token_rows`` leaves
+    so), codes (B, nkv, M, bs, packed d) uint8 and scale (B, nkv, M, 1, d) float32 -> (the keys less their
     page's minimum, u s, as a row's tokens (B, nkv, M bs, d) float32 with the channels in part order, that order):
     the parts of ``kernels.bit_packing.unpack_parts_u8`` (part j: channels j::per) side by side, channels 0, per,
     2 per, ..., 1, per + 1, ..., so that q's channels taken in the same order multiply them in one product. None:
@@ -186,9 +190,9 @@ def value_parts(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> tuple[li
     ``kernels.bit_packing.prefix_parts_u8``'s, read under their group's scale as they stand, and the caller unmixes
     them on the small side (``sealed_value_mix``: after the products with the weights). Otherwise the masked parts of
     ``unpack_parts_u8`` (3 bits: their words; a group narrower than a byte's channels: its scale per code). A part's
-    codes of one group lie side by side (group / per of them: one DequantizeLinear row each). Not stacked into one
-    tensor as the keys are: a group's parts would be copied in runs of group / per bytes (16 at K4/V4 g32), measured
-    slower than a second DequantizeLinear and MatMul."""
+    codes of one group lie side by side (group / per of them: one DequantizeLinear row each). Not laid side by side
+    in one tensor as 3-bit keys' parts are (``key_channels``): a group's parts would be copied in runs of group / per
+    bytes (16 at K4/V4 g32), measured slower than a second DequantizeLinear and MatMul."""
     B, nkv, M, bs, _ = codes.shape
     groups = scale.shape[-1]
     # flat: ORT multiplies a (..., 1) tensor by a scalar on its slow broadcast path, ~35x a flat one's time
@@ -223,16 +227,16 @@ def sealed_key_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 
     Codes packed across tokens (``kernels.kv_spec.key_token_rows``) are read whole: ``prefix_parts_u8``'s parts of
     the bytes, laid in the page's token order, under the channel's scale (which every code of a byte shares) in one
-    blocked dequantization; run j then holds its tokens' keys plus 2^-b times the runs before it, which one product of
-    the page's scores with ``prefix_runs_unmixing`` takes out. Otherwise q's channels in the order of
-    ``key_channels``."""
+    blocked dequantization; run j then holds its tokens' keys plus 2^-b times the runs before it, which
+    ``unmix_prefix_parts`` takes out of the page's scores. Otherwise q's channels in the order of ``key_channels``."""
     B, nkv, M, rows, _ = codes.shape
     d, bs = scale.shape[-1], block_size  # not -1 in the reshapes: a row may have no sealed page yet (M = 0)
     if key_token_rows(bits, bs):
         u = torch.cat(prefix_parts_u8(codes, bits), dim=-2)  # (B, nkv, M, bs, d): each run mixed with those before
         keys = dequantize_pages(u, scale * 2.0 ** (bits - 8), bs).reshape(B, nkv, M * bs, d)
-        mixed = (q @ keys.transpose(-1, -2)).unflatten(-1, (M, bs))  # (B, nkv, R, M, bs)
-        scores = mixed @ prefix_runs_unmixing(bits, rows)
+        mixed = (q @ keys.transpose(-1, -2)).unflatten(-1, (M, 8 // bits, rows))  # (B, nkv, R, M, per, rows)
+        # Not a product with a constant (bs, bs) matrix: the weight quantizer would take it for a projection.
+        scores = torch.stack(unmix_prefix_parts(list(mixed.unbind(-2)), bits), dim=-2).flatten(-2)
     else:
         keys, order = key_channels(codes, scale, bits)
         scores = ((q if order is None else q[..., order]) @ keys.transpose(-1, -2)).unflatten(-1, (M, bs))

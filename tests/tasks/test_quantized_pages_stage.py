@@ -153,3 +153,18 @@ def test_a_device_that_seals_one_code_otherwise_than_the_reference_is_refused(pa
     monkeypatch.setattr(kv_pages, "seal_pages", sealer_one_code_off)
     report = pages_parity(engine, backbone, tokenizer, [prompt])
     assert report["pages_sealer_bytes_differing"] >= 1 and report["pages_sealed"] >= 2
+
+
+def test_weight_quantization_rewrites_the_projections_and_nothing_of_the_pages_read(pages_profile, tiny_llama_dir,
+                                                                                     tmp_path):
+    """The int4 copy of the serving engine quantizes the layers' projections only: a constant matrix in the pages'
+    read (an unmixing product of a page's scores, once) would be taken for a projection and rounded to 4 bits."""
+    from runtime.engine.model import read_config
+    from tasks.weights.engines import quantize_engine_dir
+
+    cfg, _ = pages_profile
+    record = quantize_engine_dir(cfg.layout.serving_engine_dir, tmp_path / "int4", "int4", block_size=32)
+    backbone = read_config(tiny_llama_dir)
+    inner = [int(line.split(" K=")[1].split()[0]) for line in record["quantized"] if " K=" in line]
+    assert len(inner) == 4 * backbone.num_layers  # q k v fused, o, gate up fused, down (the head and table kept float)
+    assert set(inner) == {backbone.hidden_size, backbone.intermediate_size}
