@@ -107,7 +107,8 @@ def seal_packed(k: torch.Tensor, v: torch.Tensor, spec: PageQuantSpec) -> dict[s
     k_codes, k_scale, k_min, k_base = seal_keys(k, spec.k_bits)
     v_codes, v_scale, v_min = seal_values(v, spec.v_bits, spec.v_group_size)
     rows = key_token_rows(spec.k_bits, k.shape[-2])
-    return {"key_codes": pack_token_runs(k_codes, spec.k_bits) if rows else pack_bits(k_codes, spec.k_bits), "key_scale": k_scale, "key_min": k_min, "key_base": k_base,
+    k_packed = pack_token_runs(k_codes, spec.k_bits) if rows else pack_bits(k_codes, spec.k_bits)
+    return {"key_codes": k_packed, "key_scale": k_scale, "key_min": k_min, "key_base": k_base,
             "value_codes": pack_bits(v_codes, spec.v_bits), "value_scale": v_scale, "value_min": v_min}
 
 

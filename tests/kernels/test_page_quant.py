@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels.bit_packing import pack_bits, prefix_parts_u8, unmix_prefix_parts, unpack_bits, unpack_parts_u8
-from kernels.kv_spec import MIN_PAGE_SCALE, PAGE_BITS, PageQuantSpec
+from kernels.kv_spec import MIN_PAGE_SCALE, PAGE_BITS, PageQuantSpec, key_code_shape
 from kernels.page_quant import (
     dequantize_key_pages,
     dequantize_value_pages,
@@ -87,6 +87,35 @@ def test_the_graphs_read_of_packed_pages_is_the_references_read_back(k_bits, v_b
 
     assert torch.equal(keys[0], ref_k[:, 16:-3]) and torch.equal(values[0], ref_v[:, 16:-3])
     assert torch.equal(ref_k[:, :16], sink) and torch.equal(ref_k[:, -3:], tail)  # the float pages read as they are
+
+
+@pytest.mark.parametrize("block_size", [16, 6, 5])
+@pytest.mark.parametrize("bits", PAGE_BITS)
+def test_keys_of_any_page_size_are_read_back_from_their_layout_and_scored_as_the_read_back_keys(bits, block_size):
+    """Pages of 16 and 6 tokens pack 4-bit keys across tokens (8 and 3 rows), 2-bit ones across tokens at 16 and across
+    channels at 6 (no multiple of 4); pages of 5 pack every width across channels. Whatever the layout, the device packs
+    what the reference packs, the read gives the keys read back, and the graph's scores are their products with q."""
+    spec = PageQuantSpec(k_bits=bits, v_bits=4, v_group_size=16)
+    k = torch.randn(4, 2, block_size, 64, generator=torch.Generator().manual_seed(bits)) * 3  # 4 pages (S, nkv, bs, d)
+    stored = seal_packed(k, k, spec)
+    assert tuple(stored["key_codes"].shape[-2:]) == key_code_shape(bits, block_size, 64)
+    assert np.array_equal(seal_pages(k.numpy(), k.numpy(), spec)["key_codes"], stored["key_codes"].numpy())
+
+    codes, *grid = seal_keys(k, bits)
+    k_scale, k_min = key_scale_minimum(*grid)  # (S, nkv, 1, d)
+    read_back_keys = (codes.float() * k_scale + k_min).transpose(0, 1).flatten(1, 2)  # (nkv, S bs, d)
+
+    def row(t):  # a row's pages as the graph gathers them: (1, nkv, S, ., .)
+        return t.transpose(0, 1)[None]
+
+    scale, minimum = row(k_scale), row(k_min)  # (1, nkv, S, 1, d)
+    keys = dequantize_key_pages(row(stored["key_codes"]).flatten(2, 3), scale.squeeze(3), minimum.squeeze(3), bits,
+                                block_size)
+    assert torch.equal(keys[0], read_back_keys)
+    q = torch.randn(1, 2, 7, 64, generator=torch.Generator().manual_seed(1))
+    scores = sealed_key_scores(q, row(stored["key_codes"]), scale, minimum, bits, block_size)
+    want = q @ keys.transpose(-1, -2)
+    assert (scores - want).abs().max() <= 2e-6 * want.abs().max()
 
 
 @pytest.mark.parametrize("bits", PAGE_BITS)
