@@ -10,7 +10,7 @@ import pytest
 import torch
 from engine_testkit import tiny_qwen  # noqa: F401  (fixture)
 
-from kernels.kv_spec import PageQuantSpec, packed_size
+from kernels.kv_spec import PageQuantSpec, key_code_shape
 from runtime.engine.interface import read_interface
 from runtime.engine.model import load_backbone
 from tasks.checks import page_widths
@@ -89,8 +89,9 @@ def test_the_compile_stage_serves_the_widths_calibration_chose_and_reuses_them(w
     # a budget this small widens every role of the random backbone: the engine's pools and graph carry the widths
     assert iface.kv_pages["layer_bits"] == record["layer_bits"] == metrics["kv_layer_widths"]["layer_bits"]
     assert any(w != [2, 2] for w in record["layer_bits"]) and record["tokens"] > 0
-    pools = {t.name: t.shape[-1] for t in iface.inputs if t.name.startswith("pool_key_codes.")}
-    assert pools == {f"pool_key_codes.{i}": packed_size(iface.head_dim, k) for i, (k, _) in enumerate(record["layer_bits"])}
+    pools = {t.name: tuple(t.shape[-2:]) for t in iface.inputs if t.name.startswith("pool_key_codes.")}
+    assert pools == {f"pool_key_codes.{i}": key_code_shape(k, iface.kv_block_size, iface.head_dim)
+                     for i, (k, _) in enumerate(record["layer_bits"])}
     assert served_pages(cfg) == PageQuantSpec.from_dict(iface.kv_pages)
     # what the evaluate stage puts in the metrics (and so in MLflow and the release notes): each layer's widths and
     # what its keys and values cost alone at them
